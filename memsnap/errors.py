@@ -1,0 +1,56 @@
+"""Every exception memsnap raises, in one place.
+
+All of them are plain ``Exception`` subclasses whose constructor takes a single message
+string, so they survive pickling by Ray when they cross an actor boundary.
+"""
+
+
+class MemsnapError(Exception):
+    """Base class of every error memsnap raises on purpose."""
+
+
+# --- codec -------------------------------------------------------------------------------
+class CodecError(MemsnapError, ValueError):
+    """Bad arguments to the Reed-Solomon codec."""
+
+
+class TooFewShardsError(CodecError):
+    """Fewer than k shards survive: the stripe cannot be rebuilt."""
+
+
+class ShardSizeError(CodecError):
+    """Shards of one stripe differ in length, or a buffer has the wrong size."""
+
+
+# --- state layer ---------------------------------------------------------------------------
+class StateMismatchError(MemsnapError, ValueError):
+    """A snapshot does not fit the live state: missing/extra keys, shape or dtype mismatch."""
+
+
+class ChecksumError(MemsnapError):
+    """Bytes read back do not match the checksum recorded when they were written."""
+
+
+class SnapshotNotFoundError(MemsnapError, FileNotFoundError):
+    """No committed snapshot exists where one was asked for."""
+
+
+# --- runtime -------------------------------------------------------------------------------
+class MemoryBudgetError(MemsnapError):
+    """A snapshot does not fit the agent's memory budget."""
+
+
+class TransportError(MemsnapError):
+    """A chunk could not be moved between agents."""
+
+
+class AuthenticationError(TransportError):
+    """A peer failed the data-plane handshake."""
+
+
+class CommitError(MemsnapError):
+    """A snapshot could not be committed (a rank or holder failed before acknowledging)."""
+
+
+class StalenessError(MemsnapError):
+    """The newest committed snapshot is older than the configured staleness bound."""

@@ -1,0 +1,111 @@
+"""The manifest: everything about a snapshot except its tensor bytes, as JSON.
+
+A snapshot is a ``Manifest`` plus one flat byte buffer. The manifest lists every tensor
+(where its bytes sit in the buffer, its dtype, shape, checksum and, for sharded tensors, its
+place in the global tensor) and keeps the non-tensor leaves of the state inline in ``tree``.
+Everything downstream of capture (codec, transport, agent store, spill) sees only these two
+things. Nothing here is pickled: ``to_json``/``from_json`` are the only serialisation.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+FORMAT_VERSION = 1
+ALIGN = 64  # every tensor starts on a cache-line boundary of the buffer
+
+
+def align_up(n: int, align: int = ALIGN) -> int:
+    return (n + align - 1) // align * align
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of the snapshot.
+
+    ``path`` names the tensor inside the state (e.g. ``"model/fc1.weight"``).
+    ``offset``/``nbytes`` locate its bytes in the snapshot buffer; ``alias_of`` is set (and
+    ``nbytes`` is 0) for a tensor that shares storage with an earlier one (tied weights).
+    ``checksum`` is the xxh3-64 of its bytes as 16 hex digits, or None until computed.
+    For a sharded tensor (DTensor), ``global_shape`` is the whole tensor's shape,
+    ``global_offset`` this shard's start along every dimension, ``placements`` the DTensor
+    placements as strings (``"Shard(0)"``, ``"Replicate()"``) and ``mesh_shape`` the device
+    mesh it lived on.
+    """
+
+    path: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+    checksum: str | None = None
+    device: str = "cpu"
+    alias_of: str | None = None
+    global_shape: tuple[int, ...] | None = None
+    global_offset: tuple[int, ...] | None = None
+    placements: tuple[str, ...] | None = None
+    mesh_shape: tuple[int, ...] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items() if v is not None}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TensorEntry":
+        d = dict(d)
+        for k in ("shape", "global_shape", "global_offset", "placements", "mesh_shape"):
+            if d.get(k) is not None:
+                d[k] = tuple(d[k])
+        return cls(**d)
+
+
+@dataclass
+class Manifest:
+    """The layout of one rank's snapshot.
+
+    ``tree`` is the JSON skeleton of the captured state; a tensor leaf appears in it as
+    ``{"__tensor__": i}`` where ``i`` indexes ``tensors``. ``nbytes`` is the size of the
+    buffer the tensors are packed into (aligned to ``ALIGN``). ``meta`` holds free-form JSON
+    (step, rank, world size, versions, user metadata).
+    """
+
+    tensors: list[TensorEntry]
+    tree: Any
+    nbytes: int
+    meta: dict[str, Any] = field(default_factory=dict)
+    version: int = FORMAT_VERSION
+
+    def to_json(self) -> bytes:
+        doc = {
+            "version": self.version,
+            "nbytes": self.nbytes,
+            "meta": self.meta,
+            "tensors": [t.to_dict() for t in self.tensors],
+            "tree": self.tree,
+        }
+        return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> "Manifest":
+        doc = json.loads(raw)
+        if doc.get("version") != FORMAT_VERSION:
+            raise ValueError(
+                f"manifest format version {doc.get('version')!r} is not supported "
+                f"(this memsnap reads version {FORMAT_VERSION})"
+            )
+        return cls(
+            tensors=[TensorEntry.from_dict(t) for t in doc["tensors"]],
+            tree=doc["tree"],
+            nbytes=int(doc["nbytes"]),
+            meta=doc.get("meta", {}),
+        )
+
+    def with_checksums(self, checksums: list[str | None]) -> "Manifest":
+        return replace(self, tensors=[replace(t, checksum=c) for t, c in zip(self.tensors, checksums)])
+
+    def entry(self, path: str) -> TensorEntry:
+        for t in self.tensors:
+            if t.path == path:
+                return t
+        raise KeyError(path)

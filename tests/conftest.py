@@ -1,0 +1,37 @@
+"""Shared test set-up: the codec ISA in the header, loopback-only Ray, GPU skips."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# Every Ray process a test starts binds to loopback only.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+
+def pytest_report_header(config):
+    try:
+        from memsnap import codec
+
+        return f"memsnap codec ISA: {codec.isa()} (available: {', '.join(codec.available_isas())})"
+    except Exception as exc:  # the header must never break collection
+        return f"memsnap codec ISA: unavailable ({exc})"
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if _has_cuda():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
