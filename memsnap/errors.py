@@ -35,6 +35,15 @@ class SnapshotNotFoundError(MemsnapError, FileNotFoundError):
     """No committed snapshot exists where one was asked for."""
 
 
+# --- durable format ------------------------------------------------------------------------
+class StorageError(MemsnapError, OSError):
+    """Durable storage refused a write or read (full disk, permissions, network)."""
+
+
+class WeightsOnlyError(MemsnapError, ValueError):
+    """A save holds model weights but no optimizer state and was not asked to."""
+
+
 # --- runtime -------------------------------------------------------------------------------
 class MemoryBudgetError(MemsnapError):
     """A snapshot does not fit the agent's memory budget."""
