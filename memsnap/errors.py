@@ -9,6 +9,10 @@ class MemsnapError(Exception):
     """Base class of every error memsnap raises on purpose."""
 
 
+class ConfigError(MemsnapError, ValueError):
+    """A configuration value or command-line input is out of range or of the wrong type."""
+
+
 # --- codec -------------------------------------------------------------------------------
 class CodecError(MemsnapError, ValueError):
     """Bad arguments to the Reed-Solomon codec."""
