@@ -1,0 +1,400 @@
+"""The step-directory format over ``pyarrow.fs``: rank files, commit marker, listing, retention.
+
+Layout under a root URI (a local path, ``file://``, ``s3://``, ``gs://``, ``hdfs://``)::
+
+    step_000000001234/
+        rank_00000.bin     the rank's flat snapshot buffer (``Manifest.nbytes`` bytes)
+        rank_00000.json    its Manifest, with per-tensor checksums and the .bin's size + xxh3
+        COMMITTED          JSON written last: step, world size, metadata, per-rank files
+
+A step directory without ``COMMITTED`` does not exist for readers.
+
+Call protocol of a save (the runtime's spill thread follows the same two calls)::
+
+    1. store.write_rank(step, rank, manifest, buf)   (all ranks) -> RankRecord
+    2. the caller's barrier: every rank's write_rank has returned
+    3. store.commit(step, world_size, metadata)      (one rank, e.g. rank 0)
+    4. store.retain(policy)                           (optional, the committing rank)
+
+On a local filesystem every file is written as ``*.tmp``, fsynced, renamed and the directory
+fsynced; on object stores a file appears whole when its upload completes and ``COMMITTED``
+is uploaded last. A crash at any point therefore leaves either the previous committed step
+or the new one, never a readable half.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import pyarrow.fs as pafs
+import xxhash
+
+from memsnap.errors import ChecksumError, SnapshotNotFoundError, StorageError
+from memsnap.manifest import Manifest
+
+MARKER = "COMMITTED"
+IO_CHUNK = 16 << 20  # every read and write is one sequential call of this size
+_STEP_RE = re.compile(r"^step_(\d{12})$")
+
+Progress = Callable[[int, int], None]  # (bytes done, bytes total)
+
+
+def step_name(step: int) -> str:
+    return f"step_{step:012d}"
+
+
+def rank_name(rank: int, ext: str) -> str:
+    return f"rank_{rank:05d}.{ext}"
+
+
+@dataclass(frozen=True)
+class RankRecord:
+    """What ``write_rank`` wrote for one rank: file sizes and whole-file xxh3 checksums."""
+
+    rank: int
+    bin_bytes: int
+    bin_xxh3: str
+    json_bytes: int
+    json_xxh3: str
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class Retention:
+    """Which committed steps to keep: the newest ``keep_last`` plus milestones.
+
+    A milestone is every step divisible by ``milestone_every`` (0: none) or a step saved with
+    ``milestone=True`` in its metadata. The newest committed step is never deleted.
+    """
+
+    keep_last: int = 3
+    milestone_every: int = 0
+
+    def __post_init__(self):
+        if self.keep_last < 1:
+            raise ValueError(f"keep_last={self.keep_last} must be >= 1 (the newest step is always kept)")
+        if self.milestone_every < 0:
+            raise ValueError(f"milestone_every={self.milestone_every} must be >= 0 (0 turns it off)")
+
+
+class _Throttle:
+    """Caps a stream at ``bps`` bytes/s by sleeping between chunks (None: no cap)."""
+
+    def __init__(self, bps: float | None):
+        if bps is not None and bps <= 0:
+            raise ValueError(f"throttle_bps={bps} must be > 0 bytes/s, or None for no cap")
+        self.bps, self.t0, self.done = bps, time.monotonic(), 0
+
+    def account(self, n: int) -> None:
+        self.done += n
+        if self.bps:
+            ahead = self.done / self.bps - (time.monotonic() - self.t0)
+            if ahead > 0:
+                time.sleep(ahead)
+
+
+def resolve(uri: str, endpoint: str | None = None) -> tuple[pafs.FileSystem, str]:
+    """The pyarrow filesystem and path of ``uri``.
+
+    ``s3://bucket/prefix`` takes its endpoint from ``endpoint`` or ``AWS_ENDPOINT_URL``
+    (``http://127.0.0.1:9000``), credentials and region from the usual AWS variables.
+    """
+    if "://" not in uri:
+        return pafs.LocalFileSystem(), os.path.abspath(uri)
+    scheme, rest = uri.split("://", 1)
+    endpoint = endpoint or os.environ.get("AWS_ENDPOINT_URL")
+    if scheme == "s3" and endpoint:
+        ep_scheme, _, host = endpoint.rpartition("://")
+        fs = pafs.S3FileSystem(
+            endpoint_override=host.rstrip("/"), scheme=ep_scheme or "https",
+            region=os.environ.get("AWS_REGION", os.environ.get("AWS_DEFAULT_REGION", "us-east-1")),
+        )
+        return fs, rest.rstrip("/")
+    try:
+        return pafs.FileSystem.from_uri(uri)
+    except Exception as exc:
+        raise ValueError(f"cannot open storage URI {uri!r}: {exc}; use a local path or "
+                         "file://, s3://, gs://, hdfs:// URI") from exc
+
+
+class Store:
+    """One checkpoint root: writes rank files and markers, lists, reads, and prunes steps."""
+
+    def __init__(self, fs: pafs.FileSystem, root: str, uri: str | None = None):
+        self.fs, self.root, self.uri = fs, root.rstrip("/") or "/", uri or root
+        self.local = isinstance(fs, pafs.LocalFileSystem)
+
+    @classmethod
+    def open(cls, uri: str, endpoint: str | None = None) -> "Store":
+        fs, root = resolve(uri, endpoint)
+        return cls(fs, root, uri)
+
+    def path(self, step: int, name: str | None = None) -> str:
+        d = f"{self.root}/{step_name(step)}"
+        return d if name is None else f"{d}/{name}"
+
+    # --- writing ---------------------------------------------------------------------------
+    def write_rank(self, step: int, rank: int, manifest: Manifest, buf, *,
+                   throttle_bps: float | None = None, progress: Progress | None = None) -> RankRecord:
+        """(all ranks) Write ``buf`` and ``manifest`` as this rank's files of ``step``."""
+        mv = memoryview(buf).cast("B")
+        if mv.nbytes < manifest.nbytes:
+            raise ValueError(f"buffer has {mv.nbytes} bytes but the manifest says {manifest.nbytes}; "
+                             "pass the buffer capture() returned with this manifest")
+        mv = mv[: manifest.nbytes]
+        self.fs.create_dir(self.path(step), recursive=True)
+        bin_path = self.path(step, rank_name(rank, "bin"))
+        digest = self._write(bin_path, mv, _Throttle(throttle_bps), progress)
+        meta = dict(manifest.meta, data_file={"bytes": mv.nbytes, "xxh3": digest})
+        raw = Manifest(manifest.tensors, manifest.tree, manifest.nbytes, meta).to_json()
+        self._write(self.path(step, rank_name(rank, "json")), memoryview(raw), _Throttle(None), None)
+        return RankRecord(rank, mv.nbytes, digest, len(raw), xxhash.xxh3_64_hexdigest(raw))
+
+    def commit(self, step: int, world_size: int, metadata: dict | None = None) -> dict:
+        """(one rank, after every rank's write_rank) Make ``step`` visible by writing its marker."""
+        ranks = [self._rank_record(step, r).to_dict() for r in range(world_size)]
+        doc = {"format": "memsnap", "version": 1, "step": step, "world_size": world_size,
+               "metadata": metadata or {}, "ranks": ranks}
+        raw = json.dumps(doc, indent=1, allow_nan=False).encode()
+        self._write(self.path(step, MARKER), memoryview(raw), _Throttle(None), None)
+        return doc
+
+    def _rank_record(self, step: int, rank: int) -> RankRecord:
+        jpath = self.path(step, rank_name(rank, "json"))
+        try:
+            raw = self._read_small(jpath)
+        except FileNotFoundError as exc:
+            raise StorageError(f"cannot commit step {step}: rank {rank} has not written {jpath}; "
+                               "call commit only after every rank's write_rank returned") from exc
+        data = json.loads(raw)["meta"]["data_file"]
+        size = self.fs.get_file_info(self.path(step, rank_name(rank, "bin"))).size
+        if size != data["bytes"]:
+            raise StorageError(f"cannot commit step {step}: {self.path(step, rank_name(rank, 'bin'))} "
+                               f"has {size} bytes, its manifest says {data['bytes']}")
+        return RankRecord(rank, data["bytes"], data["xxh3"], len(raw), xxhash.xxh3_64_hexdigest(raw))
+
+    def _write(self, path: str, mv: memoryview, throttle: _Throttle, progress: Progress | None) -> str:
+        try:
+            if self.local:
+                return _write_local(path, mv, throttle, progress)
+            return _write_stream(self.fs, path, mv, throttle, progress)
+        except OSError as exc:
+            self._discard(path)
+            raise StorageError(
+                f"writing {path} failed: {exc.strerror or exc}; nothing of this step is visible and "
+                f"earlier committed steps under {self.uri} are intact (free space or fix access, then "
+                "save again)"
+            ) from exc
+
+    def _discard(self, path: str) -> None:
+        for p in (path, path + ".tmp"):
+            try:
+                self.fs.delete_file(p)
+            except (OSError, FileNotFoundError):
+                pass
+
+    # --- reading ---------------------------------------------------------------------------
+    def steps(self) -> list[int]:
+        """Every committed step, oldest first."""
+        found = sorted(s for s, _ in self._step_dirs())
+        if not found:
+            return []
+        infos = self.fs.get_file_info([self.path(s, MARKER) for s in found])
+        return [s for s, info in zip(found, infos) if info.type == pafs.FileType.File]
+
+    def _step_dirs(self) -> list[tuple[int, str]]:
+        try:
+            infos = self.fs.get_file_info(pafs.FileSelector(self.root, allow_not_found=True))
+        except FileNotFoundError:
+            return []
+        out = []
+        for info in infos:
+            m = _STEP_RE.match(info.base_name)
+            if m and info.type == pafs.FileType.Directory:
+                out.append((int(m.group(1)), info.path))
+        return out
+
+    def latest(self) -> int:
+        steps = self.steps()
+        if not steps:
+            raise SnapshotNotFoundError(f"no committed step under {self.uri}; save one first "
+                                        "(or check the URI)")
+        return steps[-1]
+
+    def marker(self, step: int) -> dict:
+        """The parsed ``COMMITTED`` of ``step``; SnapshotNotFoundError if it is not committed."""
+        path = self.path(step, MARKER)
+        try:
+            raw = self._read_small(path)
+        except FileNotFoundError:
+            have = self.steps()
+            raise SnapshotNotFoundError(f"step {step} is not committed under {self.uri} "
+                                        f"(committed steps: {have[-10:] or 'none'})") from None
+        try:
+            return json.loads(raw)
+        except ValueError as exc:
+            raise ChecksumError(f"{path} is not valid JSON ({exc}); the step is damaged") from exc
+
+    def manifest(self, step: int, rank: int, marker: dict | None = None) -> Manifest:
+        """Rank ``rank``'s manifest of ``step``, checked against the marker's checksum."""
+        marker = marker or self.marker(step)
+        rec = self._record(marker, rank)
+        path = self.path(step, rank_name(rank, "json"))
+        raw = self._read_small(path)
+        if len(raw) != rec["json_bytes"] or xxhash.xxh3_64_hexdigest(raw) != rec["json_xxh3"]:
+            raise ChecksumError(f"{path} is corrupted: {len(raw)} bytes, xxh3 "
+                                f"{xxhash.xxh3_64_hexdigest(raw)}; COMMITTED recorded "
+                                f"{rec['json_bytes']} bytes, xxh3 {rec['json_xxh3']}")
+        return Manifest.from_json(raw)
+
+    def _record(self, marker: dict, rank: int) -> dict:
+        ranks = marker["ranks"]
+        if not 0 <= rank < len(ranks):
+            raise ValueError(f"rank {rank} out of range: step {marker['step']} was saved by "
+                             f"{len(ranks)} ranks")
+        return ranks[rank]
+
+    def read_rank_into(self, step: int, rank: int, out, *, marker: dict | None = None,
+                       progress: Progress | None = None) -> None:
+        """Read rank ``rank``'s data file of ``step`` into ``out``, verifying size and xxh3."""
+        marker = marker or self.marker(step)
+        rec = self._record(marker, rank)
+        path = self.path(step, rank_name(rank, "bin"))
+        mv = memoryview(out).cast("B")
+        if mv.nbytes != rec["bin_bytes"]:
+            raise ValueError(f"destination has {mv.nbytes} bytes, {path} holds {rec['bin_bytes']}")
+        size = self.fs.get_file_info(path).size
+        if size != rec["bin_bytes"]:
+            raise ChecksumError(f"{path} is truncated or damaged: {size} bytes on storage, "
+                                f"COMMITTED recorded {rec['bin_bytes']}")
+        digest = self._read_into(path, 0, mv, progress, hash_it=True)
+        if digest != rec["bin_xxh3"]:
+            raise ChecksumError(f"{path} is corrupted: xxh3 {digest}, COMMITTED recorded "
+                                f"{rec['bin_xxh3']}")
+
+    def read_range(self, step: int, rank: int, offset: int, out) -> None:
+        """Read ``len(out)`` bytes at ``offset`` of a rank's data file (no checksum: the
+        caller verifies the tensors it assembles)."""
+        path = self.path(step, rank_name(rank, "bin"))
+        self._read_into(path, offset, memoryview(out).cast("B"), None, hash_it=False)
+
+    def _read_into(self, path: str, offset: int, mv: memoryview, progress: Progress | None,
+                   hash_it: bool) -> str | None:
+        h = xxhash.xxh3_64() if hash_it else None
+        opener = (lambda: open(path, "rb", buffering=0)) if self.local else (
+            lambda: self.fs.open_input_file(path))
+        with opener() as f:
+            f.seek(offset)
+            for start in range(0, mv.nbytes, IO_CHUNK):
+                part = mv[start:start + IO_CHUNK]
+                got = _readinto_full(f, part)
+                if got != part.nbytes:
+                    raise ChecksumError(f"{path} is truncated: ended {start + got} bytes after "
+                                        f"offset {offset}, {mv.nbytes} expected")
+                if h is not None:
+                    h.update(part)
+                if progress:
+                    progress(start + got, mv.nbytes)
+        return h.hexdigest() if h is not None else None
+
+    def _read_small(self, path: str) -> bytes:
+        if self.local:
+            with open(path, "rb") as f:
+                return f.read()
+        with self.fs.open_input_stream(path) as f:
+            return f.read()
+
+    # --- pruning ---------------------------------------------------------------------------
+    def delete_step(self, step: int) -> None:
+        """Remove a step: its marker first, so it is never seen half-deleted."""
+        self._discard(self.path(step, MARKER))
+        try:
+            self.fs.delete_dir(self.path(step))
+        except FileNotFoundError:
+            pass
+
+    def retain(self, policy: Retention) -> list[int]:
+        """Delete committed steps outside ``policy`` and debris of crashed saves older than the
+        newest committed step. Returns the deleted steps."""
+        committed = self.steps()
+        if not committed:
+            return []
+        newest = committed[-1]
+        keep = set(committed[-policy.keep_last:])
+        keep |= {s for s in committed if policy.milestone_every and s % policy.milestone_every == 0}
+        keep |= {s for s in committed if s not in keep and self._is_milestone(s)}
+        doomed = [s for s in committed if s not in keep]
+        doomed += [s for s, _ in self._step_dirs() if s < newest and s not in committed]
+        for s in sorted(doomed):
+            self.delete_step(s)
+        return sorted(doomed)
+
+    def _is_milestone(self, step: int) -> bool:
+        try:
+            return bool(self.marker(step).get("metadata", {}).get("milestone"))
+        except (ChecksumError, SnapshotNotFoundError):
+            return False
+
+
+def _readinto_full(f, mv: memoryview) -> int:
+    got = 0
+    while got < mv.nbytes:
+        n = f.readinto(mv[got:])
+        if not n:
+            break
+        got += n
+    return got
+
+
+def _write_all(fd: int, mv: memoryview) -> None:
+    """One sequential write of ``mv`` (loops over short writes)."""
+    while mv.nbytes:
+        n = os.write(fd, mv)
+        mv = mv[n:]
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_local(path: str, mv: memoryview, throttle: _Throttle, progress: Progress | None) -> str:
+    tmp, h = path + ".tmp", xxhash.xxh3_64()
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for start in range(0, mv.nbytes, IO_CHUNK):
+            part = mv[start:start + IO_CHUNK]
+            h.update(part)
+            _write_all(fd, part)
+            throttle.account(part.nbytes)
+            if progress:
+                progress(start + part.nbytes, mv.nbytes)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.rename(tmp, path)
+    _fsync_dir(os.path.dirname(path))
+    return h.hexdigest()
+
+
+def _write_stream(fs: pafs.FileSystem, path: str, mv: memoryview, throttle: _Throttle,
+                  progress: Progress | None) -> str:
+    h = xxhash.xxh3_64()
+    with fs.open_output_stream(path) as out:
+        for start in range(0, mv.nbytes, IO_CHUNK):
+            part = mv[start:start + IO_CHUNK]
+            h.update(part)
+            out.write(part)
+            throttle.account(part.nbytes)
+            if progress:
+                progress(start + part.nbytes, mv.nbytes)
+    return h.hexdigest()
