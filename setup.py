@@ -3,7 +3,7 @@ import platform
 
 from setuptools import Extension, setup
 
-flags = ["-O3", "-std=c11", "-fno-strict-aliasing", "-Wall", "-Wextra", "-Wno-unused-parameter"]
+flags = ["-O3", "-std=c11", "-pthread", "-fno-strict-aliasing", "-Wall", "-Wextra", "-Wno-unused-parameter"]
 if platform.machine().lower() in ("x86_64", "amd64"):
     # Kernels above the baseline use __attribute__((target(...))) and are chosen at run time,
     # so the module itself stays loadable on any x86-64 CPU.

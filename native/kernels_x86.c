@@ -1,0 +1,204 @@
+/* SSSE3 and AVX2 split-nibble (pshufb) kernels, compiled per function with target attributes. */
+#include "kernels.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+#define AVX2 __attribute__((target("avx2"), always_inline)) static inline
+#define SSSE3 __attribute__((target("ssse3"), always_inline)) static inline
+#define MAXG 4 /* outputs computed together while an input block sits in registers */
+
+/* ---- AVX2 --------------------------------------------------------------------------------- */
+
+/* Rows j0..j0+M-1 over [p, end) in blocks of 32*U bytes; row j0 is XOR when X. Returns where it
+ * stopped (the tail, shorter than one block). */
+AVX2 size_t avx2_dot(const rs_job *jb, int j0, const int M, const int X, const int U, size_t p,
+                     size_t end)
+{
+    const int k = jb->cols;
+    const __m256i mask = _mm256_set1_epi8(0x0f);
+    for (; p + 32 * U <= end; p += 32 * U) {
+        __m256i acc[MAXG][2];
+        for (int j = 0; j < M; j++)
+            for (int u = 0; u < U; u++)
+                acc[j][u] = _mm256_setzero_si256();
+        for (int i = 0; i < k; i++) {
+            const uint8_t *s = jb->in[i] + p;
+            __m256i lo[2], hi[2];
+            for (int u = 0; u < U; u++) {
+                __m256i x = _mm256_loadu_si256((const __m256i *)(s + 32 * u));
+                if (X)
+                    acc[0][u] = _mm256_xor_si256(acc[0][u], x);
+                lo[u] = _mm256_and_si256(x, mask);
+                hi[u] = _mm256_and_si256(_mm256_srli_epi16(x, 4), mask);
+            }
+            for (int j = X; j < M; j++) {
+                const uint8_t *t = jb->tables + ((size_t)(j0 + j) * k + i) * 32;
+                __m256i tl = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)t));
+                __m256i th = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(t + 16)));
+                for (int u = 0; u < U; u++)
+                    acc[j][u] = _mm256_xor_si256(acc[j][u],
+                        _mm256_xor_si256(_mm256_shuffle_epi8(tl, lo[u]), _mm256_shuffle_epi8(th, hi[u])));
+            }
+        }
+        for (int j = 0; j < M; j++)
+            for (int u = 0; u < U; u++)
+                _mm256_storeu_si256((__m256i *)(jb->out[j0 + j] + p + 32 * u), acc[j][u]);
+    }
+    return p;
+}
+
+/* RAID-6 P+Q: P = xor of the inputs, Q by Horner's rule with a multiply by 2 per input. */
+AVX2 size_t avx2_pq(const rs_job *jb, size_t p, size_t end)
+{
+    const int k = jb->cols;
+    const __m256i poly = _mm256_set1_epi8(0x1d), zero = _mm256_setzero_si256();
+    for (; p + 64 <= end; p += 64) {
+        const uint8_t *s = jb->in[k - 1] + p;
+        __m256i p0 = _mm256_loadu_si256((const __m256i *)s);
+        __m256i p1 = _mm256_loadu_si256((const __m256i *)(s + 32));
+        __m256i q0 = p0, q1 = p1;
+        for (int i = k - 2; i >= 0; i--) {
+            s = jb->in[i] + p;
+            __m256i x0 = _mm256_loadu_si256((const __m256i *)s);
+            __m256i x1 = _mm256_loadu_si256((const __m256i *)(s + 32));
+            __m256i c0 = _mm256_and_si256(_mm256_cmpgt_epi8(zero, q0), poly);
+            __m256i c1 = _mm256_and_si256(_mm256_cmpgt_epi8(zero, q1), poly);
+            q0 = _mm256_xor_si256(_mm256_xor_si256(_mm256_add_epi8(q0, q0), c0), x0);
+            q1 = _mm256_xor_si256(_mm256_xor_si256(_mm256_add_epi8(q1, q1), c1), x1);
+            p0 = _mm256_xor_si256(p0, x0);
+            p1 = _mm256_xor_si256(p1, x1);
+        }
+        _mm256_storeu_si256((__m256i *)(jb->out[0] + p), p0);
+        _mm256_storeu_si256((__m256i *)(jb->out[0] + p + 32), p1);
+        _mm256_storeu_si256((__m256i *)(jb->out[1] + p), q0);
+        _mm256_storeu_si256((__m256i *)(jb->out[1] + p + 32), q1);
+    }
+    return p;
+}
+
+__attribute__((target("avx2"))) static size_t avx2_group(const rs_job *jb, int j0, int n, int x,
+                                                         size_t p, size_t end)
+{
+    switch (n * 2 + x) {
+    case 2: return avx2_dot(jb, j0, 1, 0, 2, p, end);
+    case 3: return avx2_dot(jb, j0, 1, 1, 2, p, end);
+    case 4: return avx2_dot(jb, j0, 2, 0, 2, p, end);
+    case 5: return avx2_dot(jb, j0, 2, 1, 2, p, end);
+    case 6: return avx2_dot(jb, j0, 3, 0, 1, p, end);
+    case 7: return avx2_dot(jb, j0, 3, 1, 2, p, end);
+    case 8: return avx2_dot(jb, j0, 4, 0, 1, p, end);
+    default: return avx2_dot(jb, j0, 4, 1, 1, p, end);
+    }
+}
+
+__attribute__((target("avx2"))) void rs_kernel_avx2(const rs_job *jb, size_t off, size_t len)
+{
+    size_t end = off + len;
+    if (jb->pq) {
+        rs_tail_pq(jb, avx2_pq(jb, off, end), end);
+        return;
+    }
+    for (int j0 = 0; j0 < jb->rows; j0 += MAXG) {
+        int n = jb->rows - j0 < MAXG ? jb->rows - j0 : MAXG;
+        int x = j0 == 0 && jb->xor_row0;
+        rs_tail(jb, j0, n, avx2_group(jb, j0, n, x, off, end), end);
+    }
+}
+
+/* ---- SSSE3 -------------------------------------------------------------------------------- */
+
+SSSE3 size_t ssse3_dot(const rs_job *jb, int j0, const int M, const int X, const int U, size_t p,
+                       size_t end)
+{
+    const int k = jb->cols;
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    for (; p + 16 * U <= end; p += 16 * U) {
+        __m128i acc[MAXG][2];
+        for (int j = 0; j < M; j++)
+            for (int u = 0; u < U; u++)
+                acc[j][u] = _mm_setzero_si128();
+        for (int i = 0; i < k; i++) {
+            const uint8_t *s = jb->in[i] + p;
+            __m128i lo[2], hi[2];
+            for (int u = 0; u < U; u++) {
+                __m128i x = _mm_loadu_si128((const __m128i *)(s + 16 * u));
+                if (X)
+                    acc[0][u] = _mm_xor_si128(acc[0][u], x);
+                lo[u] = _mm_and_si128(x, mask);
+                hi[u] = _mm_and_si128(_mm_srli_epi16(x, 4), mask);
+            }
+            for (int j = X; j < M; j++) {
+                const uint8_t *t = jb->tables + ((size_t)(j0 + j) * k + i) * 32;
+                __m128i tl = _mm_loadu_si128((const __m128i *)t);
+                __m128i th = _mm_loadu_si128((const __m128i *)(t + 16));
+                for (int u = 0; u < U; u++)
+                    acc[j][u] = _mm_xor_si128(acc[j][u],
+                        _mm_xor_si128(_mm_shuffle_epi8(tl, lo[u]), _mm_shuffle_epi8(th, hi[u])));
+            }
+        }
+        for (int j = 0; j < M; j++)
+            for (int u = 0; u < U; u++)
+                _mm_storeu_si128((__m128i *)(jb->out[j0 + j] + p + 16 * u), acc[j][u]);
+    }
+    return p;
+}
+
+SSSE3 size_t ssse3_pq(const rs_job *jb, size_t p, size_t end)
+{
+    const int k = jb->cols;
+    const __m128i poly = _mm_set1_epi8(0x1d), zero = _mm_setzero_si128();
+    for (; p + 32 <= end; p += 32) {
+        const uint8_t *s = jb->in[k - 1] + p;
+        __m128i p0 = _mm_loadu_si128((const __m128i *)s);
+        __m128i p1 = _mm_loadu_si128((const __m128i *)(s + 16));
+        __m128i q0 = p0, q1 = p1;
+        for (int i = k - 2; i >= 0; i--) {
+            s = jb->in[i] + p;
+            __m128i x0 = _mm_loadu_si128((const __m128i *)s);
+            __m128i x1 = _mm_loadu_si128((const __m128i *)(s + 16));
+            __m128i c0 = _mm_and_si128(_mm_cmpgt_epi8(zero, q0), poly);
+            __m128i c1 = _mm_and_si128(_mm_cmpgt_epi8(zero, q1), poly);
+            q0 = _mm_xor_si128(_mm_xor_si128(_mm_add_epi8(q0, q0), c0), x0);
+            q1 = _mm_xor_si128(_mm_xor_si128(_mm_add_epi8(q1, q1), c1), x1);
+            p0 = _mm_xor_si128(p0, x0);
+            p1 = _mm_xor_si128(p1, x1);
+        }
+        _mm_storeu_si128((__m128i *)(jb->out[0] + p), p0);
+        _mm_storeu_si128((__m128i *)(jb->out[0] + p + 16), p1);
+        _mm_storeu_si128((__m128i *)(jb->out[1] + p), q0);
+        _mm_storeu_si128((__m128i *)(jb->out[1] + p + 16), q1);
+    }
+    return p;
+}
+
+__attribute__((target("ssse3"))) static size_t ssse3_group(const rs_job *jb, int j0, int n, int x,
+                                                           size_t p, size_t end)
+{
+    switch (n * 2 + x) {
+    case 2: return ssse3_dot(jb, j0, 1, 0, 2, p, end);
+    case 3: return ssse3_dot(jb, j0, 1, 1, 2, p, end);
+    case 4: return ssse3_dot(jb, j0, 2, 0, 2, p, end);
+    case 5: return ssse3_dot(jb, j0, 2, 1, 2, p, end);
+    case 6: return ssse3_dot(jb, j0, 3, 0, 1, p, end);
+    case 7: return ssse3_dot(jb, j0, 3, 1, 2, p, end);
+    case 8: return ssse3_dot(jb, j0, 4, 0, 1, p, end);
+    default: return ssse3_dot(jb, j0, 4, 1, 1, p, end);
+    }
+}
+
+__attribute__((target("ssse3"))) void rs_kernel_ssse3(const rs_job *jb, size_t off, size_t len)
+{
+    size_t end = off + len;
+    if (jb->pq) {
+        rs_tail_pq(jb, ssse3_pq(jb, off, end), end);
+        return;
+    }
+    for (int j0 = 0; j0 < jb->rows; j0 += MAXG) {
+        int n = jb->rows - j0 < MAXG ? jb->rows - j0 : MAXG;
+        int x = j0 == 0 && jb->xor_row0;
+        rs_tail(jb, j0, n, ssse3_group(jb, j0, n, x, off, end), end);
+    }
+}
+
+#endif /* __x86_64__ */
