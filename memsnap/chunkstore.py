@@ -1,0 +1,124 @@
+"""The chunks an agent holds for its peers: reserved, completed, looked up, freed and reused.
+
+``HeldChunks`` implements the transport's ``ChunkStore`` protocol. Chunk buffers come from
+a pool of touched buffers of equal size, charged once against the agent's memory budget and
+reused after a version is freed, so receiving a snapshot never allocates fresh pages.
+"""
+from __future__ import annotations
+
+import mmap
+import threading
+from typing import Callable
+
+import xxhash
+
+from memsnap.arena import MemoryBudget, touch
+from memsnap.errors import MemoryBudgetError
+from memsnap.transport.base import ChunkKey
+
+
+class HeldChunks:
+    """Thread-safe ``ChunkStore``: key -> (buffer, xxh3-64 integer)."""
+
+    def __init__(self, budget: MemoryBudget):
+        self._budget = budget
+        self._lock = threading.Lock()
+        self._free: dict[int, list[mmap.mmap]] = {}
+        self._pending: dict[ChunkKey, mmap.mmap] = {}
+        self._held: dict[ChunkKey, tuple[mmap.mmap, int]] = {}
+
+    # --- the ChunkStore protocol (called by the transport's server half) ------------------
+    def reserve(self, key: ChunkKey, nbytes: int) -> memoryview:
+        with self._lock:
+            old = self._pending.pop(key, None)
+            if old is not None:
+                self._put_back(old)
+            buf = self._take(nbytes, key)
+            self._pending[key] = buf
+        return memoryview(buf)[:nbytes]
+
+    def complete(self, key: ChunkKey, checksum: int) -> None:
+        with self._lock:
+            buf = self._pending.pop(key)
+            old = self._held.pop(key, None)
+            if old is not None:
+                self._put_back(old[0])
+            self._held[key] = (buf, int(checksum))
+
+    def discard(self, key: ChunkKey) -> None:
+        with self._lock:
+            buf = self._pending.pop(key, None)
+            if buf is not None:
+                self._put_back(buf)
+
+    def lookup(self, key: ChunkKey) -> tuple[memoryview, int] | None:
+        with self._lock:
+            got = self._held.get(key)
+        return None if got is None else (memoryview(got[0]), got[1])
+
+    # --- the agent's own use ---------------------------------------------------------------
+    def put(self, key: ChunkKey, data) -> None:
+        """Hold a copy of ``data`` under ``key`` (a chunk rebuilt locally)."""
+        src = memoryview(data).cast("B")
+        dst = self.reserve(key, len(src))
+        dst[:] = src
+        self.complete(key, xxhash.xxh3_64_intdigest(src))
+
+    def drop(self, keep: Callable[[ChunkKey], bool]) -> int:
+        """Free every held chunk for which ``keep(key)`` is false; return how many."""
+        with self._lock:
+            gone = [k for k in self._held if not keep(k)]
+            for k in gone:
+                self._put_back(self._held.pop(k)[0])
+        return len(gone)
+
+    def keys(self, step: int | None = None) -> list[ChunkKey]:
+        with self._lock:
+            return sorted(k for k in self._held if step is None or k.step == step)
+
+    def inventory(self) -> dict[int, dict[str, dict[int, int]]]:
+        """``{step: {owner: {shard: chunks held}}}``."""
+        out: dict[int, dict[str, dict[int, int]]] = {}
+        with self._lock:
+            for key in self._held:
+                shards = out.setdefault(key.step, {}).setdefault(key.owner, {})
+                shards[key.shard] = shards.get(key.shard, 0) + 1
+        return out
+
+    def held_bytes(self) -> int:
+        with self._lock:
+            return sum(len(b) for b, _ in self._held.values())
+
+    def flip_byte(self, key: ChunkKey, offset: int = 0) -> None:
+        """Corrupt one held byte (fault injection for tests and the demo)."""
+        with self._lock:
+            buf = self._held[key][0]
+            buf[offset] ^= 0xFF
+
+    # --- the pool ----------------------------------------------------------------------------
+    def _take(self, nbytes: int, key: ChunkKey) -> mmap.mmap:
+        pool = self._free.get(nbytes)
+        if pool:
+            return pool.pop()
+        try:
+            self._budget.charge(nbytes, f"chunk {key}")
+        except MemoryBudgetError:
+            self._release_pools()  # buffers of other sizes, left from older layouts
+            self._budget.charge(nbytes, f"chunk {key}")
+        buf = mmap.mmap(-1, max(nbytes, 1))
+        touch(buf)
+        return buf
+
+    def _put_back(self, buf: mmap.mmap) -> None:
+        self._free.setdefault(len(buf), []).append(buf)
+
+    def _release_pools(self) -> int:
+        freed = sum(len(b) for pool in self._free.values() for b in pool)
+        self._free.clear()
+        self._budget.release(freed)
+        return freed
+
+    def trim(self) -> int:
+        """Return every pooled (free) buffer to the OS and the budget; return bytes freed."""
+        with self._lock:
+            return self._release_pools()

@@ -1,0 +1,106 @@
+"""Runtime configuration: the public frozen ``SnapshotConfig`` and one table of internal tunables."""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+from memsnap.errors import ConfigError
+
+_JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+TRANSPORTS = ("tcp", "objstore")
+
+# Internal tunables, one table. Override any of them with the environment variable
+# MEMSNAP_<NAME upper-cased>, e.g. MEMSNAP_CALL_TIMEOUT_S=60.
+TUNABLES: dict[str, float] = {
+    "call_timeout_s": 30.0,         # a small remote call (begin, captured, status, ...)
+    "push_timeout_s": 120.0,        # pushing one node's chunks to one holder
+    "membership_timeout_s": 180.0,  # waiting for every rank to register
+    "restore_timeout_s": 300.0,     # one collective restore round, all ranks
+    "commit_notify_timeout_s": 30.0,
+    "spill_retry_s": 5.0,           # pause before a failed spill is tried again
+    "chunk_target": 1 << 20,        # shard size the stripe layout aims for (bytes)
+    "agent_max_concurrency": 16,
+    "coordinator_max_concurrency": 64,
+}
+
+
+def tunable(name: str) -> float:
+    """The value of internal tunable ``name``, from ``MEMSNAP_<NAME>`` if set."""
+    if name not in TUNABLES:
+        raise ConfigError(f"tunable {name!r} is unknown; the known ones are {sorted(TUNABLES)}")
+    raw = os.environ.get("MEMSNAP_" + name.upper())
+    if raw is None:
+        return TUNABLES[name]
+    try:
+        return type(TUNABLES[name])(float(raw))
+    except ValueError:
+        raise ConfigError(f"MEMSNAP_{name.upper()}={raw!r}: must be a number") from None
+
+
+def _positive(name: str, value, kind=int, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, kind) or value <= 0:
+        raise ConfigError(f"{name}={value!r}: must be a positive {kind.__name__}")
+
+
+@dataclass(frozen=True)
+class SnapshotConfig:
+    """Everything a job's snapshots are configured by; the same on every rank.
+
+    ``k`` data + ``m`` parity shards per stripe, groups of ``group_size`` nodes (at least
+    ``k+m+1``; default the smallest), ``keep`` committed versions held in RAM,
+    ``memory_budget`` bytes of RAM per node agent (also its Ray ``memory`` resource),
+    ``spill`` a durable URI written every ``spill_every`` steps and/or
+    ``spill_every_seconds``, at most ``spill_bytes_per_s``. ``chunk`` is the shard size
+    (None: about 1 MiB, see ``stripes.choose_chunk``).
+    """
+
+    job: str
+    k: int = 2
+    m: int = 1
+    group_size: int | None = None
+    keep: int = 2
+    memory_budget: int = 4 << 30
+    spill: str | None = None
+    spill_every: int | None = None
+    spill_every_seconds: float | None = None
+    spill_bytes_per_s: int = 256 << 20
+    transport: str = "tcp"
+    chunk: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.job, str) or not _JOB_RE.match(self.job):
+            raise ConfigError(f"job={self.job!r}: use 1-64 characters of letters, digits, '_', '.', '-'")
+        _positive("k", self.k)
+        if isinstance(self.m, bool) or not isinstance(self.m, int) or self.m < 0:
+            raise ConfigError(f"m={self.m!r}: must be an int >= 0 (parity shards per stripe)")
+        if self.group_size is not None and (not isinstance(self.group_size, int)
+                                            or self.group_size < self.k + self.m + 1):
+            raise ConfigError(f"group_size={self.group_size!r}: needs at least k+m+1={self.k + self.m + 1} nodes")
+        _positive("keep", self.keep)
+        _positive("memory_budget", self.memory_budget)
+        _positive("spill_every", self.spill_every, allow_none=True)
+        _positive("spill_every_seconds", self.spill_every_seconds, (int, float), allow_none=True)
+        _positive("spill_bytes_per_s", self.spill_bytes_per_s)
+        if self.transport not in TRANSPORTS:
+            raise ConfigError(f"transport={self.transport!r}: use one of {TRANSPORTS}")
+        if self.chunk is not None and (not isinstance(self.chunk, int) or self.chunk < 64 or self.chunk % 64):
+            raise ConfigError(f"chunk={self.chunk!r}: must be a positive multiple of 64 bytes (or None)")
+        if self.spill is None and (self.spill_every or self.spill_every_seconds):
+            raise ConfigError("spill_every/spill_every_seconds are set but spill=None: pass spill=URI")
+        if self.spill is not None and not (self.spill_every or self.spill_every_seconds):
+            object.__setattr__(self, "spill_every", 1)
+
+    @property
+    def slots(self) -> int:
+        """Arena slots per rank: ``keep`` committed versions plus the one being captured."""
+        return self.keep + 1
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SnapshotConfig":
+        return cls(**d)

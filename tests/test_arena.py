@@ -1,0 +1,54 @@
+"""Arenas: shared-memory files the agent owns, attached by training processes; the budget."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+from memsnap.arena import Arena, MemoryBudget, OwnedBuffer
+from memsnap.errors import MemoryBudgetError
+
+
+@pytest.fixture
+def path():
+    p = f"/dev/shm/memsnap-test-{uuid.uuid4().hex[:8]}"
+    yield p
+    if os.path.exists(p):
+        os.unlink(p)
+
+
+def test_attached_writes_are_seen_by_the_owner_and_survive_the_writer(path):
+    arena = Arena.create(path, 1 << 20)
+    code = (f"from memsnap.arena import Arena; a = Arena.attach({path!r}, 1 << 20); "
+            "v = a.view(); v[:5] = b'hello'; v[-1:] = b'!'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    assert os.path.exists(path)  # the writer's exit did not unlink it
+    assert bytes(arena.view(0, 5)) == b"hello" and bytes(arena.view(len(arena.view()) - 1)) == b"!"
+    arena.close()
+    assert not os.path.exists(path)
+
+
+def test_attach_refuses_a_too_small_arena(path):
+    Arena.create(path, 4096).close(unlink=False)
+    with pytest.raises(ValueError, match="4096"):
+        Arena.attach(path, 8192)
+
+
+def test_view_bounds_are_checked(path):
+    arena = Arena.create(path, 100)
+    with pytest.raises(IndexError, match="outside"):
+        arena.view(50, 51)
+    arena.close()
+
+
+def test_budget_refuses_with_the_sizes_and_the_setting_to_change():
+    budget = MemoryBudget(1000, node="abcdef")
+    budget.charge(600, "arena")
+    with pytest.raises(MemoryBudgetError, match=r"needs 500 bytes.*400 of the memory_budget=1000"):
+        budget.charge(500, "parity")
+    budget.release(600)
+    OwnedBuffer(budget, 1000, "parity").free()
+    assert budget.used == 0
