@@ -35,6 +35,14 @@ class ChecksumError(MemsnapError):
     """Bytes read back do not match the checksum recorded when they were written."""
 
 
+class UnsupportedStateError(MemsnapError, TypeError):
+    """A state holds a value of a type the JSON skeleton cannot represent exactly."""
+
+
+class SnapshotBufferError(MemsnapError, ValueError):
+    """A buffer handed to capture or apply is too small, read-only or not contiguous."""
+
+
 class SnapshotNotFoundError(MemsnapError, FileNotFoundError):
     """No committed snapshot exists where one was asked for."""
 

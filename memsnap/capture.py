@@ -1,0 +1,217 @@
+"""Capture: a dict of stateful objects -> a Manifest plus every tensor's bytes in one buffer.
+
+The call sequence a snapshot takes (the training loop waits only for step 2):
+
+1. ``plan(state)`` walks every ``state_dict()`` once and lays the tensors out, 64-byte
+   aligned, in a ``Manifest`` (no tensor bytes are touched);
+2. ``capture(state, out=buf, manifest=m)`` copies each tensor into ``buf`` (a reusable,
+   caller-owned buffer: shared memory, pinned memory, a numpy array) with torch's ``copy_``;
+3. ``fill_checksums(m, buf)`` hashes every tensor off the critical path.
+
+Objects with ``state_dict()``/``load_state_dict()`` are captured through their state dicts;
+any other value (tensors, numbers, strings, nested containers) is captured as is. RNG state
+goes under the reserved key ``"__rng__"``. Tied tensors (same storage, same view) are stored
+once; later occurrences get ``alias_of`` and no bytes. DTensors store their local shard and
+record their place in the global tensor.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, replace
+from typing import Any, Mapping
+
+import torch
+
+from memsnap import rng as rng_state
+from memsnap import tree
+from memsnap.checksum import checksum
+from memsnap.dtypes import dtype_name
+from memsnap.errors import SnapshotBufferError, StateMismatchError
+from memsnap.manifest import Manifest, TensorEntry, align_up
+
+RNG_KEY = "__rng__"
+
+if sys.byteorder != "little":  # the snapshot format is little-endian raw storage
+    raise ImportError("memsnap snapshots are little-endian; this host is big-endian")
+
+
+def is_stateful(obj: Any) -> bool:
+    """Whether ``obj`` is captured through ``state_dict()`` / ``load_state_dict()``."""
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def collect(state: Mapping[str, Any], *, rng: bool = True) -> dict[str, Any]:
+    """The plain nested value a snapshot stores: each object's state dict, plus RNG state."""
+    if not isinstance(state, Mapping):
+        raise StateMismatchError(f"state must be a dict of named objects, got {type(state).__qualname__}")
+    bad = [k for k in state if type(k) is not str or k == RNG_KEY]
+    if bad:
+        raise StateMismatchError(
+            f"state keys must be strings other than {RNG_KEY!r} (reserved for RNG state); got {bad[0]!r}")
+    values = {k: (v.state_dict() if is_stateful(v) else v) for k, v in state.items()}
+    if rng:
+        values[RNG_KEY] = rng_state.get_state()
+    return values
+
+
+# --- sharded tensors -------------------------------------------------------------------------
+def is_dtensor(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "DTensor" and hasattr(t, "device_mesh")
+
+
+def placement_name(p: Any) -> str:
+    kind = type(p).__name__
+    if kind == "Shard":
+        return f"Shard({p.dim})"
+    if kind == "Replicate":
+        return "Replicate()"
+    if kind == "Partial":
+        return f"Partial({p.reduce_op})"
+    return repr(p)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose bytes a snapshot stores: a DTensor's local shard, else ``t`` itself."""
+    return t._local_tensor if is_dtensor(t) else t
+
+
+def _sharding(t: torch.Tensor) -> dict[str, Any]:
+    if not is_dtensor(t):
+        return {}
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return {
+        "global_shape": tuple(t.shape),
+        "global_offset": tuple(int(o) for o in offset),
+        "placements": tuple(placement_name(p) for p in t.placements),
+        "mesh_shape": tuple(t.device_mesh.shape),
+    }
+
+
+# --- planning --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Found:
+    path: str
+    tensor: torch.Tensor  # the local tensor whose bytes are stored
+    sharding: dict[str, Any]
+
+
+def _walk(values: dict[str, Any]) -> tuple[Any, list[_Found]]:
+    found: list[_Found] = []
+    seen: set[str] = set()
+
+    def on_tensor(t: torch.Tensor, path: str) -> int:
+        unique, n = path, 1
+        while unique in seen:
+            unique, n = f"{path}#{n}", n + 1
+        seen.add(unique)
+        found.append(_Found(unique, local_tensor(t).detach(), _sharding(t)))
+        return len(found) - 1
+
+    return tree.encode(values, on_tensor), found
+
+
+def _alias_key(t: torch.Tensor) -> tuple | None:
+    if t.numel() == 0:
+        return None
+    return (t.device, t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
+
+
+def _layout(found: list[_Found]) -> tuple[list[TensorEntry], int]:
+    entries, first, offset = [], {}, 0
+    for f in found:
+        t, key = f.tensor, _alias_key(f.tensor)
+        common = dict(path=f.path, dtype=dtype_name(t.dtype), shape=tuple(t.shape),
+                      device=str(t.device), **f.sharding)
+        if key is not None and key in first:
+            entries.append(TensorEntry(offset=first[key].offset, nbytes=0, alias_of=first[key].path, **common))
+            continue
+        nbytes = t.numel() * t.element_size()
+        entries.append(TensorEntry(offset=offset, nbytes=nbytes, **common))
+        if key is not None:
+            first[key] = entries[-1]
+        offset = align_up(offset + nbytes)
+    return entries, offset
+
+
+def _plan(state: Mapping[str, Any], rng: bool) -> tuple[Manifest, list[torch.Tensor]]:
+    skeleton, found = _walk(collect(state, rng=rng))
+    entries, nbytes = _layout(found)
+    return Manifest(tensors=entries, tree=skeleton, nbytes=nbytes), [f.tensor for f in found]
+
+
+def plan(state: Mapping[str, Any], *, rng: bool = True) -> Manifest:
+    """The layout of ``state`` (offsets, dtypes, shapes, skeleton) without copying tensor bytes."""
+    return _plan(state, rng)[0]
+
+
+def _reuse(fresh: Manifest, old: Manifest) -> Manifest:
+    """``fresh`` with ``old``'s layout, after checking the tensors did not change."""
+    if len(fresh.tensors) != len(old.tensors):
+        raise StateMismatchError(
+            f"state now has {len(fresh.tensors)} tensors but the reused manifest has "
+            f"{len(old.tensors)}; call capture() without manifest= to re-plan")
+    for new, was in zip(fresh.tensors, old.tensors):
+        if (new.path, new.dtype, new.shape, new.alias_of) != (was.path, was.dtype, was.shape, was.alias_of):
+            raise StateMismatchError(
+                f"tensor {new.path!r} is {new.dtype}{list(new.shape)} but the reused manifest has "
+                f"{was.path!r} as {was.dtype}{list(was.shape)}; call capture() without manifest= to re-plan")
+    return replace(old, tensors=[replace(t, checksum=None) for t in old.tensors], tree=fresh.tree)
+
+
+# --- copying ---------------------------------------------------------------------------------
+def byte_view(buf: Any, nbytes: int, *, writable: bool) -> memoryview:
+    """``buf`` as a flat memoryview of exactly ``nbytes`` bytes, checked for size and access."""
+    try:
+        mv = memoryview(buf).cast("B")
+    except (TypeError, ValueError) as exc:
+        raise SnapshotBufferError(f"buffer of type {type(buf).__qualname__} is not a contiguous byte buffer: {exc}") from None
+    if writable and mv.readonly:
+        raise SnapshotBufferError(f"capture needs a writable buffer; {type(buf).__qualname__} is read-only")
+    if mv.nbytes < nbytes:
+        raise SnapshotBufferError(
+            f"buffer holds {mv.nbytes} bytes but the snapshot needs {nbytes}; allocate at least manifest.nbytes")
+    return mv[:nbytes]
+
+
+def tensor_view(base: torch.Tensor, entry: TensorEntry, dtype: torch.dtype) -> torch.Tensor:
+    """The slice of the uint8 tensor ``base`` that holds ``entry``, typed and shaped."""
+    return base[entry.offset:entry.offset + entry.nbytes].view(dtype).view(entry.shape)
+
+
+def _new_buffer(nbytes: int, sources: list[torch.Tensor]) -> memoryview:
+    pinned = any(t.is_cuda for t in sources) and torch.cuda.is_available()
+    arena = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pinned)
+    return memoryview(arena.numpy())[:nbytes]
+
+
+def copy_into(manifest: Manifest, sources: list[torch.Tensor], out: memoryview) -> None:
+    """Copy every stored tensor's bytes to its offset in ``out`` (D2H for CUDA tensors)."""
+    if manifest.nbytes == 0:
+        return
+    base = torch.frombuffer(out, dtype=torch.uint8, count=manifest.nbytes)
+    cuda = False
+    for entry, src in zip(manifest.tensors, sources):
+        if entry.alias_of is None and entry.nbytes:
+            cuda |= src.is_cuda
+            tensor_view(base, entry, src.dtype).copy_(src, non_blocking=src.is_cuda)
+    if cuda:
+        torch.cuda.synchronize()
+
+
+def capture(state: Mapping[str, Any], *, out: Any = None, rng: bool = True, checksums: bool = False,
+            manifest: Manifest | None = None) -> tuple[Manifest, memoryview]:
+    """Copy ``state`` into ``out`` (or a new buffer); return its manifest and exactly its bytes."""
+    fresh, sources = _plan(state, rng)
+    m = fresh if manifest is None else _reuse(fresh, manifest)
+    mv = _new_buffer(m.nbytes, sources) if out is None else byte_view(out, m.nbytes, writable=True)
+    copy_into(m, sources, mv)
+    return (fill_checksums(m, mv) if checksums else m), mv
+
+
+def fill_checksums(manifest: Manifest, buf: Any) -> Manifest:
+    """``manifest`` with the xxh3-64 of every stored tensor's bytes in ``buf`` (aliases: None)."""
+    mv = byte_view(buf, manifest.nbytes, writable=False)
+    sums = [None if t.alias_of else checksum(mv[t.offset:t.offset + t.nbytes]) for t in manifest.tensors]
+    return manifest.with_checksums(sums)

@@ -1,0 +1,44 @@
+"""Tensor dtypes by name: the strings the manifest stores, and their element sizes."""
+from __future__ import annotations
+
+import torch
+
+from memsnap.errors import StateMismatchError
+
+# Sub-byte and quantized dtypes have no plain byte layout a snapshot could copy; the rest of
+# torch's dtypes (including bfloat16 and every float8 this torch has) are listed here.
+_NAMES = (
+    "bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
+    "float16", "bfloat16", "float32", "float64", "complex32", "complex64", "complex128",
+    "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
+)
+
+BY_NAME: dict[str, torch.dtype] = {n: getattr(torch, n) for n in _NAMES if hasattr(torch, n)}
+NAME_OF: dict[torch.dtype, str] = {d: n for n, d in BY_NAME.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The manifest name of ``dtype`` (``torch.bfloat16`` -> ``"bfloat16"``)."""
+    try:
+        return NAME_OF[dtype]
+    except KeyError:
+        raise StateMismatchError(
+            f"dtype {dtype} cannot be snapshotted (supported: {', '.join(BY_NAME)}); "
+            f"convert the tensor to one of them before capture"
+        ) from None
+
+
+def dtype_of(name: str) -> torch.dtype:
+    """The torch dtype a manifest name stands for."""
+    try:
+        return BY_NAME[name]
+    except KeyError:
+        raise StateMismatchError(
+            f"manifest dtype {name!r} is unknown to this torch {torch.__version__} "
+            f"(it knows: {', '.join(BY_NAME)}); restore with the torch version that captured it"
+        ) from None
+
+
+def itemsize(name: str) -> int:
+    """Bytes per element of the dtype called ``name``."""
+    return dtype_of(name).itemsize
