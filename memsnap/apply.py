@@ -1,0 +1,214 @@
+"""Apply: a Manifest plus its bytes -> back into the live objects, in place, all or nothing.
+
+Sequence: (1) check the buffer and, with ``verify``, every checksum; (2) match the snapshot
+against the live state (top-level keys, every tensor's path, dtype and shape, optimizer
+parameter groups) and raise ``StateMismatchError`` before anything is touched; (3) copy the
+bytes into the live tensors (same device, same dtype; a DTensor's local shard) and call each
+object's ``load_state_dict``; plain values are written back into ``state``; (4) restore RNGs.
+
+Tensors the snapshot has and the live object lacks (e.g. optimizer moments before the first
+step) are handed to ``load_state_dict`` as new CPU tensors, which it places itself.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Mapping, MutableMapping
+
+import torch
+
+from memsnap import rng as rng_state
+from memsnap import tree
+from memsnap.capture import RNG_KEY, byte_view, is_stateful, local_tensor, tensor_view
+from memsnap.checksum import checksum
+from memsnap.dtypes import dtype_name, dtype_of
+from memsnap.errors import ChecksumError, SnapshotBufferError, StateMismatchError
+from memsnap.manifest import Manifest, TensorEntry
+
+
+def verify_checksums(manifest: Manifest, mv: memoryview) -> None:
+    """Raise ``ChecksumError`` naming the first tensor whose bytes do not match (unhashed: skipped)."""
+    for t in manifest.tensors:
+        if t.checksum is None or t.alias_of:
+            continue
+        got = checksum(mv[t.offset:t.offset + t.nbytes])
+        if got != t.checksum:
+            raise ChecksumError(
+                f"tensor {t.path!r} (bytes {t.offset}..{t.offset + t.nbytes}) hashes to {got} but the "
+                f"manifest records {t.checksum}; the snapshot copy is corrupt, restore from another copy")
+
+
+def _check_layout(manifest: Manifest) -> None:
+    for t in manifest.tensors:
+        numel = 1
+        for d in t.shape:
+            numel *= d
+        want = 0 if t.alias_of else numel * dtype_of(t.dtype).itemsize
+        if t.nbytes != want or t.offset + t.nbytes > manifest.nbytes:
+            raise SnapshotBufferError(
+                f"manifest entry {t.path!r} claims {t.nbytes} bytes at offset {t.offset} but "
+                f"{t.dtype}{list(t.shape)} needs {want} within {manifest.nbytes}; the manifest is damaged")
+
+
+def _live_tensors(value: Any, key: str) -> dict[str, torch.Tensor]:
+    found: dict[str, torch.Tensor] = {}
+
+    def on_tensor(t: torch.Tensor, path: str) -> int:
+        found[path] = t
+        return 0
+
+    tree.encode(value, on_tensor, key)
+    return found
+
+
+def _saved_tensors(subtree: Any, key: str) -> dict[str, int]:
+    found: dict[str, int] = {}
+
+    def tensor_at(i: int, path: str) -> None:
+        found[path] = i
+
+    tree.decode(subtree, tensor_at, key)
+    return found
+
+
+@dataclass
+class _ObjectPlan:
+    """What applying one top-level key will do, decided before anything is mutated."""
+
+    key: str
+    obj: Any
+    subtree: Any
+    live: dict[str, torch.Tensor]
+    fresh: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"{dtype_name(t.dtype)}{list(t.shape)}"
+
+
+def _check_tensor(path: str, entry: TensorEntry, live: torch.Tensor) -> None:
+    local = local_tensor(live)
+    if (dtype_name(local.dtype), tuple(local.shape)) != (entry.dtype, entry.shape):
+        raise StateMismatchError(
+            f"{path!r}: snapshot has {entry.dtype}{list(entry.shape)}, live state has {_describe(local)}")
+
+
+def _check_keys(path_kind: str, missing: list[str], extra: list[str]) -> None:
+    if missing:
+        raise StateMismatchError(
+            f"{path_kind} {missing[0]!r} is in the live state but not in the snapshot "
+            f"({len(missing)} missing in all); pass strict=False to leave such keys as they are")
+    if extra:
+        raise StateMismatchError(
+            f"{path_kind} {extra[0]!r} is in the snapshot but not in the live state "
+            f"({len(extra)} extra in all); pass strict=False to ignore them")
+
+
+def _check_param_groups(key: str, live: Any, saved: Any) -> None:
+    shape = lambda sd: [len(g["params"]) for g in sd["param_groups"]]  # noqa: E731
+    if shape(live) != shape(saved):
+        raise StateMismatchError(
+            f"{key!r}: snapshot optimizer has parameter groups of sizes {shape(saved)}, live optimizer "
+            f"has {shape(live)}; build the optimizer over the same parameters before applying")
+
+
+def _plan_object(key: str, obj: Any, subtree: Any, manifest: Manifest, strict: bool) -> _ObjectPlan:
+    live_value = obj.state_dict() if is_stateful(obj) else obj
+    live = _live_tensors(live_value, key)
+    saved = _saved_tensors(subtree, key)
+    for path, i in saved.items():
+        if path in live:
+            _check_tensor(path, manifest.tensors[i], live[path])
+    if strict:
+        extra = [p for p in saved if p not in live] if isinstance(obj, torch.nn.Module) else []
+        _check_keys("tensor", [p for p in live if p not in saved], extra)
+    if isinstance(obj, torch.optim.Optimizer):
+        _check_param_groups(key, live_value, tree.decode(subtree, lambda i, p: None))
+    return _ObjectPlan(key, obj, subtree, live)
+
+
+class _Source:
+    """Typed views of the snapshot bytes, following aliases to the entry that holds them."""
+
+    def __init__(self, manifest: Manifest, mv: memoryview):
+        self.manifest = manifest
+        self.index = {t.path: i for i, t in enumerate(manifest.tensors)}
+        self.base = None
+        if manifest.nbytes:
+            with warnings.catch_warnings():  # read-only snapshot bytes are only ever read
+                warnings.simplefilter("ignore", UserWarning)
+                self.base = torch.frombuffer(mv, dtype=torch.uint8)
+        self.fresh: dict[int, torch.Tensor] = {}
+
+    def holder(self, i: int) -> int:
+        alias = self.manifest.tensors[i].alias_of
+        return i if alias is None else self.index[alias]
+
+    def view(self, i: int) -> torch.Tensor:
+        e = self.manifest.tensors[self.holder(i)]
+        if e.nbytes == 0:
+            return torch.empty(e.shape, dtype=dtype_of(e.dtype))
+        return tensor_view(self.base, e, dtype_of(e.dtype))
+
+    def new_tensor(self, i: int) -> torch.Tensor:
+        h = self.holder(i)
+        if h not in self.fresh:  # tied tensors the live state lacks come back tied
+            self.fresh[h] = self.view(h).clone()
+        return self.fresh[h]
+
+
+def _run(p: _ObjectPlan, src: _Source, state: Any, strict: bool) -> None:
+    def tensor_at(i: int, path: str) -> torch.Tensor:
+        live = p.live.get(path)
+        if live is None:
+            return src.new_tensor(i)
+        local_tensor(live).copy_(src.view(i))
+        return live
+
+    value = tree.decode(p.subtree, tensor_at, p.key)
+    if isinstance(p.obj, torch.nn.Module):
+        p.obj.load_state_dict(value, strict=strict)
+    elif is_stateful(p.obj):
+        p.obj.load_state_dict(value)
+    elif not isinstance(p.obj, torch.Tensor):
+        state[p.key] = value
+
+
+def _top_level(manifest: Manifest) -> dict[str, Any]:
+    top = manifest.tree
+    if not isinstance(top, dict) or (len(top) == 1 and next(iter(top)) in tree.TAGS):
+        raise StateMismatchError("manifest tree is not a dict of named objects; it was not written by capture()")
+    return top
+
+
+def _check_rng(saved: Any, manifest: Manifest) -> None:
+    index = tree.decode(saved, lambda i, p: i).get("torch")
+    want = torch.get_rng_state().numel()
+    if not isinstance(index, int) or manifest.tensors[index].shape != (want,):
+        raise StateMismatchError(
+            f"snapshot RNG state does not hold a torch CPU generator state of {want} bytes; "
+            f"pass rng=False to apply without restoring RNGs")
+
+
+def apply(state: Mapping[str, Any], manifest: Manifest, buf: Any, *, rng: bool = True,
+          verify: bool = True, strict: bool = True) -> None:
+    """Put the snapshot ``manifest`` + ``buf`` back into ``state``; validate everything first."""
+    mv = byte_view(buf, manifest.nbytes, writable=False)
+    _check_layout(manifest)
+    if verify:
+        verify_checksums(manifest, mv)
+    saved = dict(_top_level(manifest))
+    saved_rng = saved.pop(RNG_KEY, None)
+    if strict:
+        _check_keys("state key", [k for k in state if k not in saved], [k for k in saved if k not in state])
+    plans = [_plan_object(k, state[k], saved[k], manifest, strict) for k in saved if k in state]
+    if any(not is_stateful(p.obj) and not isinstance(p.obj, torch.Tensor) for p in plans) \
+            and not isinstance(state, MutableMapping):
+        raise StateMismatchError("state holds plain values but is read-only; pass a dict so they can be restored")
+    if rng and saved_rng is not None:
+        _check_rng(saved_rng, manifest)
+    src = _Source(manifest, mv)
+    for p in plans:
+        _run(p, src, state, strict)
+    if rng and saved_rng is not None:
+        rng_state.set_state(tree.decode(saved_rng, lambda i, p: src.new_tensor(i), RNG_KEY))
