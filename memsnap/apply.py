@@ -19,7 +19,7 @@ import torch
 
 from memsnap import rng as rng_state
 from memsnap import tree
-from memsnap.capture import RNG_KEY, byte_view, is_stateful, local_tensor, tensor_view
+from memsnap.capture import RNG_KEY, byte_view, is_dtensor, is_stateful, local_tensor, tensor_view
 from memsnap.checksum import checksum
 from memsnap.dtypes import dtype_name, dtype_of
 from memsnap.errors import ChecksumError, SnapshotBufferError, StateMismatchError
@@ -112,6 +112,44 @@ def _check_param_groups(key: str, live: Any, saved: Any) -> None:
             f"has {shape(live)}; build the optimizer over the same parameters before applying")
 
 
+def _parse_placement(text: str) -> Any:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import Partial
+
+    kind, _, arg = text.partition("(")
+    arg = arg.rstrip(")")
+    if kind == "Shard":
+        return Shard(int(arg))
+    if kind == "Replicate":
+        return Replicate()
+    if kind == "Partial":
+        return Partial(arg or "sum")
+    raise StateMismatchError(f"unknown DTensor placement {text!r} in the manifest")
+
+
+def _live_meshes(state: Mapping[str, Any], plans: list[_ObjectPlan]) -> list[Any]:
+    """Every device mesh a live DTensor of the state sits on (params of optimizers included)."""
+    tensors = [t for p in plans for t in p.live.values()]
+    for obj in state.values():
+        for group in getattr(obj, "param_groups", None) or []:
+            tensors.extend(group.get("params", []))
+    meshes = []
+    for t in tensors:
+        mesh = getattr(t, "device_mesh", None) if is_dtensor(t) else None
+        if mesh is not None and all(mesh is not m for m in meshes):
+            meshes.append(mesh)
+    return meshes
+
+
+def _mesh_for(entry: TensorEntry, meshes: list[Any]) -> Any:
+    for mesh in meshes:
+        if tuple(mesh.shape) == entry.mesh_shape:
+            return mesh
+    raise StateMismatchError(
+        f"{entry.path!r} is a DTensor on a mesh of shape {list(entry.mesh_shape or ())} but no live "
+        f"DTensor sits on such a mesh ({[list(m.shape) for m in meshes]}); shard the model before applying")
+
+
 def _plan_object(key: str, obj: Any, subtree: Any, manifest: Manifest, strict: bool) -> _ObjectPlan:
     live_value = obj.state_dict() if is_stateful(obj) else obj
     live = _live_tensors(live_value, key)
@@ -130,8 +168,8 @@ def _plan_object(key: str, obj: Any, subtree: Any, manifest: Manifest, strict: b
 class _Source:
     """Typed views of the snapshot bytes, following aliases to the entry that holds them."""
 
-    def __init__(self, manifest: Manifest, mv: memoryview):
-        self.manifest = manifest
+    def __init__(self, manifest: Manifest, mv: memoryview, meshes: list[Any]):
+        self.manifest, self.meshes = manifest, meshes
         self.index = {t.path: i for i, t in enumerate(manifest.tensors)}
         self.base = None
         if manifest.nbytes:
@@ -153,8 +191,21 @@ class _Source:
     def new_tensor(self, i: int) -> torch.Tensor:
         h = self.holder(i)
         if h not in self.fresh:  # tied tensors the live state lacks come back tied
-            self.fresh[h] = self.view(h).clone()
+            self.fresh[h] = self._as_sharded(self.manifest.tensors[i], self.view(h).clone())
         return self.fresh[h]
+
+    def _as_sharded(self, entry: TensorEntry, local: torch.Tensor) -> torch.Tensor:
+        if not entry.placements:
+            return local
+        from torch.distributed.tensor import DTensor
+
+        mesh = _mesh_for(entry, self.meshes)
+        if mesh.device_type != "cpu":
+            local = local.to(mesh.device_type)
+        placements = [_parse_placement(p) for p in entry.placements]
+        shape = torch.Size(entry.global_shape)
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape,
+                                  stride=torch.empty(shape, device="meta").stride())
 
 
 def _run(p: _ObjectPlan, src: _Source, state: Any, strict: bool) -> None:
@@ -207,7 +258,12 @@ def apply(state: Mapping[str, Any], manifest: Manifest, buf: Any, *, rng: bool =
         raise StateMismatchError("state holds plain values but is read-only; pass a dict so they can be restored")
     if rng and saved_rng is not None:
         _check_rng(saved_rng, manifest)
-    src = _Source(manifest, mv)
+    meshes = _live_meshes(state, plans)
+    for p in plans:
+        for path, i in _saved_tensors(p.subtree, p.key).items():
+            if path not in p.live and manifest.tensors[i].placements:
+                _mesh_for(manifest.tensors[i], meshes)
+    src = _Source(manifest, mv, meshes)
     for p in plans:
         _run(p, src, state, strict)
     if rng and saved_rng is not None:
