@@ -89,7 +89,8 @@ class LocalCluster:
         if i in self._labels:
             args["labels"] = self._labels[i]
         args.update(kwargs)
-        node = self.cluster.add_node(**args)
+        with _sigterm_hook_off_main_thread():
+            node = self.cluster.add_node(**args)
         self.nodes.append(node)
         return node
 
@@ -111,6 +112,25 @@ class LocalCluster:
 
     def __exit__(self, *exc):
         self.close()
+
+
+@contextlib.contextmanager
+def _sigterm_hook_off_main_thread():
+    """Ray installs a SIGTERM handler when it starts a node, which only the main thread may
+    do; a node added from another thread (a failure injector) skips that hook."""
+    import threading
+
+    import ray._private.utils as ray_utils
+
+    if threading.current_thread() is threading.main_thread():
+        yield
+        return
+    original = ray_utils.set_sigterm_handler
+    ray_utils.set_sigterm_handler = lambda handler: None
+    try:
+        yield
+    finally:
+        ray_utils.set_sigterm_handler = original
 
 
 def wait_for(predicate, *, timeout: float, what: str, interval: float = 0.1):
