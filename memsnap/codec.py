@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -153,13 +153,19 @@ class ReedSolomon:
         )
 
     # --- decoding ------------------------------------------------------------------------
-    def reconstruct(self, shards: Sequence[Any]) -> list[Any]:
-        """Return all ``k + m`` shards, rebuilding the ``None`` entries from any ``k`` others."""
-        return self._rebuild(shards, range(self.n))
+    def reconstruct(self, shards: Sequence[Any], *, out: Mapping[int, Any] | None = None) -> list[Any]:
+        """Return all ``k + m`` shards, rebuilding the ``None`` entries from any ``k`` others.
 
-    def reconstruct_data(self, shards: Sequence[Any]) -> list[Any]:
+        ``out`` optionally maps a lost shard's index to a writable buffer to rebuild it into
+        (instead of a new array), e.g. a slot of a preallocated receive arena.
+        """
+        return self._rebuild(shards, range(self.n), out)
+
+    def reconstruct_data(
+        self, shards: Sequence[Any], *, out: Mapping[int, Any] | None = None
+    ) -> list[Any]:
         """Like ``reconstruct`` but rebuild only data shards; lost parity stays ``None``."""
-        return self._rebuild(shards, range(self.k))
+        return self._rebuild(shards, range(self.k), out)
 
     def verify(self, shards: Sequence[Any]) -> bool:
         """True when the parity shards match the data shards; every shard must be present."""
@@ -182,7 +188,9 @@ class ReedSolomon:
                 return False
         return True
 
-    def _rebuild(self, shards: Sequence[Any], wanted_range: range) -> list[Any]:
+    def _rebuild(
+        self, shards: Sequence[Any], wanted_range: range, out_bufs: Mapping[int, Any] | None
+    ) -> list[Any]:
         self._check_count(shards, self.n, "shards (k + m)")
         present = [i for i, s in enumerate(shards) if s is not None]
         if len(present) < self.k:
@@ -197,7 +205,9 @@ class ReedSolomon:
         used = tuple(present[: self.k])
         coef, tables = self._decoder(used, wanted)
         length = _nbytes(shards[used[0]], used[0], self.k)
-        rebuilt = [np.empty(length, dtype=np.uint8) for _ in wanted]
+        out_bufs = out_bufs or {}
+        rebuilt = [out_bufs.get(i) for i in wanted]
+        rebuilt = [np.empty(length, np.uint8) if b is None else b for b in rebuilt]
         inputs = [shards[i] for i in used]
         _codec.apply(coef, tables, len(wanted), self.k, inputs, rebuilt, self.threads, used, wanted,
                      self.k)

@@ -73,13 +73,13 @@ static void *run_slice(void *arg)
     return NULL;
 }
 
-#define MIN_SLICE (128 * 1024)
+#define MIN_BYTES_PER_THREAD (1024 * 1024) /* bytes read + written; below this a thread costs more than it saves */
 #define MAX_THREADS 256
 
 int rs_run(const rs_job *job, size_t len, int threads)
 {
     rs_kernel kernel = kernels[current];
-    size_t most = len / MIN_SLICE;
+    size_t most = len * (size_t)(job->rows + job->cols) / MIN_BYTES_PER_THREAD;
     if (threads > MAX_THREADS)
         threads = MAX_THREADS;
     if ((size_t)threads > most)
