@@ -1,0 +1,182 @@
+"""The public ``memsnap.save`` / ``memsnap.load``: whole training state <-> a durable step.
+
+``save`` captures the state (``capture.capture``), writes this rank's files through
+``storage.Store`` and, after a barrier, rank 0 commits the step and applies retention.
+``load`` picks the step (the newest committed when ``step`` is None), reads and verifies this
+rank's bytes (whole-file xxh3 against the commit marker), and applies them with
+``apply.apply``; a checkpoint saved by a different number of ranks goes through
+``reshard``. With ``step=None`` a damaged step is skipped, with a warning, for the one
+before it; under ``torch.distributed`` the ranks agree on the step before anything is applied.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Mapping
+
+import torch
+
+from memsnap import meta, reshard
+from memsnap.apply import apply
+from memsnap.capture import capture
+from memsnap.errors import (ChecksumError, ConfigError, SnapshotNotFoundError, StateMismatchError,
+                            StorageError, WeightsOnlyError)
+from memsnap.manifest import Manifest
+from memsnap.storage import MARKER, Progress, Retention, Store
+
+BAR_MIN_BYTES = 256 << 20  # a progress bar for transfers likely to take a second or more
+
+
+def progress_bar(desc: str, total: int, enabled: bool | None = None) -> tuple[Progress | None, Callable[[], None]]:
+    """A ``(done, total)`` callback drawing a tqdm bar, and a function that closes it."""
+    if enabled is False or (enabled is None and total < BAR_MIN_BYTES):
+        return None, lambda: None
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, leave=False)
+
+    def update(done: int, _total: int) -> None:
+        bar.update(done - bar.n)
+
+    return update, bar.close
+
+
+def _dist() -> Any | None:
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def _rank_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    dist = _dist()
+    if rank is None and world_size is None and dist is not None:
+        return dist.get_rank(), dist.get_world_size()
+    rank, world = (0 if rank is None else rank), (1 if world_size is None else world_size)
+    if world < 1 or not 0 <= rank < world:
+        raise ConfigError(f"rank={rank}, world_size={world} is not a valid rank of the job; "
+                          "need 0 <= rank < world_size")
+    return rank, world
+
+
+def _barrier(world: int, barrier: Callable[[], None] | None) -> Callable[[], None]:
+    if barrier is not None:
+        return barrier
+    dist = _dist()
+    if dist is not None:
+        return dist.barrier
+    if world > 1:
+        raise ConfigError(f"saving with world_size={world} outside torch.distributed needs barrier=, "
+                          "a function that returns once every rank reached it")
+    return lambda: None
+
+
+def _check_save(state: Mapping[str, Any], step: int, weights_only: bool) -> None:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ConfigError(f"step must be a non-negative int, got {step!r}")
+    if not meta.has_optimizer(state) and not weights_only:
+        raise WeightsOnlyError(
+            f"state has no optimizer (keys: {sorted(state)}): resuming from it would restart the "
+            "optimizer from scratch; add the optimizer to state, or pass weights_only=True if that is meant")
+
+
+def save(uri: str, state: Mapping[str, Any], step: int, metadata: Mapping[str, Any] | None = None, *,
+         weights_only: bool = False, milestone: bool = False, keep_last: int | None = None,
+         milestone_every: int = 0, rank: int | None = None, world_size: int | None = None,
+         barrier: Callable[[], None] | None = None, endpoint: str | None = None,
+         throttle_bps: float | None = None, progress: bool | None = None) -> None:
+    """Write ``state`` (a dict of objects with ``state_dict()``, plus RNGs) as step ``step``.
+
+    Every rank calls it; rank and world size come from ``torch.distributed`` when initialised.
+    ``metadata`` (JSON: loss, config...) is recorded with the automatic metadata
+    (``meta.collect``). ``keep_last`` turns on retention: the newest ``keep_last`` steps plus
+    milestones (``milestone_every``, or ``milestone=True`` on this save) are kept.
+    """
+    _check_save(state, step, weights_only)
+    rank, world = _rank_world(rank, world_size)
+    sync = _barrier(world, barrier)
+    info = meta.collect(step, world, state, metadata, milestone)
+    policy = Retention(keep_last, milestone_every) if keep_last is not None else None
+    store = Store.open(uri, endpoint)
+    if store.fs.get_file_info(store.path(step, MARKER)).is_file:
+        raise ConfigError(f"step {step} is already committed under {uri}; save under a new step "
+                          "(committed steps are never overwritten)")
+    manifest, buf = capture(state, checksums=True)
+    manifest.meta.update(step=step, rank=rank, world_size=world)
+    update, close = progress_bar(f"save step {step}", manifest.nbytes, progress)
+    try:
+        store.write_rank(step, rank, manifest, buf, throttle_bps=throttle_bps, progress=update)
+    finally:
+        close()
+    sync()
+    if rank == 0:
+        store.commit(step, world, info)
+        if policy is not None:
+            store.retain(policy)
+    sync()
+
+
+def _all_ok(ok: bool, world: int) -> bool:
+    dist = _dist()
+    if dist is None or world == 1:
+        return ok
+    flag = torch.tensor([int(ok)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def read_step(store: Store, step: int, rank: int, world: int, state: Mapping[str, Any],
+              progress: bool | None = None) -> tuple[Manifest, Any, dict]:
+    """This rank's verified manifest and bytes of ``step``, in the live state's layout."""
+    marker = store.marker(step)
+    if marker["world_size"] != world:
+        manifest, buf = reshard.assemble(store, step, marker, state, rank)
+        return manifest, buf, marker
+    manifest = store.manifest(step, rank, marker)
+    buf = torch.empty(max(manifest.nbytes, 1), dtype=torch.uint8).numpy()[: manifest.nbytes]
+    update, close = progress_bar(f"load step {step}", manifest.nbytes, progress)
+    try:
+        store.read_rank_into(step, rank, buf, marker=marker, progress=update)
+    finally:
+        close()
+    return manifest, buf, marker
+
+
+def _candidates(store: Store, step: int | None) -> list[int]:
+    if step is not None:
+        return [step]
+    steps = store.steps()
+    if not steps:
+        raise SnapshotNotFoundError(f"no committed step under {store.uri}; nothing to load "
+                                    "(check the URI, or start fresh)")
+    return steps[::-1]
+
+
+def load(uri: str, state: Mapping[str, Any], step: int | None = None, *, rank: int | None = None,
+         world_size: int | None = None, strict: bool = True, rng: bool = True,
+         endpoint: str | None = None, progress: bool | None = None) -> int:
+    """Load step ``step`` (None: the newest intact committed step) into ``state``; return it."""
+    rank, world = _rank_world(rank, world_size)
+    store = Store.open(uri, endpoint)
+    last_error: Exception | None = None
+    for s in _candidates(store, step):
+        try:
+            manifest, buf, marker = read_step(store, s, rank, world, state, progress)
+            error = None
+        except (ChecksumError, StorageError, OSError, ValueError) as exc:
+            if step is not None or isinstance(exc, (SnapshotNotFoundError, ConfigError, StateMismatchError)):
+                raise
+            error = exc
+        if not _all_ok(error is None, world):
+            last_error = error or last_error
+            warnings.warn(f"step {s} under {uri} cannot be loaded ({error or 'damaged on another rank'}); "
+                          "falling back to the previous committed step", stacklevel=2)
+            continue
+        _warn_weights_only(marker, s, uri)
+        apply(state, manifest, buf, rng=rng, verify=False, strict=strict)  # bytes verified on read
+        return s
+    raise SnapshotNotFoundError(f"no intact committed step under {uri}; the last error was: {last_error}")
+
+
+def _warn_weights_only(marker: dict, step: int, uri: str) -> None:
+    if not marker.get("metadata", {}).get("has_optimizer", True):
+        warnings.warn(f"step {step} under {uri} holds no optimizer state (saved weights-only); "
+                      "the optimizer starts from scratch", stacklevel=3)

@@ -1,0 +1,77 @@
+"""The metadata every durable step records by itself: step, time, versions, code, host, world."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+from typing import Any, Mapping
+
+from memsnap.errors import ConfigError
+
+
+def git_commit(cwd: str) -> dict[str, Any] | None:
+    """The commit checked out in ``cwd`` (and whether the tree is dirty), or None outside git."""
+    def git(*args: str) -> str:
+        out = subprocess.run(["git", "-C", cwd, *args], capture_output=True, text=True, timeout=5)
+        if out.returncode:
+            raise OSError(out.stderr.strip())
+        return out.stdout.strip()
+
+    try:
+        return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "-uno"))}
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def versions() -> dict[str, str]:
+    import pyarrow
+    import torch
+
+    import memsnap
+
+    return {"memsnap": memsnap.__version__, "torch": torch.__version__, "pyarrow": pyarrow.__version__,
+            "python": platform.python_version()}
+
+
+def has_optimizer(state: Mapping[str, Any]) -> bool:
+    """Whether ``state`` holds optimizer state (a ``torch.optim.Optimizer`` or an ``optim*`` key)."""
+    import torch
+
+    return any(isinstance(v, torch.optim.Optimizer) or k.lower().startswith("optim")
+               for k, v in state.items())
+
+
+def check_user(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The caller's metadata as a JSON-safe dict; ConfigError naming the bad value otherwise."""
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, Mapping):
+        raise ConfigError(f"metadata must be a dict (e.g. {{'loss': 0.3}}), got {type(metadata).__qualname__}")
+    try:
+        return json.loads(json.dumps(dict(metadata), allow_nan=False))
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"metadata must be JSON-serialisable (numbers, strings, lists, dicts): {exc}; "
+                          "convert tensors with .item() / .tolist()") from None
+
+
+def collect(step: int, world_size: int, state: Mapping[str, Any],
+            user: Mapping[str, Any] | None = None, milestone: bool = False) -> dict[str, Any]:
+    """Everything recorded about one step besides its tensors."""
+    now = time.time()
+    return {
+        "step": step,
+        "wall_time": now,
+        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
+        "versions": versions(),
+        "git": git_commit(os.getcwd()),
+        "hostname": socket.gethostname(),
+        "world_size": world_size,
+        "argv": list(sys.argv),
+        "has_optimizer": has_optimizer(state),
+        "milestone": bool(milestone),
+        "user": check_user(user),
+    }

@@ -1,0 +1,194 @@
+"""memsnap.save / memsnap.load: bitwise resume in a fresh process, fallback, metadata, refusals."""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import memsnap
+from memsnap import storage
+from memsnap.errors import (ChecksumError, ConfigError, SnapshotNotFoundError, StorageError,
+                            WeightsOnlyError)
+from memsnap.storage import Store
+
+TESTS = Path(__file__).parent
+REPO = TESTS.parent
+N = 5
+
+RESUME = """
+import json, sys, torch
+sys.path.insert(0, {tests!r})
+import memsnap, toytrain
+objs = toytrain.make(seed=999)  # a different seed: all that matters must come from the checkpoint
+step = memsnap.load({ckpt!r}, objs)
+losses = toytrain.train_steps(objs, {n})
+memsnap.save({out!r}, {{"model": objs["model"]}}, step + {n}, weights_only=True)
+print(json.dumps([x.hex() for x in losses]))
+"""
+
+
+def small_state(seed: int = 0) -> dict:
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(8, 4)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(3, 8)).sum().backward()
+    optim.step()
+    return {"model": model, "optim": optim}
+
+
+def params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.slow
+def test_resume_in_fresh_process_is_bitwise(tmp_path):
+    sys.path.insert(0, str(TESTS))
+    import toytrain
+
+    ref_objs = toytrain.make(seed=0)
+    reference = toytrain.train_steps(ref_objs, 2 * N)
+    objs = toytrain.make(seed=0)
+    first = toytrain.train_steps(objs, N)
+    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
+    memsnap.save(ckpt, objs, N, {"loss": first[-1]})
+    code = RESUME.format(tests=str(TESTS), ckpt=ckpt, out=out, n=N)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=str(REPO))
+    assert proc.returncode == 0, proc.stderr
+    second = [float.fromhex(x) for x in json.loads(proc.stdout.strip().splitlines()[-1])]
+    assert first + second == reference  # exact float equality, step by step
+    model = toytrain.make(seed=5)["model"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the weights-only warning is expected here
+        assert memsnap.load(out, {"model": model}) == 2 * N
+    for name, value in ref_objs["model"].state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
+
+
+def test_load_newest_and_explicit_step(tmp_path):
+    saved = {}
+    for step in (1, 2, 3):
+        state = small_state(step)
+        memsnap.save(str(tmp_path), state, step)
+        saved[step] = params(state["model"])
+    state = small_state(99)
+    assert memsnap.load(str(tmp_path), state) == 3
+    assert all(torch.equal(v, saved[3][k]) for k, v in state["model"].state_dict().items())
+    assert memsnap.load(str(tmp_path), state, step=1) == 1
+    assert all(torch.equal(v, saved[1][k]) for k, v in state["model"].state_dict().items())
+
+
+def test_corrupt_newest_falls_back_with_warning(tmp_path):
+    for step in (1, 2):
+        memsnap.save(str(tmp_path), small_state(step), step)
+    good = params(small_state(1)["model"])
+    path = Store.open(str(tmp_path)).path(2, "rank_00000.bin")
+    raw = bytearray(Path(path).read_bytes())
+    raw[3] ^= 0x40
+    Path(path).write_bytes(raw)
+    state = small_state(99)
+    with pytest.warns(UserWarning, match=r"step 2 .*rank_00000.bin is corrupted.*previous committed step"):
+        assert memsnap.load(str(tmp_path), state) == 1
+    assert all(torch.equal(v, good[k]) for k, v in state["model"].state_dict().items())
+    with pytest.raises(ChecksumError, match="step_000000000002/rank_00000.bin"):
+        memsnap.load(str(tmp_path), state, step=2)
+
+
+def test_truncated_only_step_raises(tmp_path):
+    memsnap.save(str(tmp_path), small_state(), 4)
+    path = Store.open(str(tmp_path)).path(4, "rank_00000.bin")
+    os.truncate(path, os.path.getsize(path) - 10)
+    with pytest.warns(UserWarning, match="truncated"):
+        with pytest.raises(SnapshotNotFoundError, match="no intact committed step"):
+            memsnap.load(str(tmp_path), small_state())
+
+
+def test_nothing_to_load(tmp_path):
+    with pytest.raises(SnapshotNotFoundError, match="no committed step under"):
+        memsnap.load(str(tmp_path / "empty"), small_state())
+
+
+def test_weights_only_refused_then_warned(tmp_path):
+    model = small_state()["model"]
+    with pytest.raises(WeightsOnlyError, match="weights_only=True"):
+        memsnap.save(str(tmp_path), {"model": model}, 1)
+    assert Store.open(str(tmp_path)).steps() == []
+    memsnap.save(str(tmp_path), {"model": model}, 1, weights_only=True)
+    with pytest.warns(UserWarning, match="no optimizer state"):
+        memsnap.load(str(tmp_path), {"model": torch.nn.Linear(8, 4)})
+
+
+def git(cwd: Path, *args: str) -> str:
+    env = dict(os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@example.invalid",
+               GIT_COMMITTER_NAME="t", GIT_COMMITTER_EMAIL="t@example.invalid")
+    return subprocess.run(["git", *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def test_metadata_recorded(tmp_path, monkeypatch):
+    work = tmp_path / "work"
+    work.mkdir()
+    git(work, "init", "-q")
+    (work / "train.py").write_text("print('hi')\n")
+    git(work, "add", "train.py")
+    git(work, "commit", "-q", "-m", "x")
+    monkeypatch.chdir(work)
+    memsnap.save(str(tmp_path / "ckpt"), small_state(), 7, {"loss": 0.25, "config": {"lr": 0.1}})
+    md = Store.open(str(tmp_path / "ckpt")).marker(7)["metadata"]
+    head = git(work, "rev-parse", "HEAD")
+    assert md["step"] == 7 and md["world_size"] == 1 and md["has_optimizer"] is True
+    assert md["user"] == {"loss": 0.25, "config": {"lr": 0.1}}
+    assert md["git"]["commit"] == head
+    assert md["versions"]["torch"] == torch.__version__ and md["versions"]["memsnap"] == memsnap.__version__
+    assert md["git"]["dirty"] is False and md["hostname"] and md["wall_time"] > 0
+    monkeypatch.chdir(tmp_path)  # outside any repository: recorded as None
+    memsnap.save(str(tmp_path / "ckpt"), small_state(), 8)
+    assert Store.open(str(tmp_path / "ckpt")).marker(8)["metadata"]["git"] is None
+
+
+def test_bad_metadata_and_step_rejected(tmp_path):
+    with pytest.raises(ConfigError, match="JSON-serialisable"):
+        memsnap.save(str(tmp_path), small_state(), 1, {"loss": torch.tensor(1.0)})
+    with pytest.raises(ConfigError, match="step must be a non-negative int"):
+        memsnap.save(str(tmp_path), small_state(), -1)
+    memsnap.save(str(tmp_path), small_state(), 1)
+    with pytest.raises(ConfigError, match="already committed"):
+        memsnap.save(str(tmp_path), small_state(), 1)
+
+
+def test_full_disk_during_save_keeps_previous(tmp_path, monkeypatch):
+    memsnap.save(str(tmp_path), small_state(1), 1)
+    good = params(small_state(1)["model"])
+    real = storage._write_all
+
+    def full(fd, mv):
+        real(fd, mv[: mv.nbytes // 2])
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(storage, "_write_all", full)
+    with pytest.raises(StorageError, match="No space left on device.*previous|No space left"):
+        memsnap.save(str(tmp_path), small_state(2), 2)
+    monkeypatch.undo()
+    assert Store.open(str(tmp_path)).steps() == [1]
+    state = small_state(99)
+    assert memsnap.load(str(tmp_path), state) == 1
+    assert all(torch.equal(v, good[k]) for k, v in state["model"].state_dict().items())
+
+
+def test_retention_through_save(tmp_path):
+    for step in range(1, 8):
+        memsnap.save(str(tmp_path), small_state(), step, keep_last=2, milestone_every=3,
+                     milestone=(step == 1))
+    assert Store.open(str(tmp_path)).steps() == [1, 3, 6, 7]
+
+
+def test_multi_rank_without_barrier_refused(tmp_path):
+    with pytest.raises(ConfigError, match="barrier="):
+        memsnap.save(str(tmp_path), small_state(), 1, rank=0, world_size=2)
