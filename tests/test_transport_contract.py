@@ -1,0 +1,332 @@
+"""One contract for every transport: TCP and Ray's object store behave the same."""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+
+import pytest
+import xxhash
+
+from memsnap.errors import MemoryBudgetError, TransportError
+from memsnap.transport import ChunkKey, make_transport
+
+SECRET = os.urandom(32)
+SIZES = [0, 1, 63, 64, 65, 1000, 4097, (1 << 20) + 3, 3 << 20]
+
+
+class DictStore:
+    """An in-memory ChunkStore; refuses any chunk whose owner is "no-room"."""
+
+    def __init__(self):
+        self.held, self.reserved, self.lock = {}, {}, threading.Lock()
+
+    def reserve(self, key, nbytes):
+        if key.owner == "no-room":
+            raise MemoryBudgetError(f"no room for {nbytes} bytes of {key}")
+        buf = bytearray(nbytes)
+        with self.lock:
+            self.reserved[key] = buf
+        return memoryview(buf)
+
+    def complete(self, key, checksum):
+        with self.lock:
+            self.held[key] = (self.reserved.pop(key), checksum)
+
+    def discard(self, key):
+        with self.lock:
+            self.reserved.pop(key, None)
+
+    def lookup(self, key):
+        with self.lock:
+            entry = self.held.get(key)
+        return None if entry is None else (memoryview(entry[0]), entry[1])
+
+    def corrupt(self, key):
+        self.held[key][0][0] ^= 0xFF
+
+
+# --- the TCP side --------------------------------------------------------------------------
+class TcpHarness:
+    def __init__(self):
+        self.store = DictStore()
+        self.server = make_transport("tcp", secret=SECRET, host="127.0.0.1")
+        self.addr = self.server.start(self.store)
+        self.silent = socket.create_server(("127.0.0.1", 0))  # accepts, never answers
+        self.accepted = []
+        threading.Thread(target=self._accept_forever, daemon=True).start()
+        self.hang_addr = {"transport": "tcp", "host": "127.0.0.1", "port": self.silent.getsockname()[1]}
+        gone = make_transport("tcp", secret=SECRET, host="127.0.0.1")
+        self.gone_addr = gone.start(DictStore())
+        gone.close()
+
+    def _accept_forever(self):
+        while True:
+            try:
+                self.accepted.append(self.silent.accept()[0])
+            except OSError:
+                return
+
+    def client(self):
+        return make_transport("tcp", secret=SECRET, host="127.0.0.1")
+
+    def corrupt(self, key):
+        self.store.corrupt(key)
+
+    def held(self):
+        return set(self.store.held)
+
+    def close(self):
+        self.server.close()
+        self.silent.close()
+        for s in self.accepted:
+            s.close()
+
+
+# --- the object-store side -----------------------------------------------------------------
+def _holder_class():
+    import sys
+
+    import ray
+    from ray import cloudpickle
+
+    # workers cannot import this test module: ship the actor class and DictStore by value
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+    @ray.remote(num_cpus=0, max_concurrency=4)
+    class Holder:
+        def __init__(self, hang: bool = False):
+            from memsnap.transport.objstore import ObjStoreTransport
+
+            self.hang = hang
+            self.store = DictStore()
+            self.transport = ObjStoreTransport()
+            self.addr = self.transport.start(self.store)
+
+        def address(self):
+            return self.addr
+
+        def objstore_push(self, packed_keys, refs, checksums):
+            if self.hang:
+                threading.Event().wait(600)
+            return self.transport.handle_push(packed_keys, refs, checksums)
+
+        def objstore_fetch(self, packed_keys):
+            if self.hang:
+                threading.Event().wait(600)
+            return self.transport.handle_fetch(packed_keys)
+
+        def corrupt(self, packed):
+            self.store.corrupt(ChunkKey.unpack(packed))
+
+        def held(self):
+            return [k.pack() for k in self.store.held]
+
+    return Holder
+
+
+class ObjStoreHarness:
+    def __init__(self, cluster):
+        import ray
+
+        holder = _holder_class()
+        pin = {"memsnap_node_1": 0.01}  # the holder on the other node, so bytes cross nodes
+        self.actor = holder.options(name="contract-holder", resources=pin).remote()
+        self.addr = ray.get(self.actor.address.remote(), timeout=60)
+        self.hanger = holder.options(name="contract-hanger", resources=pin).remote(hang=True)
+        self.hang_addr = ray.get(self.hanger.address.remote(), timeout=60)
+        gone = holder.options(name="contract-gone", resources=pin).remote()
+        self.gone_addr = ray.get(gone.address.remote(), timeout=60)
+        ray.kill(gone)
+
+    def client(self):
+        return make_transport("objstore", secret=SECRET, host="127.0.0.1")
+
+    def corrupt(self, key):
+        import ray
+
+        ray.get(self.actor.corrupt.remote(key.pack()), timeout=30)
+
+    def held(self):
+        import ray
+
+        return {ChunkKey.unpack(k) for k in ray.get(self.actor.held.remote(), timeout=30)}
+
+    def close(self):
+        import ray
+
+        for a in (self.actor, self.hanger):
+            ray.kill(a)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from memsnap.localcluster import LocalCluster
+
+    with LocalCluster(2, object_store_mb=128) as c:
+        yield c
+
+
+@pytest.fixture(scope="module", params=["tcp", pytest.param("objstore", marks=pytest.mark.ray)])
+def harness(request):
+    h = TcpHarness() if request.param == "tcp" else ObjStoreHarness(request.getfixturevalue("cluster"))
+    try:
+        yield h
+    finally:
+        h.close()
+
+
+def _chunks(owner: str, step: int = 1, sizes=SIZES):
+    return [(ChunkKey(step, owner, i, i % 3), memoryview(os.urandom(n))) for i, n in enumerate(sizes)]
+
+
+def _empty_like(items):
+    return [(k, memoryview(bytearray(len(v)))) for k, v in items]
+
+
+def test_push_then_fetch_round_trips_every_size(harness):
+    items = _chunks("round-trip")
+    client = harness.client()
+    try:
+        client.push(harness.addr, items, timeout=60)
+        assert {k for k, _ in items} <= harness.held()
+        out = _empty_like(items)
+        assert client.fetch(harness.addr, out, timeout=60) == [True] * len(items)
+        assert [bytes(v) for _, v in out] == [bytes(v) for _, v in items]
+    finally:
+        client.close()
+
+
+def test_many_small_chunks_in_one_call(harness):
+    items = [(ChunkKey(2, "many", i, 0), memoryview(os.urandom(100 + i))) for i in range(300)]
+    client = harness.client()
+    try:
+        client.push(harness.addr, items, timeout=60)
+        out = _empty_like(items)
+        assert all(client.fetch(harness.addr, out, timeout=60))
+        assert all(bytes(a) == bytes(b) for (_, a), (_, b) in zip(items, out))
+    finally:
+        client.close()
+
+
+def test_missing_chunk_is_false_not_an_error(harness):
+    items = _chunks("partly-there", sizes=[10, 20])
+    client = harness.client()
+    try:
+        client.push(harness.addr, items, timeout=30)
+        ask = [items[0], (ChunkKey(1, "partly-there", 99, 0), memoryview(b"x" * 5)), items[1]]
+        assert client.fetch(harness.addr, _empty_like(ask), timeout=30) == [True, False, True]
+        assert client.fetch(harness.addr, [], timeout=30) == []
+    finally:
+        client.close()
+
+
+def test_wrong_length_buffer_is_false(harness):
+    items = _chunks("sized", sizes=[100])
+    client = harness.client()
+    try:
+        client.push(harness.addr, items, timeout=30)
+        assert client.fetch(harness.addr, [(items[0][0], memoryview(bytearray(99)))], timeout=30) == [False]
+    finally:
+        client.close()
+
+
+def test_corrupted_held_bytes_are_false_and_logged(harness, caplog):
+    items = _chunks("corrupt", sizes=[4096, 4096])
+    client = harness.client()
+    try:
+        client.push(harness.addr, items, timeout=30)
+        harness.corrupt(items[0][0])
+        out = _empty_like(items)
+        with caplog.at_level(logging.WARNING, logger="memsnap.transport"):
+            assert client.fetch(harness.addr, out, timeout=30) == [False, True]
+        assert any("checksum" in r.getMessage() and "corrupt" in r.getMessage() for r in caplog.records)
+    finally:
+        client.close()
+
+
+def test_concurrent_pushes_from_two_clients(harness):
+    batches = {name: _chunks(name, sizes=[70_000 + i for i in range(24)]) for name in ("alpha", "beta")}
+    errors = []
+
+    def send(items):
+        client = harness.client()
+        try:
+            client.push(harness.addr, items, timeout=60)
+        except Exception as exc:  # reported below
+            errors.append(exc)
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=send, args=(b,)) for b in batches.values()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors and not any(t.is_alive() for t in threads)
+    client = harness.client()
+    try:
+        for items in batches.values():
+            out = _empty_like(items)
+            assert all(client.fetch(harness.addr, out, timeout=60))
+            assert all(bytes(a) == bytes(b) for (_, a), (_, b) in zip(items, out))
+    finally:
+        client.close()
+
+
+def test_refused_chunk_raises_naming_the_key(harness):
+    items = _chunks("no-room", sizes=[10])
+    client = harness.client()
+    try:
+        with pytest.raises(TransportError, match=r"no-room.*MemoryBudgetError|MemoryBudgetError.*no-room"):
+            client.push(harness.addr, items, timeout=30)
+        assert items[0][0] not in harness.held()
+    finally:
+        client.close()
+
+
+def test_peer_that_never_answers_times_out(harness):
+    client = harness.client()
+    try:
+        with pytest.raises(TransportError, match="timed out") as info:
+            client.push(harness.hang_addr, _chunks("hang", sizes=[10]), timeout=1.5)
+        assert "hang" in str(info.value)
+        with pytest.raises(TransportError, match="timed out"):
+            client.fetch(harness.hang_addr, _empty_like(_chunks("hang", sizes=[10])), timeout=1.5)
+    finally:
+        client.close()
+
+
+def test_peer_gone_raises_transport_error(harness):
+    items = _chunks("gone", sizes=[10])
+    client = harness.client()
+    try:
+        with pytest.raises(TransportError, match="gone"):
+            client.push(harness.gone_addr, items, timeout=10)
+        with pytest.raises(TransportError):
+            client.fetch(harness.gone_addr, _empty_like(items), timeout=10)
+    finally:
+        client.close()
+
+
+def test_checksums_are_xxh3_integers(harness):
+    items = _chunks("sum", sizes=[1234])
+    client = harness.client()
+    try:
+        client.push(harness.addr, items, timeout=30)
+    finally:
+        client.close()
+    if isinstance(harness, TcpHarness):
+        view, checksum = harness.store.lookup(items[0][0])
+        assert checksum == xxhash.xxh3_64_intdigest(bytes(items[0][1])) == xxhash.xxh3_64_intdigest(view)
+
+
+def test_bad_addresses_and_names_are_refused():
+    with pytest.raises(ValueError, match="'carrier-pigeon'"):
+        make_transport("carrier-pigeon", secret=SECRET, host="127.0.0.1")
+    client = make_transport("tcp", secret=SECRET, host="127.0.0.1")
+    with pytest.raises(ValueError, match="not a TCP address"):
+        client.push({"actor": "x"}, _chunks("x", sizes=[1]), timeout=1)
+    with pytest.raises(ValueError, match="at least 16 random bytes"):
+        make_transport("tcp", secret=b"short", host="127.0.0.1")
