@@ -43,7 +43,7 @@ values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.tu
                       | st.dictionaries(keys, inner, max_size=4), max_leaves=20)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(values)
 def test_skeleton_roundtrips_exactly(value):
     assert same(roundtrip(value), value)

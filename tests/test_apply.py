@@ -1,0 +1,215 @@
+"""Apply: in-place restore into live objects, validation before mutation, aliases, DTensors."""
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+
+from memsnap.apply import apply
+from memsnap.capture import capture
+from memsnap.errors import ChecksumError, StateMismatchError
+
+
+def make(seed: int, hidden: int = 5):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(3, hidden), torch.nn.Linear(hidden, 2))
+    optim = torch.optim.AdamW(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(optim, step_size=2, gamma=0.5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    return {"model": model, "optim": optim, "sched": sched, "scaler": scaler, "step": 0, "ema": torch.zeros(2)}
+
+
+def train(state, n: int = 3):
+    for _ in range(n):
+        loss = state["model"](torch.randn(4, 3)).pow(2).sum()
+        state["optim"].zero_grad()
+        loss.backward()
+        state["optim"].step()
+        state["sched"].step()
+        state["step"] += 1
+        state["ema"].add_(1.0)
+
+
+def params(state):
+    return [p.detach().clone() for p in state["model"].parameters()]
+
+
+def test_roundtrip_into_fresh_objects_in_place():
+    src = make(0)
+    train(src)
+    m, buf = capture(src, checksums=True)
+    expect_next = torch.rand(3)  # what the RNG gives right after capture
+    dst = make(1)
+    ptrs = [p.data_ptr() for p in dst["model"].parameters()]
+    ema = dst["ema"]
+    apply(dst, m, buf)
+    assert torch.equal(torch.rand(3), expect_next)
+    assert [p.data_ptr() for p in dst["model"].parameters()] == ptrs and dst["ema"] is ema
+    assert all(torch.equal(a, b) for a, b in zip(params(src), params(dst)))
+    assert dst["step"] == 3 and torch.equal(dst["ema"], src["ema"])
+    assert dst["sched"].state_dict() == src["sched"].state_dict()
+    assert dst["scaler"].state_dict() == src["scaler"].state_dict()
+    # the restored optimizer takes the same next step as the original
+    for s in (src, dst):
+        torch.manual_seed(5)
+        train(s, 1)
+    assert all(torch.equal(a, b) for a, b in zip(params(src), params(dst)))
+
+
+def test_rng_false_leaves_generators_alone():
+    src = make(0)
+    m, buf = capture(src)
+    dst = make(1)
+    torch.manual_seed(42)
+    expect = torch.rand(2)
+    torch.manual_seed(42)
+    apply(dst, m, buf, rng=False)
+    assert torch.equal(torch.rand(2), expect)
+
+
+def snapshot_after_training():
+    src = make(0)
+    train(src)
+    return capture(src, checksums=True)
+
+
+def assert_untouched(state, before):
+    assert all(torch.equal(a, b) for a, b in zip(params(state), before))
+    assert state["step"] == 0 and not state["optim"].state
+
+
+@pytest.mark.parametrize("change, pattern", [
+    (lambda s: s.pop("scaler"), r"'scaler' is in the snapshot but not in the live state"),
+    (lambda s: s.update(other=torch.zeros(1)), r"'other' is in the live state but not in the snapshot"),
+    (lambda s: s.update(ema=torch.zeros(3)), r"'ema'.*float32\[2\].*float32\[3\]"),
+    (lambda s: s.update(ema=torch.zeros(2, dtype=torch.float64)), r"'ema'.*float32\[2\].*float64\[2\]"),
+])
+def test_mismatches_raise_before_anything_changes(change, pattern):
+    m, buf = snapshot_after_training()
+    dst = make(1)
+    change(dst)
+    before = params(dst)
+    torch.manual_seed(7)
+    with pytest.raises(StateMismatchError, match=pattern):
+        apply(dst, m, buf)
+    assert_untouched(dst, before)
+    drawn = torch.rand(1)
+    torch.manual_seed(7)
+    assert torch.equal(drawn, torch.rand(1))  # the RNGs were not restored either
+
+
+def test_model_shape_mismatch_names_the_key_and_both_shapes():
+    m, buf = snapshot_after_training()
+    dst = make(1, hidden=6)
+    before = params(dst)
+    with pytest.raises(StateMismatchError, match=r"'model/0.weight'.*float32\[5, 3\].*float32\[6, 3\]"):
+        apply(dst, m, buf)
+    assert_untouched(dst, before)
+
+
+def test_missing_and_extra_model_keys():
+    m, buf = capture({"model": torch.nn.Linear(3, 2)}, rng=False)
+    with pytest.raises(StateMismatchError, match=r"'model/bias' is in the snapshot"):
+        apply({"model": torch.nn.Linear(3, 2, bias=False)}, m, buf)
+    m2, buf2 = capture({"model": torch.nn.Linear(3, 2, bias=False)}, rng=False)
+    with pytest.raises(StateMismatchError, match=r"'model/bias' is in the live state"):
+        apply({"model": torch.nn.Linear(3, 2)}, m2, buf2)
+    live = torch.nn.Linear(3, 2)
+    apply({"model": live}, m2, buf2, strict=False)  # non-strict: the weight comes back, bias stays
+    assert torch.equal(live.weight, torch.frombuffer(bytearray(buf2[:24]), dtype=torch.float32).view(2, 3))
+
+
+def test_optimizer_with_other_parameter_groups_is_refused():
+    m, buf = snapshot_after_training()
+    dst = make(1)
+    params_ = list(dst["model"].parameters())
+    dst["optim"] = torch.optim.AdamW([{"params": params_[:2]}, {"params": params_[2:]}])
+    with pytest.raises(StateMismatchError, match=r"groups of sizes \[4\].*\[2, 2\]"):
+        apply(dst, m, buf)
+
+
+def test_corrupt_bytes_raise_checksum_error_naming_the_tensor():
+    m, buf = snapshot_after_training()
+    bad = bytearray(buf)
+    e = m.entry("optim/state/1/exp_avg")
+    bad[e.offset] ^= 0x01
+    dst = make(1)
+    before = params(dst)
+    with pytest.raises(ChecksumError, match="optim/state/1/exp_avg"):
+        apply(dst, m, bad)
+    assert_untouched(dst, before)
+
+
+class Tied(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(5, 4)
+        self.head = torch.nn.Linear(4, 5, bias=False)
+        self.head.weight = self.emb.weight
+
+
+def test_tied_weights_stay_tied():
+    torch.manual_seed(0)
+    src, dst = Tied(), Tied()
+    m, buf = capture({"model": src}, rng=False)
+    assert m.entry("model/head.weight").alias_of == "model/emb.weight"
+    apply({"model": dst}, m, buf)
+    assert dst.head.weight is dst.emb.weight and torch.equal(dst.emb.weight, src.emb.weight)
+
+
+@pytest.fixture(scope="module")
+def gloo_world_of_one():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_dtensor_records_its_place_and_applies_into_its_shard(gloo_world_of_one):
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = gloo_world_of_one
+    src = {"s": distribute_tensor(torch.arange(12.0).view(4, 3), mesh, [Shard(0)]),
+           "r": distribute_tensor(torch.ones(2), mesh, [Replicate()])}
+    m, buf = capture(src, rng=False)
+    e = m.entry("s")
+    assert (e.global_shape, e.global_offset, e.placements, e.mesh_shape) == ((4, 3), (0, 0), ("Shard(0)",), (1,))
+    assert m.entry("r").placements == ("Replicate()",)
+    dst = {"s": distribute_tensor(torch.zeros(4, 3), mesh, [Shard(0)]),
+           "r": distribute_tensor(torch.zeros(2), mesh, [Replicate()])}
+    local = dst["s"].to_local()
+    apply(dst, m, buf)
+    assert torch.equal(local, torch.arange(12.0).view(4, 3)) and torch.equal(dst["r"].to_local(), torch.ones(2))
+
+
+def test_fully_sharded_model_and_optimizer_resume_identically(gloo_world_of_one):
+    from torch.distributed.fsdp import fully_shard
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+        fully_shard(model)
+        return model, torch.optim.AdamW(model.parameters())
+
+    def step(model, optim):
+        optim.zero_grad()
+        model(torch.ones(2, 4)).pow(2).sum().backward()
+        optim.step()
+
+    src = build()
+    step(*src)
+    m, buf = capture({"model": src[0], "optim": src[1]})
+    assert m.entry("optim/state/0/exp_avg").placements == ("Shard(0)",)
+    dst = build()
+    apply({"model": dst[0], "optim": dst[1]}, m, buf)
+    step(*src)
+    step(*dst)
+    assert all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(src[0].parameters(), dst[0].parameters()))
