@@ -7,13 +7,24 @@
 #define AVX2 __attribute__((target("avx2"), always_inline)) static inline
 #define SSSE3 __attribute__((target("ssse3"), always_inline)) static inline
 #define MAXG 4 /* outputs computed together while an input block sits in registers */
+#ifndef NT_MIN_LEN
+#define NT_MIN_LEN (512 * 1024) /* shorter outputs are likely read again soon: keep them cached */
+#endif
 
 /* ---- AVX2 --------------------------------------------------------------------------------- */
 
 /* Rows j0..j0+M-1 over [p, end) in blocks of 32*U bytes; row j0 is XOR when X. Returns where it
  * stopped (the tail, shorter than one block). */
-AVX2 size_t avx2_dot(const rs_job *jb, int j0, const int M, const int X, const int U, size_t p,
-                     size_t end)
+AVX2 void avx2_store(uint8_t *dst, __m256i v, const int NT)
+{
+    if (NT)
+        _mm256_stream_si256((__m256i *)dst, v);
+    else
+        _mm256_storeu_si256((__m256i *)dst, v);
+}
+
+AVX2 size_t avx2_dot(const rs_job *jb, int j0, const int M, const int X, const int U, const int NT,
+                     size_t p, size_t end)
 {
     const int k = jb->cols;
     const __m256i mask = _mm256_set1_epi8(0x0f);
@@ -43,13 +54,13 @@ AVX2 size_t avx2_dot(const rs_job *jb, int j0, const int M, const int X, const i
         }
         for (int j = 0; j < M; j++)
             for (int u = 0; u < U; u++)
-                _mm256_storeu_si256((__m256i *)(jb->out[j0 + j] + p + 32 * u), acc[j][u]);
+                avx2_store(jb->out[j0 + j] + p + 32 * u, acc[j][u], NT);
     }
     return p;
 }
 
 /* RAID-6 P+Q: P = xor of the inputs, Q by Horner's rule with a multiply by 2 per input. */
-AVX2 size_t avx2_pq(const rs_job *jb, size_t p, size_t end)
+AVX2 size_t avx2_pq(const rs_job *jb, const int NT, size_t p, size_t end)
 {
     const int k = jb->cols;
     const __m256i poly = _mm256_set1_epi8(0x1d), zero = _mm256_setzero_si256();
@@ -69,41 +80,68 @@ AVX2 size_t avx2_pq(const rs_job *jb, size_t p, size_t end)
             p0 = _mm256_xor_si256(p0, x0);
             p1 = _mm256_xor_si256(p1, x1);
         }
-        _mm256_storeu_si256((__m256i *)(jb->out[0] + p), p0);
-        _mm256_storeu_si256((__m256i *)(jb->out[0] + p + 32), p1);
-        _mm256_storeu_si256((__m256i *)(jb->out[1] + p), q0);
-        _mm256_storeu_si256((__m256i *)(jb->out[1] + p + 32), q1);
+        avx2_store(jb->out[0] + p, p0, NT);
+        avx2_store(jb->out[0] + p + 32, p1, NT);
+        avx2_store(jb->out[1] + p, q0, NT);
+        avx2_store(jb->out[1] + p + 32, q1, NT);
     }
     return p;
 }
 
-__attribute__((target("avx2"))) static size_t avx2_group(const rs_job *jb, int j0, int n, int x,
-                                                         size_t p, size_t end)
-{
-    switch (n * 2 + x) {
-    case 2: return avx2_dot(jb, j0, 1, 0, 2, p, end);
-    case 3: return avx2_dot(jb, j0, 1, 1, 2, p, end);
-    case 4: return avx2_dot(jb, j0, 2, 0, 2, p, end);
-    case 5: return avx2_dot(jb, j0, 2, 1, 2, p, end);
-    case 6: return avx2_dot(jb, j0, 3, 0, 1, p, end);
-    case 7: return avx2_dot(jb, j0, 3, 1, 2, p, end);
-    case 8: return avx2_dot(jb, j0, 4, 0, 1, p, end);
-    default: return avx2_dot(jb, j0, 4, 1, 1, p, end);
+#define AVX2_GROUPS(NT)                                                                          \
+    switch (n * 2 + x) {                                                                         \
+    case 2: return avx2_dot(jb, j0, 1, 0, 2, NT, p, end);                                        \
+    case 3: return avx2_dot(jb, j0, 1, 1, 2, NT, p, end);                                        \
+    case 4: return avx2_dot(jb, j0, 2, 0, 2, NT, p, end);                                        \
+    case 5: return avx2_dot(jb, j0, 2, 1, 2, NT, p, end);                                        \
+    case 6: return avx2_dot(jb, j0, 3, 0, 1, NT, p, end);                                        \
+    case 7: return avx2_dot(jb, j0, 3, 1, 2, NT, p, end);                                        \
+    case 8: return avx2_dot(jb, j0, 4, 0, 1, NT, p, end);                                        \
+    default: return avx2_dot(jb, j0, 4, 1, 1, NT, p, end);                                       \
     }
+
+__attribute__((target("avx2"))) static size_t avx2_group(const rs_job *jb, int j0, int n, int x,
+                                                         int nt, size_t p, size_t end)
+{
+    if (nt)
+        AVX2_GROUPS(1)
+    AVX2_GROUPS(0)
+}
+
+/* Streaming (non-temporal) stores skip the read-for-ownership of outputs that will not fit in
+ * cache anyway; they need every output 32-byte aligned at the same offset. Returns the number of
+ * head bytes to do with ordinary code first, or -1 when streaming does not apply. */
+static long stream_head(const rs_job *jb, size_t off, size_t len)
+{
+    if (len < NT_MIN_LEN)
+        return -1;
+    uintptr_t mis = (uintptr_t)(jb->out[0] + off) & 31;
+    for (int j = 1; j < jb->rows; j++)
+        if (((uintptr_t)(jb->out[j] + off) & 31) != mis)
+            return -1;
+    return mis ? (long)(32 - mis) : 0;
 }
 
 __attribute__((target("avx2"))) void rs_kernel_avx2(const rs_job *jb, size_t off, size_t len)
 {
     size_t end = off + len;
+    long head = stream_head(jb, off, len);
+    int nt = head >= 0;
+    if (nt && head > 0) {
+        rs_kernel_avx2(jb, off, (size_t)head);
+        off += (size_t)head;
+    }
     if (jb->pq) {
-        rs_tail_pq(jb, avx2_pq(jb, off, end), end);
-        return;
+        rs_tail_pq(jb, nt ? avx2_pq(jb, 1, off, end) : avx2_pq(jb, 0, off, end), end);
+    } else {
+        for (int j0 = 0; j0 < jb->rows; j0 += MAXG) {
+            int n = jb->rows - j0 < MAXG ? jb->rows - j0 : MAXG;
+            int x = j0 == 0 && jb->xor_row0;
+            rs_tail(jb, j0, n, avx2_group(jb, j0, n, x, nt, off, end), end);
+        }
     }
-    for (int j0 = 0; j0 < jb->rows; j0 += MAXG) {
-        int n = jb->rows - j0 < MAXG ? jb->rows - j0 : MAXG;
-        int x = j0 == 0 && jb->xor_row0;
-        rs_tail(jb, j0, n, avx2_group(jb, j0, n, x, off, end), end);
-    }
+    if (nt)
+        _mm_sfence();
 }
 
 /* ---- SSSE3 -------------------------------------------------------------------------------- */

@@ -165,3 +165,20 @@ def test_property_any_k_shards_rebuild_the_stripe(k, m, length, offset, seed, da
     assert all(bytes(out[i]) == bytes(full[i]) for i in range(k + m))
     want = oracle.matvec(oracle.generator(k, m), shards) if m else []
     assert [p.tobytes() for p in parity] == [w.tobytes() for w in want]
+
+
+@pytest.mark.parametrize("isa", FAST_ISAS)
+@pytest.mark.parametrize("k,m", [(4, 2), (3, 1), (5, 3)])
+def test_large_outputs_with_shared_and_mixed_misalignment(isa: str, k: int, m: int) -> None:
+    """Outputs long enough for streaming stores, misaligned alike (streamed) and unalike (not)."""
+    rng = np.random.default_rng(13)
+    length = (600 << 10) + 7
+    data = random_shards(rng, k, length)
+    rs = codec.ReedSolomon(k, m)
+    want = encode_with("scalar", rs, data)
+    for shifts in ([5] * m, list(range(1, m + 1))):
+        backing = [np.zeros(length + 128, dtype=np.uint8) for _ in range(m)]
+        parity = [b[(-b.ctypes.data) % 64 + s:][:length] for b, s in zip(backing, shifts)]
+        with codec.using_isa(isa):
+            rs.encode_into(data, parity)
+        assert [p.tobytes() for p in parity] == want, shifts
