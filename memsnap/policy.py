@@ -139,6 +139,7 @@ class Scheduler:
         self._start = clock()
         self._cost = policy.initial_cost_seconds
         self._failures: list[float] = []
+        self._failure_keys: set[str] = set()
         self._timed = policy.every_seconds is not None or policy.auto
         self._restart(start_step, self._start)
         if policy.auto and self._cost is None:
@@ -164,12 +165,21 @@ class Scheduler:
         self._cost = seconds if self._cost is None else a * seconds + (1 - a) * self._cost
         self._retime()
 
-    def record_failure(self, at: float | None = None) -> None:
-        """Count one failure of the job, at clock time ``at`` (now if None)."""
+    def record_failure(self, at: float | None = None, key: str | None = None) -> bool:
+        """Count one failure of the job at clock time ``at`` (now if None); True if counted.
+
+        ``key`` names the failure (e.g. the dead node's id) so that the same loss reported
+        by several ranks or polls counts once.
+        """
+        if key is not None:
+            if key in self._failure_keys:
+                return False
+            self._failure_keys.add(key)
         when = self._clock() if at is None else require_positive_float(
             "at", at, "pass a time from the scheduler's clock, or None for now", allow_zero=True)
         self._failures.append(when)
         self._retime()
+        return True
 
     @property
     def cost_seconds(self) -> float | None:
@@ -196,6 +206,13 @@ class Scheduler:
         if self._cost is None:
             return 0.0
         return young_daly_interval(self._cost, self.mtbf_seconds())
+
+    def describe(self) -> dict[str, float | int | str | None]:
+        """The scheduler's state as JSON-ready numbers, for logs and status reports."""
+        return {"tier": self.policy.tier, "cost_s": self._cost, "failures": len(self._failures),
+                "mtbf_s": self.mtbf_seconds(), "interval_s": self.interval_seconds(),
+                "next_step": None if math.isinf(self._next_step) else self._next_step,
+                "next_in_s": None if math.isinf(self._next_time) else self._next_time - self._clock()}
 
     def _restart(self, step: int, now: float) -> None:
         every = self.policy.every_steps

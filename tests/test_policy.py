@@ -222,3 +222,28 @@ def test_staleness_guard_with_nothing_committed():
         guard.check(14, None)
     with pytest.raises(ConfigError, match="max_steps_behind=0"):
         StalenessGuard(0)
+
+
+def test_the_same_failure_reported_twice_counts_once():
+    clock = FakeClock(t=0.0)
+    sched = Scheduler(Policy(auto=True, mtbf_hours=2.0, initial_cost_seconds=1.0), clock)
+    clock.t = 600.0
+    assert sched.record_failure(key="node-a") is True
+    assert sched.record_failure(key="node-a") is False
+    assert sched.record_failure(key="node-b") is True
+    assert sched.failures == 2
+    assert sched.mtbf_seconds() == pytest.approx((7200.0 + 600.0) / 3)
+
+
+def test_describe_reports_the_numbers_in_use():
+    clock = FakeClock(t=50.0)
+    sched = Scheduler(Policy(auto=True, every_steps=100, mtbf_hours=1.0, tier="spill"), clock)
+    sched.taken(7, cost_seconds=2.0)
+    clock.t += 10.0
+    info = sched.describe()
+    interval = math.sqrt(2 * 2.0 * (3600.0 + 10.0))
+    assert info["tier"] == "spill" and info["cost_s"] == 2.0 and info["failures"] == 0
+    assert info["next_step"] == 107
+    assert info["interval_s"] == pytest.approx(interval)
+    # the next time was set at the snapshot, from the MTBF estimate of that moment
+    assert info["next_in_s"] == pytest.approx(math.sqrt(2 * 2.0 * 3600.0) - 10.0)
