@@ -139,3 +139,16 @@ def test_plan_inputs_validate_directly():
 ])
 def test_format_duration(seconds, text):
     assert plan_cmd.format_duration(seconds) == text
+
+
+def test_measure_uses_this_machines_memcpy(capsys):
+    rc, out, _ = invoke(capsys, *BASE, "--measure", "--json")
+    assert rc == 0
+    data = json.loads(out)
+    bc = data["inputs"]["memcpy_gbps"]
+    assert data["inputs"]["memcpy_measured"] is True
+    assert math.isfinite(bc) and bc > 0
+    ram = data["tiers"][0]
+    assert ram["snapshot_cost_s"] == pytest.approx(90 / bc)
+    rc, out, _ = invoke(capsys, *BASE, "--measure")
+    assert rc == 0 and "GB/s (measured)" in out.splitlines()[0]

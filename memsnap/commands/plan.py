@@ -1,8 +1,9 @@
 """``memsnap plan``: recommended snapshot intervals and expected lost work, per tier.
 
 Inputs: ``S`` the state per node (GB), ``N`` nodes, the MTBF of one node, the bandwidths
-(``Bc`` memcpy, ``Bn`` one TCP stream times ``streams``, ``Bd`` durable storage per node, all
-GB/s), the code ``k+m`` and optionally the step time. Formulas, all in seconds:
+(``Bc`` memcpy, assumed or measured with ``--measure``; ``Bn`` one TCP stream times
+``streams``; ``Bd`` durable storage per node; all GB/s), the code ``k+m`` and optionally the
+step time. Formulas, all in seconds:
 
 * job MTBF: ``M = mtbf_hours * 3600 / N`` (any node's failure interrupts the job).
 * snapshot cost ``C``, the time from ``save`` until the snapshot is safe in that tier, counted
@@ -31,6 +32,7 @@ import argparse
 import json
 import math
 import sys
+import time
 from dataclasses import asdict, dataclass
 
 from memsnap.errors import ConfigError
@@ -53,6 +55,7 @@ class PlanInputs:
     k: int = 2
     m: int = 1
     step_seconds: float | None = None
+    memcpy_measured: bool = False  # memcpy_gbps was measured on this machine (--measure)
 
     def __post_init__(self) -> None:
         for name in ("state_gb", "mtbf_hours", "memcpy_gbps", "network_gbps", "disk_gbps"):
@@ -95,6 +98,20 @@ def tier_costs(p: PlanInputs) -> dict[str, tuple[float, float]]:
     }
 
 
+def measure_memcpy_gbps(nbytes: int = 256 << 20, repeats: int = 5) -> float:
+    """This machine's copy bandwidth in GB/s: best of ``repeats`` copies between touched buffers."""
+    import numpy as np
+
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.zeros(nbytes, dtype=np.uint8)  # zeros, then a first copy, touches every page
+    best = math.inf
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
+
+
 def job_mtbf_seconds(p: PlanInputs) -> float:
     return p.mtbf_hours * 3600.0 / p.nodes
 
@@ -134,7 +151,8 @@ def format_table(p: PlanInputs, plans: list[TierPlan]) -> str:
                       f"{100 * t.overhead_fraction:.2f}%") for t in plans]
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = [f"{p.state_gb:g} GB/node x {p.nodes} nodes, node MTBF {p.mtbf_hours:g} h -> "
-             f"job MTBF {format_duration(mtbf)}; k={p.k} m={p.m}; memcpy {p.memcpy_gbps:g} GB/s, "
+             f"job MTBF {format_duration(mtbf)}; k={p.k} m={p.m}; memcpy {p.memcpy_gbps:.3g} GB/s"
+             f"{' (measured)' if p.memcpy_measured else ''}, "
              f"network {p.network_gbps:g} GB/s x {p.streams} stream(s), disk {p.disk_gbps:g} GB/s",
              ""]
     for i, r in enumerate(rows):
@@ -171,6 +189,8 @@ def register(subparsers) -> argparse.ArgumentParser:
         ap.add_argument("--" + name, type=int, default=d[name].default,
                         help=f"{text} (default {d[name].default})")
     ap.add_argument("--step-seconds", type=float, default=None, help="one training step, seconds")
+    ap.add_argument("--measure", action="store_true",
+                    help="measure this machine's memcpy bandwidth and use it for --memcpy-gbps")
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
     ap.set_defaults(func=run)
     return ap
@@ -178,9 +198,12 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Print the plan; 0 on success, 2 with a message on stderr for bad inputs."""
-    names = [f for f in PlanInputs.__dataclass_fields__]
+    names = [f for f in PlanInputs.__dataclass_fields__ if f != "memcpy_measured"]
+    values = {n: getattr(args, n) for n in names}
+    if args.measure:
+        values.update(memcpy_gbps=measure_memcpy_gbps(), memcpy_measured=True)
     try:
-        p = PlanInputs(**{n: getattr(args, n) for n in names})
+        p = PlanInputs(**values)
     except ConfigError as exc:
         print(f"memsnap plan: error: {exc}", file=sys.stderr)
         return 2
