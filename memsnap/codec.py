@@ -118,7 +118,7 @@ class ReedSolomon:
         self._parity_tables = _codec.tables(self._parity)
         identity = np.eye(k, dtype=np.uint8).tobytes()
         self._full = identity + self._parity
-        self._decoders: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[bytes, bytes]] = {}
+        self._plans: dict[tuple[tuple[int, ...], bool], tuple] = {}  # per loss pattern
         self._data_ids = tuple(range(k))
         self._parity_ids = tuple(range(k, k + m))
 
@@ -159,13 +159,13 @@ class ReedSolomon:
         ``out`` optionally maps a lost shard's index to a writable buffer to rebuild it into
         (instead of a new array), e.g. a slot of a preallocated receive arena.
         """
-        return self._rebuild(shards, range(self.n), out)
+        return self._rebuild(shards, False, out)
 
     def reconstruct_data(
         self, shards: Sequence[Any], *, out: Mapping[int, Any] | None = None
     ) -> list[Any]:
         """Like ``reconstruct`` but rebuild only data shards; lost parity stays ``None``."""
-        return self._rebuild(shards, range(self.k), out)
+        return self._rebuild(shards, True, out)
 
     def verify(self, shards: Sequence[Any]) -> bool:
         """True when the parity shards match the data shards; every shard must be present."""
@@ -189,39 +189,42 @@ class ReedSolomon:
         return True
 
     def _rebuild(
-        self, shards: Sequence[Any], wanted_range: range, out_bufs: Mapping[int, Any] | None
+        self, shards: Sequence[Any], data_only: bool, out_bufs: Mapping[int, Any] | None
     ) -> list[Any]:
         self._check_count(shards, self.n, "shards (k + m)")
-        present = [i for i, s in enumerate(shards) if s is not None]
-        if len(present) < self.k:
-            raise TooFewShardsError(
-                f"only {len(present)} of {self.n} shards present ({present}); at least k={self.k} "
-                "are needed to rebuild a stripe"
-            )
-        wanted = tuple(i for i in wanted_range if shards[i] is None)
+        lost = tuple([i for i, s in enumerate(shards) if s is None])
+        plan = self._plans.get((lost, data_only)) or self._plan(lost, data_only)
         out = list(shards)
+        used, wanted, coef, tables = plan
         if not wanted:
             return out
-        used = tuple(present[: self.k])
-        coef, tables = self._decoder(used, wanted)
-        length = _nbytes(shards[used[0]], used[0], self.k)
-        out_bufs = out_bufs or {}
-        rebuilt = [out_bufs.get(i) for i in wanted]
-        rebuilt = [np.empty(length, np.uint8) if b is None else b for b in rebuilt]
         inputs = [shards[i] for i in used]
+        try:
+            rebuilt = [out_bufs[i] for i in wanted]  # type: ignore[index]
+        except (KeyError, TypeError):
+            bufs = out_bufs or {}
+            length = _nbytes(inputs[0], used[0], self.k)
+            rebuilt = [bufs[i] if i in bufs else np.empty(length, np.uint8) for i in wanted]
         _codec.apply(coef, tables, len(wanted), self.k, inputs, rebuilt, self.threads, used, wanted,
                      self.k)
         for i, arr in zip(wanted, rebuilt):
             out[i] = arr
         return out
 
-    def _decoder(self, used: tuple[int, ...], wanted: tuple[int, ...]) -> tuple[bytes, bytes]:
-        key = (used, wanted)
-        found = self._decoders.get(key)
-        if found is None:
-            coef = _codec.decode_matrix(self._full, self.k, used, wanted)
-            found = self._decoders[key] = (coef, _codec.tables(coef))
-        return found
+    def _plan(self, lost: tuple[int, ...], data_only: bool) -> tuple:
+        """Which k shards to read, which to rebuild, and the decode matrix, per loss pattern."""
+        present = [i for i in range(self.n) if i not in lost]
+        if len(present) < self.k:
+            raise TooFewShardsError(
+                f"only {len(present)} of {self.n} shards present ({present}); at least k={self.k} "
+                "are needed to rebuild a stripe"
+            )
+        used = tuple(present[: self.k])
+        wanted = tuple(i for i in lost if i < self.k) if data_only else lost
+        coef = _codec.decode_matrix(self._full, self.k, used, wanted) if wanted else b""
+        plan = (used, wanted, coef, _codec.tables(coef))
+        self._plans[(lost, data_only)] = plan
+        return plan
 
     @staticmethod
     def _check_count(items: Sequence[Any], expected: int, what: str) -> None:
