@@ -102,7 +102,7 @@ class PreemptionWatcher:
     def start(self) -> "PreemptionWatcher":
         """Install the signal handlers (main thread only) and start the drain poll."""
         self._install_signals()
-        if self._poll_seconds is not None:
+        if self._poll_seconds is not None and self._thread is None:
             if self._node_id is None:
                 self._node_id = _current_ray_node()
             self._stop.clear()
