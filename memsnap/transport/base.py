@@ -57,7 +57,9 @@ class ChunkStore(Protocol):
       1. ``reserve(key, nbytes)`` -> a writable, preallocated destination of exactly ``nbytes``;
       2. then either ``complete(key, checksum)`` once the bytes are in and verified,
          or ``discard(key)`` when they did not arrive whole (connection lost, bad checksum).
-    and ``lookup(key)`` when a peer fetches a chunk.
+    and ``lookup(key)`` when a peer fetches a chunk. A client may push the same key again
+    (a retry on a fresh connection), so ``reserve`` of a key already held must replace it.
+    Calls come from several server threads at once.
     """
 
     def reserve(self, key: ChunkKey, nbytes: int) -> memoryview:

@@ -119,6 +119,7 @@ class _Server:
         if op == wire.PUSH:
             self._receive(sock, key, nbytes, checksum)
         else:
+            wire.drain(sock, nbytes)  # a fetch carries no payload; skip any a bad client sent
             self._send(sock, key)
 
     def _receive(self, sock: socket.socket, key: ChunkKey, nbytes: int, checksum: int) -> None:
