@@ -171,12 +171,12 @@ class Scheduler:
         ``key`` names the failure (e.g. the dead node's id) so that the same loss reported
         by several ranks or polls counts once.
         """
+        when = self._clock() if at is None else require_positive_float(
+            "at", at, "pass a time from the scheduler's clock, or None for now", allow_zero=True)
         if key is not None:
             if key in self._failure_keys:
                 return False
             self._failure_keys.add(key)
-        when = self._clock() if at is None else require_positive_float(
-            "at", at, "pass a time from the scheduler's clock, or None for now", allow_zero=True)
         self._failures.append(when)
         self._retime()
         return True

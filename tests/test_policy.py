@@ -247,3 +247,11 @@ def test_describe_reports_the_numbers_in_use():
     assert info["interval_s"] == pytest.approx(interval)
     # the next time was set at the snapshot, from the MTBF estimate of that moment
     assert info["next_in_s"] == pytest.approx(math.sqrt(2 * 2.0 * 3600.0) - 10.0)
+
+
+def test_a_bad_failure_time_is_rejected_and_not_counted():
+    sched = Scheduler(Policy(auto=True, mtbf_hours=1.0), FakeClock())
+    with pytest.raises(ConfigError, match="at=-3"):
+        sched.record_failure(at=-3.0, key="node-a")
+    assert sched.failures == 0
+    assert sched.record_failure(key="node-a") is True
