@@ -101,10 +101,11 @@ class PreemptionWatcher:
     # --- lifecycle ---------------------------------------------------------------------
     def start(self) -> "PreemptionWatcher":
         """Install the signal handlers (main thread only) and start the drain poll."""
+        polls = self._poll_seconds is not None and self._thread is None
+        if polls and self._node_id is None:
+            self._node_id = _current_ray_node()
         self._install_signals()
-        if self._poll_seconds is not None and self._thread is None:
-            if self._node_id is None:
-                self._node_id = _current_ray_node()
+        if polls:
             self._stop.clear()
             self._thread = threading.Thread(target=self._poll_loop, daemon=True,
                                             name="memsnap-preempt-poll")

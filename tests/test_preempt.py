@@ -165,8 +165,10 @@ def test_poll_without_ray_or_node_id_says_how_to_fix(monkeypatch):
     import ray
 
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(ConfigError, match="ray.init"):
-        PreemptionWatcher(lambda d: None, signals=(), poll_seconds=1.0).start()
+        PreemptionWatcher(lambda d: None, poll_seconds=1.0).start()
+    assert signal.getsignal(signal.SIGTERM) == before, "a failed start leaves no handler behind"
 
 
 @pytest.mark.ray
