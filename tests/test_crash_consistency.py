@@ -1,0 +1,87 @@
+"""SIGKILL the writer at random points of a save: load must return a whole committed step.
+
+The seed of the kill points is printed (run with ``-s`` to see it) and can be set with
+``MEMSNAP_CRASH_SEED`` to replay a failure.
+"""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import memsnap
+from memsnap.storage import Store
+
+KILLS = 4
+WRITER = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+import memsnap
+from test_crash_consistency import make_state
+state = make_state({step})
+print("saving", flush=True)
+memsnap.save({uri!r}, state, {step})
+print("done", flush=True)
+"""
+
+
+def make_state(seed: int) -> dict:
+    """~50 MiB of model + AdamW state, determined by ``seed``."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)])
+    optim = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 1024)).sum().backward()
+    optim.step()
+    return {"model": model, "optim": optim}
+
+
+def same_model(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    sb = b.state_dict()
+    return all(torch.equal(v, sb[k]) for k, v in a.state_dict().items())
+
+
+def run_and_kill(uri: str, step: int, delay: float) -> bool:
+    """Start a writer saving ``step``, SIGKILL it ``delay`` s into the save; True if it finished."""
+    code = WRITER.format(tests=os.path.dirname(__file__), uri=uri, step=step)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "saving"
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        out = proc.communicate(timeout=60)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    return "done" in out
+
+
+def test_sigkill_during_save_leaves_a_whole_step(tmp_path):
+    seed = int(os.environ.get("MEMSNAP_CRASH_SEED", "20261129"))
+    print(f"crash-consistency seed: {seed} (set MEMSNAP_CRASH_SEED to replay)")
+    rng = random.Random(seed)
+    uri = str(tmp_path / "ckpt")
+    expected = {1: make_state(1)}
+    t0 = time.perf_counter()
+    memsnap.save(uri, expected[1], 1)
+    save_s = time.perf_counter() - t0
+    probe, outcomes = make_state(0), []
+    for i in range(KILLS):
+        step = 2 + i
+        delay = rng.uniform(0.0, 1.3 * save_s)
+        finished = run_and_kill(uri, step, delay)
+        committed = Store.open(uri).steps()
+        got = memsnap.load(uri, probe)
+        assert got == committed[-1]
+        if got not in expected:
+            expected[got] = make_state(got)
+        assert same_model(probe["model"], expected[got]["model"]), f"step {got} loaded damaged"
+        outcomes.append((round(delay, 3), finished, got == step))
+    print(f"save took {save_s:.2f}s; (delay, writer finished, new step committed): {outcomes}")
+    assert all(c or not f for _, f, c in outcomes)  # a writer that finished always committed
