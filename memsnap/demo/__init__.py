@@ -1,0 +1,9 @@
+"""``memsnap demo``: a node killed mid-training on a simulated Ray cluster, the job resuming
+from peers' RAM, and a loss curve bitwise identical to a run that never failed.
+
+    model.py      the small transformer and its synthetic data
+    train.py      one rank's training loop (the same code with and without Ray Train)
+    reference.py  the run that never fails (plain gloo processes)
+    driver.py     the cluster, the Ray Train job, the failure and the report
+    plot.py       the loss curves as a PNG
+"""

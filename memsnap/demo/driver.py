@@ -1,0 +1,303 @@
+"""The demo's driver: cluster, Ray Train job, failure injection, measurements and report.
+
+Timeline of one failure (all times on the driver's clock):
+
+    kill      the victim node's raylet, workers and agent are SIGKILLed
+    detect    Ray's GCS marks the node dead (health checks; see localcluster.py)
+    restart   every rank of the new worker group is running ``train_loop_per_worker`` again
+    restore   every rank has loaded the restored step (the lost rank from peers' RAM)
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+from memsnap.demo.model import ModelConfig
+from memsnap.demo.train import TrainConfig, read_log
+from memsnap.demo.worker import read_events, train_loop_per_worker
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    nodes: int = 4
+    k: int = 2
+    m: int = 1
+    model: str = "small"
+    steps: int = 40
+    failure_steps: tuple[int, ...] = (15,)
+    spill_every: int = 10
+    out: str = "memsnap-demo"
+    seed: int = 0
+    timeout_s: float = 900.0
+
+    def __post_init__(self):
+        ModelConfig.sized(self.model)  # validates the name
+        if self.nodes < self.k + self.m + 1:
+            raise ValueError(f"--nodes {self.nodes} is too few for k={self.k}, m={self.m}: "
+                             f"RS({self.k},{self.m}) needs at least k+m+1 = {self.k + self.m + 1} nodes")
+        if self.steps < 2:
+            raise ValueError(f"--steps {self.steps}: needs at least 2 steps")
+        fs = list(self.failure_steps)
+        if fs != sorted(set(fs)) or any(not 0 < s < self.steps - 1 for s in fs):
+            raise ValueError(f"--failure-step {fs}: failure steps must be increasing and inside "
+                             f"(0, {self.steps - 1})")
+        if len(fs) > self.nodes - 1:
+            raise ValueError(f"{len(fs)} failures need more than {self.nodes} nodes")
+
+    @property
+    def job(self) -> str:
+        return "demo"
+
+
+@dataclass
+class Failure:
+    step: int
+    rank: int
+    node: str
+    t_kill: float
+    t_dead: float | None = None
+
+
+@dataclass
+class Run:
+    opts: DemoOptions
+    log_path: str
+    events_path: str
+    failures: list[Failure] = field(default_factory=list)
+    result: object = None
+    error: BaseException | None = None
+
+
+def _say(msg: str) -> None:
+    print(f"[memsnap demo] {msg}", file=sys.stderr, flush=True)
+
+
+def _train_config(opts: DemoOptions, log_path: str) -> TrainConfig:
+    return TrainConfig(model=ModelConfig.sized(opts.model), steps=opts.steps, seed=opts.seed,
+                       log_path=log_path, batch=8)
+
+
+def _trainer(opts: DemoOptions, run: Run, spill_uri: str):
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    config = {
+        "train": _train_config(opts, run.log_path).to_json(),
+        "events": run.events_path,
+        "job": opts.job,
+        "snapshotter": {"k": opts.k, "m": opts.m, "spill": spill_uri, "spill_every": opts.spill_every},
+    }
+    return TorchTrainer(
+        train_loop_per_worker, train_loop_config=config,
+        scaling_config=ScalingConfig(num_workers=opts.nodes, placement_strategy="STRICT_SPREAD"),
+        run_config=RunConfig(storage_path=os.path.join(os.path.abspath(opts.out), "ray-train"),
+                             name=opts.job,
+                             failure_config=FailureConfig(max_failures=len(opts.failure_steps) + 1)))
+
+
+def _fit(trainer, run: Run) -> None:
+    try:
+        run.result = trainer.fit()
+    except BaseException as exc:  # reported by the main thread
+        run.error = exc
+
+
+def _rank_nodes(events: list[dict]) -> dict[int, str]:
+    """rank -> node of the newest worker group."""
+    nodes: dict[int, str] = {}
+    for e in events:
+        if e["ev"] == "start":
+            nodes[e["rank"]] = e["node"]
+    return nodes
+
+
+def _pick_victim(cluster, events: list[dict], head: str) -> tuple[int, str, object] | None:
+    by_id = {n.node_id: n for n in cluster.nodes}
+    for rank, node in sorted(_rank_nodes(events).items(), reverse=True):
+        if rank != 0 and node != head and node in by_id:
+            return rank, node, by_id[node]
+    return None
+
+
+def _node_dead(node_id: str) -> bool:
+    import ray
+
+    return any(n["NodeID"] == node_id and not n["Alive"] for n in ray.nodes())
+
+
+def _drive(cluster, run: Run, thread: threading.Thread, bar) -> None:
+    """Watch training; kill a node at each failure step; return when the job ends."""
+    opts = run.opts
+    head = cluster.nodes[0].node_id
+    pending = list(opts.failure_steps)
+    deadline = time.monotonic() + opts.timeout_s
+    while thread.is_alive():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the demo's training did not finish within {opts.timeout_s:.0f} s")
+        losses = read_log(run.log_path)
+        done = max(losses, default=-1) + 1
+        bar.n = done
+        bar.refresh()
+        for f in run.failures:
+            if f.t_dead is None and _node_dead(f.node):
+                f.t_dead = time.time()
+                _say(f"Ray marked node {f.node[:8]} dead after {f.t_dead - f.t_kill:.1f} s")
+        if pending and done > pending[0] and _newest_attempt_done(run, pending[0]):
+            victim = _pick_victim(cluster, read_events(run.events_path), head)
+            if victim is not None:
+                rank, node_id, node = victim
+                step = pending.pop(0)
+                _say(f"step {step} done: killing node {node_id[:8]} (rank {rank}) abruptly")
+                run.failures.append(Failure(step, rank, node_id, time.time()))
+                cluster.kill_node(node)
+                cluster.add_node()
+                _say("added a replacement node")
+        time.sleep(0.1)
+
+
+def _newest_attempt_done(run: Run, step: int) -> bool:
+    """The current worker group has itself finished ``step`` (not a previous group)."""
+    since = run.failures[-1].t_kill if run.failures else 0.0
+
+
+    if not os.path.exists(run.log_path):
+        return False
+    with open(run.log_path) as f:
+        return any(r["step"] >= step and r["t"] > since for r in map(json.loads, filter(str.strip, f)))
+
+
+def _after(events: list[dict], kind: str, t: float) -> list[dict]:
+    return [e for e in events if e["ev"] == kind and e["t"] > t]
+
+
+def recovery(run: Run, f: Failure, until: float) -> dict:
+    """Detection / restart / restore seconds of failure ``f`` (events before ``until``)."""
+    events = [e for e in read_events(run.events_path) if e["t"] < until]
+    starts = _after(events, "start", f.t_kill)
+    restores = _after(events, "restored", f.t_kill)
+    t_dead = f.t_dead or (min(e["t"] for e in starts) if starts else f.t_kill)
+    lost = [e for e in restores if e["rank"] == f.rank]
+    out = {
+        "detect": t_dead - f.t_kill,
+        "restart": (max(e["t"] for e in starts) - t_dead) if starts else None,
+        "restore": max(e["wall"] for e in restores) if restores else None,
+        "tier": lost[0]["tier"] if lost else None,
+        "restored_step": lost[0]["step"] if lost else None,
+        "restore_phases": lost[0]["seconds"] if lost else {},
+    }
+    return out
+
+
+def disk_restore_seconds(opts: DemoOptions, spill_uri: str, rank: int) -> tuple[float, int]:
+    """Time to load ``rank``'s newest spilled step from the durable format, page cache dropped."""
+    from memsnap import durable
+    from memsnap.demo.train import build, snapshot_state
+    from memsnap.storage import Store
+
+    step = Store.open(spill_uri).latest()
+    _drop_page_cache(spill_uri)
+    objs = build(_train_config(opts, ""), rank, opts.nodes, ddp=False)
+    t = time.perf_counter()
+    durable.load(spill_uri, snapshot_state(objs), step=step, rank=rank, world_size=opts.nodes,
+                 progress=False)
+    return time.perf_counter() - t, step
+
+
+def _drop_page_cache(root: str) -> None:
+    """Ask the kernel to forget the cached pages of every file under ``root`` (a local path)."""
+    for d, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(d, name), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def run_demo(opts: DemoOptions, *, progress: bool = True) -> dict:
+    """Run the whole demo; return the report (see ``memsnap demo --json``)."""
+    from tqdm import tqdm
+
+    from memsnap.demo.reference import reference_losses
+    from memsnap.localcluster import LocalCluster
+
+    t_start = time.time()
+    out = os.path.abspath(opts.out)
+    shutil.rmtree(out, ignore_errors=True)
+    os.makedirs(out)
+    run = Run(opts, os.path.join(out, "losses.jsonl"), os.path.join(out, "events.jsonl"))
+    spill_uri = os.path.join(out, "spill")
+    ref: dict = {}
+    ref_thread = threading.Thread(target=lambda: ref.update(reference_losses(
+        _train_config(opts, ""), opts.nodes, os.path.join(out, "reference.jsonl"))), daemon=True)
+    ref_thread.start()
+    _say(f"starting a {opts.nodes}-node Ray cluster on 127.0.0.1 (and the reference run that never fails)")
+    with LocalCluster(opts.nodes) as cluster:
+        try:
+            _say(f"training {opts.steps} steps with Ray Train on {opts.nodes} workers, snapshot every step "
+                 f"into peers' RAM with RS({opts.k},{opts.m}); node kills after steps {list(opts.failure_steps)}")
+            thread = threading.Thread(target=_fit, args=(_trainer(opts, run, spill_uri), run), daemon=True)
+            thread.start()
+            with tqdm(total=opts.steps, desc="training", unit="step", disable=not progress, file=sys.stderr) as bar:
+                _drive(cluster, run, thread, bar)
+            thread.join()
+            if run.error is not None:
+                raise run.error
+            t_end = time.time()
+            victim = run.failures[0].rank if run.failures else 1
+            disk_s, disk_step = disk_restore_seconds(opts, spill_uri, victim)
+        finally:
+            _cleanup(opts.job)
+    ref_thread.join(timeout=opts.timeout_s)
+    return _report(opts, run, ref, t_end, disk_s, disk_step, out, time.time() - t_start)
+
+
+def _cleanup(job: str) -> None:
+    from memsnap import naming, snapshotter
+
+    try:
+        snapshotter.shutdown(job, timeout=10)
+    except Exception as exc:
+        _say(f"agent shutdown: {exc}")
+    for path in naming.arena_files(job):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def _report(opts, run, ref, t_end, disk_s, disk_step, out, total) -> dict:
+    from memsnap.demo.plot import plot_losses
+
+    losses = read_log(run.log_path)
+    identical = bool(ref) and sorted(losses) == sorted(ref) and all(
+        losses[s].hex() == ref[s].hex() for s in ref)
+    recs = []
+    for i, f in enumerate(run.failures):
+        until = run.failures[i + 1].t_kill if i + 1 < len(run.failures) else t_end
+        recs.append({"failure_step": f.step, "rank": f.rank, **recovery(run, f, until)})
+    first = recs[0] if recs else {}
+    plot = plot_losses(ref, losses, [f.step for f in run.failures], os.path.join(out, "loss.png"),
+                       [r.get("restored_step") for r in recs])
+    return {
+        "failure_step": first.get("failure_step"),
+        "resumed_from_step": first.get("restored_step"),
+        "restore_tier": first.get("tier"),
+        "bitwise_identical": identical,
+        "recovery_seconds": {k: first.get(k) for k in ("detect", "restart", "restore")},
+        "restore_phases": first.get("restore_phases", {}),
+        "disk_restore_seconds": disk_s,
+        "disk_restore_step": disk_step,
+        "failures": recs,
+        "steps": opts.steps,
+        "nodes": opts.nodes,
+        "k": opts.k,
+        "m": opts.m,
+        "plot": plot,
+        "total_seconds": total,
+    }

@@ -1,0 +1,115 @@
+"""One rank's training loop for the demo: the same code runs under Ray Train and in the
+reference processes, so the two loss curves can be compared bit for bit."""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+from memsnap.demo.model import MarkovTokens, ModelConfig, TinyTransformer
+from memsnap.sampler import ResumableLoader, ResumableSampler
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    steps: int = 40
+    batch: int = 16
+    lr: float = 3e-3
+    seed: int = 0
+    log_path: str = ""      # rank 0 appends one JSON line per step here
+    step_delay: float = 0.0  # seconds of simulated extra compute per step
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "TrainConfig":
+        d = dict(d)
+        d["model"] = ModelConfig(**d["model"])
+        return cls(**d)
+
+
+def build(cfg: TrainConfig, rank: int, world: int, ddp: bool | None = None) -> dict[str, Any]:
+    """The whole training state of one rank; the model is wrapped in DDP when ``ddp`` (by
+    default when ``world > 1``; that needs an initialised process group)."""
+    torch.set_num_threads(1)
+    torch.manual_seed(cfg.seed)
+    model = TinyTransformer(cfg.model)
+    wrap = world > 1 if ddp is None else ddp
+    ddp = torch.nn.parallel.DistributedDataParallel(model) if wrap else model
+    optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: min(1.0, (s + 1) / 10))
+    data = MarkovTokens(cfg.model)
+    sampler = ResumableSampler(data, shuffle=True, seed=cfg.seed, rank=rank, world_size=world)
+    loader = ResumableLoader(DataLoader(data, batch_size=cfg.batch, sampler=sampler, drop_last=True))
+    return {"model": model, "optim": optim, "sched": sched, "data": loader, "_ddp": ddp}
+
+
+def snapshot_state(objs: dict[str, Any]) -> dict[str, Any]:
+    """What memsnap captures: everything but the DDP wrapper (which holds no state of its own)."""
+    return {k: v for k, v in objs.items() if not k.startswith("_")}
+
+
+def _batches(loader: ResumableLoader):
+    while True:  # the loader moves on to the next epoch by itself when one runs out
+        yield from loader
+
+
+def _global_mean(loss: torch.Tensor, world: int) -> float:
+    value = loss.detach().clone()
+    if world > 1:
+        dist.all_reduce(value)
+        value /= world
+    return float(value)
+
+
+def run(cfg: TrainConfig, rank: int, world: int, *, first_step: int = 0, objs=None,
+        after_step: Callable[[int, dict], None] | None = None, attempt: int = 0) -> dict[str, Any]:
+    """Train steps ``first_step .. cfg.steps - 1``; ``after_step(step, objs)`` runs after each."""
+    objs = objs or build(cfg, rank, world)
+    model, optim, sched = objs["_ddp"], objs["optim"], objs["sched"]
+    model.train()
+    batches = _batches(objs["data"])
+    for step in range(first_step, cfg.steps):
+        x, y = next(batches)
+        logits = model(x)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        optim.zero_grad(set_to_none=True)
+        loss.backward()
+        optim.step()
+        sched.step()
+        mean = _global_mean(loss, world)
+        if cfg.step_delay:
+            time.sleep(cfg.step_delay)
+        if rank == 0 and cfg.log_path:
+            _log(cfg.log_path, {"step": step, "loss": mean.hex(), "attempt": attempt,
+                                "t": time.time(), "pid": os.getpid()})
+        if after_step is not None:
+            after_step(step, objs)
+    return objs
+
+
+def _log(path: str, record: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+        f.flush()
+
+
+def read_log(path: str) -> dict[int, float]:
+    """step -> loss, the last attempt's value winning (a resumed run repeats no step it kept)."""
+    losses: dict[int, float] = {}
+    if not os.path.exists(path):
+        return losses
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                r = json.loads(line)
+                losses[r["step"]] = float.fromhex(r["loss"])
+    return losses

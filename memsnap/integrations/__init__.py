@@ -1,0 +1,1 @@
+"""Integrations with training frameworks: Ray Train, torchrun, PyTorch Lightning."""
