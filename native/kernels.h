@@ -5,6 +5,12 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* x86-64 builds the SSSE3/AVX2 kernels too; elsewhere (or with -DMEMSNAP_NO_SIMD) only the
+ * reference kernel exists. */
+#if defined(__x86_64__) && !defined(MEMSNAP_NO_SIMD)
+#define MEMSNAP_X86 1
+#endif
+
 typedef struct {
     int rows, cols;
     const uint8_t *coef;   /* rows x cols, row-major */
@@ -23,7 +29,7 @@ void rs_kernel_ref(const rs_job *job, size_t off, size_t len);
 void rs_tail(const rs_job *job, int j0, int n, size_t p, size_t end);
 void rs_tail_pq(const rs_job *job, size_t p, size_t end);
 
-#if defined(__x86_64__)
+#if defined(MEMSNAP_X86)
 void rs_kernel_ssse3(const rs_job *job, size_t off, size_t len);
 void rs_kernel_avx2(const rs_job *job, size_t off, size_t len);
 #endif

@@ -1,7 +1,7 @@
 /* SSSE3 and AVX2 split-nibble (pshufb) kernels, compiled per function with target attributes. */
 #include "kernels.h"
 
-#if defined(__x86_64__)
+#if defined(MEMSNAP_X86)
 #include <immintrin.h>
 
 #define AVX2 __attribute__((target("avx2"), always_inline)) static inline
@@ -239,4 +239,4 @@ __attribute__((target("ssse3"))) void rs_kernel_ssse3(const rs_job *jb, size_t o
     }
 }
 
-#endif /* __x86_64__ */
+#endif /* MEMSNAP_X86 */

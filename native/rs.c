@@ -10,7 +10,7 @@ const char *const rs_isa_names[RS_ISA_COUNT] = {"scalar", "ssse3", "avx2"};
 
 static const rs_kernel kernels[RS_ISA_COUNT] = {
     rs_kernel_ref,
-#if defined(__x86_64__)
+#if defined(MEMSNAP_X86)
     rs_kernel_ssse3,
     rs_kernel_avx2,
 #else
@@ -26,7 +26,7 @@ void rs_init(void)
 {
     gf_init();
     available[RS_ISA_SCALAR] = 1;
-#if defined(__x86_64__)
+#if defined(MEMSNAP_X86)
     __builtin_cpu_init();
     available[RS_ISA_SSSE3] = __builtin_cpu_supports("ssse3");
     available[RS_ISA_AVX2] = __builtin_cpu_supports("avx2");
