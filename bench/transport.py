@@ -135,6 +135,7 @@ def bench_tcp(src: np.ndarray, chunk: int, repeats: int) -> tuple[float, float]:
 # --- Ray object store transport ------------------------------------------------------------
 def bench_objstore(sizes: list[int], chunk_of, repeats: int) -> dict[int, tuple[float, float]]:
     import ray
+    from tqdm import tqdm
 
     from memsnap.localcluster import LocalCluster
 
@@ -142,7 +143,7 @@ def bench_objstore(sizes: list[int], chunk_of, repeats: int) -> dict[int, tuple[
     with LocalCluster(2, object_store_mb=max(512, biggest // (1 << 20) + 256)) as _:
         Holder = ray.remote(num_cpus=0)(_Holder)
         out = {}
-        for nbytes in sizes:
+        for nbytes in tqdm(sizes, desc="Ray object store", unit="size"):
             chunk = chunk_of(nbytes)
             holder = Holder.options(name=f"bench-holder-{nbytes}", resources={"memsnap_node_1": 0.01}).remote(
                 nbytes, chunk)
@@ -220,7 +221,6 @@ def main(argv=None) -> None:
         raw = bench_raw(src, args.repeats)
         tcp_push, tcp_fetch = bench_tcp(src, chunk_of(nbytes), args.repeats)
         rows.append({"mib": nbytes >> 20, "raw": raw, "tcp_push": tcp_push, "tcp_fetch": tcp_fetch})
-    print("Ray object store ...", flush=True)
     obj = bench_objstore(sizes, chunk_of, args.repeats)
     for r, nbytes in zip(rows, sizes):
         r["obj_push"], r["obj_fetch"] = obj[nbytes]
