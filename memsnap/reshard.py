@@ -130,3 +130,20 @@ def assemble(store: Store, step: int, marker: dict, state: Mapping[str, Any], ra
             dst.copy_(reader.tensor(rank % world, e.path))
     manifest = Manifest(entries, template.tree, nbytes, dict(template.meta))
     return manifest, base.numpy()[:nbytes]
+
+
+def gather(store: Store, step: int, paths: list[str], marker: dict | None = None):
+    """Yield ``(path, full tensor)`` for each path: DTensor shards from every saved rank joined
+    into the global tensor, plain tensors from rank 0. Every shard read is checksum-verified."""
+    marker = marker or store.marker(step)
+    saved = [store.manifest(step, r, marker) for r in range(marker["world_size"])]
+    reader = _Reader(store, step, saved)
+    for path in paths:
+        e = reader.holder(0, path)
+        if e.global_shape is None:
+            yield path, reader.tensor(0, path)
+            continue
+        whole = replace(e, path=path, shape=tuple(e.global_shape), global_offset=(0,) * len(e.global_shape))
+        out = torch.empty(whole.shape, dtype=dtype_of(e.dtype))
+        _fill_sharded(out, whole, reader)
+        yield path, out

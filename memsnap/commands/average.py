@@ -1,0 +1,66 @@
+"""``memsnap average URI --last N OUT``: the mean of the last N steps' weights, as safetensors."""
+from __future__ import annotations
+
+import argparse
+
+import torch
+from tqdm import tqdm
+
+from memsnap.commands._common import human
+from memsnap.commands.export import weights
+from memsnap.errors import ConfigError, StateMismatchError
+from memsnap.storage import Store
+
+
+def _add(acc: dict, new: dict, step: int) -> None:
+    if acc and set(acc) != set(new):
+        raise StateMismatchError(f"step {step} has weights {sorted(set(new) ^ set(acc))[:3]} that other "
+                                 "steps lack; average steps of the same model")
+    for name, t in new.items():
+        if name in acc and acc[name].shape != t.shape:
+            raise StateMismatchError(f"{name!r} is {list(t.shape)} at step {step} but "
+                                     f"{list(acc[name].shape)} at a later step")
+        if t.is_floating_point():
+            acc[name] = acc[name] + t.double() if name in acc else t.double()
+        else:
+            acc.setdefault(name, t)  # integer buffers: the newest step's value
+
+
+def average(store: Store, steps: list[int], key: str | None) -> dict:
+    """The element-wise mean (in float64, cast back) of the weights of ``steps``."""
+    acc, dtypes = {}, {}
+    for step in tqdm(steps[::-1], desc="average", unit="step", disable=None):
+        new = weights(store, step, store.marker(step), key)
+        dtypes = dtypes or {k: t.dtype for k, t in new.items()}
+        _add(acc, new, step)
+    return {k: (t / len(steps)).to(dtypes[k]) if dtypes[k].is_floating_point else t
+            for k, t in acc.items()}
+
+
+def run(args: argparse.Namespace) -> int:
+    from safetensors.torch import save_file
+
+    if args.last < 1:
+        raise ConfigError(f"--last {args.last}: average at least 1 step")
+    store = Store.open(args.location, args.endpoint)
+    steps = store.steps()[-args.last:]
+    if len(steps) < args.last:
+        raise ConfigError(f"--last {args.last} but only {len(steps)} committed steps under "
+                          f"{args.location}; pass --last {len(steps) or 1} or fewer")
+    tensors = average(store, steps, args.key)
+    save_file(tensors, args.out, metadata={"memsnap_steps": ",".join(map(str, steps)), "source": store.uri})
+    size = sum(t.numel() * t.element_size() for t in tensors.values())
+    print(f"wrote the mean of steps {steps} ({len(tensors)} tensors, {human(size)}) to {args.out}")
+    return 0
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    ap = subparsers.add_parser("average", help="average the last N steps' weights",
+                               description=__doc__.split("\n")[0])
+    ap.add_argument("location", metavar="URI", help="checkpoint root")
+    ap.add_argument("--last", type=int, required=True, metavar="N", help="how many newest steps")
+    ap.add_argument("out", metavar="OUT", help="output .safetensors file")
+    ap.add_argument("--key", default=None, help="state key of the model (default: 'model')")
+    ap.add_argument("--endpoint", default=None, help="S3 endpoint URL (default: $AWS_ENDPOINT_URL)")
+    ap.set_defaults(func=run)
+    return ap

@@ -1,0 +1,35 @@
+"""``memsnap export URI[/step] --safetensors OUT``: a step's model weights for inference."""
+from __future__ import annotations
+
+import argparse
+
+from memsnap.commands._common import add_location, human, open_step, weight_paths
+from memsnap.reshard import gather
+from memsnap.storage import Store
+
+
+def weights(store: Store, step: int, marker: dict, key: str | None) -> dict:
+    """``{name: full tensor}`` of the weights under ``key``; sharded tensors gathered whole."""
+    key, paths = weight_paths(store.manifest(step, 0, marker), key)
+    return {path[len(key) + 1:]: t for path, t in gather(store, step, paths, marker)}
+
+
+def run(args: argparse.Namespace) -> int:
+    from safetensors.torch import save_file
+
+    store, step, marker = open_step(args)
+    tensors = weights(store, step, marker, args.key)
+    save_file(tensors, args.safetensors, metadata={"memsnap_step": str(step), "source": store.uri})
+    size = sum(t.numel() * t.element_size() for t in tensors.values())
+    print(f"wrote {len(tensors)} tensors ({human(size)}) of step {step} to {args.safetensors}")
+    return 0
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    ap = subparsers.add_parser("export", help="export model weights (safetensors)",
+                               description=__doc__.split("\n")[0])
+    add_location(ap)
+    ap.add_argument("--safetensors", required=True, metavar="OUT", help="output .safetensors file")
+    ap.add_argument("--key", default=None, help="state key of the model (default: 'model')")
+    ap.set_defaults(func=run)
+    return ap

@@ -1,0 +1,65 @@
+"""``memsnap verify URI[/step]``: read every rank's files and check every checksum."""
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+from memsnap.apply import verify_checksums
+from memsnap.commands._common import add_location, human, open_step, split_location
+from memsnap.durable import progress_bar
+from memsnap.errors import ChecksumError
+from memsnap.storage import Store
+
+
+def verify_step(store: Store, step: int, marker: dict, progress: bool | None = None) -> list[str]:
+    """Every problem found in ``step`` (empty: intact): file sizes, file and tensor checksums."""
+    problems = []
+    total = sum(r["bin_bytes"] for r in marker["ranks"])
+    update, close = progress_bar(f"verify step {step}", total, progress)
+    done = 0
+    try:
+        for rank in range(marker["world_size"]):
+            try:
+                manifest = store.manifest(step, rank, marker)
+                buf = np.empty(manifest.nbytes, dtype=np.uint8)
+                report = None if update is None else (lambda d, t, base=done: update(base + d, total))
+                store.read_rank_into(step, rank, buf, marker=marker, progress=report)
+                verify_checksums(manifest, memoryview(buf))
+            except (ChecksumError, OSError, ValueError) as exc:
+                problems.append(f"rank {rank}: {exc}")
+            done += marker["ranks"][rank]["bin_bytes"]
+    finally:
+        close()
+    return problems
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.all:
+        uri, _ = split_location(args.location)
+        store = Store.open(uri, args.endpoint)
+        steps = [(s, store.marker(s)) for s in store.steps()]
+    else:
+        store, step, marker = open_step(args)
+        steps = [(step, marker)]
+    bad = 0
+    for step, marker in steps:
+        problems = verify_step(store, step, marker)
+        size = human(sum(r["bin_bytes"] for r in marker["ranks"]))
+        if problems:
+            bad += 1
+            print(f"step {step}: DAMAGED")
+            for p in problems:
+                print(f"  {p}")
+        else:
+            print(f"step {step}: OK ({marker['world_size']} ranks, {size}, every checksum matches)")
+    return 1 if bad else 0
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    ap = subparsers.add_parser("verify", help="check every checksum of a step",
+                               description=__doc__.split("\n")[0])
+    add_location(ap)
+    ap.add_argument("--all", action="store_true", help="verify every committed step")
+    ap.set_defaults(func=run)
+    return ap
