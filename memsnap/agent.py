@@ -1,0 +1,432 @@
+"""The per-node ``SnapshotAgent`` actor: owns the node's snapshot RAM and its data plane.
+
+One detached agent per node and job, pinned to its node, ``num_cpus=0``. It owns
+(a) the arenas the node's ranks capture into (shared memory under /dev/shm, ``keep+1``
+slots per rank), (b) the parity it computes and (c) the chunks it holds for its peers,
+all charged against ``memory_budget``. Training processes never own snapshot bytes.
+
+Data path of one save of step ``t`` (who makes each call in brackets):
+
+  1. [rank]  ``begin(t, rank, nbytes)`` -> the path of an arena region; the rank maps it once.
+  2. [rank]  capture the state into that region (``memsnap.capture.capture(out=...)``).
+  3. [rank]  ``captured(t, rank, manifest_json)``; ``Snapshotter.save`` returns here.
+  4. [agent, background, once every local rank of ``t`` has captured] fill the tensor
+     checksums, stripe the node's stream (its ranks' regions back to back), encode parity
+     with ``encode_into`` into the parity buffer, push shard ``j`` of every stripe to
+     ``placement.holders[node][j]``.
+  5. [holders] the transport acknowledges every chunk (``ChunkStore.complete``).
+  6. [agent]  ``coordinator.node_ready(t, node, info)`` (rank regions + manifests).
+  7. [coordinator] when every node is ready: ``agent.commit(t, record, keep)`` on every
+     agent, which frees the versions and held chunks of steps it no longer keeps.
+
+Restore: ``local(t, rank)`` names the arena still holding a rank's bytes; ``recover`` rebuilds
+a rank's bytes from its peers into a fresh arena; ``rebuild`` re-creates the shards a lost
+holder had (re-protection). Spill runs on a background thread (``memsnap.spill``).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import ray
+
+from memsnap import encode, naming
+from memsnap.arena import Arena, MemoryBudget, OwnedBuffer
+from memsnap.chunkstore import HeldChunks
+from memsnap.config import SnapshotConfig, tunable
+from memsnap.errors import CommitError, MemoryBudgetError
+from memsnap.manifest import Manifest
+from memsnap.transport.base import ChunkKey, make_transport
+
+log = logging.getLogger("memsnap.agent")
+
+LIVE = ("capturing", "encoding", "ready", "committed", "restoring")
+
+
+@dataclass
+class Version:
+    """One step's bytes on this node: which slot, which ranks, how far it got."""
+
+    step: int
+    slot: int
+    state: str = "capturing"  # capturing -> encoding -> ready -> committed | failed
+    sizes: dict[int, int] = field(default_factory=dict)         # rank -> nbytes
+    manifests: dict[int, str] = field(default_factory=dict)     # rank -> manifest JSON
+    error: str | None = None
+
+
+class AgentCore:
+    """Everything the agent does, as a plain object (the actor class below only wraps it)."""
+
+    def __init__(self, config: dict, node_id: str, secret: bytes, host: str = "127.0.0.1"):
+        self.cfg = SnapshotConfig.from_dict(config)
+        self.node = node_id
+        self.budget = MemoryBudget(self.cfg.memory_budget, node_id)
+        self.store = HeldChunks(self.budget)
+        self.transport = make_transport(self.cfg.transport, secret=secret, host=host,
+                                        **self._transport_opts())
+        self.address = self.transport.start(self.store)
+        self.codec = _codec(self.cfg.k, self.cfg.m)
+        self.lock = threading.RLock()
+        self.versions: dict[int, Version] = {}
+        self.arenas: dict[tuple[int, int], Arena] = {}
+        self.parity: dict[int, OwnedBuffer] = {}
+        self.records: dict[int, dict] = {}
+        self.ranks: set[int] = set()
+        self.world: int | None = None
+        self.counters = {"failed_snapshots": 0, "pushed_bytes": 0, "repaired_chunks": 0}
+        self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="memsnap-agent")
+        self.spiller = None
+
+    def _transport_opts(self) -> dict:
+        if self.cfg.transport == "objstore":
+            return {"actor_name": naming.agent(self.cfg.job, self.node), "namespace": naming.NAMESPACE}
+        return {}
+
+    # --- 1. begin ----------------------------------------------------------------------------
+    def begin(self, step: int, rank: int, nbytes: int) -> dict:
+        with self.lock:
+            self.ranks.add(rank)
+            v = self.versions.get(step)
+            if v is not None and v.state not in ("capturing", "failed"):
+                raise CommitError(f"step {step} is already {v.state} on node {self.node[:12]}; "
+                                  "save each step once, with a step number larger than the last")
+            if v is None or v.state == "failed":
+                v = self.versions[step] = Version(step, self._free_slot(step))
+            arena = self._arena(rank, v.slot, nbytes)
+            v.sizes[rank] = nbytes
+            v.manifests.pop(rank, None)
+            return {"path": arena.path, "nbytes": nbytes, "slot": v.slot}
+
+    def _free_slot(self, step: int) -> int:
+        self._supersede(step)
+        free = self._free_slots()
+        committed = sorted(s for s, v in self.versions.items() if v.state == "committed")
+        if not free and len(committed) >= 2 and not self._pinned(committed[0]):
+            self.versions.pop(committed[0])  # a newer committed version stays whole
+            free = self._free_slots()
+        if not free:
+            busy = sorted((v.step, v.state) for v in self.versions.values() if v.state in LIVE)
+            raise MemoryBudgetError(
+                f"node {self.node[:12]}: no free arena slot for step {step}; versions in use: {busy}. "
+                "The previous snapshot is still being sent: save less often, or raise keep")
+        return free[0]
+
+    def _supersede(self, step: int) -> None:
+        """Give up older uncommitted versions and free committed ones beyond ``keep``."""
+        for v in list(self.versions.values()):
+            if v.step < step and v.state == "capturing":
+                self._fail(v, f"superseded by step {step} before every rank captured")
+        committed = sorted(s for s, v in self.versions.items() if v.state == "committed")
+        for s in committed[:-self.cfg.keep] if len(committed) > self.cfg.keep else []:
+            if not self._pinned(s):
+                self.versions.pop(s)
+        for s in [s for s, v in self.versions.items() if v.state == "failed"]:
+            self.versions.pop(s)
+
+    def _free_slots(self) -> list[int]:
+        used = {v.slot for v in self.versions.values() if v.state in LIVE}
+        return [s for s in range(self.cfg.slots) if s not in used]
+
+    def _pinned(self, step: int) -> bool:
+        return self.spiller is not None and self.spiller.busy_with(step)
+
+    def _arena(self, rank: int, slot: int, nbytes: int) -> Arena:
+        arena = self.arenas.get((rank, slot))
+        if arena is not None and arena.nbytes >= nbytes:
+            return arena
+        gen = 0
+        if arena is not None:
+            gen = int(arena.path.rsplit("-g", 1)[1]) + 1
+            arena.close(unlink=True)
+            self.budget.release(arena.nbytes)
+            del self.arenas[(rank, slot)]
+        self.budget.charge(nbytes, f"the arena of rank {rank} (slot {slot})")
+        arena = Arena.create(naming.arena_path(self.cfg.job, self.node, rank, slot, gen), nbytes)
+        self.arenas[(rank, slot)] = arena
+        return arena
+
+    # --- 3. captured ---------------------------------------------------------------------------
+    def captured(self, step: int, rank: int, manifest_json: str, local_ranks: list[int]) -> None:
+        with self.lock:
+            v = self.versions.get(step)
+            if v is None or v.state != "capturing" or rank not in v.sizes:
+                raise CommitError(f"captured(step={step}, rank={rank}) without a matching begin on "
+                                  f"node {self.node[:12]}; call begin first")
+            v.manifests[rank] = manifest_json
+            if not set(local_ranks) <= set(v.manifests):
+                return
+            v.state = "encoding"
+        self.pool.submit(self._send, v, sorted(local_ranks))
+
+    # --- 4-6. encode, push, report ---------------------------------------------------------
+    def _send(self, v: Version, local_ranks: list[int]) -> None:
+        try:
+            info = self._encode_and_push(v, local_ranks)
+        except Exception as exc:  # reported, never raised into the pool
+            log.warning("node %s: step %d not sent: %s", self.node[:12], v.step, exc)
+            with self.lock:
+                self._fail(v, f"{type(exc).__name__}: {exc}")
+            _call(self._coordinator().node_failed.remote(v.step, self.node, v.error))
+            return
+        with self.lock:
+            if v.state != "encoding":
+                return
+            v.state = "ready"
+        _call(self._coordinator().node_ready.remote(v.step, self.node, info))
+
+    def _encode_and_push(self, v: Version, local_ranks: list[int]) -> dict:
+        from memsnap.capture import fill_checksums
+
+        layout = _call(self._coordinator().node_layout.remote(self.node))
+        sizes = {r: v.sizes[r] for r in local_ranks}
+        chunk = self.cfg.chunk or _choose_chunk(max(sizes.values(), default=0), self.cfg.k)
+        regs = encode.regions(sizes, self.cfg.k, chunk)
+        parity = self._parity(v.slot, encode.parity_nbytes(regs, self.cfg.m))
+        encs, ranks = [], {}
+        for reg in regs:
+            data = self.arenas[(reg.rank, v.slot)].view(0, reg.nbytes)
+            man = fill_checksums(Manifest.from_json(v.manifests[reg.rank]), data)
+            v.manifests[reg.rank] = man.to_json().decode()
+            pview = parity.view(reg.stripe_base * self.cfg.m * chunk, reg.stripes * self.cfg.m * chunk)
+            enc = encode.Encoded(reg, data, pview, self.cfg.m)
+            enc.encode(self.codec)
+            encs.append(enc)
+            ranks[reg.rank] = dict(reg.to_dict(), owner=self.node, manifest=v.manifests[reg.rank])
+        self._push_all(v.step, encs, layout["addrs"])
+        return {"chunk": chunk, "ranks": ranks, "holders": layout["holders"]}
+
+    def _push_all(self, step: int, encs: list, addrs: list[dict]) -> None:
+        timeout = tunable("push_timeout_s")
+
+        def push(j: int) -> None:
+            items = [it for enc in encs for it in enc.items(step, self.node, j)]
+            self.transport.push(addrs[j], items, timeout=timeout)
+            self.counters["pushed_bytes"] += sum(len(mv) for _, mv in items)
+
+        with ThreadPoolExecutor(max_workers=len(addrs)) as ex:
+            for fut in [ex.submit(push, j) for j in range(len(addrs))]:
+                fut.result()
+
+    def _parity(self, slot: int, nbytes: int) -> OwnedBuffer:
+        buf = self.parity.get(slot)
+        if buf is None or buf.nbytes < nbytes:
+            if buf is not None:
+                buf.free()
+            buf = self.parity[slot] = OwnedBuffer(self.budget, nbytes, f"parity of slot {slot}")
+        return buf
+
+    def _fail(self, v: Version, why: str) -> None:
+        if v.state in ("failed", "committed", "freed"):
+            return
+        v.state, v.error = "failed", why
+        self.counters["failed_snapshots"] += 1
+
+    # --- 7. commit -------------------------------------------------------------------------------
+    def commit(self, step: int, record: dict, keep: list[int]) -> None:
+        with self.lock:
+            self.records[step] = record
+            for s in list(self.records):
+                if s not in keep:
+                    del self.records[s]
+            v = self.versions.get(step)
+            if v is not None and v.state in ("ready", "encoding", "restored"):
+                v.state = "committed"
+            for old in list(self.versions.values()):
+                if old.step < step and old.step not in keep and not self._pinned(old.step):
+                    if old.state not in ("committed", "freed"):
+                        self._fail(old, f"step {step} committed first")
+                    self.versions.pop(old.step)
+        self.store.drop(lambda key: key.step in keep or key.step > step)
+        if self.spiller is not None:
+            self.spiller.committed(step)
+
+    def abandon(self, step: int) -> None:
+        """The coordinator gave up on ``step``: forget it here."""
+        with self.lock:
+            v = self.versions.get(step)
+            if v is not None and v.state != "committed":
+                self._fail(v, "abandoned by the coordinator")
+                self.versions.pop(step)
+        self.store.drop(lambda key: key.step != step)
+
+    # --- restore ---------------------------------------------------------------------------------
+    def local(self, step: int, rank: int) -> dict | None:
+        """Where this node still holds ``rank``'s committed bytes of ``step``, or None."""
+        with self.lock:
+            v = self.versions.get(step)
+            if v is None or v.state != "committed" or rank not in v.manifests:
+                return None
+            arena = self.arenas.get((rank, v.slot))
+            return {"path": arena.path, "nbytes": v.sizes[rank], "manifest": v.manifests[rank]}
+
+    def recover(self, step: int, rank: int, record: dict) -> dict:
+        """Rebuild ``rank``'s bytes of ``step`` from the peers into a local arena (now a local copy)."""
+        from memsnap.restore import gather
+
+        entry = record["ranks"][str(rank)]
+        with self.lock:
+            v = self.versions.get(step)
+            if v is None or v.state in ("failed", "freed"):
+                v = self.versions[step] = Version(step, self._free_slot(step), state="restoring")
+            arena = self._arena(rank, v.slot, entry["nbytes"])
+            v.sizes[rank] = entry["nbytes"]
+        stats = gather(self, record, entry, arena.view(0, entry["nbytes"]))
+        with self.lock:
+            v.manifests[rank] = entry["manifest"]
+            v.state = "committed"
+        self.counters["repaired_chunks"] += stats.get("repaired", 0)
+        return {"path": arena.path, "nbytes": entry["nbytes"], "manifest": entry["manifest"], "stats": stats}
+
+    def rebuild(self, step: int, owner: str, shard: int, record: dict) -> int:
+        """Re-protection: recreate shard ``shard`` of every stripe of ``owner`` and hold it here."""
+        from memsnap.restore import rebuild_shard
+
+        n = rebuild_shard(self, record, owner, shard)
+        with self.lock:
+            if step in self.records:
+                self.records[step]["holders"][owner][shard] = self.node
+        return n
+
+    # --- introspection -----------------------------------------------------------------------
+    def inventory(self) -> dict:
+        with self.lock:
+            versions = {s: {"state": v.state, "ranks": sorted(v.manifests)} for s, v in self.versions.items()}
+            arena_bytes = sum(a.nbytes for a in self.arenas.values())
+            return {
+                "node": self.node, "address": self.address, "ranks": sorted(self.ranks),
+                "versions": versions, "held": self.store.inventory(),
+                "records": sorted(self.records), "counters": dict(self.counters),
+                "bytes": {"arena": arena_bytes, "held": self.store.held_bytes(),
+                          "parity": sum(max(p.nbytes, 0) for p in self.parity.values()),
+                          "budget_used": self.budget.used, "budget": self.budget.budget},
+                "spill": None if self.spiller is None else self.spiller.status(),
+            }
+
+    def _coordinator(self):
+        """The job's coordinator; a new one (rebuilt from the agents) if it was lost."""
+        try:
+            return ray.get_actor(naming.coordinator(self.cfg.job), namespace=naming.NAMESPACE)
+        except ValueError:
+            if self.world is None:
+                raise
+            from memsnap import coordinator
+
+            log.warning("coordinator of job %s is gone; starting a new one", self.cfg.job)
+            return coordinator.get_or_create(self.cfg, self.world)
+
+    def shutdown(self) -> None:
+        if self.spiller is not None:
+            self.spiller.stop()
+        self.transport.close()
+        with self.lock:
+            for arena in self.arenas.values():
+                arena.close(unlink=True)
+            self.arenas.clear()
+
+
+def _codec(k: int, m: int):
+    if m == 0:
+        return None
+    from memsnap.codec import ReedSolomon
+
+    return ReedSolomon(k, m)
+
+
+def _choose_chunk(nbytes: int, k: int) -> int:
+    from memsnap.stripes import choose_chunk
+
+    return choose_chunk(nbytes, k, int(tunable("chunk_target")))
+
+
+def _call(ref, timeout: float | None = None):
+    return ray.get(ref, timeout=timeout or tunable("call_timeout_s"))
+
+
+@ray.remote
+class SnapshotAgent:
+    """The Ray actor around ``AgentCore``; see the module docstring for the call protocol."""
+
+    def __init__(self, config: dict, node_id: str, secret: bytes):
+        logging.basicConfig(level=logging.INFO)
+        host = ray.util.get_node_ip_address()
+        self.core = AgentCore(config, node_id, secret, host=host)
+        cfg = self.core.cfg
+        if cfg.spill is not None:
+            from memsnap.spill import Spiller
+
+            self.core.spiller = Spiller(self.core)
+
+    def ping(self) -> str:
+        return self.core.node
+
+    def register(self, rank: int, world_size: int) -> dict:
+        with self.core.lock:
+            self.core.ranks.add(rank)
+            self.core.world = world_size
+        return self.core.address
+
+    def begin(self, step: int, rank: int, nbytes: int) -> dict:
+        return self.core.begin(step, rank, nbytes)
+
+    def captured(self, step: int, rank: int, manifest_json: str, local_ranks: list[int]) -> None:
+        return self.core.captured(step, rank, manifest_json, local_ranks)
+
+    def commit(self, step: int, record: dict, keep: list[int]) -> None:
+        return self.core.commit(step, record, keep)
+
+    def abandon(self, step: int) -> None:
+        return self.core.abandon(step)
+
+    def local(self, step: int, rank: int) -> dict | None:
+        return self.core.local(step, rank)
+
+    def recover(self, step: int, rank: int, record: dict) -> dict:
+        return self.core.recover(step, rank, record)
+
+    def rebuild(self, step: int, owner: str, shard: int, record: dict) -> int:
+        return self.core.rebuild(step, owner, shard, record)
+
+    def inventory(self) -> dict:
+        return self.core.inventory()
+
+    def records(self) -> dict:
+        with self.core.lock:
+            return {s: r for s, r in self.core.records.items()}
+
+    def flip_chunk(self, step: int, owner: str, stripe: int, shard: int, offset: int = 0) -> None:
+        """Fault injection: corrupt one byte of a held chunk."""
+        self.core.store.flip_byte(ChunkKey(step, owner, stripe, shard), offset)
+
+    def objstore_push(self, packed_keys: list, refs: list, checksums: list) -> list:
+        return self.core.transport.handle_push(packed_keys, refs, checksums)
+
+    def objstore_fetch(self, packed_keys: list) -> list:
+        return self.core.transport.handle_fetch(packed_keys)
+
+    def shutdown(self) -> None:
+        self.core.shutdown()
+        ray.actor.exit_actor()
+
+
+def get_or_create(cfg: SnapshotConfig, node_id: str, secret: bytes):
+    """The agent of ``cfg.job`` on ``node_id``: the existing one, or a new one pinned there."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return SnapshotAgent.options(
+        name=naming.agent(cfg.job, node_id), namespace=naming.NAMESPACE, lifetime="detached",
+        get_if_exists=True, num_cpus=0, max_concurrency=int(tunable("agent_max_concurrency")),
+        memory=cfg.memory_budget,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+    ).remote(cfg.to_dict(), node_id, secret)
+
+
+def find(job: str, node_id: str):
+    """The live agent of ``job`` on ``node_id``, or None."""
+    try:
+        return ray.get_actor(naming.agent(job, node_id), namespace=naming.NAMESPACE)
+    except ValueError:
+        return None

@@ -1,0 +1,214 @@
+"""Restore: the collective tier decision, and reading a rank's bytes back from its peers.
+
+``decide`` (run by the coordinator) picks the newest step that every rank can load and a
+tier per rank, from a coverage map of what the live agents hold: ``local`` when the rank's
+own node still has its arena, ``peer`` when at least ``k`` holders of every stripe are
+alive, else the newest spilled step from ``durable`` for every rank, else ``none``.
+
+``gather`` (run by the agent on the restoring rank's node) fetches each stripe's data shards
+straight into the arena, fetches parity only for stripes that lost a shard (holder gone,
+chunk missing, or checksum failed), decodes those, and pushes repaired chunks back to
+holders that answered with a bad one. ``rebuild_shard`` re-creates the shard a lost holder
+had, for re-protection.
+"""
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+from memsnap import encode
+from memsnap.config import tunable
+from memsnap.errors import TooFewShardsError, TransportError
+from memsnap.transport.base import ChunkKey
+
+log = logging.getLogger("memsnap.restore")
+
+
+# --- the decision (coordinator) ------------------------------------------------------------------
+def owner_stripes(record: dict, owner: str) -> int:
+    """How many stripes ``owner``'s stream has in ``record``."""
+    return sum(encode.Region(**_region_args(e)).stripes for e in record["ranks"].values()
+               if e["owner"] == owner)
+
+
+def _region_args(entry: dict) -> dict:
+    return {k: entry[k] for k in ("rank", "nbytes", "stripe_base", "k", "chunk")}
+
+
+def holders_with(record: dict, owner: str, inventories: dict[str, dict]) -> list[int]:
+    """The shard indices whose holder is alive and holds every stripe of ``owner``."""
+    step, need = record["step"], owner_stripes(record, owner)
+    out = []
+    for j, node in enumerate(record["holders"][owner]):
+        held = inventories.get(node, {}).get("held", {}).get(step, {}).get(owner, {})
+        if held.get(j, 0) >= need:
+            out.append(j)
+    return out
+
+
+def has_local(inv: dict | None, step: int, rank: int) -> bool:
+    v = (inv or {}).get("versions", {}).get(step)
+    return v is not None and v["state"] == "committed" and rank in v["ranks"]
+
+
+def rank_tier(record: dict, rank: int, node: str, inventories: dict[str, dict]) -> str | None:
+    """``"local"``, ``"peer"`` or None: how ``rank`` (now on ``node``) can load ``record``."""
+    entry = record["ranks"].get(str(rank))
+    if entry is None:
+        return None
+    if has_local(inventories.get(node), record["step"], rank):
+        return "local"
+    if node in inventories and len(holders_with(record, entry["owner"], inventories)) >= record["k"]:
+        return "peer"
+    return None
+
+
+def decide(records: dict[int, dict], members: dict[int, str], inventories: dict[str, dict],
+           durable_step: int | None, bad: set[int] = frozenset()) -> dict:
+    """The plan every rank follows: ``{"step", "tier", "ranks": {rank: tier}}``."""
+    for step in sorted(records, reverse=True):
+        if step in bad or (durable_step is not None and durable_step > step):
+            continue
+        tiers = {r: rank_tier(records[step], r, node, inventories) for r, node in members.items()}
+        if all(tiers.values()):
+            return {"step": step, "tier": "ram", "ranks": tiers}
+    if durable_step is not None:
+        return {"step": durable_step, "tier": "durable", "ranks": {r: "durable" for r in members}}
+    return {"step": None, "tier": "none", "ranks": {r: "none" for r in members}}
+
+
+# --- reading from peers (agent) ----------------------------------------------------------------
+class _Stripes:
+    """Per-stripe shard buffers of one region while it is gathered."""
+
+    def __init__(self, region: encode.Region, m: int, out: memoryview):
+        self.region, self.lay, self.out = region, region.layout, out
+        self.n = region.stripes
+        self.shards = [[None] * (region.k + m) for _ in range(self.n)]
+        self.in_place = [set() for _ in range(self.n)]
+
+    def dest(self, s: int, j: int) -> memoryview:
+        chunk = self.region.chunk
+        if j < self.region.k:
+            a, b = self.lay.data_range(s, j)
+            if b - a == chunk:
+                self.in_place[s].add(j)
+                return self.out[a:b]
+        return memoryview(bytearray(chunk))
+
+    def missing(self) -> list[int]:
+        k = self.region.k
+        return [s for s in range(self.n) if any(x is None for x in self.shards[s][:k])]
+
+
+def _fetch(core, addr: dict | None, items: list) -> list[bool] | None:
+    """``transport.fetch`` that answers None when the holder cannot be reached."""
+    if addr is None or not items:
+        return None if addr is None else []
+    try:
+        return core.transport.fetch(addr, items, timeout=tunable("push_timeout_s"))
+    except TransportError as exc:
+        log.warning("holder %s unreachable: %s", addr, exc)
+        return None
+
+
+def _fetch_shard(core, st: _Stripes, key_of, j: int, addr: dict | None, stripes: list[int]) -> list[int]:
+    """Fetch shard ``j`` of ``stripes``; return the stripes whose holder answered without it."""
+    items = [(key_of(s, j), st.dest(s, j)) for s in stripes]
+    ok = _fetch(core, addr, items)
+    bad = []
+    for (key, buf), s, good in zip(items, stripes, ok or [False] * len(items)):
+        if good:
+            st.shards[s][j] = buf
+        else:
+            st.in_place[s].discard(j)
+            if ok is not None:
+                bad.append(s)
+    return bad
+
+
+def gather(core, record: dict, entry: dict, out: memoryview) -> dict:
+    """Fill ``out`` with ``entry``'s region of ``record`` from the holders; return counters."""
+    k, m = record["k"], record["m"]
+    region = encode.Region(**_region_args(entry))
+    st = _Stripes(region, m, out)
+    owner, base = entry["owner"], region.stripe_base
+    holders = record["holders"][owner]
+    addrs = [record["addrs"].get(h) for h in holders]
+
+    def key_of(s: int, j: int) -> ChunkKey:
+        return ChunkKey(record["step"], owner, base + s, j)
+
+    everything = list(range(st.n))
+    with ThreadPoolExecutor(max_workers=max(1, k)) as ex:
+        bad = list(ex.map(lambda j: _fetch_shard(core, st, key_of, j, addrs[j], everything), range(k)))
+    lost = st.missing()
+    if lost:
+        with ThreadPoolExecutor(max_workers=max(1, m)) as ex:
+            list(ex.map(lambda j: _fetch_shard(core, st, key_of, j, addrs[j], lost), range(k, k + m)))
+    for s in range(st.n):
+        shards = st.shards[s]
+        if sum(x is not None for x in shards) < k:
+            raise TooFewShardsError(
+                f"step {record['step']}, owner {owner[:12]}, stripe {base + s}: only "
+                f"{sum(x is not None for x in shards)} of k={k} shards could be read from the holders")
+        data = encode.reconstruct_data(core.codec, shards, k)
+        st.shards[s][:k] = data
+        encode.write_stripe(out, st.lay, s, data, frozenset(st.in_place[s]))
+    repaired = _repair(core, st, key_of, bad, addrs)
+    return {"stripes": st.n, "decoded_stripes": len(lost), "repaired": repaired,
+            "bytes": region.nbytes}
+
+
+def _repair(core, st: _Stripes, key_of, bad: list[list[int]], addrs: list) -> int:
+    """Push rebuilt data shards back to holders that answered without them (corrupt or lost)."""
+    n = 0
+    for j, stripes in enumerate(bad):
+        items = [(key_of(s, j), _padded(st.shards[s][j], st.region.chunk)) for s in stripes]
+        if not items:
+            continue
+        try:
+            core.transport.push(addrs[j], items, timeout=tunable("push_timeout_s"))
+            n += len(items)
+            log.warning("repaired %d chunk(s) of shard %d on its holder", len(items), j)
+        except TransportError as exc:
+            log.warning("could not repair shard %d: %s", j, exc)
+    return n
+
+
+def _padded(buf, chunk: int) -> memoryview:
+    mv = memoryview(buf).cast("B")
+    if len(mv) == chunk:
+        return mv
+    out = bytearray(chunk)
+    out[:len(mv)] = mv
+    return memoryview(out)
+
+
+# --- re-protection (agent on the replacement node) ----------------------------------------
+def rebuild_shard(core, record: dict, owner: str, shard: int, batch: int = 64) -> int:
+    """Recreate shard ``shard`` of every stripe of ``owner`` from the other holders; hold it here."""
+    k, m = record["k"], record["m"]
+    entries = [e for e in record["ranks"].values() if e["owner"] == owner]
+    chunk = entries[0]["chunk"]
+    total = owner_stripes(record, owner)
+    holders = record["holders"][owner]
+    sources = [j for j in range(k + m) if j != shard and holders[j] != core.node]
+    n = 0
+    for start in range(0, total, batch):
+        stripes = list(range(start, min(total, start + batch)))
+        got = {s: [None] * (k + m) for s in stripes}
+        for j in sources:
+            need = [s for s in stripes if sum(x is not None for x in got[s]) < k]
+            if not need:
+                break
+            items = [(ChunkKey(record["step"], owner, s, j), memoryview(bytearray(chunk))) for s in need]
+            ok = _fetch(core, record["addrs"].get(holders[j]), items) or [False] * len(items)
+            for (key, buf), good in zip(items, ok):
+                if good:
+                    got[key.stripe][j] = buf
+        for s in stripes:
+            full = core.codec.reconstruct(got[s]) if shard >= k or got[s][shard] is None else got[s]
+            core.store.put(ChunkKey(record["step"], owner, s, shard), full[shard])
+            n += 1
+    return n

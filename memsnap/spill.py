@@ -1,0 +1,109 @@
+"""Background, throttled spill of committed snapshots to durable storage (one thread per agent).
+
+After a commit that is due (every ``spill_every`` steps or ``spill_every_seconds``), the
+agent's spill thread writes each local rank's bytes straight from its arena with
+``storage.Store.write_rank`` (capped at ``spill_bytes_per_s`` for the whole node), then
+reports the ranks to the coordinator, which writes the commit marker once every rank of the
+step is written. The version is pinned (not freed) while it is written. A failure (disk
+full, permission, network) is logged and counted and the step is retried; it never touches
+the in-memory tier. A newer due step replaces an older one that has not started.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import ray
+
+from memsnap.config import tunable
+from memsnap.manifest import Manifest
+
+log = logging.getLogger("memsnap.spill")
+
+
+class Spiller:
+    """The spill thread of one agent (``core`` is its ``AgentCore``)."""
+
+    def __init__(self, core):
+        self.core, self.cfg = core, core.cfg
+        self.cond = threading.Condition()
+        self.want: int | None = None
+        self.current: int | None = None
+        self.last_time = time.monotonic()
+        self.state = {"spilled_step": None, "failures": 0, "last_error": None, "bytes": 0}
+        self._stop = False
+        self._store = None
+        self.thread = threading.Thread(target=self._loop, name="memsnap-spill", daemon=True)
+        self.thread.start()
+
+    def due(self, step: int) -> bool:
+        if self.cfg.spill_every and step % self.cfg.spill_every == 0:
+            return True
+        return bool(self.cfg.spill_every_seconds) and \
+            time.monotonic() - self.last_time >= self.cfg.spill_every_seconds
+
+    def committed(self, step: int) -> None:
+        if self.due(step):
+            with self.cond:
+                self.want = max(step, self.want or -1)
+                self.cond.notify_all()
+
+    def busy_with(self, step: int) -> bool:
+        return self.current == step
+
+    def status(self) -> dict:
+        return dict(self.state, pending=self.want, writing=self.current)
+
+    def stop(self) -> None:
+        with self.cond:
+            self._stop = True
+            self.cond.notify_all()
+
+    def _loop(self) -> None:
+        while True:
+            with self.cond:
+                self.cond.wait_for(lambda: self._stop or self.want is not None)
+                if self._stop:
+                    return
+                step, self.want, self.current = self.want, None, self.want
+            try:
+                self._spill(step)
+            except Exception as exc:  # reported and retried; RAM is untouched
+                self._failed(step, exc)
+            finally:
+                self.current = None
+
+    def _failed(self, step: int, exc: Exception) -> None:
+        self.state["failures"] += 1
+        self.state["last_error"] = f"step {step}: {type(exc).__name__}: {exc}"
+        log.warning("spill of step %d to %s failed (will retry): %s", step, self.cfg.spill, exc)
+        time.sleep(tunable("spill_retry_s"))
+        with self.cond:
+            if self.want is None and self._version(step) is not None:
+                self.want = step
+
+    def _version(self, step: int):
+        with self.core.lock:
+            v = self.core.versions.get(step)
+            return v if v is not None and v.state == "committed" else None
+
+    def _spill(self, step: int) -> None:
+        from memsnap.storage import Store
+
+        v = self._version(step)
+        if v is None:
+            return
+        if self._store is None:
+            self._store = Store.open(self.cfg.spill)
+        ranks = sorted(v.manifests)
+        bps = self.cfg.spill_bytes_per_s / max(1, len(ranks))
+        for rank in ranks:
+            man = Manifest.from_json(v.manifests[rank])
+            view = self.core.arenas[(rank, v.slot)].view(0, v.sizes[rank])
+            self._store.write_rank(step, rank, man, view, throttle_bps=bps)
+            self.state["bytes"] += v.sizes[rank]
+        coord = self.core._coordinator()
+        ray.get(coord.spilled.remote(step, ranks), timeout=tunable("call_timeout_s"))
+        self.state["spilled_step"] = step
+        self.last_time = time.monotonic()

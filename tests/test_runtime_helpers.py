@@ -1,0 +1,153 @@
+"""Shared pieces of the runtime tests: a training actor per node and a loopback cluster fixture.
+
+(No tests here: the ``test_runtime_*`` modules import it.)
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+
+import ray
+import torch
+import xxhash
+
+from memsnap import naming
+from memsnap.localcluster import LocalCluster, wait_for
+
+FEATURES = 256
+
+
+def make_state(seed: int) -> dict:
+    """A ~6 MiB state (after one step): MLP weights, AdamW moments, an LR schedule."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(FEATURES, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, FEATURES))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.StepLR(optim, step_size=2, gamma=0.5)
+    return {"model": model, "optim": optim, "sched": sched}
+
+
+def train_step(state: dict) -> float:
+    x = torch.randn(16, FEATURES)
+    loss = (state["model"](x) - x).pow(2).mean()
+    state["optim"].zero_grad()
+    loss.backward()
+    state["optim"].step()
+    state["sched"].step()
+    return float(loss)
+
+
+def digest(state: dict) -> str:
+    """One hash over every tensor's bytes, the schedule and the RNG: equal iff bitwise equal."""
+    h = xxhash.xxh3_64()
+    for t in state["model"].state_dict().values():
+        h.update(t.detach().contiguous().numpy().tobytes())
+    for per_param in state["optim"].state_dict()["state"].values():
+        for v in per_param.values():
+            h.update(v.contiguous().numpy().tobytes() if torch.is_tensor(v) else repr(v).encode())
+    h.update(repr(sorted(state["sched"].state_dict().items())).encode())
+    h.update(torch.get_rng_state().numpy().tobytes())
+    return h.hexdigest()
+
+
+@ray.remote(num_cpus=0)
+class Trainer:
+    """One rank: its own state and Snapshotter, on the node it was pinned to."""
+
+    def __init__(self, job: str, rank: int, world: int, seed: int, opts: dict):
+        from memsnap.snapshotter import Snapshotter
+
+        self.state = make_state(seed)
+        self.snap = Snapshotter(job=job, rank=rank, world_size=world, **opts)
+
+    def node(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def step_and_save(self, step: int) -> str:
+        train_step(self.state)
+        self.snap.save(step, self.state)
+        return digest(self.state)
+
+    def save(self, step: int) -> str:
+        self.snap.save(step, self.state)
+        return digest(self.state)
+
+    def save_and_die(self, step: int) -> None:
+        """Die in the middle of capturing ``step`` (half the bytes written)."""
+        import memsnap.capture as capture
+
+        real = capture.capture
+
+        def half(state, *, out, manifest, **kw):
+            view = memoryview(out).cast("B")
+            view[: len(view) // 2] = b"\x5a" * (len(view) // 2)
+            os._exit(1)
+            return real(state, out=out, manifest=manifest, **kw)
+
+        capture.capture = half
+        train_step(self.state)
+        self.snap.save(step, self.state)
+
+    def wait(self, step: int, timeout: float = 60.0):
+        return self.snap.wait(step, timeout)
+
+    def restore(self) -> tuple:
+        step = self.snap.restore(self.state)
+        return step, digest(self.state), self.snap.last_restore
+
+    def digest(self) -> str:
+        return digest(self.state)
+
+    def status(self) -> dict:
+        return self.snap.status()
+
+
+def start_trainer(job: str, rank: int, world: int, node_index: int, opts: dict, seed: int | None = None):
+    trainer = Trainer.options(resources={f"memsnap_node_{node_index}": 0.01}).remote(
+        job, rank, world, rank if seed is None else seed, opts)
+    ray.get(trainer.node.remote(), timeout=120)
+    return trainer
+
+
+def start_all(job: str, nodes: list[int], opts: dict, seed_offset: int = 0) -> list:
+    """One trainer per node index (rank i on ``nodes[i]``), created together so they register together."""
+    world = len(nodes)
+    trainers = [Trainer.options(resources={f"memsnap_node_{n}": 0.01}).remote(job, r, world, r + seed_offset, opts)
+                for r, n in enumerate(nodes)]
+    ray.get([t.node.remote() for t in trainers], timeout=180)
+    return trainers
+
+
+def restore_all(trainers: list, timeout: float = 240) -> list[tuple]:
+    return ray.get([t.restore.remote() for t in trainers], timeout=timeout)
+
+
+def kill(actor) -> None:
+    with contextlib.suppress(Exception):
+        ray.kill(actor, no_restart=True)
+
+
+def node_dead(node_id: str) -> bool:
+    return any(n["NodeID"] == node_id and not n["Alive"] for n in ray.nodes())
+
+
+@contextlib.contextmanager
+def cluster(job: str, nodes: int):
+    """A loopback cluster of ``nodes`` for one test module; torn down (and /dev/shm cleaned) after."""
+    here = os.path.dirname(os.path.abspath(__file__))  # so Ray workers can import this module
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+    c = LocalCluster(nodes=nodes, cpus_per_node=1, object_store_mb=96)
+    try:
+        yield c
+    finally:
+        with contextlib.suppress(Exception):
+            from memsnap.snapshotter import shutdown
+
+            shutdown(job, timeout=10)
+        c.close()
+        for path in naming.arena_files(job):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+
+__all__ = ["cluster", "start_all", "start_trainer", "restore_all", "kill", "node_dead", "wait_for", "shutil"]
