@@ -213,3 +213,63 @@ def test_fully_sharded_model_and_optimizer_resume_identically(gloo_world_of_one)
     step(*src)
     step(*dst)
     assert all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(src[0].parameters(), dst[0].parameters()))
+
+
+TWO_RANK_CHILD = r"""
+import sys, json
+from pathlib import Path
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from memsnap.apply import apply
+from memsnap.capture import capture
+from memsnap.manifest import Manifest
+
+rank, port, out = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+try:
+    mesh = init_device_mesh("cpu", (2,))
+    full = torch.arange(16.0).view(4, 4)
+    m, buf = capture({"s": distribute_tensor(full, mesh, [Shard(0)]),
+                      "r": distribute_tensor(full[0], mesh, [Replicate()])}, rng=False, checksums=True)
+    (out / f"rank{rank}.json").write_bytes(m.to_json())
+    (out / f"rank{rank}.bin").write_bytes(buf)
+    live = {"s": distribute_tensor(torch.zeros(4, 4), mesh, [Shard(0)]),
+            "r": distribute_tensor(torch.zeros(4), mesh, [Replicate()])}
+    apply(live, Manifest.from_json((out / f"rank{rank}.json").read_bytes()), (out / f"rank{rank}.bin").read_bytes())
+    (out / f"applied{rank}.json").write_text(json.dumps(
+        {"s": live["s"].to_local().tolist(), "r": live["r"].to_local().tolist()}))
+finally:
+    dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_store_and_restore_their_own_shards(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from memsnap.manifest import Manifest
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, "-c", TWO_RANK_CHILD, str(r), str(port), str(tmp_path)])
+             for r in range(2)]
+    try:
+        assert [p.wait(timeout=180) for p in procs] == [0, 0]
+    finally:
+        for p in procs:
+            p.kill()
+    full = torch.arange(16.0).view(4, 4)
+    for rank in range(2):
+        m = Manifest.from_json((tmp_path / f"rank{rank}.json").read_bytes())
+        e, r = m.entry("s"), m.entry("r")
+        assert (e.shape, e.global_shape, e.global_offset, e.placements, e.mesh_shape) == \
+            ((2, 4), (4, 4), (2 * rank, 0), ("Shard(0)",), (2,))
+        assert (r.shape, r.global_offset, r.placements) == ((4,), (0,), ("Replicate()",))
+        raw = (tmp_path / f"rank{rank}.bin").read_bytes()[e.offset:e.offset + e.nbytes]
+        assert raw == full[2 * rank:2 * rank + 2].numpy().tobytes()
+        applied = json.loads((tmp_path / f"applied{rank}.json").read_text())
+        assert applied == {"s": full[2 * rank:2 * rank + 2].tolist(), "r": full[0].tolist()}
