@@ -10,7 +10,6 @@ number of groups — the best any split can do.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Mapping, Sequence
 
 DOMAIN_LABELS = ("region", "zone", "rack")  # failure domains, outermost first
@@ -26,7 +25,7 @@ class NodeInfo:
     def __post_init__(self) -> None:
         if not isinstance(self.node_id, str) or not self.node_id:
             raise ValueError(f"NodeInfo node_id={self.node_id!r}: pass the Ray node id as a non-empty str")
-        object.__setattr__(self, "labels", MappingProxyType(dict(self.labels)))
+        object.__setattr__(self, "labels", {str(k): str(v) for k, v in dict(self.labels).items()})
 
     def __hash__(self) -> int:
         return hash((self.node_id, tuple(sorted(self.labels.items()))))
@@ -64,6 +63,17 @@ class Placement:
     def nodes(self) -> tuple[str, ...]:
         """Every placed node id, group by group."""
         return tuple(n for group in self.groups for n in group)
+
+    def to_dict(self) -> dict:
+        """A JSON-able form (for status reports and for sending between actors)."""
+        return {"k": self.k, "m": self.m, "groups": [list(g) for g in self.groups],
+                "holders": {o: list(hs) for o, hs in self.holders.items()}}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "Placement":
+        """The placement ``to_dict`` wrote."""
+        return cls(int(d["k"]), int(d["m"]), tuple(tuple(g) for g in d["groups"]),
+                   {o: tuple(hs) for o, hs in d["holders"].items()})
 
 
 def _check_code(k: int, m: int) -> None:
@@ -122,7 +132,7 @@ def place(nodes: Sequence[NodeInfo], k: int, m: int, group_size: int | None = No
     holders: dict[str, tuple[str, ...]] = {}
     for group in groups:
         holders.update(_ring_holders(group, k + m))
-    return Placement(k, m, groups, MappingProxyType(holders))
+    return Placement(k, m, groups, holders)
 
 
 def replace_node(p: Placement, lost: str, new: NodeInfo) -> Placement:
@@ -137,7 +147,7 @@ def replace_node(p: Placement, lost: str, new: NodeInfo) -> Placement:
 
     groups = tuple(tuple(sub(n) for n in g) for g in p.groups)
     holders = {sub(o): tuple(sub(h) for h in hs) for o, hs in p.holders.items()}
-    return Placement(p.k, p.m, groups, MappingProxyType(holders))
+    return Placement(p.k, p.m, groups, holders)
 
 
 def recoverable(p: Placement, owner: str, alive: set[str], local_copy: bool = True) -> bool:

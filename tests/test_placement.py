@@ -7,7 +7,7 @@ import random
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from memsnap.placement import NodeInfo, place, protection_level, recoverable, replace_node
+from memsnap.placement import NodeInfo, Placement, place, protection_level, recoverable, replace_node
 
 
 @st.composite
@@ -159,3 +159,15 @@ def test_too_few_nodes_says_what_is_needed():
         place([NodeInfo("a")] * 4, 1, 1)
     with pytest.raises(ValueError, match="k=0"):
         place([NodeInfo(f"n{i}") for i in range(8)], 0, 1)
+
+
+def test_placement_round_trips_through_json_and_is_reducible():
+    import copy
+    import json
+
+    p = place([NodeInfo(f"n{i}", {"zone": f"z{i % 2}"}) for i in range(9)], 2, 2)
+    assert Placement.from_dict(json.loads(json.dumps(p.to_dict()))) == p
+    # Ray serialises actor-call arguments by reduction, as deepcopy does: no mappingproxy inside
+    assert copy.deepcopy(p) == p
+    node = NodeInfo("a", {"rack": "r1"})
+    assert copy.deepcopy(node) == node and hash(node) == hash(NodeInfo("a", {"rack": "r1"}))
