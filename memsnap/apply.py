@@ -228,7 +228,8 @@ def _run(p: _ObjectPlan, src: _Source, state: Any, strict: bool) -> None:
 def _top_level(manifest: Manifest) -> dict[str, Any]:
     top = manifest.tree
     if not isinstance(top, dict) or (len(top) == 1 and next(iter(top)) in tree.TAGS):
-        raise StateMismatchError("manifest tree is not a dict of named objects; it was not written by capture()")
+        raise StateMismatchError(
+            "manifest tree is not a dict of named objects; it was not written by capture()")
     return top
 
 
@@ -255,7 +256,8 @@ def apply(state: Mapping[str, Any], manifest: Manifest, buf: Any, *, rng: bool =
     plans = [_plan_object(k, state[k], saved[k], manifest, strict) for k in saved if k in state]
     if any(not is_stateful(p.obj) and not isinstance(p.obj, torch.Tensor) for p in plans) \
             and not isinstance(state, MutableMapping):
-        raise StateMismatchError("state holds plain values but is read-only; pass a dict so they can be restored")
+        raise StateMismatchError(
+            "state holds plain values but is read-only; pass a dict so they can be restored")
     if rng and saved_rng is not None:
         _check_rng(saved_rng, manifest)
     meshes = _live_meshes(state, plans)

@@ -126,7 +126,8 @@ def _layout(found: list[_Found]) -> tuple[list[TensorEntry], int]:
         common = dict(path=f.path, dtype=dtype_name(t.dtype), shape=tuple(t.shape),
                       device=str(t.device), **f.sharding)
         if key is not None and key in first:
-            entries.append(TensorEntry(offset=first[key].offset, nbytes=0, alias_of=first[key].path, **common))
+            held = first[key]
+            entries.append(TensorEntry(offset=held.offset, nbytes=0, alias_of=held.path, **common))
             continue
         nbytes = t.numel() * t.element_size()
         entries.append(TensorEntry(offset=offset, nbytes=nbytes, **common))
@@ -167,12 +168,14 @@ def byte_view(buf: Any, nbytes: int, *, writable: bool) -> memoryview:
     try:
         mv = memoryview(buf).cast("B")
     except (TypeError, ValueError) as exc:
-        raise SnapshotBufferError(f"buffer of type {type(buf).__qualname__} is not a contiguous byte buffer: {exc}") from None
+        raise SnapshotBufferError(
+            f"buffer of type {type(buf).__qualname__} is not a contiguous byte buffer: {exc}") from None
     if writable and mv.readonly:
         raise SnapshotBufferError(f"capture needs a writable buffer; {type(buf).__qualname__} is read-only")
     if mv.nbytes < nbytes:
         raise SnapshotBufferError(
-            f"buffer holds {mv.nbytes} bytes but the snapshot needs {nbytes}; allocate at least manifest.nbytes")
+            f"buffer holds {mv.nbytes} bytes but the snapshot needs {nbytes}; "
+            f"allocate at least manifest.nbytes")
     return mv[:nbytes]
 
 
@@ -200,7 +203,8 @@ def copy_into(manifest: Manifest, sources: list[torch.Tensor], out: memoryview) 
         if src.device.type == "cpu" and src.is_contiguous():
             # one plain memcpy: torch's copy_ splits big copies over threads, which loses to a
             # single memcpy when the cores are busy with the training job
-            np.copyto(flat[entry.offset:entry.offset + entry.nbytes], src.reshape(-1).view(torch.uint8).numpy())
+            raw = src.reshape(-1).view(torch.uint8).numpy()
+            np.copyto(flat[entry.offset:entry.offset + entry.nbytes], raw)
         else:
             cuda |= src.is_cuda
             tensor_view(base, entry, src.dtype).copy_(src, non_blocking=src.is_cuda)

@@ -34,7 +34,9 @@ def _length(data: int | Sized) -> int:
         try:
             n = len(data)  # type: ignore[arg-type]
         except TypeError:
-            raise ConfigError(f"ResumableSampler needs a dataset length or a sized dataset, got {type(data).__qualname__}") from None
+            raise ConfigError(
+                f"ResumableSampler needs a dataset length or a sized dataset, "
+                f"got {type(data).__qualname__}") from None
     if n < 0:
         raise ConfigError(f"dataset length must be >= 0, got {n}")
     return n
@@ -101,7 +103,8 @@ class ResumableSampler(Sampler[int]):
 
 
 def _find_sampler(loader: DataLoader) -> ResumableSampler:
-    for s in (getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    for s in (getattr(loader, "sampler", None), getattr(batch_sampler, "sampler", None)):
         if isinstance(s, ResumableSampler):
             return s
     raise ConfigError("ResumableLoader needs a DataLoader built with sampler=ResumableSampler(...)")
