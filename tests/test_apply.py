@@ -273,3 +273,29 @@ def test_two_gloo_ranks_store_and_restore_their_own_shards(tmp_path):
         assert raw == full[2 * rank:2 * rank + 2].numpy().tobytes()
         applied = json.loads((tmp_path / f"applied{rank}.json").read_text())
         assert applied == {"s": full[2 * rank:2 * rank + 2].tolist(), "r": full[0].tolist()}
+
+
+def test_nested_plain_values_come_back_with_tensors_in_place():
+    t1, t2 = torch.zeros(3), torch.zeros(2, 2, dtype=torch.bfloat16)
+    live = {"extra": {"a": [t1, (t2, 3)], 7: {"inf": float("-inf"), "s": "x"}}}
+    src = {"extra": {"a": [torch.arange(3.0), (torch.ones(2, 2, dtype=torch.bfloat16), 4)],
+                     7: {"inf": float("inf"), "s": "y"}}}
+    m, buf = capture(src, rng=False)
+    apply(live, m, buf)
+    back = live["extra"]
+    assert back["a"][0] is t1 and back["a"][1][0] is t2 and back["a"][1][1] == 4
+    assert torch.equal(t1, torch.arange(3.0)) and torch.equal(t2, torch.ones(2, 2, dtype=torch.bfloat16))
+    assert back[7] == {"inf": float("inf"), "s": "y"} and isinstance(back["a"][1], tuple)
+
+
+@pytest.mark.gpu
+def test_cuda_tensors_go_device_to_host_and_back_in_place():
+    src = {"w": torch.randn(5, 3, device="cuda"), "b": torch.randn(4, device="cuda").to(torch.bfloat16)}
+    m, buf = capture(src, checksums=True)
+    e = m.entry("w")
+    assert e.device.startswith("cuda") and len(m.tree["__rng__"]["cuda"]) == torch.cuda.device_count()
+    assert bytes(buf[e.offset:e.offset + e.nbytes]) == src["w"].cpu().numpy().tobytes()
+    dst = {"w": torch.zeros(5, 3, device="cuda"), "b": torch.zeros(4, device="cuda", dtype=torch.bfloat16)}
+    w = dst["w"]
+    apply(dst, m, buf)
+    assert dst["w"] is w and w.is_cuda and torch.equal(w, src["w"]) and torch.equal(dst["b"], src["b"])
