@@ -152,3 +152,16 @@ def test_measure_uses_this_machines_memcpy(capsys):
     assert ram["snapshot_cost_s"] == pytest.approx(90 / bc)
     rc, out, _ = invoke(capsys, *BASE, "--measure")
     assert rc == 0 and "GB/s (measured)" in out.splitlines()[0]
+
+
+def test_through_the_memsnap_dispatcher(capsys):
+    from memsnap import cli
+
+    assert cli.main(["plan", *BASE, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [t["tier"] for t in data["tiers"]] == ["ram", "peer", "disk"]
+    assert cli.main(["plan", "--state-gb", "-1", "--nodes", "8", "--mtbf-hours", "10"]) == 2
+    assert "--state-gb=-1.0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["plan", "--help"])
+    assert "sqrt(2 * cost * M)" in capsys.readouterr().out

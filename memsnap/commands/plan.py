@@ -39,6 +39,12 @@ from memsnap.errors import ConfigError
 from memsnap.policy import require_positive_float, require_positive_int, young_daly_interval
 
 TIERS = ("ram", "peer", "disk")
+EPILOG = """formulas (seconds; S state GB per node, B* bandwidths GB/s, N nodes):
+  job MTBF  M = mtbf_hours * 3600 / N
+  cost      ram S/Bc;  peer S/Bc + S*(k+m)/k/(Bn*streams);  disk S/Bc + S/Bd
+  restore   ram S/Bc;  peer S/(Bn*streams);  disk S/Bd
+  interval  sqrt(2 * cost * M)            lost work per failure  interval/2 + restore
+  overhead  cost/interval + lost/M"""
 
 
 @dataclass(frozen=True)
@@ -175,8 +181,11 @@ def to_json(p: PlanInputs, plans: list[TierPlan]) -> str:
 def register(subparsers) -> argparse.ArgumentParser:
     """Add ``plan`` to the ``memsnap`` command's subparsers."""
     d = PlanInputs.__dataclass_fields__
-    ap = subparsers.add_parser("plan", help="recommend snapshot intervals per tier",
-                               description=__doc__.split("\n", 1)[0])
+    ap = subparsers.add_parser(
+        "plan", help="recommend snapshot intervals per tier",
+        description="Recommend snapshot intervals for the ram, peer and disk tiers (Young/Daly) "
+                    "and show the expected lost work per failure.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--state-gb", type=float, required=True, help="training state per node, GB")
     ap.add_argument("--nodes", type=int, required=True, help="nodes in the job")
     ap.add_argument("--mtbf-hours", type=float, required=True, help="MTBF of one node, hours")
