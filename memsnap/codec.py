@@ -20,6 +20,7 @@ across cores.  ``MEMSNAP_ISA=scalar|ssse3|avx2`` forces a kernel level at import
 from __future__ import annotations
 
 import contextlib
+import operator
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -91,6 +92,15 @@ def _resolve_threads(threads: int) -> int:
     return threads or (os.cpu_count() or 1)
 
 
+def _as_int(name: str, value: Any) -> int:
+    if isinstance(value, bool):
+        raise CodecError(f"{name}={value!r} must be an int, not a bool")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise CodecError(f"{name}={value!r} must be an int") from None
+
+
 def _nbytes(shard: Any, index: int, k: int) -> int:
     try:
         return memoryview(shard).nbytes
@@ -106,9 +116,7 @@ class ReedSolomon:
     """A ``k + m`` Reed-Solomon code; one instance is safe to share between threads."""
 
     def __init__(self, k: int, m: int, *, threads: int = 1) -> None:
-        for name, value in (("k", k), ("m", m)):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise CodecError(f"{name}={value!r} must be an int")
+        k, m = _as_int("k", k), _as_int("m", m)
         if k < 1 or m < 0 or k + m > 256:
             raise CodecError(
                 f"k={k}, m={m} out of range: need 1 <= k, 0 <= m and k + m <= 256 (GF(2^8))"
@@ -178,13 +186,13 @@ class ReedSolomon:
         expected = self.encode(shards[: self.k])
         length = len(expected[0]) if expected else _nbytes(shards[0], 0, self.k)
         for j, want in enumerate(expected):
-            got = np.frombuffer(shards[self.k + j], dtype=np.uint8)
-            if got.size != length:
+            size = _nbytes(shards[self.k + j], self.k + j, self.k)
+            if size != length:
                 raise ShardSizeError(
-                    f"parity shard {self.k + j} has {got.size} bytes, expected {length} "
+                    f"parity shard {self.k + j} has {size} bytes, expected {length} "
                     "like data shard 0: all shards of a stripe must have the same length"
                 )
-            if not np.array_equal(got, want):
+            if not np.array_equal(np.frombuffer(shards[self.k + j], dtype=np.uint8), want):
                 return False
         return True
 

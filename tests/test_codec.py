@@ -184,6 +184,18 @@ def test_too_few_shards() -> None:
         rs.verify([None, data[1], data[2], data[3], parity[0], parity[1]])
 
 
+def test_verify_checks_parity_sizes_and_types() -> None:
+    rs, data, parity = stripe(4, 2, 10)
+    with pytest.raises(ShardSizeError, match="parity shard 5 has 9 bytes, expected 10"):
+        rs.verify(data + [parity[0], parity[1][:9]])
+    with pytest.raises(CodecError, match="parity shard 4: int has no buffer"):
+        rs.verify(data + [7, parity[1]])
+
+
+def test_numpy_integers_are_accepted_for_k_and_m() -> None:
+    assert codec.ReedSolomon(np.int64(4), np.uint8(2)).n == 6
+
+
 # --- ISA selection ---------------------------------------------------------------------------
 def test_isa_switching_in_process() -> None:
     before = codec.isa()
