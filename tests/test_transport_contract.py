@@ -233,14 +233,15 @@ def test_wrong_length_buffer_is_false(harness):
 
 
 def test_corrupted_held_bytes_are_false_and_logged(harness, caplog):
-    items = _chunks("corrupt", sizes=[4096, 4096])
+    items = _chunks("corrupt", sizes=[4096, 4096, 1 << 20, 1 << 20])  # small and large chunks
     client = harness.client()
     try:
         client.push(harness.addr, items, timeout=30)
         harness.corrupt(items[0][0])
+        harness.corrupt(items[3][0])
         out = _empty_like(items)
         with caplog.at_level(logging.WARNING, logger="memsnap.transport"):
-            assert client.fetch(harness.addr, out, timeout=30) == [False, True]
+            assert client.fetch(harness.addr, out, timeout=30) == [False, True, True, False]
         assert any("checksum" in r.getMessage() and "corrupt" in r.getMessage() for r in caplog.records)
     finally:
         client.close()

@@ -13,11 +13,14 @@ between frames, and limits how long a single send or receive may wait for the pe
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
+import queue
 import socket
 import struct
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Sequence
 
 import xxhash
@@ -29,6 +32,8 @@ from memsnap.transport.base import ChunkKey, ChunkStore, Transport
 log = logging.getLogger("memsnap.transport")
 
 HANDSHAKE_TIMEOUT = 10.0  # seconds a server waits for a new connection to prove the secret
+PIPELINE = 8  # requests read ahead of the one being verified and answered, per connection
+INLINE_HASH = 256 << 10  # smaller chunks are hashed on the calling thread (a hand-off costs more)
 
 
 class _Timeout(Exception):
@@ -85,8 +90,7 @@ class _Server:
         try:
             if self._authenticate(sock, addr):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                while not self.closing:
-                    self._one_request(sock)
+                self._stream(sock)
         except (ConnectionError, OSError) as exc:
             log.debug("data-plane connection from %s:%s ended: %s", addr[0], addr[1], exc)
         except Exception:
@@ -108,21 +112,32 @@ class _Server:
                             addr[0], addr[1], exc or type(exc).__name__)
             return False
 
-    def _one_request(self, sock: socket.socket) -> None:
+    def _stream(self, sock: socket.socket) -> None:
+        """Read requests here; verify, store and answer them in order on a responder thread.
+
+        The reader sits in ``recv_into`` (GIL released) while the responder hashes the
+        previous chunk, so checksum verification overlaps the transfer.
+        """
+        jobs: queue.Queue = queue.Queue(maxsize=PIPELINE)
+        responder = threading.Thread(target=self._respond, args=(sock, jobs), daemon=True)
+        responder.start()
+        try:
+            while not self.closing:
+                jobs.put(self._read_one(sock))
+        finally:
+            jobs.put(None)
+            responder.join()
+
+    def _read_one(self, sock: socket.socket) -> tuple:
         op, raw, nbytes, checksum = wire.read_request(sock)
         try:
             key = ChunkKey.unpack(raw)
         except ValueError as exc:
             wire.drain(sock, nbytes)
-            wire.send_response(sock, wire.FAILED, f"bad key: {exc}")
-            return
-        if op == wire.PUSH:
-            self._receive(sock, key, nbytes, checksum)
-        else:
+            return ("fail", f"bad key: {exc}")
+        if op == wire.FETCH:
             wire.drain(sock, nbytes)  # a fetch carries no payload; skip any a bad client sent
-            self._send(sock, key)
-
-    def _receive(self, sock: socket.socket, key: ChunkKey, nbytes: int, checksum: int) -> None:
+            return ("fetch", key)
         try:
             dest = _byte_view(self.store.reserve(key, nbytes))
             if len(dest) != nbytes:
@@ -130,27 +145,43 @@ class _Server:
                 raise ValueError(f"the store reserved {len(dest)} bytes for a {nbytes}-byte chunk")
         except Exception as exc:
             wire.drain(sock, nbytes)
-            wire.send_response(sock, wire.FAILED, f"{type(exc).__name__}: {exc}")
-            return
+            return ("fail", f"{type(exc).__name__}: {exc}")
         try:
             wire.recv_into(sock, dest)
         except BaseException:
             self.store.discard(key)
             raise
+        return ("push", key, dest, checksum)
+
+    def _respond(self, sock: socket.socket, jobs: queue.Queue) -> None:
+        """Answer every job in order; after a failed send keep storing, stop answering."""
+        broken = False
+        while (job := jobs.get()) is not None:
+            try:
+                answer = self._answer(job)
+                if not broken:
+                    wire.send_response(sock, *answer)
+            except Exception as exc:
+                if not isinstance(exc, OSError):
+                    log.warning("data-plane responder failed on %s", job[:2], exc_info=True)
+                broken = True
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)  # wakes the reader
+
+    def _answer(self, job: tuple) -> tuple:
+        """``(status, message, payload, checksum)`` for one job, storing a pushed chunk."""
+        if job[0] == "fail":
+            return wire.FAILED, job[1], None, 0
+        if job[0] == "fetch":
+            held = self.store.lookup(job[1])
+            return (wire.MISSING, "", None, 0) if held is None else (wire.OK, "", _byte_view(held[0]), held[1])
+        _, key, dest, checksum = job
         if xxhash.xxh3_64_intdigest(dest) != checksum:
             self.store.discard(key)
             log.warning("chunk %s arrived with a bad checksum; dropped", key)
-            wire.send_response(sock, wire.FAILED, "checksum mismatch on arrival")
-            return
+            return wire.FAILED, "checksum mismatch on arrival", None, 0
         self.store.complete(key, checksum)
-        wire.send_response(sock, wire.OK)
-
-    def _send(self, sock: socket.socket, key: ChunkKey) -> None:
-        held = self.store.lookup(key)
-        if held is None:
-            wire.send_response(sock, wire.MISSING)
-        else:
-            wire.send_response(sock, wire.OK, payload=_byte_view(held[0]), checksum=held[1])
+        return wire.OK, "", None, 0
 
     def close(self) -> None:
         self.closing = True
@@ -176,6 +207,7 @@ class TcpTransport(Transport):
         self._server: _Server | None = None
         self._idle: dict[tuple[str, int], list[socket.socket]] = collections.defaultdict(list)
         self._lock = threading.Lock()
+        self._hasher: ThreadPoolExecutor | None = None
 
     # -- server half ---------------------------------------------------------------------
     def start(self, store: ChunkStore) -> dict:
@@ -191,8 +223,11 @@ class TcpTransport(Transport):
         with self._lock:
             socks = [s for pool in self._idle.values() for s in pool]
             self._idle.clear()
+            hasher, self._hasher = self._hasher, None
         for s in socks:
             s.close()
+        if hasher is not None:
+            hasher.shutdown(wait=True)
 
     # -- client half ---------------------------------------------------------------------
     def push(self, peer: dict, items: Sequence[tuple[ChunkKey, memoryview]], *, timeout: float) -> None:
@@ -258,13 +293,28 @@ class TcpTransport(Transport):
         with self._lock:
             self._idle[addr].append(sock)
 
+    def _hashing(self, fn: Callable, *args) -> Future:
+        """``fn(*args)`` on the helper thread (big chunks), so it overlaps the caller's I/O."""
+        if len(args[0]) < INLINE_HASH:
+            done: Future = Future()
+            done.set_result(fn(*args))
+            return done
+        with self._lock:
+            if self._hasher is None:
+                self._hasher = ThreadPoolExecutor(2, thread_name_prefix="memsnap-xxh3")
+            return self._hasher.submit(fn, *args)
+
     def _push_on(self, sock, items, deadline: float, cursor, addr) -> None:
         pending: collections.deque[ChunkKey] = collections.deque()
-        for key, buf in items:
+        views = [_byte_view(buf) for _, buf in items]
+        nxt = self._hashing(xxhash.xxh3_64_intdigest, views[0])
+        for i, (key, _) in enumerate(items):
             cursor[0] = key
-            view = _byte_view(buf)
+            checksum = nxt.result()
+            if i + 1 < len(views):  # hash the next chunk while this one is sent
+                nxt = self._hashing(xxhash.xxh3_64_intdigest, views[i + 1])
             _arm(sock, deadline)
-            wire.send_request(sock, wire.PUSH, key.pack(), view, xxhash.xxh3_64_intdigest(view))
+            wire.send_request(sock, wire.PUSH, key.pack(), views[i], checksum)
             pending.append(key)
             if len(pending) >= self.window:
                 self._ack(sock, pending.popleft(), deadline, cursor, addr)
@@ -283,29 +333,36 @@ class TcpTransport(Transport):
         for key, _ in items[:self.window]:
             _arm(sock, deadline)
             wire.send_request(sock, wire.FETCH, key.pack(), None, 0)
-        found = []
+        found: list[Future] = []
         for i, (key, buf) in enumerate(items):
             cursor[0] = key
             found.append(self._receive_one(sock, key, _byte_view(buf), deadline, addr))
             if i + self.window < len(items):
                 _arm(sock, deadline)
                 wire.send_request(sock, wire.FETCH, items[i + self.window][0].pack(), None, 0)
-        return found
+        return [f.result() for f in found]
 
-    def _receive_one(self, sock, key: ChunkKey, dest: memoryview, deadline: float, addr) -> bool:
+    def _receive_one(self, sock, key: ChunkKey, dest: memoryview, deadline: float, addr) -> Future:
+        """Read one fetch answer into ``dest``; the future says whether it is there and intact."""
         _arm(sock, deadline)
         status, message, nbytes, checksum = wire.read_response(sock)
+        missing: Future = Future()
+        missing.set_result(False)
         if status != wire.OK:
             if status == wire.FAILED:
                 log.warning("fetch from %s:%s: chunk %s failed: %s", addr[0], addr[1], key, message)
-            return False
+            return missing
         if nbytes != len(dest):
             wire.drain(sock, nbytes)
             log.warning("fetch from %s:%s: chunk %s is %d bytes, the buffer %d", addr[0], addr[1], key,
                         nbytes, len(dest))
-            return False
+            return missing
         wire.recv_into(sock, dest)
-        if xxhash.xxh3_64_intdigest(dest) != checksum:
-            log.warning("fetch from %s:%s: chunk %s fails its checksum; treated as missing", addr[0], addr[1], key)
-            return False
+        return self._hashing(_verify, dest, checksum, key, addr)
+
+
+def _verify(dest: memoryview, checksum: int, key: ChunkKey, addr) -> bool:
+    if xxhash.xxh3_64_intdigest(dest) == checksum:
         return True
+    log.warning("fetch from %s:%s: chunk %s fails its checksum; treated as missing", addr[0], addr[1], key)
+    return False
