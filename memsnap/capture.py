@@ -16,8 +16,9 @@ record their place in the global tensor.
 """
 from __future__ import annotations
 
+import ctypes
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Mapping
 
 import numpy as np
@@ -26,7 +27,7 @@ import torch
 from memsnap import rng as rng_state
 from memsnap import tree
 from memsnap.checksum import checksum
-from memsnap.dtypes import dtype_name
+from memsnap.dtypes import NAME_OF, dtype_name
 from memsnap.errors import SnapshotBufferError, StateMismatchError
 from memsnap.manifest import Manifest, TensorEntry, align_up
 
@@ -91,15 +92,10 @@ def _sharding(t: torch.Tensor) -> dict[str, Any]:
 
 
 # --- planning --------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class _Found:
-    path: str
-    tensor: torch.Tensor  # the local tensor whose bytes are stored
-    sharding: dict[str, Any]
-
-
-def _walk(values: dict[str, Any]) -> tuple[Any, list[_Found]]:
-    found: list[_Found] = []
+def _walk(values: dict[str, Any]) -> tuple[Any, list[str], list[torch.Tensor]]:
+    """The skeleton, plus every tensor (as found: DTensors stay DTensors) and its unique path."""
+    paths: list[str] = []
+    tensors: list[torch.Tensor] = []
     seen: set[str] = set()
 
     def on_tensor(t: torch.Tensor, path: str) -> int:
@@ -107,10 +103,11 @@ def _walk(values: dict[str, Any]) -> tuple[Any, list[_Found]]:
         while unique in seen:
             unique, n = f"{path}#{n}", n + 1
         seen.add(unique)
-        found.append(_Found(unique, local_tensor(t).detach(), _sharding(t)))
-        return len(found) - 1
+        paths.append(unique)
+        tensors.append(t)
+        return len(tensors) - 1
 
-    return tree.encode(values, on_tensor), found
+    return tree.encode(values, on_tensor), paths, tensors
 
 
 def _alias_key(t: torch.Tensor) -> tuple | None:
@@ -119,12 +116,13 @@ def _alias_key(t: torch.Tensor) -> tuple | None:
     return (t.device, t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
 
 
-def _layout(found: list[_Found]) -> tuple[list[TensorEntry], int]:
+def _layout(paths: list[str], found: list[torch.Tensor]) -> tuple[list[TensorEntry], int]:
     entries, first, offset = [], {}, 0
-    for f in found:
-        t, key = f.tensor, _alias_key(f.tensor)
-        common = dict(path=f.path, dtype=dtype_name(t.dtype), shape=tuple(t.shape),
-                      device=str(t.device), **f.sharding)
+    for path, whole in zip(paths, found):
+        t = local_tensor(whole)
+        key = _alias_key(t)
+        common = dict(path=path, dtype=dtype_name(t.dtype), shape=tuple(t.shape),
+                      device=str(t.device), **_sharding(whole))
         if key is not None and key in first:
             held = first[key]
             entries.append(TensorEntry(offset=held.offset, nbytes=0, alias_of=held.path, **common))
@@ -137,29 +135,48 @@ def _layout(found: list[_Found]) -> tuple[list[TensorEntry], int]:
     return entries, offset
 
 
-def _plan(state: Mapping[str, Any], rng: bool) -> tuple[Manifest, list[torch.Tensor]]:
-    skeleton, found = _walk(collect(state, rng=rng))
-    entries, nbytes = _layout(found)
-    return Manifest(tensors=entries, tree=skeleton, nbytes=nbytes), [f.tensor for f in found]
-
-
 def plan(state: Mapping[str, Any], *, rng: bool = True) -> Manifest:
     """The layout of ``state`` (offsets, dtypes, shapes, skeleton) without copying tensor bytes."""
-    return _plan(state, rng)[0]
+    skeleton, paths, found = _walk(collect(state, rng=rng))
+    entries, nbytes = _layout(paths, found)
+    return Manifest(tensors=entries, tree=skeleton, nbytes=nbytes)
 
 
-def _reuse(fresh: Manifest, old: Manifest) -> Manifest:
-    """``fresh`` with ``old``'s layout, after checking the tensors did not change."""
-    if len(fresh.tensors) != len(old.tensors):
-        raise StateMismatchError(
-            f"state now has {len(fresh.tensors)} tensors but the reused manifest has "
-            f"{len(old.tensors)}; call capture() without manifest= to re-plan")
-    for new, was in zip(fresh.tensors, old.tensors):
-        if (new.path, new.dtype, new.shape, new.alias_of) != (was.path, was.dtype, was.shape, was.alias_of):
-            raise StateMismatchError(
-                f"tensor {new.path!r} is {new.dtype}{list(new.shape)} but the reused manifest has "
-                f"{was.path!r} as {was.dtype}{list(was.shape)}; call capture() without manifest= to re-plan")
-    return replace(old, tensors=[replace(t, checksum=None) for t in old.tensors], tree=fresh.tree)
+def _refuse(path: str, t: torch.Tensor | None, was: TensorEntry | None) -> StateMismatchError:
+    now = "absent" if t is None else f"{dtype_name(t.dtype)}{list(t.shape)}"
+    old = "absent" if was is None else f"{was.path!r} as {was.dtype}{list(was.shape)}"
+    return StateMismatchError(
+        f"tensor {path!r} is {now} but the reused manifest has {old}; "
+        f"call capture() without manifest= to re-plan")
+
+
+def _check_fits(paths: list[str], locals_: list[torch.Tensor], old: Manifest) -> None:
+    """Cheaply check that ``old``'s layout still fits the tensors found now (per tensor: a few
+    attribute reads, no new objects) and that tied tensors are still tied."""
+    entries = old.tensors
+    for i, (path, t) in enumerate(zip(paths, locals_)):
+        was = entries[i] if i < len(entries) else None
+        if was is None or was.path != path or was.shape != t.shape or was.dtype != NAME_OF.get(t.dtype):
+            raise _refuse(path, t, was)
+    if len(entries) != len(paths):
+        raise _refuse(entries[len(paths)].path, None, entries[len(paths)])
+    index = None
+    for i, was in enumerate(entries):
+        if was.alias_of is not None:
+            index = index or {e.path: j for j, e in enumerate(entries)}
+            if locals_[i].data_ptr() != locals_[index[was.alias_of]].data_ptr():
+                raise StateMismatchError(
+                    f"tensor {was.path!r} is no longer tied to {was.alias_of!r}; "
+                    f"call capture() without manifest= to re-plan")
+
+
+def _reuse(skeleton: Any, paths: list[str], locals_: list[torch.Tensor], old: Manifest) -> Manifest:
+    """``old``'s layout with the new skeleton, after checking the tensors did not change."""
+    _check_fits(paths, locals_, old)
+    entries = old.tensors
+    if any(e.checksum is not None for e in entries):
+        entries = [replace(e, checksum=None) for e in entries]
+    return replace(old, tensors=entries, tree=skeleton)
 
 
 # --- copying ---------------------------------------------------------------------------------
@@ -195,16 +212,15 @@ def copy_into(manifest: Manifest, sources: list[torch.Tensor], out: memoryview) 
     if manifest.nbytes == 0:
         return
     flat = np.frombuffer(out, dtype=np.uint8, count=manifest.nbytes)
-    base = torch.from_numpy(flat)
+    base, address = torch.from_numpy(flat), flat.ctypes.data
     cuda = False
     for entry, src in zip(manifest.tensors, sources):
         if entry.alias_of is not None or not entry.nbytes:
             continue
         if src.device.type == "cpu" and src.is_contiguous():
-            # one plain memcpy: torch's copy_ splits big copies over threads, which loses to a
-            # single memcpy when the cores are busy with the training job
-            raw = src.reshape(-1).view(torch.uint8).numpy()
-            np.copyto(flat[entry.offset:entry.offset + entry.nbytes], raw)
+            # one plain memcpy (GIL released): torch's copy_ splits big copies over threads,
+            # which loses to a single memcpy when the cores are busy with the training job
+            ctypes.memmove(address + entry.offset, src.data_ptr(), entry.nbytes)
         else:
             cuda |= src.is_cuda
             tensor_view(base, entry, src.dtype).copy_(src, non_blocking=src.is_cuda)
@@ -215,8 +231,13 @@ def copy_into(manifest: Manifest, sources: list[torch.Tensor], out: memoryview) 
 def capture(state: Mapping[str, Any], *, out: Any = None, rng: bool = True, checksums: bool = False,
             manifest: Manifest | None = None) -> tuple[Manifest, memoryview]:
     """Copy ``state`` into ``out`` (or a new buffer); return its manifest and exactly its bytes."""
-    fresh, sources = _plan(state, rng)
-    m = fresh if manifest is None else _reuse(fresh, manifest)
+    skeleton, paths, found = _walk(collect(state, rng=rng))
+    sources = [local_tensor(t).detach() for t in found]
+    if manifest is None:
+        entries, nbytes = _layout(paths, found)
+        m = Manifest(tensors=entries, tree=skeleton, nbytes=nbytes)
+    else:
+        m = _reuse(skeleton, paths, sources, manifest)
     mv = _new_buffer(m.nbytes, sources) if out is None else byte_view(out, m.nbytes, writable=True)
     copy_into(m, sources, mv)
     return (fill_checksums(m, mv) if checksums else m), mv

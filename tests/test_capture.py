@@ -166,3 +166,14 @@ def test_state_keys_are_checked():
         plan({"__rng__": 1})
     with pytest.raises(StateMismatchError, match="dict of named objects"):
         plan([1, 2])
+
+
+def test_reused_manifest_refuses_a_broken_tie_and_a_changed_tensor_count():
+    w = torch.randn(4, 3)
+    m0 = plan({"a": {"x": w, "y": w}}, rng=False)
+    with pytest.raises(StateMismatchError, match=r"'a/y' is no longer tied to 'a/x'"):
+        capture({"a": {"x": w, "y": w.clone()}}, rng=False, manifest=m0)
+    with pytest.raises(StateMismatchError, match=r"'a/y' is absent"):
+        capture({"a": {"x": w}}, rng=False, manifest=m0)
+    with pytest.raises(StateMismatchError, match=r"'a/z' is float32\[4, 3\] but the reused manifest has absent"):
+        capture({"a": {"x": w, "y": w, "z": w.clone()}}, rng=False, manifest=m0)
