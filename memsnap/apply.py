@@ -11,6 +11,7 @@ step) are handed to ``load_state_dict`` as new CPU tensors, which it places itse
 """
 from __future__ import annotations
 
+import ctypes
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Mapping, MutableMapping
@@ -171,12 +172,21 @@ class _Source:
     def __init__(self, manifest: Manifest, mv: memoryview, meshes: list[Any]):
         self.manifest, self.meshes = manifest, meshes
         self.index = {t.path: i for i, t in enumerate(manifest.tensors)}
-        self.base = None
+        self.base, self.address = None, 0
         if manifest.nbytes:
             with warnings.catch_warnings():  # read-only snapshot bytes are only ever read
                 warnings.simplefilter("ignore", UserWarning)
                 self.base = torch.frombuffer(mv, dtype=torch.uint8)
+            self.address = self.base.data_ptr()
         self.fresh: dict[int, torch.Tensor] = {}
+
+    def copy_into(self, i: int, dst: torch.Tensor) -> None:
+        """Copy entry ``i``'s bytes into the live tensor ``dst`` (checked to match beforehand)."""
+        e = self.manifest.tensors[self.holder(i)]
+        if dst.device.type == "cpu" and dst.is_contiguous() and e.nbytes:
+            ctypes.memmove(dst.data_ptr(), self.address + e.offset, e.nbytes)  # one plain memcpy
+        else:
+            dst.copy_(self.view(i))
 
     def holder(self, i: int) -> int:
         alias = self.manifest.tensors[i].alias_of
@@ -213,7 +223,7 @@ def _run(p: _ObjectPlan, src: _Source, state: Any, strict: bool) -> None:
         live = p.live.get(path)
         if live is None:
             return src.new_tensor(i)
-        local_tensor(live).copy_(src.view(i))
+        src.copy_into(i, local_tensor(live))
         return live
 
     value = tree.decode(p.subtree, tensor_at, p.key)
