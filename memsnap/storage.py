@@ -269,7 +269,10 @@ class Store:
         mv = memoryview(out).cast("B")
         if mv.nbytes != rec["bin_bytes"]:
             raise ValueError(f"destination has {mv.nbytes} bytes, {path} holds {rec['bin_bytes']}")
-        size = self.fs.get_file_info(path).size
+        info = self.fs.get_file_info(path)
+        if info.type == pafs.FileType.NotFound:
+            raise ChecksumError(f"{path} is missing although step {step} is committed")
+        size = info.size
         if size != rec["bin_bytes"]:
             raise ChecksumError(f"{path} is truncated or damaged: {size} bytes on storage, "
                                 f"COMMITTED recorded {rec['bin_bytes']}")

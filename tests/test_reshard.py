@@ -153,7 +153,7 @@ def test_reshard_4_to_2_to_4(tmp_path, capsys):
     root = str(tmp_path / "ckpt")
     run_workers(root)
     assert_same(f"{root}/saved_A.safetensors", f"{root}/loaded_B.safetensors")  # 4 -> 2
-    assert_same(f"{root}/saved_B.safetensors", f"{root}/loaded_C.safetensors")
+    assert_same(f"{root}/saved_B.safetensors", f"{root}/loaded_C.safetensors")  # 2 -> 4
     # the CLI gathers a sharded checkpoint's weights whole
     out = str(tmp_path / "w.safetensors")
     assert cli_main(["export", root + "/2", "--safetensors", out]) == 0

@@ -55,3 +55,33 @@ def test_retention_on_object_store(endpoint):
         save_step(store, step)
     assert store.retain(Retention(keep_last=2)) == [1, 2]
     assert store.steps() == [3, 4]
+
+
+def test_save_load_through_s3_uri(endpoint, monkeypatch):
+    import warnings
+
+    import torch
+
+    import memsnap
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+
+    def state(seed):
+        torch.manual_seed(seed)
+        model = torch.nn.Linear(16, 8)
+        return {"model": model, "optim": torch.optim.SGD(model.parameters(), lr=0.1)}
+
+    saved = state(1)
+    memsnap.save("s3://ckpt/run-e", saved, 11, {"loss": 0.5}, keep_last=1)
+    memsnap.save("s3://ckpt/run-e", state(2), 12, keep_last=1)
+    s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+    s3.delete_object(Bucket="ckpt", Key="run-e/step_000000000012/rank_00000.bin")  # lost object
+    live = state(3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(Exception, match="no intact committed step"):
+            memsnap.load("s3://ckpt/run-e", live)  # retention removed step 11 after 12 committed
+    assert any("step 12" in str(w.message) and "missing" in str(w.message) for w in caught)
+    memsnap.save("s3://ckpt/run-e", saved, 13)
+    assert memsnap.load("s3://ckpt/run-e", live) == 13
+    assert torch.equal(live["model"].weight, saved["model"].weight)
