@@ -68,8 +68,8 @@ class TcpHarness:
             except OSError:
                 return
 
-    def client(self):
-        return make_transport("tcp", secret=SECRET, host="127.0.0.1")
+    def client(self, small: bool = False):
+        return make_transport("tcp", secret=SECRET, host="127.0.0.1", **({"window": 2} if small else {}))
 
     def corrupt(self, key):
         self.store.corrupt(key)
@@ -140,8 +140,9 @@ class ObjStoreHarness:
         self.gone_addr = ray.get(gone.address.remote(), timeout=60)
         ray.kill(gone)
 
-    def client(self):
-        return make_transport("objstore", secret=SECRET, host="127.0.0.1")
+    def client(self, small: bool = False):
+        return make_transport("objstore", secret=SECRET, host="127.0.0.1",
+                              **({"batch_bytes": 64 << 10} if small else {}))
 
     def corrupt(self, key):
         import ray
@@ -206,6 +207,19 @@ def test_many_small_chunks_in_one_call(harness):
         out = _empty_like(items)
         assert all(client.fetch(harness.addr, out, timeout=60))
         assert all(bytes(a) == bytes(b) for (_, a), (_, b) in zip(items, out))
+    finally:
+        client.close()
+
+
+def test_round_trip_with_little_in_flight(harness):
+    """Many windows (TCP) or many batches (object store) per call, pipelined."""
+    items = _chunks("small-window", sizes=SIZES + [50_000] * 12)
+    client = harness.client(small=True)
+    try:
+        client.push(harness.addr, items, timeout=60)
+        out = _empty_like(items)
+        assert client.fetch(harness.addr, out, timeout=60) == [True] * len(items)
+        assert [bytes(v) for _, v in out] == [bytes(v) for _, v in items]
     finally:
         client.close()
 

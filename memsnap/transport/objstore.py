@@ -10,6 +10,7 @@ its namespace. Server: ``ObjStoreServer`` is a plain object; the agent actor's
 """
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from typing import Iterator, Sequence
@@ -21,6 +22,8 @@ from memsnap.errors import TransportError
 from memsnap.transport.base import ChunkKey, ChunkStore, Transport
 
 log = logging.getLogger("memsnap.transport")
+
+IN_FLIGHT = 2  # batches whose actor call is outstanding at once
 
 
 def _byte_view(buf) -> memoryview:
@@ -123,15 +126,8 @@ class ObjStoreTransport(Transport):
 
     # -- client half ---------------------------------------------------------------------
     def push(self, peer: dict, items: Sequence[tuple[ChunkKey, memoryview]], *, timeout: float) -> None:
-        import ray
-
         deadline = time.monotonic() + timeout
-        for batch in _batches(items, self.batch_bytes):
-            views = [_byte_view(buf) for _, buf in batch]
-            refs = [ray.put(np.frombuffer(v, np.uint8)) for v in views]
-            sums = [xxhash.xxh3_64_intdigest(v) for v in views]
-            keys = [k.pack() for k, _ in batch]
-            errors = self._call(peer, "objstore_push", (keys, refs, sums), deadline, timeout, batch[0][0])
+        for batch, errors in self._pipelined(peer, "objstore_push", items, self._push_args, deadline, timeout):
             for (key, _), err in zip(batch, errors):
                 if err is not None:
                     raise TransportError(f"push to {self._describe(peer)}: the peer refused chunk {key}: {err}")
@@ -139,11 +135,33 @@ class ObjStoreTransport(Transport):
     def fetch(self, peer: dict, items: Sequence[tuple[ChunkKey, memoryview]], *, timeout: float) -> list[bool]:
         deadline = time.monotonic() + timeout
         found: list[bool] = []
-        for batch in _batches(items, self.batch_bytes):
-            keys = [k.pack() for k, _ in batch]
-            held = self._call(peer, "objstore_fetch", (keys,), deadline, timeout, batch[0][0])
+        for batch, held in self._pipelined(peer, "objstore_fetch", items, self._fetch_args, deadline, timeout):
             found.extend(self._fill(peer, key, _byte_view(buf), arr, c) for (key, buf), (arr, c) in zip(batch, held))
         return found
+
+    @staticmethod
+    def _push_args(batch: list) -> tuple:
+        import ray
+
+        views = [_byte_view(buf) for _, buf in batch]
+        refs = [ray.put(np.frombuffer(v, np.uint8)) for v in views]
+        return [k.pack() for k, _ in batch], refs, [xxhash.xxh3_64_intdigest(v) for v in views]
+
+    @staticmethod
+    def _fetch_args(batch: list) -> tuple:
+        return ([k.pack() for k, _ in batch],)
+
+    def _pipelined(self, peer: dict, method: str, items, make_args, deadline: float, timeout: float):
+        """``(batch, result)`` for every batch, with up to IN_FLIGHT calls outstanding."""
+        inflight: collections.deque = collections.deque()
+        for batch in _batches(items, self.batch_bytes):
+            inflight.append((batch, self._submit(peer, method, make_args(batch), batch[0][0])))
+            if len(inflight) >= IN_FLIGHT:
+                batch, ref = inflight.popleft()
+                yield batch, self._wait(peer, method, ref, deadline, timeout, batch[0][0])
+        while inflight:
+            batch, ref = inflight.popleft()
+            yield batch, self._wait(peer, method, ref, deadline, timeout, batch[0][0])
 
     def _fill(self, peer: dict, key: ChunkKey, dest: memoryview, arr, checksum: int) -> bool:
         if arr is None:
@@ -159,20 +177,30 @@ class ObjStoreTransport(Transport):
             return False
         return True
 
-    def _call(self, peer: dict, method: str, args: tuple, deadline: float, timeout: float, key: ChunkKey):
+    def _submit(self, peer: dict, method: str, args: tuple, key: ChunkKey):
+        from ray.exceptions import RayError
+
+        self._ident(peer)  # a malformed address is the caller's bug: ValueError, not TransportError
+        try:
+            return getattr(self._handle(peer), method).remote(*args)
+        except (RayError, ValueError) as exc:
+            self._handles.pop(self._ident(peer), None)
+            raise TransportError(f"{method} to {self._describe(peer)} failed at chunk {key}: "
+                                 f"{type(exc).__name__}: {exc}") from exc
+
+    def _wait(self, peer: dict, method: str, ref, deadline: float, timeout: float, key: ChunkKey):
         import ray
         from ray.exceptions import GetTimeoutError, RayError
 
-        where = self._describe(peer)
-        self._ident(peer)  # a malformed address is the caller's bug: ValueError, not TransportError
         try:
-            ref = getattr(self._handle(peer), method).remote(*args)
             return ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
         except GetTimeoutError:
-            raise TransportError(f"{method} to {where} timed out after {timeout:g} s at chunk {key}") from None
-        except (RayError, ValueError) as exc:
+            raise TransportError(f"{method} to {self._describe(peer)} timed out after {timeout:g} s "
+                                 f"at chunk {key}") from None
+        except RayError as exc:
             self._handles.pop(self._ident(peer), None)
-            raise TransportError(f"{method} to {where} failed at chunk {key}: {type(exc).__name__}: {exc}") from exc
+            raise TransportError(f"{method} to {self._describe(peer)} failed at chunk {key}: "
+                                 f"{type(exc).__name__}: {exc}") from exc
 
     def _handle(self, peer: dict):
         import ray
