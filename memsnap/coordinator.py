@@ -56,7 +56,7 @@ class CoordinatorCore:
         self.rounds: dict[int, dict] = {}
         self.bad: set[int] = set()
         self.last_restore: dict = {"tier": "none", "step": None, "seconds": {}}
-        self.reprotect: dict = {"running": 0, "rebuilt_chunks": 0, "errors": []}
+        self.reprotect: dict = {"running": 0, "again": False, "rebuilt_chunks": 0, "errors": []}
 
     # --- membership ------------------------------------------------------------------------
     def register(self, rank: int, node: str, address: dict) -> None:
@@ -71,6 +71,8 @@ class CoordinatorCore:
             elif node not in self.placement.holders:
                 self._replace(old, node)
             self.cond.notify_all()
+        if self.placement is not None and self.records:
+            self._kick_reprotect()
 
     def _maybe_place(self) -> None:
         if len(self.members) == self.world:
@@ -87,8 +89,7 @@ class CoordinatorCore:
                               "start the job with every node, or restart it to re-place")
         self.placement = replace_node(self.placement, lost, NodeInfo(node))
         self.epoch += 1
-        log.warning("node %s replaces lost node %s; re-protecting", node[:12], lost[:12])
-        threading.Thread(target=self._reprotect, args=(lost, node), daemon=True).start()
+        log.warning("node %s replaces lost node %s", node[:12], lost[:12])
 
     def members_of(self, timeout: float) -> dict[int, str]:
         with self.cond:
@@ -268,39 +269,73 @@ class CoordinatorCore:
         return True
 
     # --- re-protection ---------------------------------------------------------------------------
-    def _reprotect(self, lost: str, new: str) -> None:
+    def _kick_reprotect(self) -> None:
+        """Start the re-protection thread unless it runs; it rebuilds every shard whose holder left."""
         with self.lock:
-            self.reprotect["running"] += 1
-            records = {s: r for s, r in self.records.items()}
-        handle = agents.find(self.cfg.job, new)
+            if self.reprotect["running"]:
+                self.reprotect["again"] = True
+                return
+            self.reprotect["running"] = 1
+        threading.Thread(target=self._reprotect_loop, daemon=True).start()
+
+    def _reprotect_loop(self) -> None:
         try:
-            for step, record in sorted(records.items()):
-                self._reprotect_record(handle, record, lost, new)
+            while True:
+                self.reprotect["again"] = False
+                for step in sorted(self.records):
+                    self._reprotect_step(step)
+                if not self.reprotect.get("again"):
+                    return
         finally:
             with self.lock:
-                self.reprotect["running"] -= 1
+                self.reprotect["running"] = 0
 
-    def _reprotect_record(self, handle, record: dict, lost: str, new: str) -> None:
-        record = dict(record, addrs=dict(record["addrs"], **self.addrs))
-        for owner, holders in record["holders"].items():
-            for j in [j for j, h in enumerate(holders) if h == lost]:
-                try:
-                    n = ray.get(handle.rebuild.remote(record["step"], owner, j, record),
-                                timeout=tunable("push_timeout_s"))
-                except Exception as exc:
-                    self.reprotect["errors"].append(f"step {record['step']} owner {owner[:12]} shard {j}: {exc}")
-                    continue
-                with self.lock:
-                    live = self.records.get(record["step"])
-                    if live is not None:
-                        live["holders"][owner][j] = new
-                        live["addrs"][new] = self.addrs[new]
-                    self.reprotect["rebuilt_chunks"] += n
+    def _reprotect_step(self, step: int) -> None:
+        with self.lock:
+            record = self.records.get(step)
+            if record is None:
+                return
+            live = set(self.members.values())
+            moves = [(owner, j, new) for owner, holders in record["holders"].items()
+                     for j, new in self._new_holders(record, owner, holders, live)]
+            record = dict(record, addrs=dict(record["addrs"], **self.addrs))
+        for owner, j, new in moves:
+            self._rebuild_on(record, owner, j, new)
+        if moves:
+            with self.lock:
+                live_record = self.records.get(step)
+                keep = sorted(self.records)[-self.cfg.keep:]
+            if live_record is not None:
+                self._broadcast("commit", step, live_record, keep)
+
+    def _new_holders(self, record: dict, owner: str, holders: list[str], live: set[str]) -> list:
+        """``(j, node)`` for every shard ``j`` whose holder is gone: a live node not yet holding one."""
+        hosting = {self.members.get(int(r)) for r, e in record["ranks"].items() if e["owner"] == owner}
+        taken, out = set(holders), []
+        for j, h in enumerate(holders):
+            if h in live:
+                continue
+            cands = sorted(live - taken - hosting) or sorted(live - taken)
+            if cands:
+                out.append((j, cands[0]))
+                taken.add(cands[0])
+        return out
+
+    def _rebuild_on(self, record: dict, owner: str, j: int, new: str) -> None:
+        handle = agents.find(self.cfg.job, new)
+        try:
+            n = ray.get(handle.rebuild.remote(record["step"], owner, j, record), timeout=tunable("push_timeout_s"))
+        except Exception as exc:
+            self.reprotect["errors"].append(f"step {record['step']} owner {owner[:12]} shard {j}: {exc}")
+            log.warning("re-protection of step %d owner %s shard %d failed: %s", record["step"], owner[:12], j, exc)
+            return
         with self.lock:
             live = self.records.get(record["step"])
-            keep = sorted(self.records)[-self.cfg.keep:]
-        if live is not None:
-            self._broadcast("commit", record["step"], live, keep)
+            if live is not None:
+                live["holders"][owner][j] = new
+                live["addrs"][new] = self.addrs[new]
+            self.reprotect["rebuilt_chunks"] += n
+        log.info("re-protected step %d owner %s shard %d on %s (%d chunks)", record["step"], owner[:12], j, new[:12], n)
 
     # --- status ----------------------------------------------------------------------------------
     def status(self) -> dict:

@@ -139,7 +139,7 @@ def test_corrupt_chunk_and_node_loss_restore_from_peers(job):
             break
     else:
         pytest.fail("no holder of shard 0 of the lost node's step 4")
-    victim = next(n for n in c.nodes if n.unique_id == lost)
+    victim = next(n for n in c.nodes if n.node_id == lost)
     c.kill_node(victim)
     wait_for(lambda: node_dead(lost), timeout=60, what="the killed node to be declared dead")
     # survivors try step 5: a holder (and a rank) is gone mid-transfer, so it never commits
@@ -167,7 +167,7 @@ def test_reprotection_brings_the_protection_level_back(job):
 def test_more_losses_than_tolerated_fall_back_to_durable(job):
     c, trainers, nodes = job["cluster"], job["trainers"], job["nodes"]
     doomed = [nodes[0], nodes[1], nodes[2]]
-    for n in [n for n in c.nodes if n.unique_id in doomed]:
+    for n in [n for n in c.nodes if n.node_id in doomed]:
         c.kill_node(n)
     wait_for(lambda: all(node_dead(n) for n in doomed), timeout=60, what="three dead nodes")
     for i, r in enumerate((0, 1, 2)):

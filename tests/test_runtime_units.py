@@ -1,0 +1,103 @@
+"""The runtime's pure parts without Ray: config, the tier decision, protection, agent slots."""
+from __future__ import annotations
+
+import pytest
+
+from memsnap.agent import AgentCore
+from memsnap.config import SnapshotConfig, tunable
+from memsnap.coordinator import owner_margin
+from memsnap.errors import CommitError, ConfigError, MemoryBudgetError
+from memsnap.restore import decide
+
+SECRET = b"s" * 32
+
+
+def test_config_validates_with_messages_that_say_what_to_change():
+    with pytest.raises(ConfigError, match="group_size=3: needs at least k\\+m\\+1=4"):
+        SnapshotConfig("j", k=2, m=1, group_size=3)
+    with pytest.raises(ConfigError, match="job="):
+        SnapshotConfig("bad job!")
+    with pytest.raises(ConfigError, match="spill=None"):
+        SnapshotConfig("j", spill_every=5)
+    with pytest.raises(ConfigError, match="multiple of 64"):
+        SnapshotConfig("j", chunk=100)
+    assert SnapshotConfig("j", spill="/tmp/x").spill_every == 1
+    assert SnapshotConfig.from_dict(SnapshotConfig("j", k=3).to_dict()).k == 3
+
+
+def test_tunables_come_from_one_table_with_env_override(monkeypatch):
+    assert tunable("call_timeout_s") == 30.0
+    monkeypatch.setenv("MEMSNAP_CALL_TIMEOUT_S", "7")
+    assert tunable("call_timeout_s") == 7.0
+    with pytest.raises(ConfigError, match="unknown"):
+        tunable("nope")
+
+
+def record(step=5, k=2, m=1):
+    ranks = {str(r): {"rank": r, "nbytes": 1000, "stripe_base": 0, "k": k, "chunk": 192, "owner": f"n{r}",
+                      "manifest": "{}"} for r in range(4)}
+    holders = {f"n{o}": [f"n{(o + 1 + j) % 4}" for j in range(k + m)] for o in range(4)}
+    return {"step": step, "k": k, "m": m, "ranks": ranks, "holders": holders, "addrs": {}}
+
+
+def inventories(step, alive, local=True):
+    out = {}
+    for n in alive:
+        i = int(n[1:])
+        held = {f"n{o}": {j: 3 for j in range(3) if (o + 1 + j) % 4 == i} for o in range(4)}
+        out[n] = {"versions": {step: {"state": "committed", "ranks": [i]}} if local else {},
+                  "held": {step: held}}
+    return out
+
+
+def test_decide_prefers_local_then_peer_then_durable():
+    members = {r: f"n{r}" for r in range(4)}
+    recs = {5: record(5)}
+    plan = decide(recs, members, inventories(5, ["n0", "n1", "n2", "n3"]), durable_step=4)
+    assert plan == {"step": 5, "tier": "ram", "ranks": {0: "local", 1: "local", 2: "local", 3: "local"}}
+    moved = {**members, 2: "n9"}  # rank 2 on a replacement node
+    inv = inventories(5, ["n0", "n1", "n3"])
+    inv["n9"] = {"versions": {}, "held": {}}
+    assert decide(recs, moved, inv, None)["ranks"][2] == "peer"
+    # three nodes lost: rank 0's holders n1, n2, n3 -> only n3 left < k
+    inv = {"n3": inventories(5, ["n3"])["n3"], "n7": {}, "n8": {}, "n9": {}}
+    gone = {0: "n7", 1: "n8", 2: "n9", 3: "n3"}
+    assert decide(recs, gone, inv, durable_step=4) == {"step": 4, "tier": "durable",
+                                                       "ranks": {r: "durable" for r in range(4)}}
+    assert decide(recs, gone, inv, durable_step=None)["tier"] == "none"
+    assert decide(recs, members, inventories(5, ["n0", "n1", "n2", "n3"]), None, bad={5})["tier"] == "none"
+
+
+def test_owner_margin_counts_holders_and_the_local_copy():
+    rec, members = record(5), {r: f"n{r}" for r in range(4)}
+    assert owner_margin(rec, "n0", members, inventories(5, ["n0", "n1", "n2", "n3"])) == 2
+    assert owner_margin(rec, "n0", members, inventories(5, ["n1", "n2", "n3"])) == 1  # no local copy
+    assert owner_margin(rec, "n0", members, inventories(5, ["n0", "n3"])) == 0  # only the local copy
+    assert owner_margin(rec, "n0", members, inventories(5, ["n3"])) == -1
+
+
+@pytest.fixture
+def core():
+    cfg = SnapshotConfig("unit-agent", k=2, m=1, keep=2, memory_budget=1 << 20).to_dict()
+    c = AgentCore(cfg, "f" * 56, SECRET)
+    yield c
+    c.shutdown()
+
+
+def test_agent_slots_keep_committed_versions_whole(core):
+    slots = [core.begin(s, 0, 4096)["slot"] for s in (1,)]
+    core.versions[1].state = "committed"
+    slots.append(core.begin(2, 0, 4096)["slot"])
+    core.versions[2].state = "committed"
+    slots.append(core.begin(3, 0, 4096)["slot"])
+    assert slots == [0, 1, 2]  # keep=2 committed + 1 being captured
+    core.versions[3].state = "committed"
+    assert core.begin(4, 0, 4096)["slot"] == 0  # the oldest beyond keep is reused
+    assert sorted(core.versions) == [2, 3, 4]
+    with pytest.raises(CommitError, match="captured\\(step=9"):
+        core.captured(9, 0, "{}", [0])
+
+
+def test_agent_refuses_a_snapshot_over_budget_naming_the_setting(core):
+    with pytest.raises(MemoryBudgetError, match=r"needs 2097152 bytes.*memory_budget"):
+        core.begin(1, 0, 2 << 20)
