@@ -11,6 +11,12 @@ _KEY_HEAD = struct.Struct("<QIHH")
 MAX_OWNER_BYTES = 0xFFFF
 
 
+def byte_view(buf) -> memoryview:
+    """``buf`` (anything with the buffer protocol) as a flat unsigned-byte memoryview, no copy."""
+    view = memoryview(buf)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
 @dataclass(frozen=True, order=True)
 class ChunkKey:
     """One chunk: shard ``shard`` of stripe ``stripe`` of node ``owner``'s bytes at ``step``.

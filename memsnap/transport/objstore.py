@@ -19,16 +19,11 @@ import numpy as np
 import xxhash
 
 from memsnap.errors import TransportError
-from memsnap.transport.base import ChunkKey, ChunkStore, Transport
+from memsnap.transport.base import ChunkKey, ChunkStore, Transport, byte_view
 
 log = logging.getLogger("memsnap.transport")
 
 IN_FLIGHT = 2  # batches whose actor call is outstanding at once
-
-
-def _byte_view(buf) -> memoryview:
-    view = memoryview(buf)
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
 class ObjStoreServer:
@@ -46,9 +41,9 @@ class ObjStoreServer:
                 for raw, arr, c in zip(packed_keys, arrays, checksums)]
 
     def _store_one(self, key: ChunkKey, arr: np.ndarray, checksum: int) -> str | None:
-        src = _byte_view(arr)
+        src = byte_view(arr)
         try:
-            dest = _byte_view(self.store.reserve(key, len(src)))
+            dest = byte_view(self.store.reserve(key, len(src)))
         except Exception as exc:
             return f"{type(exc).__name__}: {exc}"
         if len(dest) != len(src):
@@ -67,14 +62,14 @@ class ObjStoreServer:
         out: list[tuple[np.ndarray | None, int]] = []
         for raw in packed_keys:
             held = self.store.lookup(ChunkKey.unpack(raw))
-            out.append((None, 0) if held is None else (np.frombuffer(_byte_view(held[0]), np.uint8), held[1]))
+            out.append((None, 0) if held is None else (np.frombuffer(byte_view(held[0]), np.uint8), held[1]))
         return out
 
 
 def _batches(items: Sequence, limit: int) -> Iterator[list]:
     batch, size = [], 0
     for item in items:
-        n = len(_byte_view(item[1]))
+        n = len(byte_view(item[1]))
         if batch and size + n > limit:
             yield batch
             batch, size = [], 0
@@ -136,14 +131,14 @@ class ObjStoreTransport(Transport):
         deadline = time.monotonic() + timeout
         found: list[bool] = []
         for batch, held in self._pipelined(peer, "objstore_fetch", items, self._fetch_args, deadline, timeout):
-            found.extend(self._fill(peer, key, _byte_view(buf), arr, c) for (key, buf), (arr, c) in zip(batch, held))
+            found.extend(self._fill(peer, key, byte_view(buf), arr, c) for (key, buf), (arr, c) in zip(batch, held))
         return found
 
     @staticmethod
     def _push_args(batch: list) -> tuple:
         import ray
 
-        views = [_byte_view(buf) for _, buf in batch]
+        views = [byte_view(buf) for _, buf in batch]
         refs = [ray.put(np.frombuffer(v, np.uint8)) for v in views]
         return [k.pack() for k, _ in batch], refs, [xxhash.xxh3_64_intdigest(v) for v in views]
 
@@ -166,7 +161,7 @@ class ObjStoreTransport(Transport):
     def _fill(self, peer: dict, key: ChunkKey, dest: memoryview, arr, checksum: int) -> bool:
         if arr is None:
             return False
-        src = _byte_view(arr)
+        src = byte_view(arr)
         if len(src) != len(dest):
             log.warning("fetch from %s: chunk %s is %d bytes, the buffer %d", self._describe(peer), key,
                         len(src), len(dest))

@@ -27,7 +27,7 @@ import xxhash
 
 from memsnap.errors import AuthenticationError, TransportError
 from memsnap.transport import auth, wire
-from memsnap.transport.base import ChunkKey, ChunkStore, Transport
+from memsnap.transport.base import ChunkKey, ChunkStore, Transport, byte_view
 
 log = logging.getLogger("memsnap.transport")
 
@@ -38,11 +38,6 @@ INLINE_HASH = 256 << 10  # smaller chunks are hashed on the calling thread (a ha
 
 class _Timeout(Exception):
     pass
-
-
-def _byte_view(buf) -> memoryview:
-    view = memoryview(buf)
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
 def _arm(sock: socket.socket, deadline: float) -> None:
@@ -139,7 +134,7 @@ class _Server:
             wire.drain(sock, nbytes)  # a fetch carries no payload; skip any a bad client sent
             return ("fetch", key)
         try:
-            dest = _byte_view(self.store.reserve(key, nbytes))
+            dest = byte_view(self.store.reserve(key, nbytes))
             if len(dest) != nbytes:
                 self.store.discard(key)
                 raise ValueError(f"the store reserved {len(dest)} bytes for a {nbytes}-byte chunk")
@@ -174,7 +169,7 @@ class _Server:
             return wire.FAILED, job[1], None, 0
         if job[0] == "fetch":
             held = self.store.lookup(job[1])
-            return (wire.MISSING, "", None, 0) if held is None else (wire.OK, "", _byte_view(held[0]), held[1])
+            return (wire.MISSING, "", None, 0) if held is None else (wire.OK, "", byte_view(held[0]), held[1])
         _, key, dest, checksum = job
         if xxhash.xxh3_64_intdigest(dest) != checksum:
             self.store.discard(key)
@@ -306,7 +301,7 @@ class TcpTransport(Transport):
 
     def _push_on(self, sock, items, deadline: float, cursor, addr) -> None:
         pending: collections.deque[ChunkKey] = collections.deque()
-        views = [_byte_view(buf) for _, buf in items]
+        views = [byte_view(buf) for _, buf in items]
         nxt = self._hashing(xxhash.xxh3_64_intdigest, views[0])
         for i, (key, _) in enumerate(items):
             cursor[0] = key
@@ -336,7 +331,7 @@ class TcpTransport(Transport):
         found: list[Future] = []
         for i, (key, buf) in enumerate(items):
             cursor[0] = key
-            found.append(self._receive_one(sock, key, _byte_view(buf), deadline, addr))
+            found.append(self._receive_one(sock, key, byte_view(buf), deadline, addr))
             if i + self.window < len(items):
                 _arm(sock, deadline)
                 wire.send_request(sock, wire.FETCH, items[i + self.window][0].pack(), None, 0)
