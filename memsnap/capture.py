@@ -217,6 +217,8 @@ def copy_into(manifest: Manifest, sources: list[torch.Tensor], out: memoryview) 
     for entry, src in zip(manifest.tensors, sources):
         if entry.alias_of is not None or not entry.nbytes:
             continue
+        end = entry.offset + entry.nbytes
+        ctypes.memset(address + end, 0, align_up(end) - end)  # padding: zeros, never stale memory
         if src.device.type == "cpu" and src.is_contiguous():
             # one plain memcpy (GIL released): torch's copy_ splits big copies over threads,
             # which loses to a single memcpy when the cores are busy with the training job

@@ -119,6 +119,10 @@ def test_capture_into_caller_buffer_reuses_it_without_allocating():
         e = m.entry("extra/f32")
         assert out[e.offset:e.offset + e.nbytes].tobytes() == raw(state["extra"]["f32"])
     assert out[m0.nbytes:].tolist() == [0xAB] * 100  # nothing written past the snapshot
+    stored = np.zeros(m0.nbytes, dtype=bool)
+    for e in m0.tensors:
+        stored[e.offset:e.offset + e.nbytes] = True
+    assert not out[:m0.nbytes][~stored].any()  # padding is zeroed, not left as it was
 
 
 def test_reused_manifest_that_no_longer_fits_is_refused():
