@@ -1,11 +1,14 @@
 """The direct TCP transport: authenticated streams between agents, zero-copy both ways.
 
-Server: one listening thread plus one thread per connection, blocking sockets (the GIL is
-released in recv/send). Every connection first passes the HMAC handshake (auth.py); then
-each pushed chunk is received with ``recv_into`` straight into the destination the chunk
-store reserved, verified against its xxh3-64, and acknowledged. Client: one pooled stream
-per peer and caller thread, chunks sent as ``sendall`` of memoryview slices with up to
-``window`` chunks unacknowledged, so the stream never waits for a round trip.
+Server: one listening thread plus, per connection, a reader and a responder thread, blocking
+sockets (the GIL is released in recv/send). Every connection first passes the HMAC handshake
+(auth.py); then the reader receives each pushed chunk with ``recv_into`` straight into the
+destination the chunk store reserved, and the responder verifies its xxh3-64, completes it
+and acknowledges, in order, while the reader already receives the next chunk. Client: one
+pooled stream per peer and caller thread, chunks sent as ``sendall`` of memoryview slices
+with up to ``window`` chunks unacknowledged, so the stream never waits for a round trip; the
+checksum of the next chunk (or of the last one fetched) is computed on a helper thread
+while the socket copies the current one.
 
 Timeouts: every client call has a deadline; it bounds the connect and handshake, is checked
 between frames, and limits how long a single send or receive may wait for the peer.
