@@ -183,7 +183,8 @@ class _Source:
     def copy_into(self, i: int, dst: torch.Tensor) -> None:
         """Copy entry ``i``'s bytes into the live tensor ``dst`` (checked to match beforehand)."""
         e = self.manifest.tensors[self.holder(i)]
-        if dst.device.type == "cpu" and dst.is_contiguous() and e.nbytes:
+        if dst.device.type == "cpu" and dst.is_contiguous() and not (dst.is_conj() or dst.is_neg()) \
+                and e.nbytes:
             ctypes.memmove(dst.data_ptr(), self.address + e.offset, e.nbytes)  # one plain memcpy
         else:
             dst.copy_(self.view(i))

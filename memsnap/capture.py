@@ -219,7 +219,7 @@ def copy_into(manifest: Manifest, sources: list[torch.Tensor], out: memoryview) 
             continue
         end = entry.offset + entry.nbytes
         ctypes.memset(address + end, 0, align_up(end) - end)  # padding: zeros, never stale memory
-        if src.device.type == "cpu" and src.is_contiguous():
+        if src.device.type == "cpu" and src.is_contiguous() and not (src.is_conj() or src.is_neg()):
             # one plain memcpy (GIL released): torch's copy_ splits big copies over threads,
             # which loses to a single memcpy when the cores are busy with the training job
             ctypes.memmove(address + entry.offset, src.data_ptr(), entry.nbytes)

@@ -181,3 +181,9 @@ def test_reused_manifest_refuses_a_broken_tie_and_a_changed_tensor_count():
         capture({"a": {"x": w}}, rng=False, manifest=m0)
     with pytest.raises(StateMismatchError, match=r"'a/z' is float32\[4, 3\] but the reused manifest has absent"):
         capture({"a": {"x": w, "y": w, "z": w.clone()}}, rng=False, manifest=m0)
+
+
+def test_lazily_conjugated_views_are_stored_resolved():
+    c = torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64).conj()
+    m, buf = capture({"c": c}, rng=False)
+    assert bytes(buf[:m.entry("c").nbytes]) == c.resolve_conj().numpy().tobytes()
