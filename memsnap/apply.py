@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping, MutableMapping
 
 import torch
@@ -80,7 +80,6 @@ class _ObjectPlan:
     obj: Any
     subtree: Any
     live: dict[str, torch.Tensor]
-    fresh: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 def _describe(t: torch.Tensor) -> str:
@@ -92,6 +91,10 @@ def _check_tensor(path: str, entry: TensorEntry, live: torch.Tensor) -> None:
     if (dtype_name(local.dtype), tuple(local.shape)) != (entry.dtype, entry.shape):
         raise StateMismatchError(
             f"{path!r}: snapshot has {entry.dtype}{list(entry.shape)}, live state has {_describe(local)}")
+    if entry.global_shape is not None and is_dtensor(live) and tuple(live.shape) != entry.global_shape:
+        raise StateMismatchError(
+            f"{path!r}: snapshot shard is of a global tensor {list(entry.global_shape)}, live DTensor is "
+            f"{list(live.shape)}; resharding is not done by apply")
 
 
 def _check_keys(path_kind: str, missing: list[str], extra: list[str]) -> None:
