@@ -203,7 +203,7 @@ class ReedSolomon:
         lost = tuple([i for i, s in enumerate(shards) if s is None])
         plan = self._plans.get((lost, data_only)) or self._plan(lost, data_only)
         out = list(shards)
-        used, wanted, coef, tables = plan
+        used, wanted, coef, tables, pqd = plan
         if not wanted:
             return out
         inputs = [shards[i] for i in used]
@@ -214,7 +214,7 @@ class ReedSolomon:
             length = _nbytes(inputs[0], used[0], self.k)
             rebuilt = [bufs[i] if i in bufs else np.empty(length, np.uint8) for i in wanted]
         _codec.apply(coef, tables, len(wanted), self.k, inputs, rebuilt, self.threads, used, wanted,
-                     self.k)
+                     self.k, *pqd)
         for i, arr in zip(wanted, rebuilt):
             out[i] = arr
         return out
@@ -230,7 +230,9 @@ class ReedSolomon:
         used = tuple(present[: self.k])
         wanted = tuple(i for i in lost if i < self.k) if data_only else lost
         coef = _codec.decode_matrix(self._full, self.k, used, wanted) if wanted else b""
-        plan = (used, wanted, coef, _codec.tables(coef))
+        # two lost data shards of a RAID-6 stripe: the C side may use the syndrome kernel
+        pqd = wanted if self.m == 2 and len(wanted) == 2 and wanted[1] < self.k else ()
+        plan = (used, wanted, coef, _codec.tables(coef), pqd)
         self._plans[(lost, data_only)] = plan
         return plan
 

@@ -85,13 +85,32 @@ static int acquire(PyObject *seq, buffer_set *set, int writable, PyObject *ids, 
     return 0;
 }
 
+/* Re-lays a decode of data shards a < b of a RAID-6 (m == 2) stripe for the syndrome kernel:
+ * the inputs are the k - 2 surviving data shards in order, then P and Q. */
+static void pqd_layout(rs_job *job, uint8_t **ptrs, const buffer_set *in, int a, int b)
+{
+    int k = job->cols, next = 0;
+    uint8_t **data = ptrs + k + 2; /* after the inputs (k) and the outputs (2) */
+    for (int i = 0; i < k; i++)
+        data[i] = (i == a || i == b) ? NULL : in->bufs[next++].buf;
+    data[k] = in->bufs[k - 2].buf;
+    data[k + 1] = in->bufs[k - 1].buf;
+    job->in = (const uint8_t *const *)data;
+    job->pqd = 1;
+    uint8_t c[2];
+    c[0] = gf_inv(gf_pow2(a) ^ gf_pow2(b));
+    c[1] = gf_mul(gf_pow2(b), c[0]);
+    gf_tables(c, 2, job->pqd_tables);
+}
+
 static PyObject *py_apply(PyObject *self, PyObject *args)
 {
     Py_buffer coef, tables;
     int rows, cols, threads, k;
+    int pqd_a = -1, pqd_b = -1;
     PyObject *inputs, *outputs, *in_ids, *out_ids;
-    if (!PyArg_ParseTuple(args, "y*y*iiOOiOOi", &coef, &tables, &rows, &cols, &inputs, &outputs,
-                          &threads, &in_ids, &out_ids, &k))
+    if (!PyArg_ParseTuple(args, "y*y*iiOOiOOi|ii", &coef, &tables, &rows, &cols, &inputs, &outputs,
+                          &threads, &in_ids, &out_ids, &k, &pqd_a, &pqd_b))
         return NULL;
     PyObject *in_seq = NULL, *out_seq = NULL, *first = NULL, *result = NULL;
     buffer_set in_set = {0}, out_set = {0};
@@ -114,7 +133,7 @@ static PyObject *py_apply(PyObject *self, PyObject *args)
     if (acquire(in_seq, &in_set, 0, in_ids, k, "input", &len, &first) < 0 ||
         acquire(out_seq, &out_set, 1, out_ids, k, "output", &len, &first) < 0)
         goto done;
-    ptrs = PyMem_Malloc(sizeof(uint8_t *) * (size_t)(rows + cols));
+    ptrs = PyMem_Malloc(sizeof(uint8_t *) * (size_t)(rows + 2 * cols + 2)); /* + pqd_layout */
     if (!ptrs) {
         PyErr_NoMemory();
         goto done;
@@ -123,8 +142,11 @@ static PyObject *py_apply(PyObject *self, PyObject *args)
         ptrs[i] = in_set.bufs[i].buf;
     for (int j = 0; j < rows; j++)
         ptrs[cols + j] = out_set.bufs[j].buf;
-    rs_job job = {rows, cols, coef.buf, tables.buf, 0, 0, (const uint8_t *const *)ptrs, ptrs + cols};
+    rs_job job = {.rows = rows, .cols = cols, .coef = coef.buf, .tables = tables.buf,
+                  .in = (const uint8_t *const *)ptrs, .out = ptrs + cols};
     rs_job_classify(&job);
+    if (pqd_a >= 0 && pqd_b > pqd_a && pqd_b < cols && rows == 2 && rs_isa() == RS_ISA_AVX2)
+        pqd_layout(&job, ptrs, &in_set, pqd_a, pqd_b);
     if (len > 0 && rows > 0) {
         Py_BEGIN_ALLOW_THREADS
         rs_run(&job, (size_t)len, threads);

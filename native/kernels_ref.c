@@ -4,6 +4,10 @@
 
 void rs_kernel_ref(const rs_job *job, size_t off, size_t len)
 {
+    if (job->pqd) {
+        rs_tail_pqd(job, off, off + len);
+        return;
+    }
     for (int j = 0; j < job->rows; j++) {
         const uint8_t *row = job->coef + (size_t)j * job->cols;
         uint8_t *out = job->out[j];
@@ -45,5 +49,26 @@ void rs_tail_pq(const rs_job *job, size_t p, size_t end)
         }
         job->out[0][b] = pp;
         job->out[1][b] = q;
+    }
+}
+
+static uint8_t table_mul(const uint8_t *t, uint8_t x) { return t[x & 15] ^ t[16 + (x >> 4)]; }
+
+void rs_tail_pqd(const rs_job *job, size_t p, size_t end)
+{
+    int k = job->cols;
+    for (size_t b = p; b < end; b++) {
+        uint8_t sp = job->in[k][b], q = 0;
+        for (int i = k - 1; i >= 0; i--) {
+            q = mul2(q);
+            if (job->in[i]) {
+                q ^= job->in[i][b];
+                sp ^= job->in[i][b];
+            }
+        }
+        uint8_t sq = q ^ job->in[k + 1][b];
+        uint8_t da = table_mul(job->pqd_tables, sq) ^ table_mul(job->pqd_tables + 32, sp);
+        job->out[0][b] = da;
+        job->out[1][b] = da ^ sp;
     }
 }

@@ -88,6 +88,50 @@ AVX2 size_t avx2_pq(const rs_job *jb, const int NT, size_t p, size_t end)
     return p;
 }
 
+/* RAID-6 double data loss (see kernels.h): syndromes by XOR and a Horner chain, then two
+ * table multiplies per block. */
+AVX2 size_t avx2_pqd(const rs_job *jb, const int NT, size_t p, size_t end)
+{
+    const int k = jb->cols;
+    const __m256i poly = _mm256_set1_epi8(0x1d), zero = _mm256_setzero_si256();
+    const __m256i mask = _mm256_set1_epi8(0x0f);
+    const uint8_t *t = jb->pqd_tables;
+    const __m256i c1l = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)t));
+    const __m256i c1h = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(t + 16)));
+    const __m256i c2l = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(t + 32)));
+    const __m256i c2h = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(t + 48)));
+    for (; p + 64 <= end; p += 64) {
+        __m256i sp[2], q[2] = {zero, zero};
+        for (int u = 0; u < 2; u++)
+            sp[u] = _mm256_loadu_si256((const __m256i *)(jb->in[k] + p + 32 * u));
+        for (int i = k - 1; i >= 0; i--) {
+            const uint8_t *s = jb->in[i];
+            for (int u = 0; u < 2; u++) {
+                __m256i c = _mm256_and_si256(_mm256_cmpgt_epi8(zero, q[u]), poly);
+                q[u] = _mm256_xor_si256(_mm256_add_epi8(q[u], q[u]), c);
+            }
+            if (!s)
+                continue;
+            for (int u = 0; u < 2; u++) {
+                __m256i x = _mm256_loadu_si256((const __m256i *)(s + p + 32 * u));
+                q[u] = _mm256_xor_si256(q[u], x);
+                sp[u] = _mm256_xor_si256(sp[u], x);
+            }
+        }
+        for (int u = 0; u < 2; u++) {
+            __m256i sq = _mm256_xor_si256(q[u], _mm256_loadu_si256((const __m256i *)(jb->in[k + 1] + p + 32 * u)));
+            __m256i ql = _mm256_and_si256(sq, mask), qh = _mm256_and_si256(_mm256_srli_epi16(sq, 4), mask);
+            __m256i pl = _mm256_and_si256(sp[u], mask), ph = _mm256_and_si256(_mm256_srli_epi16(sp[u], 4), mask);
+            __m256i da = _mm256_xor_si256(
+                _mm256_xor_si256(_mm256_shuffle_epi8(c1l, ql), _mm256_shuffle_epi8(c1h, qh)),
+                _mm256_xor_si256(_mm256_shuffle_epi8(c2l, pl), _mm256_shuffle_epi8(c2h, ph)));
+            avx2_store(jb->out[0] + p + 32 * u, da, NT);
+            avx2_store(jb->out[1] + p + 32 * u, _mm256_xor_si256(da, sp[u]), NT);
+        }
+    }
+    return p;
+}
+
 #define AVX2_GROUPS(NT)                                                                          \
     switch (n * 2 + x) {                                                                         \
     case 2: return avx2_dot(jb, j0, 1, 0, 2, NT, p, end);                                        \
@@ -131,7 +175,9 @@ __attribute__((target("avx2"))) void rs_kernel_avx2(const rs_job *jb, size_t off
         rs_kernel_avx2(jb, off, (size_t)head);
         off += (size_t)head;
     }
-    if (jb->pq) {
+    if (jb->pqd) {
+        rs_tail_pqd(jb, nt ? avx2_pqd(jb, 1, off, end) : avx2_pqd(jb, 0, off, end), end);
+    } else if (jb->pq) {
         rs_tail_pq(jb, nt ? avx2_pq(jb, 1, off, end) : avx2_pq(jb, 0, off, end), end);
     } else {
         for (int j0 = 0; j0 < jb->rows; j0 += MAXG) {
@@ -228,6 +274,10 @@ __attribute__((target("ssse3"))) static size_t ssse3_group(const rs_job *jb, int
 __attribute__((target("ssse3"))) void rs_kernel_ssse3(const rs_job *jb, size_t off, size_t len)
 {
     size_t end = off + len;
+    if (jb->pqd) { /* rare on machines without AVX2: the plain code is enough */
+        rs_tail_pqd(jb, off, end);
+        return;
+    }
     if (jb->pq) {
         rs_tail_pq(jb, ssse3_pq(jb, off, end), end);
         return;

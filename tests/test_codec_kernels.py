@@ -182,3 +182,20 @@ def test_large_outputs_with_shared_and_mixed_misalignment(isa: str, k: int, m: i
         with codec.using_isa(isa):
             rs.encode_into(data, parity)
         assert [p.tobytes() for p in parity] == want, shifts
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("k", [2, 4, 9])
+def test_raid6_double_data_loss_on_long_shards(isa: str, k: int) -> None:
+    """Two lost data shards of an m=2 stripe (the syndrome path on AVX2), long and short."""
+    rng = np.random.default_rng(17 + k)
+    rs = codec.ReedSolomon(k, 2)
+    for length in ((600 << 10) + 7, 191):
+        data = random_shards(rng, k, length)
+        full = data + rs.encode(data)
+        for a, b in [(0, 1), (0, k - 1), (k - 2, k - 1)]:
+            shards = [None if i in (a, b) else s for i, s in enumerate(full)]
+            target = np.zeros(length + 3, dtype=np.uint8)[3:]  # misaligned output
+            with codec.using_isa(isa):
+                out = rs.reconstruct_data(shards, out={b: target})
+            assert np.array_equal(out[a], data[a]) and np.array_equal(target, data[b]), (a, b)
