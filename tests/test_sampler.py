@@ -105,3 +105,18 @@ def test_loader_needs_a_resumable_sampler_and_batch_size():
         ResumableLoader(DataLoader(torch.arange(4), batch_size=2))
     with pytest.raises(ConfigError, match="batch_size"):
         ResumableLoader(DataLoader(torch.arange(4), batch_size=None, sampler=ResumableSampler(4)))
+
+
+def test_plain_dataloader_with_advance_resumes_exactly():
+    data = torch.arange(20)
+    ref = [b.tolist() for b in DataLoader(data, batch_size=3, sampler=ResumableSampler(data, seed=4))]
+    sampler = ResumableSampler(data, seed=4)
+    seen = []
+    for batch in DataLoader(data, batch_size=3, sampler=sampler, num_workers=2):
+        seen.append(batch.tolist())
+        sampler.advance(len(batch))
+        if len(seen) == 4:
+            break
+    again = ResumableSampler(data, seed=0)
+    again.load_state_dict(sampler.state_dict())
+    assert seen + [b.tolist() for b in DataLoader(data, batch_size=3, sampler=again)] == ref
