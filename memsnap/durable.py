@@ -10,6 +10,7 @@ before it; under ``torch.distributed`` the ranks agree on the step before anythi
 """
 from __future__ import annotations
 
+import threading
 import warnings
 from typing import Any, Callable, Mapping
 
@@ -17,7 +18,7 @@ import torch
 
 from memsnap import meta, reshard
 from memsnap.apply import apply
-from memsnap.capture import capture
+from memsnap.capture import capture, plan
 from memsnap.errors import (ChecksumError, ConfigError, SnapshotNotFoundError, StateMismatchError,
                             StorageError, WeightsOnlyError)
 from memsnap.manifest import Manifest
@@ -38,6 +39,17 @@ def progress_bar(desc: str, total: int, enabled: bool | None = None) -> tuple[Pr
         bar.update(done - bar.n)
 
     return update, bar.close
+
+
+_ARENA_LOCK = threading.Lock()
+_ARENA: list[torch.Tensor] = []  # one staging buffer per process, touched once and reused
+
+
+def _arena(nbytes: int) -> Any:
+    """The process's staging buffer for saves, grown (never shrunk) to ``nbytes``."""
+    if not _ARENA or _ARENA[0].numel() < nbytes:
+        _ARENA[:] = [torch.zeros(max(nbytes, 1), dtype=torch.uint8)]
+    return _ARENA[0].numpy()[:nbytes]
 
 
 def _dist() -> Any | None:
@@ -99,13 +111,14 @@ def save(uri: str, state: Mapping[str, Any], step: int, metadata: Mapping[str, A
     if store.fs.get_file_info(store.path(step, MARKER)).is_file:
         raise ConfigError(f"step {step} is already committed under {uri}; save under a new step "
                           "(committed steps are never overwritten)")
-    manifest, buf = capture(state, checksums=True)
-    manifest.meta.update(step=step, rank=rank, world_size=world)
-    update, close = progress_bar(f"save step {step}", manifest.nbytes, progress)
-    try:
-        store.write_rank(step, rank, manifest, buf, throttle_bps=throttle_bps, progress=update)
-    finally:
-        close()
+    with _ARENA_LOCK:
+        manifest, buf = capture(state, out=_arena(plan(state).nbytes), checksums=True)
+        manifest.meta.update(step=step, rank=rank, world_size=world)
+        update, close = progress_bar(f"save step {step}", manifest.nbytes, progress)
+        try:
+            store.write_rank(step, rank, manifest, buf, throttle_bps=throttle_bps, progress=update)
+        finally:
+            close()
     sync()
     if rank == 0:
         store.commit(step, world, info)
@@ -131,9 +144,11 @@ def read_step(store: Store, step: int, rank: int, world: int, state: Mapping[str
         manifest, buf = reshard.assemble(store, step, marker, state, rank)
         return manifest, buf, marker
     manifest = store.manifest(step, rank, marker)
-    buf = torch.empty(max(manifest.nbytes, 1), dtype=torch.uint8).numpy()[: manifest.nbytes]
     update, close = progress_bar(f"load step {step}", manifest.nbytes, progress)
     try:
+        if store.local:  # map the page cache instead of copying into fresh pages
+            return manifest, store.map_rank(step, rank, marker=marker, progress=update), marker
+        buf = torch.empty(max(manifest.nbytes, 1), dtype=torch.uint8).numpy()[: manifest.nbytes]
         store.read_rank_into(step, rank, buf, marker=marker, progress=update)
     finally:
         close()
