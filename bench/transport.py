@@ -5,8 +5,9 @@ transport vs the Ray object-store transport, each moving 256 MiB-1 GiB between t
 
 Every receiver writes into memory it allocated and touched before the clock starts (as the
 agent's arena does); every sender sends from a touched buffer. GiB/s = bytes / wall time
-from the first byte sent until the receiver acknowledged the last. The best of
-``--repeats`` runs is reported (the machine is shared; the best run is the least disturbed).
+from the first byte sent until the receiver acknowledged the last. Each repeat runs the raw
+socket and then the TCP transport back to back (so both see the same load), and the best
+of ``--repeats`` is reported (the machine is shared; the best run is the least disturbed).
 """
 from __future__ import annotations
 
@@ -76,25 +77,12 @@ def _raw_receiver(conn, nbytes: int, rounds: int) -> None:
     sock.close()
 
 
-def bench_raw(src: np.ndarray, repeats: int) -> float:
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_raw_receiver, args=(child, len(src), repeats), daemon=True)
-    proc.start()
-    try:
-        sock = socket.create_connection(("127.0.0.1", parent.recv()), timeout=60)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        view, best = memoryview(src), 0.0
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            for o in range(0, len(src), PIECE):
-                sock.sendall(view[o:o + PIECE])
-            sock.recv(1)
-            best = max(best, len(src) / GIB / (time.perf_counter() - t0))
-        sock.close()
-        return best
-    finally:
-        proc.join(timeout=60)
+def _raw_round(sock: socket.socket, src: np.ndarray) -> float:
+    view, t0 = memoryview(src), time.perf_counter()
+    for o in range(0, len(src), PIECE):
+        sock.sendall(view[o:o + PIECE])
+    sock.recv(1)
+    return len(src) / GIB / (time.perf_counter() - t0)
 
 
 # --- memsnap TCP transport -----------------------------------------------------------------
@@ -105,31 +93,45 @@ def _tcp_server(conn, nbytes: int, chunk: int) -> None:
     transport.close()
 
 
-def bench_tcp(src: np.ndarray, chunk: int, repeats: int) -> tuple[float, float]:
+def _tcp_round(client, addr: dict, src: np.ndarray, back: np.ndarray, chunk: int, step: int) -> tuple[float, float]:
+    items = _items(src, chunk, step)
+    t0 = time.perf_counter()
+    client.push(addr, items, timeout=600)
+    push = len(src) / GIB / (time.perf_counter() - t0)
+    outs = [(k, memoryview(back)[i * chunk:i * chunk + len(v)]) for i, (k, v) in enumerate(items)]
+    t0 = time.perf_counter()
+    ok = client.fetch(addr, outs, timeout=600)
+    fetch = len(src) / GIB / (time.perf_counter() - t0)
+    assert all(ok) and np.array_equal(back[:len(src)], src), "TCP round trip lost bytes"
+    return push, fetch
+
+
+def bench_raw_and_tcp(src: np.ndarray, chunk: int, repeats: int) -> tuple[float, float, float]:
+    """Best raw, TCP push and TCP fetch GiB/s; each repeat runs raw then TCP back to back."""
     ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_tcp_server, args=(child, len(src), chunk), daemon=True)
-    proc.start()
+    raw_pipe, raw_child = ctx.Pipe()
+    tcp_pipe, tcp_child = ctx.Pipe()
+    procs = [ctx.Process(target=_raw_receiver, args=(raw_child, len(src), repeats), daemon=True),
+             ctx.Process(target=_tcp_server, args=(tcp_child, len(src), chunk), daemon=True)]
+    for proc in procs:
+        proc.start()
     client = make_transport("tcp", secret=SECRET, host="127.0.0.1")
     try:
-        addr = parent.recv()
-        back = np.ones(len(src) + chunk, np.uint8)
-        push = fetch = 0.0
+        sock = socket.create_connection(("127.0.0.1", raw_pipe.recv()), timeout=60)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        addr, back = tcp_pipe.recv(), np.ones(len(src) + chunk, np.uint8)
+        raw = push = fetch = 0.0
         for r in range(repeats):
-            items = _items(src, chunk, r)
-            t0 = time.perf_counter()
-            client.push(addr, items, timeout=600)
-            push = max(push, len(src) / GIB / (time.perf_counter() - t0))
-            outs = [(k, memoryview(back)[i * chunk:i * chunk + len(v)]) for i, (k, v) in enumerate(items)]
-            t0 = time.perf_counter()
-            ok = client.fetch(addr, outs, timeout=600)
-            fetch = max(fetch, len(src) / GIB / (time.perf_counter() - t0))
-            assert all(ok) and np.array_equal(back[:len(src)], src), "TCP round trip lost bytes"
-        return push, fetch
+            raw = max(raw, _raw_round(sock, src))
+            p, f = _tcp_round(client, addr, src, back, chunk, r)
+            push, fetch = max(push, p), max(fetch, f)
+        sock.close()
+        return raw, push, fetch
     finally:
         client.close()
-        parent.send("stop")
-        proc.join(timeout=60)
+        tcp_pipe.send("stop")
+        for proc in procs:
+            proc.join(timeout=60)
 
 
 # --- Ray object store transport ------------------------------------------------------------
@@ -218,8 +220,7 @@ def main(argv=None) -> None:
     rows = []
     for nbytes in tqdm(sizes, desc="raw + TCP", unit="size"):
         src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
-        raw = bench_raw(src, args.repeats)
-        tcp_push, tcp_fetch = bench_tcp(src, chunk_of(nbytes), args.repeats)
+        raw, tcp_push, tcp_fetch = bench_raw_and_tcp(src, chunk_of(nbytes), args.repeats)
         rows.append({"mib": nbytes >> 20, "raw": raw, "tcp_push": tcp_push, "tcp_fetch": tcp_fetch})
     obj = bench_objstore(sizes, chunk_of, args.repeats)
     for r, nbytes in zip(rows, sizes):
