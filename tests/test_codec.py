@@ -9,7 +9,6 @@ import sys
 import numpy as np
 import pyarrow as pa
 import pytest
-import torch
 
 import test_codec_oracle as oracle
 from memsnap import codec
@@ -51,6 +50,7 @@ def test_first_parity_is_xor_and_k1_is_replication() -> None:
 
 # --- buffer kinds and ownership --------------------------------------------------------------
 def test_every_buffer_kind_encodes_the_same() -> None:
+    torch = pytest.importorskip("torch")
     rs, data, parity = stripe(3, 2, 4099)
     kinds = [
         [d.tobytes() for d in data],
@@ -219,3 +219,32 @@ def test_environment_variable_forces_a_level() -> None:
     assert done.stdout.strip() == level, done.stderr
     bad = run_python("import memsnap.codec", "quantum")
     assert bad.returncode != 0 and "MEMSNAP_ISA='quantum' is not available here" in bad.stderr
+
+
+def test_encode_releases_the_gil() -> None:
+    """With thread switching effectively off, the main thread can only run while the worker is
+    inside encode_into if the C call released the GIL."""
+    import threading
+
+    rs = codec.ReedSolomon(4, 2)
+    data = [np.ones(2 << 20, dtype=np.uint8) for _ in range(4)]
+    parity = [np.empty(2 << 20, dtype=np.uint8) for _ in range(2)]
+    started, finished = threading.Event(), threading.Event()
+
+    def work() -> None:
+        started.set()
+        rs.encode_into(data, parity)
+        finished.set()
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1000.0)
+    try:
+        with codec.using_isa("scalar"):  # slow enough to be caught in the act
+            worker = threading.Thread(target=work)
+            worker.start()
+            started.wait(timeout=60)
+            inside = not finished.is_set()
+            worker.join(timeout=120)
+    finally:
+        sys.setswitchinterval(old)
+    assert inside and finished.is_set()
