@@ -8,6 +8,7 @@ import threading
 
 import pytest
 import xxhash
+from hypothesis import given, settings, strategies as st
 
 from memsnap.errors import MemoryBudgetError, TransportError
 from memsnap.transport import ChunkKey, make_transport
@@ -345,3 +346,23 @@ def test_bad_addresses_and_names_are_refused():
         client.push({"actor": "x"}, _chunks("x", sizes=[1]), timeout=1)
     with pytest.raises(ValueError, match="at least 16 random bytes"):
         make_transport("tcp", secret=b"short", host="127.0.0.1")
+
+
+@settings(max_examples=200, deadline=None)
+@given(step=st.integers(0, (1 << 64) - 1), owner=st.text(min_size=1, max_size=80),
+       stripe=st.integers(0, (1 << 32) - 1), shard=st.integers(0, (1 << 16) - 1))
+def test_chunk_key_packs_and_unpacks_exactly(step, owner, stripe, shard):
+    key = ChunkKey(step, owner, stripe, shard)
+    assert ChunkKey.unpack(key.pack()) == key
+
+
+def test_chunk_key_refuses_bad_values_and_bytes():
+    with pytest.raises(ValueError, match="owner=''"):
+        ChunkKey(1, "", 0, 0)
+    with pytest.raises(ValueError, match="shard=70000"):
+        ChunkKey(1, "n", 0, 70000)
+    with pytest.raises(ValueError, match="at least"):
+        ChunkKey.unpack(b"\x01\x02")
+    with pytest.raises(ValueError, match="owner is 1 bytes but 0 follow"):
+        ChunkKey.unpack(ChunkKey(1, "n", 0, 0).pack()[:-1])
+    assert sorted([ChunkKey(2, "a", 0, 0), ChunkKey(1, "b", 5, 1)])[0].step == 1
