@@ -18,16 +18,25 @@ import torch
 import memsnap
 from memsnap.storage import Store
 
-KILLS = 4
-WRITER = """
-import sys, torch
+KILLS = 5
+# One writer process imports torch once, then forks a fresh child per save, so a kill costs a
+# fork instead of a Python start-up. The child runs every torch op; the parent runs none.
+ZYGOTE = """
+import os, sys
 sys.path.insert(0, {tests!r})
-import memsnap
+import memsnap, memsnap.durable
 from test_crash_consistency import make_state
-state = make_state({step})
-print("saving", flush=True)
-memsnap.save({uri!r}, state, {step})
-print("done", flush=True)
+for line in sys.stdin:
+    step = int(line)
+    pid = os.fork()
+    if pid == 0:
+        state = make_state(step)
+        print("saving", os.getpid(), flush=True)
+        memsnap.save({uri!r}, state, step)
+        print("done", flush=True)
+        os._exit(0)
+    os.waitpid(pid, 0)
+    print("reaped", flush=True)
 """
 
 
@@ -46,20 +55,23 @@ def same_model(a: torch.nn.Module, b: torch.nn.Module) -> bool:
     return all(torch.equal(v, sb[k]) for k, v in a.state_dict().items())
 
 
-def run_and_kill(uri: str, step: int, delay: float) -> bool:
-    """Start a writer saving ``step``, SIGKILL it ``delay`` s into the save; True if it finished."""
-    code = WRITER.format(tests=os.path.dirname(__file__), uri=uri, step=step)
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+def run_and_kill(zygote: subprocess.Popen, step: int, delay: float) -> bool:
+    """Fork a writer saving ``step``, SIGKILL it ``delay`` s into the save; True if it finished."""
+    zygote.stdin.write(f"{step}\n")
+    zygote.stdin.flush()
+    word, pid = zygote.stdout.readline().split()
+    assert word == "saving"
+    time.sleep(delay)
     try:
-        assert proc.stdout.readline().strip() == "saving"
-        time.sleep(delay)
-        proc.send_signal(signal.SIGKILL)
-        out = proc.communicate(timeout=60)[0]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
-    return "done" in out
+        os.kill(int(pid), signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # already exited (and reaped)
+    lines = []
+    while not lines or lines[-1] != "reaped":
+        line = zygote.stdout.readline()
+        assert line, "the writer process died"
+        lines.append(line.strip())
+    return "done" in lines
 
 
 def test_sigkill_during_save_leaves_a_whole_step(tmp_path):
@@ -72,16 +84,27 @@ def test_sigkill_during_save_leaves_a_whole_step(tmp_path):
     memsnap.save(uri, expected[1], 1)
     save_s = time.perf_counter() - t0
     probe, outcomes = make_state(0), []
-    for i in range(KILLS):
-        step = 2 + i
-        delay = rng.uniform(0.0, 1.3 * save_s)
-        finished = run_and_kill(uri, step, delay)
-        committed = Store.open(uri).steps()
-        got = memsnap.load(uri, probe)
-        assert got == committed[-1]
-        if got not in expected:
-            expected[got] = make_state(got)
-        assert same_model(probe["model"], expected[got]["model"]), f"step {got} loaded damaged"
-        outcomes.append((round(delay, 3), finished, got == step))
+    code = ZYGOTE.format(tests=os.path.dirname(__file__), uri=uri)
+    zygote = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        for i in range(KILLS):
+            step = 2 + i
+            delay = rng.uniform(0.0, save_s)
+            finished = run_and_kill(zygote, step, delay)
+            committed = Store.open(uri).steps()
+            got = memsnap.load(uri, probe)
+            assert got == committed[-1]
+            if got not in expected:
+                expected[got] = make_state(got)
+            assert same_model(probe["model"], expected[got]["model"]), f"step {got} loaded damaged"
+            outcomes.append((round(delay, 3), finished, got == step))
+    finally:
+        zygote.stdin.close()
+        try:
+            zygote.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            zygote.kill()
+            zygote.wait(timeout=10)
     print(f"save took {save_s:.2f}s; (delay, writer finished, new step committed): {outcomes}")
     assert all(c or not f for _, f, c in outcomes)  # a writer that finished always committed
