@@ -77,6 +77,7 @@ class AgentCore:
         self.records: dict[int, dict] = {}
         self.ranks: set[int] = set()
         self.world: int | None = None
+        self.abandoned: dict[int, str] = {}
         self.counters = {"failed_snapshots": 0, "pushed_bytes": 0, "repaired_chunks": 0}
         self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="memsnap-agent")
         self.spiller = None
@@ -153,6 +154,9 @@ class AgentCore:
     def captured(self, step: int, rank: int, manifest_json: str, local_ranks: list[int]) -> None:
         with self.lock:
             v = self.versions.get(step)
+            if step in self.abandoned:
+                log.info("step %d was abandoned (%s); its capture is dropped", step, self.abandoned[step])
+                return
             if v is None or v.state != "capturing" or rank not in v.sizes:
                 raise CommitError(f"captured(step={step}, rank={rank}) without a matching begin on "
                                   f"node {self.node[:12]}; call begin first")
@@ -247,6 +251,9 @@ class AgentCore:
     def abandon(self, step: int) -> None:
         """The coordinator gave up on ``step``: forget it here."""
         with self.lock:
+            self.abandoned[step] = "a node or holder failed before acknowledging"
+            for s in sorted(self.abandoned)[:-16]:
+                del self.abandoned[s]
             v = self.versions.get(step)
             if v is not None and v.state != "committed":
                 self._fail(v, "abandoned by the coordinator")
