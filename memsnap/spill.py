@@ -25,8 +25,10 @@ log = logging.getLogger("memsnap.spill")
 class Spiller:
     """The spill thread of one agent (``core`` is its ``AgentCore``)."""
 
-    def __init__(self, core):
+    def __init__(self, core, report=None):
+        """``report(step, ranks)`` runs after the ranks are written (default: tell the coordinator)."""
         self.core, self.cfg = core, core.cfg
+        self.report = report or self._tell_coordinator
         self.cond = threading.Condition()
         self.want: int | None = None
         self.current: int | None = None
@@ -83,6 +85,10 @@ class Spiller:
             if self.want is None and self._version(step) is not None:
                 self.want = step
 
+    def _tell_coordinator(self, step: int, ranks: list[int]) -> None:
+        coord = self.core._coordinator()
+        ray.get(coord.spilled.remote(step, ranks), timeout=tunable("call_timeout_s"))
+
     def _version(self, step: int):
         with self.core.lock:
             v = self.core.versions.get(step)
@@ -103,7 +109,6 @@ class Spiller:
             view = self.core.arenas[(rank, v.slot)].view(0, v.sizes[rank])
             self._store.write_rank(step, rank, man, view, throttle_bps=bps)
             self.state["bytes"] += v.sizes[rank]
-        coord = self.core._coordinator()
-        ray.get(coord.spilled.remote(step, ranks), timeout=tunable("call_timeout_s"))
+        self.report(step, ranks)
         self.state["spilled_step"] = step
         self.last_time = time.monotonic()

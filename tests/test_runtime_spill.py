@@ -1,0 +1,84 @@
+"""The spill thread without Ray: throttled writes from the arena, failures reported and retried."""
+from __future__ import annotations
+
+import threading
+import types
+import uuid
+
+import pytest
+
+from memsnap.agent import Version
+from memsnap.arena import Arena
+from memsnap.capture import capture
+from memsnap.config import SnapshotConfig
+from memsnap.localcluster import wait_for
+from memsnap.spill import Spiller
+from memsnap.storage import Store
+
+
+@pytest.fixture
+def fake_core(tmp_path):
+    """The parts of an AgentCore the spill thread reads: one committed version of one rank."""
+    import torch
+
+    state = {"model": torch.nn.Linear(64, 64)}
+    man, raw = capture(state)
+    arena = Arena.create(f"/dev/shm/memsnap-test-spill-{uuid.uuid4().hex[:8]}", man.nbytes)
+    arena.view(0, man.nbytes)[:] = raw
+    core = types.SimpleNamespace(lock=threading.RLock(), arenas={(0, 0): arena},
+                                 versions={7: Version(7, 0, "committed", {0: man.nbytes}, {0: man.to_json().decode()})})
+    yield core, state, bytes(raw)
+    arena.close()
+
+
+def test_a_failing_spill_is_reported_retried_and_leaves_ram_alone(tmp_path, fake_core, monkeypatch):
+    monkeypatch.setenv("MEMSNAP_SPILL_RETRY_S", "0.05")
+    core, _, raw = fake_core
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("x")  # the spill root's parent is a file: every write fails
+    core.cfg = SnapshotConfig("spill-unit", spill=str(blocker / "root"), spill_every=1)
+    reported = []
+    sp = Spiller(core, report=lambda step, ranks: reported.append((step, ranks)))
+    try:
+        sp.committed(7)
+        wait_for(lambda: sp.status()["failures"] >= 2, timeout=30, what="two failed attempts")
+        assert "step 7" in sp.status()["last_error"] and not reported
+        assert bytes(core.arenas[(0, 0)].view()) == raw  # the RAM tier is untouched
+        blocker.unlink()  # the disk is fixed: the next retry succeeds
+        wait_for(lambda: reported, timeout=30, what="the retried spill")
+    finally:
+        sp.stop()
+    assert reported == [(7, [0])] and sp.status()["spilled_step"] == 7
+
+
+def test_spilled_bytes_load_back_through_the_durable_format(tmp_path, fake_core):
+    from memsnap.apply import apply
+
+    core, state, _ = fake_core
+    core.cfg = SnapshotConfig("spill-unit", spill=str(tmp_path / "root"), spill_every=1)
+    sp = Spiller(core, report=lambda step, ranks: Store.open(str(tmp_path / "root")).commit(step, 1))
+    try:
+        sp.committed(7)
+        wait_for(lambda: sp.status()["spilled_step"] == 7, timeout=30, what="the spill")
+    finally:
+        sp.stop()
+    store = Store.open(str(tmp_path / "root"))
+    assert store.latest() == 7
+    import torch
+
+    fresh = {"model": torch.nn.Linear(64, 64)}
+    man = store.manifest(7, 0)
+    buf = bytearray(man.nbytes)
+    store.read_rank_into(7, 0, buf)
+    apply(fresh, man, buf, verify=True, rng=False)
+    assert torch.equal(fresh["model"].weight, state["model"].weight)
+
+
+def test_spill_every_steps_or_seconds():
+    core = types.SimpleNamespace(lock=threading.RLock(), versions={}, arenas={})
+    core.cfg = SnapshotConfig("spill-unit", spill="/tmp/unused", spill_every=3)
+    sp = Spiller(core, report=lambda *a: None)
+    try:
+        assert [s for s in range(1, 10) if sp.due(s)] == [3, 6, 9]
+    finally:
+        sp.stop()
