@@ -198,3 +198,24 @@ def test_short_secrets_are_refused_with_a_fix():
         auth.check_secret(b"abc")
     with pytest.raises(ValueError, match="type str"):
         auth.check_secret("a string, not bytes")
+
+
+def test_pooled_stream_to_a_restarted_peer_is_replaced():
+    """A peer that went away and came back on the same port: the stale stream is retried once."""
+    client = make_transport("tcp", secret=SECRET, host="127.0.0.1")
+    first, second = Store(), Store()
+    server = make_transport("tcp", secret=SECRET, host="127.0.0.1")
+    addr = server.start(first)
+    try:
+        client.push(addr, [(ChunkKey(1, "x", 0, 0), memoryview(b"one"))], timeout=10)  # pools a stream
+        server.close()
+        server = make_transport("tcp", secret=SECRET, host="127.0.0.1", port=addr["port"])
+        server.start(second)
+        client.push(addr, [(ChunkKey(1, "x", 1, 0), memoryview(b"two"))], timeout=10)
+        assert list(second.held) == [ChunkKey(1, "x", 1, 0)]
+        server.close()  # and now gone for good: the retry fails too, and says so
+        with pytest.raises(TransportError, match="127.0.0.1"):
+            client.push(addr, [(ChunkKey(1, "x", 2, 0), memoryview(b"three"))], timeout=10)
+    finally:
+        client.close()
+        server.close()
