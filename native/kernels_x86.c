@@ -157,7 +157,7 @@ __attribute__((target("avx2"))) static size_t avx2_group(const rs_job *jb, int j
  * head bytes to do with ordinary code first, or -1 when streaming does not apply. */
 static long stream_head(const rs_job *jb, size_t off, size_t len)
 {
-    if (len < NT_MIN_LEN)
+    if (len < NT_MIN_LEN || jb->rows > 2) /* more outputs: 32-byte blocks, partial lines hurt */
         return -1;
     uintptr_t mis = (uintptr_t)(jb->out[0] + off) & 31;
     for (int j = 1; j < jb->rows; j++)
