@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -97,7 +96,12 @@ class AgentCore:
                                   "save each step once, with a step number larger than the last")
             if v is None or v.state == "failed":
                 v = self.versions[step] = Version(step, self._free_slot(step))
-            arena = self._arena(rank, v.slot, nbytes)
+            try:
+                arena = self._arena(rank, v.slot, nbytes)
+            except MemoryBudgetError:
+                if not v.sizes:
+                    self.versions.pop(step)
+                raise
             v.sizes[rank] = nbytes
             v.manifests.pop(rank, None)
             return {"path": arena.path, "nbytes": nbytes, "slot": v.slot}

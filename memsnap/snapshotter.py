@@ -196,11 +196,15 @@ class Snapshotter:
         from memsnap.apply import apply
         from memsnap.storage import Store
 
+        from tqdm import tqdm
+
         t = time.perf_counter()
         store = Store.open(plan["spill"])
         man = store.manifest(plan["step"], self.rank)
         buf = bytearray(man.nbytes)
-        store.read_rank_into(plan["step"], self.rank, buf)
+        with tqdm(total=man.nbytes, unit="B", unit_scale=True, disable=None,
+                  desc=f"rank {self.rank}: step {plan['step']} from {plan['spill']}") as bar:
+            store.read_rank_into(plan["step"], self.rank, buf, progress=lambda done, total: bar.update(done - bar.n))
         seconds["fetch"] = time.perf_counter() - t
         t = time.perf_counter()
         apply(state, man, buf, verify=True)

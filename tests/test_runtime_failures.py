@@ -70,6 +70,11 @@ def test_save_commits_and_reports_status(job):
     wait_for(lambda: status(job)["durable_step"] == 2, timeout=90, what="step 2 spilled")
 
 
+def test_a_snapshot_over_the_memory_budget_is_refused_with_a_typed_error(job):
+    msg = ray.get(job["trainers"][0].save_too_big.remote(3), timeout=120)
+    assert msg.startswith("MemoryBudgetError:") and "memory_budget" in msg and "needs" in msg
+
+
 def test_every_address_is_loopback(job):
     assert {n["NodeManagerAddress"] for n in ray.nodes()} == {"127.0.0.1"}
     assert job["cluster"].address.startswith("127.0.0.1:")
@@ -179,3 +184,33 @@ def test_more_losses_than_tolerated_fall_back_to_durable(job):
     assert [r[1] for r in results] == job["digests"][spilled]
     assert {r[2]["tier"] for r in results} == {"durable"}
     assert all("durable storage" in r[2]["warning"] for r in results)
+
+
+def test_objstore_transport_and_a_corrupt_local_copy_rebuilt_from_peers(job):
+    """A second job on the surviving nodes, chunks through Ray's object store; rank 1's arena
+    gets a flipped byte, so its restore detects it by checksum and reads its peers instead."""
+    alive = [i for i in (0, 5, 6, 7)]
+    opts = dict(k=K, m=M, chunk=64 * 255, memory_budget=256 << 20, transport="objstore")
+    other = "rt-objstore"
+    trainers = start_all(other, alive, opts)
+    try:
+        digests = ray.get([t.step_and_save.remote(1) for t in trainers], timeout=120)
+        assert ray.get(trainers[0].wait.remote(1, 120), timeout=150) == 1
+        st = ray.get(trainers[0].status.remote(), timeout=60)
+        assert st["bytes"]["peer"] > 0 and st["failed_snapshots"] == 0
+        node1 = ray.get(trainers[1].node.remote())
+        path = next(p for p in naming.arena_files(other, node1) if "-r1-s0-" in p)
+        with open(path, "r+b") as f:
+            f.seek(4096)
+            byte = f.read(1)
+            f.seek(4096)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        results = restore_all(trainers)
+        assert [r[0] for r in results] == [1] * 4 and [r[1] for r in results] == digests
+        assert results[1][2]["tier"] == "peer" and results[0][2]["tier"] == "local"
+    finally:
+        from memsnap.snapshotter import shutdown
+
+        for t in trainers:
+            kill(t)
+        shutdown(other, timeout=10)

@@ -50,6 +50,12 @@ def digest(state: dict) -> str:
     return h.hexdigest()
 
 
+class _Extra(torch.nn.Module):
+    def __init__(self, nbytes: int):
+        super().__init__()
+        self.blob = torch.nn.Parameter(torch.zeros(nbytes // 4), requires_grad=False)
+
+
 @ray.remote(num_cpus=0)
 class Trainer:
     """One rank: its own state and Snapshotter, on the node it was pinned to."""
@@ -71,6 +77,15 @@ class Trainer:
     def save(self, step: int) -> str:
         self.snap.save(step, self.state)
         return digest(self.state)
+
+    def save_too_big(self, step: int) -> str:
+        """Try to save the state plus a tensor larger than the memory budget; return the error."""
+        big = dict(self.state, extra=_Extra(300 << 20))
+        try:
+            self.snap.save(step, big)
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return "saved"
 
     def save_and_die(self, step: int) -> None:
         """Die in the middle of capturing ``step`` (half the bytes written)."""
