@@ -93,26 +93,27 @@ class Bench:
         self.arena = torch.empty(self.manifest.nbytes, dtype=torch.uint8)
         self.arena.fill_(1)  # touch every page once: a snapshot never allocates its destination
         self.buf = self.arena.numpy()
-        self.sources = self._sources()
         self.nbytes = self.manifest.nbytes
 
-    def _sources(self) -> list[tuple[int, int, int]]:
+    def _sources(self) -> list[tuple[int, torch.Tensor, int]]:
+        """(offset, tensor, nbytes) of every stored tensor, looked up afresh: a load may have
+        replaced the optimizer's tensors."""
         from memsnap import tree
         from memsnap.capture import collect
 
         found: list[torch.Tensor] = []  # the tensors, in manifest order
         tree.encode(collect(self.state), lambda t, path: found.append(t) or len(found) - 1)
-        return [(e.offset, t.data_ptr(), e.nbytes)
+        return [(e.offset, t, e.nbytes)
                 for e, t in zip(self.manifest.tensors, found) if e.alias_of is None and e.nbytes]
 
     def path(self, name: str) -> str:
         return os.path.join(self.root, name)
 
     def t_memcpy(self) -> float:
-        base = self.arena.data_ptr()
+        base, sources = self.arena.data_ptr(), self._sources()
         t = time.perf_counter()
-        for off, src, n in self.sources:
-            ctypes.memmove(base + off, src, n)
+        for off, src, n in sources:
+            ctypes.memmove(base + off, src.data_ptr(), n)
         return time.perf_counter() - t
 
     def t_capture(self) -> float:
