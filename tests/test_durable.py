@@ -47,7 +47,6 @@ def params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-@pytest.mark.slow
 def test_resume_in_fresh_process_is_bitwise(tmp_path):
     sys.path.insert(0, str(TESTS))
     import toytrain
