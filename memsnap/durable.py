@@ -185,13 +185,20 @@ def load(uri: str, state: Mapping[str, Any], step: int | None = None, *, rank: i
             warnings.warn(f"step {s} under {uri} cannot be loaded ({error or 'damaged on another rank'}); "
                           "falling back to the previous committed step", stacklevel=2)
             continue
-        _warn_weights_only(marker, s, uri)
+        _warn_weights_only(marker, manifest, s, uri)
         apply(state, manifest, buf, rng=rng, verify=False, strict=strict)  # bytes verified on read
         return s
     raise SnapshotNotFoundError(f"no intact committed step under {uri}; the last error was: {last_error}")
 
 
-def _warn_weights_only(marker: dict, step: int, uri: str) -> None:
-    if not marker.get("metadata", {}).get("has_optimizer", True):
+def _has_optimizer_tree(manifest: Manifest) -> bool:
+    """Whether a snapshot holds an optimizer's state dict (``state`` + ``param_groups``)."""
+    top = manifest.tree if isinstance(manifest.tree, dict) else {}
+    return any(isinstance(v, dict) and "param_groups" in v and "state" in v for v in top.values())
+
+
+def _warn_weights_only(marker: dict, manifest: Manifest, step: int, uri: str) -> None:
+    flag = marker.get("metadata", {}).get("has_optimizer")
+    if not (_has_optimizer_tree(manifest) if flag is None else flag):
         warnings.warn(f"step {step} under {uri} holds no optimizer state (saved weights-only); "
                       "the optimizer starts from scratch", stacklevel=3)

@@ -124,6 +124,22 @@ def test_weights_only_refused_then_warned(tmp_path):
         memsnap.load(str(tmp_path), {"model": torch.nn.Linear(8, 4)})
 
 
+def test_weights_only_warning_from_manifest_without_flag(tmp_path):
+    """Steps spilled by the runtime carry no has_optimizer flag: the manifest tree decides."""
+    from memsnap.capture import capture
+
+    store = Store.open(str(tmp_path))
+    for step, state in ((1, small_state()), (2, {"model": small_state()["model"]})):
+        manifest, buf = capture(state, checksums=True)
+        store.write_rank(step, 0, manifest, buf)
+        store.commit(step, 1, {"source": "spill"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # step 1 has an optimizer: no warning
+        memsnap.load(str(tmp_path), small_state(5), step=1)
+    with pytest.warns(UserWarning, match="no optimizer state"):
+        memsnap.load(str(tmp_path), {"model": torch.nn.Linear(8, 4)}, step=2)
+
+
 def git(cwd: Path, *args: str) -> str:
     env = dict(os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@example.invalid",
                GIT_COMMITTER_NAME="t", GIT_COMMITTER_EMAIL="t@example.invalid")
