@@ -52,6 +52,12 @@ def _arena(nbytes: int) -> Any:
     return _ARENA[0].numpy()[:nbytes]
 
 
+def release_buffer() -> None:
+    """Free the staging buffer ``save`` keeps for reuse (it is re-made by the next save)."""
+    with _ARENA_LOCK:
+        _ARENA.clear()
+
+
 def _dist() -> Any | None:
     import torch.distributed as dist
 
