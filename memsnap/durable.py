@@ -183,10 +183,11 @@ def load(uri: str, state: Mapping[str, Any], step: int | None = None, *, rank: i
             manifest, buf, marker = read_step(store, s, rank, world, state, progress)
             error = None
         except (ChecksumError, StorageError, OSError, ValueError) as exc:
-            if step is not None or isinstance(exc, (SnapshotNotFoundError, ConfigError, StateMismatchError)):
-                raise
-            error = exc
+            error = exc  # every rank reaches the agreement below, also the failing one
         if not _all_ok(error is None, world):
+            fatal = isinstance(error, (ConfigError, StateMismatchError))
+            if step is not None or fatal:
+                raise error or ChecksumError(f"step {s} under {uri} failed to load on another rank")
             last_error = error or last_error
             warnings.warn(f"step {s} under {uri} cannot be loaded ({error or 'damaged on another rank'}); "
                           "falling back to the previous committed step", stacklevel=2)
