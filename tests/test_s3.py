@@ -85,3 +85,14 @@ def test_save_load_through_s3_uri(endpoint, monkeypatch):
     memsnap.save("s3://ckpt/run-e", saved, 13)
     assert memsnap.load("s3://ckpt/run-e", live) == 13
     assert torch.equal(live["model"].weight, saved["model"].weight)
+
+
+def test_cli_on_s3(endpoint, capsys):
+    from memsnap.cli import main
+
+    store = Store.open("s3://ckpt/run-f", endpoint=endpoint)
+    save_step(store, 8, world=2)
+    assert main(["ls", "s3://ckpt/run-f", "--endpoint", endpoint]) == 0
+    assert main(["verify", "s3://ckpt/run-f/8", "--endpoint", endpoint]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[2].split()[:3] == ["8", "?", "2"] and "step 8: OK (2 ranks" in out
