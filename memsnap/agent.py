@@ -70,6 +70,7 @@ class AgentCore:
         self.address = self.transport.start(self.store)
         self.codec = _codec(self.cfg.k, self.cfg.m)
         self.lock = threading.RLock()
+        self.send_lock = threading.Lock()
         self.versions: dict[int, Version] = {}
         self.arenas: dict[tuple[int, int], Arena] = {}
         self.parity: dict[int, OwnedBuffer] = {}
@@ -139,7 +140,7 @@ class AgentCore:
     def _pinned(self, step: int) -> bool:
         return self.spiller is not None and self.spiller.busy_with(step)
 
-    def _arena(self, rank: int, slot: int, nbytes: int) -> Arena:
+    def _arena(self, rank: int, slot: int, nbytes: int, prefault: bool = True) -> Arena:
         arena = self.arenas.get((rank, slot))
         if arena is not None and arena.nbytes >= nbytes:
             return arena
@@ -150,7 +151,7 @@ class AgentCore:
             self.budget.release(arena.nbytes)
             del self.arenas[(rank, slot)]
         self.budget.charge(nbytes, f"the arena of rank {rank} (slot {slot})")
-        arena = Arena.create(naming.arena_path(self.cfg.job, self.node, rank, slot, gen), nbytes)
+        arena = Arena.create(naming.arena_path(self.cfg.job, self.node, rank, slot, gen), nbytes, prefault)
         self.arenas[(rank, slot)] = arena
         return arena
 
@@ -173,7 +174,8 @@ class AgentCore:
     # --- 4-6. encode, push, report ---------------------------------------------------------
     def _send(self, v: Version, local_ranks: list[int]) -> None:
         try:
-            info = self._encode_and_push(v, local_ranks)
+            with self.send_lock:  # one snapshot is encoded and sent at a time: one parity buffer
+                info = self._encode_and_push(v, local_ranks)
         except Exception as exc:  # reported, never raised into the pool
             log.warning("node %s: step %d not sent: %s", self.node[:12], v.step, exc)
             with self.lock:
@@ -193,7 +195,7 @@ class AgentCore:
         sizes = {r: v.sizes[r] for r in local_ranks}
         chunk = self.cfg.chunk or _choose_chunk(max(sizes.values(), default=0), self.cfg.k)
         regs = encode.regions(sizes, self.cfg.k, chunk)
-        parity = self._parity(v.slot, encode.parity_nbytes(regs, self.cfg.m))
+        parity = self._parity(encode.parity_nbytes(regs, self.cfg.m))
         encs, ranks = [], {}
         for reg in regs:
             data = self.arenas[(reg.rank, v.slot)].view(0, reg.nbytes)
@@ -219,12 +221,13 @@ class AgentCore:
             for fut in [ex.submit(push, j) for j in range(len(addrs))]:
                 fut.result()
 
-    def _parity(self, slot: int, nbytes: int) -> OwnedBuffer:
-        buf = self.parity.get(slot)
+    def _parity(self, nbytes: int) -> OwnedBuffer:
+        """The agent's one parity buffer (reused by every snapshot), grown when needed."""
+        buf = self.parity.get(0)
         if buf is None or buf.nbytes < nbytes:
             if buf is not None:
                 buf.free()
-            buf = self.parity[slot] = OwnedBuffer(self.budget, nbytes, f"parity of slot {slot}")
+            buf = self.parity[0] = OwnedBuffer(self.budget, nbytes, "the parity buffer")
         return buf
 
     def _fail(self, v: Version, why: str) -> None:
@@ -283,7 +286,7 @@ class AgentCore:
             v = self.versions.get(step)
             if v is None or v.state in ("failed", "freed"):
                 v = self.versions[step] = Version(step, self._free_slot(step), state="restoring")
-            arena = self._arena(rank, v.slot, entry["nbytes"])
+            arena = self._arena(rank, v.slot, entry["nbytes"], prefault=False)
             v.sizes[rank] = entry["nbytes"]
         stats = gather(self, record, entry, arena.view(0, entry["nbytes"]))
         with self.lock:

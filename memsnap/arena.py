@@ -37,15 +37,20 @@ class Arena:
         self.owner = owner
 
     @classmethod
-    def create(cls, path: str, nbytes: int) -> "Arena":
-        """A new file of ``nbytes`` (replacing any old one at ``path``), mapped and touched."""
+    def create(cls, path: str, nbytes: int, prefault: bool = True) -> "Arena":
+        """A new file of ``nbytes`` (replacing any old one at ``path``), mapped and touched.
+
+        ``prefault=False`` skips the touch, for a destination that is about to be filled
+        whole anyway (a restore from peers), where it would only add a pass over the memory.
+        """
         fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_TRUNC, 0o600)
         try:
             os.ftruncate(fd, max(nbytes, 1))
             mm = mmap.mmap(fd, max(nbytes, 1))
         finally:
             os.close(fd)
-        touch(mm)
+        if prefault:
+            touch(mm)
         return cls(path, nbytes, mm, owner=True)
 
     @classmethod
