@@ -24,6 +24,9 @@ _LAZY = {
     "load": "memsnap.durable",
     "Snapshotter": "memsnap.snapshotter",
     "ResumableSampler": "memsnap.sampler",
+    "ResumableLoader": "memsnap.sampler",
+    "capture": "memsnap.capture",
+    "apply": "memsnap.apply",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2))
     else:
         print(summary(report))
-    return 0 if report["bitwise_identical"] else 1
+    return 0 if report["bitwise_identical"] and report["final_params_identical"] else 1
 
 
 def summary(r: dict) -> str:
@@ -77,6 +77,7 @@ def summary(r: dict) -> str:
         f"  same state from disk         {fmt(r['disk_restore_seconds'])}  (memsnap durable format, "
         f"cold page cache, step {r['disk_restore_step']})",
         f"  loss curve vs. no failure    {'bitwise identical' if r['bitwise_identical'] else 'DIFFERENT'}",
+        f"  final weights vs. no failure {'bitwise identical' if r['final_params_identical'] else 'DIFFERENT'}",
         f"  plot                         {r['plot']}",
         f"  total                        {r['total_seconds']:.0f} s",
     ]

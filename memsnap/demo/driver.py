@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 
 from memsnap.demo.model import ModelConfig
-from memsnap.demo.train import TrainConfig, read_log
+from memsnap.demo.train import TrainConfig, read_final, read_log
 from memsnap.demo.worker import read_events, train_loop_per_worker
 
 
@@ -277,6 +277,7 @@ def _report(opts, run, ref, t_end, disk_s, disk_step, out, total) -> dict:
     losses = read_log(run.log_path)
     identical = bool(ref) and sorted(losses) == sorted(ref) and all(
         losses[s].hex() == ref[s].hex() for s in ref)
+    final, ref_final = read_final(run.log_path), read_final(os.path.join(out, "reference.jsonl"))
     recs = []
     for i, f in enumerate(run.failures):
         until = run.failures[i + 1].t_kill if i + 1 < len(run.failures) else t_end
@@ -289,6 +290,7 @@ def _report(opts, run, ref, t_end, disk_s, disk_step, out, total) -> dict:
         "resumed_from_step": first.get("restored_step"),
         "restore_tier": first.get("tier"),
         "bitwise_identical": identical,
+        "final_params_identical": final is not None and final == ref_final,
         "recovery_seconds": {k: first.get(k) for k in ("detect", "restart", "restore")},
         "restore_phases": first.get("restore_phases", {}),
         "disk_restore_seconds": disk_s,

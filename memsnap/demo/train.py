@@ -93,7 +93,19 @@ def run(cfg: TrainConfig, rank: int, world: int, *, first_step: int = 0, objs=No
                                 "t": time.time(), "pid": os.getpid()})
         if after_step is not None:
             after_step(step, objs)
+    if rank == 0 and cfg.log_path and first_step < cfg.steps:
+        _log(cfg.log_path, {"final": params_digest(objs["model"]), "t": time.time()})
     return objs
+
+
+def params_digest(model: torch.nn.Module) -> str:
+    """xxh3-64 over every parameter's bytes, in order: equal digests, bitwise-equal weights."""
+    import xxhash
+
+    h = xxhash.xxh3_64()
+    for p in model.parameters():
+        h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def _log(path: str, record: dict) -> None:
@@ -109,7 +121,18 @@ def read_log(path: str) -> dict[int, float]:
         return losses
     with open(path) as f:
         for line in f:
-            if line.strip():
-                r = json.loads(line)
+            r = json.loads(line) if line.strip() else {}
+            if "step" in r:
                 losses[r["step"]] = float.fromhex(r["loss"])
     return losses
+
+
+def read_final(path: str) -> str | None:
+    """The digest of the final parameters the run logged, or None if it did not finish."""
+    final = None
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                r = json.loads(line) if line.strip() else {}
+                final = r.get("final", final)
+    return final
