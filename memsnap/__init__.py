@@ -25,8 +25,6 @@ _LAZY = {
     "Snapshotter": "memsnap.snapshotter",
     "ResumableSampler": "memsnap.sampler",
     "ResumableLoader": "memsnap.sampler",
-    "capture": "memsnap.capture",
-    "apply": "memsnap.apply",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]
