@@ -83,12 +83,12 @@ class Snapshotter:
 
     # --- calls to the coordinator, surviving its loss ------------------------------------------
     def _ccall(self, method: str, *args, timeout: float | None = None):
-        for attempt in range(3):
+        for attempt in range(6):  # a restarting coordinator is waited for ~30 s in all
             try:
                 return _get(getattr(self._coord, method).remote(*args), timeout)
             except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
                 log.warning("coordinator lost (%s); finding it again", type(exc).__name__)
-                time.sleep(0.5 * attempt)
+                time.sleep(min(0.5 * 2 ** attempt, 10.0))
                 self._coord = coordinators.get_or_create(self.config, self.world)
                 if method != "register":
                     _get(self._coord.register.remote(self.rank, self.node, self._address))

@@ -53,7 +53,7 @@ def agent(node_id: str):
 
 def full_protection(job) -> dict:
     return wait_for(lambda: (lambda p: p if p and all(v == M + 1 for v in p.values()) else None)(
-        status(job)["protection"]), timeout=90, what="full protection (m+1 with the local copy)")
+        status(job)["protection"]), timeout=180, what="full protection (m+1 with the local copy)")
 
 
 def test_save_commits_and_reports_status(job):
