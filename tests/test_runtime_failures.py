@@ -214,3 +214,31 @@ def test_objstore_transport_and_a_corrupt_local_copy_rebuilt_from_peers(job):
         for t in trainers:
             kill(t)
         shutdown(other, timeout=10)
+
+
+def test_m_node_losses_at_once_are_restored_from_ram(job):
+    """k=1, m=2 (replication to two more holders): two nodes of the group die together, and
+    both lost ranks come back from their peers' RAM on replacement nodes, bitwise."""
+    c = job["cluster"]
+    other = "rt-m2"
+    opts = dict(k=1, m=2, chunk=64 * 255, memory_budget=256 << 20)
+    trainers = start_all(other, [0, 5, 6, 7], opts)
+    try:
+        digests = ray.get([t.step_and_save.remote(1) for t in trainers], timeout=120)
+        assert ray.get(trainers[0].wait.remote(1, 120), timeout=150) == 1
+        doomed = ray.get([trainers[1].node.remote(), trainers[2].node.remote()])
+        for n in [n for n in c.nodes if n.node_id in doomed]:
+            c.kill_node(n)
+        wait_for(lambda: all(node_dead(n) for n in doomed), timeout=60, what="two dead nodes")
+        for i, r in enumerate((1, 2)):
+            c.add_node()  # resources memsnap_node_8, memsnap_node_9
+            trainers[r] = start_trainer(other, r, 4, 8 + i, opts, seed=80 + r)
+        results = restore_all(trainers)
+        assert [r[0] for r in results] == [1] * 4 and [r[1] for r in results] == digests
+        assert [r[2]["tier"] for r in results] == ["local", "peer", "peer", "local"]
+    finally:
+        from memsnap.snapshotter import shutdown
+
+        for t in trainers:
+            kill(t)
+        shutdown(other, timeout=10)
