@@ -261,7 +261,7 @@ class CoordinatorCore:
                 return False
         from memsnap.storage import Store
 
-        Store.open(self.cfg.spill).commit(step, self.world, {"job": self.cfg.job, "source": "memsnap spill"})
+        Store.open(self.cfg.spill).commit(step, self.world, spill_metadata(self.cfg, step))
         with self.lock:
             self.durable_step = max(step, self.durable_step or -1)
             for s in [s for s in self.spill_ranks if s <= step]:
@@ -373,6 +373,20 @@ class CoordinatorCore:
     def _node_of_owner(self, record: dict, owner: str) -> str:
         ranks = [int(r) for r, e in record["ranks"].items() if e["owner"] == owner]
         return self.members.get(ranks[0], owner) if ranks else owner
+
+
+def spill_metadata(cfg: SnapshotConfig, step: int) -> dict:
+    """What a spilled step records about how it was made: job, config, package versions."""
+    from importlib import metadata
+
+    versions = {}
+    for pkg in ("memsnap", "torch", "ray", "numpy", "pyarrow"):
+        try:
+            versions[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            versions[pkg] = None
+    return {"job": cfg.job, "step": step, "source": "memsnap spill", "config": cfg.to_dict(),
+            "versions": versions, "time": time.time()}
 
 
 def owner_margin(record: dict, owner: str, members: dict[int, str], inventories: dict) -> int:

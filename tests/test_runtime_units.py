@@ -5,7 +5,7 @@ import pytest
 
 from memsnap.agent import AgentCore
 from memsnap.config import SnapshotConfig, tunable
-from memsnap.coordinator import owner_margin
+from memsnap.coordinator import owner_margin, spill_metadata
 from memsnap.errors import CommitError, ConfigError, MemoryBudgetError
 from memsnap.restore import decide
 
@@ -101,3 +101,11 @@ def test_agent_slots_keep_committed_versions_whole(core):
 def test_agent_refuses_a_snapshot_over_budget_naming_the_setting(core):
     with pytest.raises(MemoryBudgetError, match=r"needs 2097152 bytes.*memory_budget"):
         core.begin(1, 0, 2 << 20)
+
+
+def test_spilled_steps_record_their_config_and_versions():
+    import json
+
+    meta = spill_metadata(SnapshotConfig("j", spill="/tmp/x", spill_every=5), 10)
+    assert meta["step"] == 10 and meta["config"]["spill_every"] == 5 and meta["versions"]["ray"]
+    json.dumps(meta)
