@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import multiprocessing as mp
 import os
+import shutil
 import socket
 import sys
 import tempfile
@@ -237,6 +238,9 @@ def ram_table(mib: int) -> list[dict]:
                     shutdown(job, timeout=30)
                 for r in ranks:
                     ray.kill(r)
+                for p in naming.arena_files(job):
+                    with contextlib.suppress(OSError):
+                        os.unlink(p)
     return rows
 
 
@@ -248,6 +252,13 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(HERE, "results", "recovery.md"))
     args = ap.parse_args()
     work = tempfile.mkdtemp(prefix="memsnap-bench-", dir="/var/tmp")
+    try:
+        run(args, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def run(args, work: str) -> None:
     spill = os.path.join(work, "spill")
     print("raw socket ceiling ...", flush=True)
     ceiling = raw_socket()

@@ -16,8 +16,8 @@ import ray
 from memsnap import naming
 from memsnap.errors import TransportError
 from memsnap.transport.base import ChunkKey, make_transport
-from test_runtime_helpers import (cluster, kill, node_dead, restore_all, start_all, start_trainer,
-                                  wait_for)
+from test_runtime_helpers import (cluster, kill, node_dead, remove_arenas, restore_all, start_all,
+                                  start_trainer, wait_for)
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -214,6 +214,7 @@ def test_objstore_transport_and_a_corrupt_local_copy_rebuilt_from_peers(job):
         for t in trainers:
             kill(t)
         shutdown(other, timeout=10)
+        remove_arenas(other)
 
 
 def test_m_node_losses_at_once_are_restored_from_ram(job):
@@ -242,3 +243,4 @@ def test_m_node_losses_at_once_are_restored_from_ram(job):
         for t in trainers:
             kill(t)
         shutdown(other, timeout=10)
+        remove_arenas(other)

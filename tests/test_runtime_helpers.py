@@ -146,6 +146,13 @@ def node_dead(node_id: str) -> bool:
     return any(n["NodeID"] == node_id and not n["Alive"] for n in ray.nodes())
 
 
+def remove_arenas(job: str) -> None:
+    """Unlink ``job``'s shared-memory files (those of killed nodes' agents stay behind otherwise)."""
+    for path in naming.arena_files(job):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
 @contextlib.contextmanager
 def cluster(job: str, nodes: int):
     """A loopback cluster of ``nodes`` for one test module; torn down (and /dev/shm cleaned) after."""
@@ -160,9 +167,7 @@ def cluster(job: str, nodes: int):
 
             shutdown(job, timeout=10)
         c.close()
-        for path in naming.arena_files(job):
-            with contextlib.suppress(OSError):
-                os.unlink(path)
+        remove_arenas(job)
 
 
-__all__ = ["cluster", "start_all", "start_trainer", "restore_all", "kill", "node_dead", "wait_for", "shutil"]
+__all__ = ["cluster", "remove_arenas", "start_all", "start_trainer", "restore_all", "kill", "node_dead", "wait_for", "shutil"]
