@@ -55,6 +55,7 @@ class Version:
     sizes: dict[int, int] = field(default_factory=dict)         # rank -> nbytes
     manifests: dict[int, str] = field(default_factory=dict)     # rank -> manifest JSON
     error: str | None = None
+    gen: int = 0  # the restore generation it was taken in (see ``AgentCore.resume``)
 
 
 class AgentCore:
@@ -78,6 +79,7 @@ class AgentCore:
         self.ranks: set[int] = set()
         self.world: int | None = None
         self.abandoned: dict[int, str] = {}
+        self.gen = 0
         self.counters = {"failed_snapshots": 0, "pushed_bytes": 0, "repaired_chunks": 0}
         self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="memsnap-agent")
         self.spiller = None
@@ -96,7 +98,7 @@ class AgentCore:
                 raise CommitError(f"step {step} is already {v.state} on node {self.node[:12]}; "
                                   "save each step once, with a step number larger than the last")
             if v is None or v.state == "failed":
-                v = self.versions[step] = Version(step, self._free_slot(step))
+                v = self.versions[step] = Version(step, self._free_slot(step), gen=self.gen)
             try:
                 arena = self._arena(rank, v.slot, nbytes)
             except MemoryBudgetError:
@@ -207,7 +209,7 @@ class AgentCore:
             encs.append(enc)
             ranks[reg.rank] = dict(reg.to_dict(), owner=self.node, manifest=v.manifests[reg.rank])
         self._push_all(v.step, encs, layout["addrs"])
-        return {"chunk": chunk, "ranks": ranks, "holders": layout["holders"]}
+        return {"chunk": chunk, "ranks": ranks, "holders": layout["holders"], "gen": v.gen}
 
     def _push_all(self, step: int, encs: list, addrs: list[dict]) -> None:
         timeout = tunable("push_timeout_s")
@@ -266,6 +268,20 @@ class AgentCore:
                 self._fail(v, "abandoned by the coordinator")
                 self.versions.pop(step)
         self.store.drop(lambda key: key.step != step)
+
+    def resume(self, step: int | None, gen: int) -> None:
+        """The job restored ``step`` (None: started fresh) in restore generation ``gen``: forget
+        every uncommitted version after it, so the resumed run can take those steps again."""
+        last = -1 if step is None else step
+        with self.lock:
+            self.gen = max(self.gen, gen)
+            for v in [v for v in self.versions.values() if v.step > last and v.state != "committed"]:
+                self._fail(v, f"the job resumed from step {step}")
+                self.versions.pop(v.step)
+            for s in [s for s in self.abandoned if s > last]:
+                del self.abandoned[s]
+            records = set(self.records)
+        self.store.drop(lambda key: key.step <= last or key.step in records)
 
     # --- restore ---------------------------------------------------------------------------------
     def local(self, step: int, rank: int) -> dict | None:
@@ -394,6 +410,16 @@ class SnapshotAgent:
 
     def abandon(self, step: int) -> None:
         return self.core.abandon(step)
+
+    def resume(self, step: int | None, gen: int) -> None:
+        return self.core.resume(step, gen)
+
+    def spill_now(self, step: int) -> bool:
+        """Write committed ``step`` to durable storage now, unthrottled (preemption)."""
+        if self.core.spiller is None:
+            return False
+        self.core.spiller.request(step)
+        return True
 
     def local(self, step: int, rank: int) -> dict | None:
         return self.core.local(step, rank)

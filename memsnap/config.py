@@ -22,6 +22,7 @@ TUNABLES: dict[str, float] = {
     "chunk_target": 1 << 20,        # shard size the stripe layout aims for (bytes)
     "agent_max_concurrency": 16,
     "coordinator_max_concurrency": 64,
+    "preemption_poll_s": 5.0,       # how often a rank asks Ray whether its node is draining
 }
 
 

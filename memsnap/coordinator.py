@@ -57,6 +57,7 @@ class CoordinatorCore:
         self.bad: set[int] = set()
         self.last_restore: dict = {"tier": "none", "step": None, "seconds": {}}
         self.reprotect: dict = {"running": 0, "again": False, "rebuilt_chunks": 0, "errors": []}
+        self.gen = 0  # bumped by every completed restore; older snapshots in flight are ignored
 
     # --- membership ------------------------------------------------------------------------
     def register(self, rank: int, node: str, address: dict) -> None:
@@ -108,6 +109,11 @@ class CoordinatorCore:
     # --- the two-phase commit ------------------------------------------------------------------
     def node_ready(self, step: int, node: str, info: dict) -> None:
         with self.cond:
+            gen = info.get("gen", 0)
+            if gen < self.gen:
+                log.info("ignoring step %d from node %s: taken before the last restore", step, node[:12])
+                return
+            self.gen = gen  # a rebuilt coordinator learns the generation from the agents
             if step in self.failed or step in self.records or self._stale(step):
                 return
             self.pending.setdefault(step, {})[node] = info
@@ -219,7 +225,21 @@ class CoordinatorCore:
             rnd["closed"] = True
             if not failed:
                 self._note_restore(rnd)
-            return {"ok": not failed, "failed": {str(r): rep for r, rep in failed.items()}}
+                self._resume(rnd)
+            return {"ok": not failed, "failed": {str(r): rep for r, rep in failed.items()},
+                    "gen": rnd.get("gen", self.gen)}
+
+    def _resume(self, rnd: dict) -> None:
+        """Once per completed round: the job goes on from the restored step, so every step
+        after it (uncommitted, failed, or committed but unloadable) may be taken again."""
+        if "gen" in rnd:
+            return
+        self.gen += 1
+        rnd["gen"] = self.gen
+        last = -1 if rnd["plan"]["step"] is None else rnd["plan"]["step"]
+        for table in (self.pending, self.failed, self.records):
+            for s in [s for s in table if s > last]:
+                del table[s]
 
     def _note_restore(self, rnd: dict) -> None:
         reports = [rep for _, rep in rnd["done"].values()]
@@ -464,6 +484,9 @@ class Coordinator:
 
     def spilled(self, step: int, ranks: list[int]) -> bool:
         return self.core.spilled(step, ranks)
+
+    def spill_now(self, step: int) -> None:
+        self.core._broadcast("spill_now", step)
 
     def status(self) -> dict:
         return self.core.status()

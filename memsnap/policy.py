@@ -157,6 +157,10 @@ class Scheduler:
             self.record_cost(cost_seconds)
         self._restart(step, self._clock())
 
+    def resume(self, step: int) -> None:
+        """The job (re)starts after ``step`` (-1 for a fresh start): count the interval from there."""
+        self._restart(step, self._clock())
+
     def record_cost(self, seconds: float) -> None:
         """Fold one measured snapshot cost into the exponentially weighted mean."""
         seconds = require_positive_float("cost seconds", seconds,

@@ -6,8 +6,12 @@ Call protocol (every rank of the job, each in its own Ray worker or driver):
      coordinator and this node's agent, registers the rank.
   2. ``snap.restore(state)`` at start (collective: every rank calls it) -> the restored step
      or None.
-  3. ``snap.save(step, state)`` after each step to snapshot; returns once the bytes are in
-     the agent's RAM (encoding, sending and the commit run in the background).
+  3. ``snap.save(step, state)`` after every step; the policy decides which steps are
+     snapshotted (a skipped step costs two comparisons). A snapshot returns once the bytes are
+     in the agent's RAM (encoding, sending and the commit run in the background). A snapshot
+     that fails is logged and counted and training goes on (``on_error="raise"`` to stop).
+     After a preemption notice (SIGTERM, or Ray draining the node) the next ``save`` takes a
+     last snapshot, spills it unthrottled and exits the process cleanly (``SystemExit(0)``).
   4. ``snap.status()`` any time; ``snap.close()`` at the end (agents stay up; see ``shutdown``).
 """
 from __future__ import annotations
@@ -26,6 +30,7 @@ from memsnap.arena import Arena
 from memsnap.config import SnapshotConfig, tunable
 from memsnap.errors import ChecksumError, ConfigError, MemsnapError
 from memsnap.manifest import Manifest
+from memsnap.policy import Policy, Scheduler, StalenessGuard
 
 log = logging.getLogger("memsnap")
 
@@ -61,7 +66,20 @@ class Snapshotter:
                  group_size: int | None = None, keep: int = 2, memory_budget: int = 4 << 30,
                  spill: str | None = None, spill_every: int | None = None,
                  spill_every_seconds: float | None = None, spill_bytes_per_s: int = 256 << 20,
-                 transport: str = "tcp", chunk: int | None = None):
+                 transport: str = "tcp", chunk: int | None = None,
+                 every_steps: int | None = 1, every_seconds: float | None = None, auto: bool = False,
+                 mtbf_hours: float | None = None, on_error: str = "warn",
+                 max_staleness_steps: int | None = None, preemption: bool = True,
+                 preemption_grace_s: float = 30.0, optimizers=()):
+        """``every_steps``/``every_seconds``/``auto``/``mtbf_hours``: when to snapshot (see
+        ``memsnap.policy.Policy``; ``mtbf_hours`` is one rank's MTBF). ``on_error``: ``"warn"``
+        (log, count, go on) or ``"raise"``. ``max_staleness_steps``: raise ``StalenessError``
+        when the newest committed step falls further behind. ``preemption``: react to SIGTERM
+        and Ray drains. ``optimizers``: for CUDA state, the optimizers whose step must wait for
+        the side-stream copy."""
+        if on_error not in ("warn", "raise"):
+            raise ConfigError(f"on_error={on_error!r}: use 'warn' (log, count and keep training) "
+                              "or 'raise' (a failed snapshot stops training)")
         if not isinstance(world_size, int) or world_size < 1:
             raise ConfigError(f"world_size={world_size!r}: must be an int >= 1")
         if not isinstance(rank, int) or not 0 <= rank < world_size:
@@ -78,8 +96,56 @@ class Snapshotter:
         self._ccall("register", rank, self.node, self._address)
         self._local: list[int] | None = None
         self._maps: dict[str, Arena] = {}
-        self.counters = {"saves": 0, "failed_saves": 0}
+        self.counters = {"saves": 0, "failed_saves": 0, "skipped_saves": 0}
         self.last_restore: dict = {"tier": "none", "step": None, "seconds": {}}
+        self.last_error: str | None = None
+        self._policy = Scheduler(Policy(every_steps=every_steps, every_seconds=every_seconds, auto=auto,
+                                        mtbf_hours=mtbf_hours, nodes=world_size), start_step=-1)
+        self._guard = None if max_staleness_steps is None else StalenessGuard(max_staleness_steps,
+                                                                              start_step=-1)
+        self._on_error = on_error
+        self._optimizers = list(optimizers)
+        self._cuda = None
+        self._pins: dict[str, Any] = {}
+        self._watcher = self._watch_preemption(preemption_grace_s) if preemption else None
+
+    @classmethod
+    def from_ray_train(cls, job: str, **kwargs: Any) -> "Snapshotter":
+        """A Snapshotter for this Ray Train worker: rank and world size from its context."""
+        from memsnap.integrations.ray_train import from_ray_train
+
+        return from_ray_train(job, **kwargs)
+
+    @classmethod
+    def from_env(cls, job: str, **kwargs: Any) -> "Snapshotter":
+        """A Snapshotter for a torchrun process (``RANK``/``WORLD_SIZE``) or a single process.
+
+        Connects to the Ray cluster in ``RAY_ADDRESS`` if Ray is not initialised yet, or starts
+        a local one bound to 127.0.0.1."""
+        import os
+
+        if not ray.is_initialized():
+            from memsnap.localcluster import loopback_env
+
+            if os.environ.get("RAY_ADDRESS"):
+                ray.init(address=os.environ["RAY_ADDRESS"], namespace=naming.NAMESPACE)
+            else:
+                loopback_env()
+                ray.init(namespace=naming.NAMESPACE, include_dashboard=False)
+        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+        return cls(job=job, rank=rank, world_size=world, **kwargs)
+
+    def _watch_preemption(self, grace_s: float):
+        from memsnap.preempt import PreemptionWatcher
+
+        try:
+            return PreemptionWatcher(lambda deadline: log.warning(
+                "rank %d: preemption notice (%.0f s left): the next save takes a last snapshot, "
+                "spills it and exits", self.rank, deadline), grace_seconds=grace_s,
+                poll_seconds=tunable("preemption_poll_s"), node_id=self.node).start()
+        except Exception as exc:  # never let the watcher stop training from starting
+            log.warning("rank %d: preemption watcher not started: %s", self.rank, exc)
+            return None
 
     # --- calls to the coordinator, surviving its loss ------------------------------------------
     def _ccall(self, method: str, *args, timeout: float | None = None):
@@ -108,23 +174,85 @@ class Snapshotter:
         return arena.view(0, nbytes)
 
     # --- save --------------------------------------------------------------------------------
-    def save(self, step: int, state: Mapping[str, Any]) -> None:
-        """Snapshot ``state`` as ``step`` (after finishing that step); returns once captured."""
-        from memsnap.capture import capture, plan
+    def save(self, step: int, state: Mapping[str, Any]) -> bool:
+        """After finishing ``step``: snapshot ``state`` if the policy says so. Returns whether a
+        snapshot was captured; the rest (encode, send, commit, spill) runs in the background."""
+        if self._watcher is not None and self._watcher.preempted:
+            self._final_save(step, state)
+        if not self._policy.due(step):
+            self.counters["skipped_saves"] += 1
+            return False
+        t = time.perf_counter()
+        try:
+            self._save(step, state)
+        except Exception as exc:
+            self.counters["failed_saves"] += 1
+            self.last_error = f"step {step}: {type(exc).__name__}: {exc}"
+            if self._on_error == "raise":
+                raise
+            log.warning("rank %d: snapshot of step %d failed, training goes on: %s", self.rank, step, exc)
+            self._check_staleness(step)
+            return False
+        self._policy.taken(step, time.perf_counter() - t)
+        self.counters["saves"] += 1
+        self._check_staleness(step)
+        return True
+
+    def _check_staleness(self, step: int) -> None:
+        if self._guard is not None:
+            self._guard.check(step, self._ccall("wait_committed", step, 0.0))
+
+    def _save(self, step: int, state: Mapping[str, Any]) -> None:
+        from memsnap import cuda_capture
+        from memsnap.capture import _plan, byte_view, copy_into
 
         if not isinstance(step, int) or step < 0:
             raise ConfigError(f"step={step!r}: must be an int >= 0")
         local = self._local_ranks()
-        try:
-            layout = plan(state)
-            info = _get(self._agent.begin.remote(step, self.rank, layout.nbytes))
-            man, _ = capture(state, out=self._map(info["path"], layout.nbytes), manifest=layout)
-            man.meta.update(step=step, rank=self.rank, world_size=self.world, job=self.config.job)
-            _get(self._agent.captured.remote(step, self.rank, man.to_json().decode(), local))
-        except BaseException:
-            self.counters["failed_saves"] += 1
-            raise
-        self.counters["saves"] += 1
+        layout, sources = _plan(state, True)
+        info = _get(self._agent.begin.remote(step, self.rank, layout.nbytes))
+        out = self._map(info["path"], layout.nbytes)
+        layout.meta.update(step=step, rank=self.rank, world_size=self.world, job=self.config.job)
+        if cuda_capture.needs_async(sources):
+            self._save_cuda(step, layout, sources, out, info["path"], local)
+            return
+        copy_into(layout, sources, byte_view(out, layout.nbytes, writable=True))
+        _get(self._agent.captured.remote(step, self.rank, layout.to_json().decode(), local))
+
+    def _save_cuda(self, step, layout, sources, out, path, local) -> None:
+        """D2H on a side stream; the agent hears of the step once the copy is done."""
+        from memsnap import cuda_capture
+
+        if self._cuda is None:
+            self._cuda = cuda_capture.SideStreamCapture()
+            self._cuda.attach(self._optimizers)
+        if path not in self._pins:
+            self._pins[path] = cuda_capture.HostRegistration(out)
+        manifest_json = layout.to_json().decode()
+        self._cuda.start(layout, sources, out, on_done=lambda: self._agent.captured.remote(
+            step, self.rank, manifest_json, local))
+
+    def _final_save(self, step: int, state: Mapping[str, Any]) -> None:
+        """Preemption: snapshot ``step``, commit it, spill it unthrottled, exit cleanly."""
+        left = max(1.0, self._watcher.seconds_left() or 30.0)
+        deadline = time.monotonic() + 0.9 * left
+        log.warning("rank %d: preempted; last snapshot of step %d, %.0f s left", self.rank, step, left)
+        self._save(step, state)
+        if self._cuda is not None:
+            self._cuda.wait()
+        committed = self.wait(step, timeout=max(1.0, deadline - time.monotonic()) / 2)
+        if committed is not None and self.config.spill is not None:
+            self._ccall("spill_now", committed)
+            while time.monotonic() < deadline:
+                durable = self._ccall("status").get("durable_step")
+                if durable is not None and durable >= committed:
+                    log.warning("rank %d: step %d is spilled to %s", self.rank, committed, self.config.spill)
+                    break
+                time.sleep(0.2)
+            else:
+                log.warning("rank %d: step %d was not spilled before the deadline", self.rank, committed)
+        self.close()
+        raise SystemExit(0)
 
     def wait(self, step: int, timeout: float = 60.0) -> int | None:
         """Block until ``step`` (or a later one) is committed or failed; return the newest committed."""
@@ -149,6 +277,7 @@ class Snapshotter:
                 error = exc
             result = self._ccall("restore_done", self.rank, attempt, ok, report, timeout=timeout)
             if result["ok"]:
+                _get(self._agent.resume.remote(plan["step"], result["gen"]))
                 seconds["total"] = time.perf_counter() - t0
                 return self._restored(plan, tier, seconds)
         raise error if error is not None else MemsnapError(f"restore failed on ranks {sorted(result['failed'])}: "
@@ -156,6 +285,10 @@ class Snapshotter:
 
     def _restored(self, plan: dict, tier: str, seconds: dict) -> int | None:
         self.last_restore = {"tier": tier, "step": plan["step"], "seconds": seconds}
+        resumed = -1 if plan["step"] is None else plan["step"]
+        self._policy.resume(resumed)
+        if self._guard is not None:
+            self._guard.start_step = resumed
         if plan["plan"] == "durable":
             msg = (f"memsnap: restored step {plan['step']} from durable storage {plan['spill']}: "
                    "the RAM tiers could not serve every rank")
@@ -228,7 +361,16 @@ class Snapshotter:
         return st
 
     def close(self) -> None:
-        """Drop this rank's mappings (the agents keep the snapshots)."""
+        """Finish a pending GPU copy, stop the preemption watcher, drop this rank's mappings
+        (the agents keep the snapshots)."""
+        if self._cuda is not None:
+            self._cuda.close()
+        for pin in self._pins.values():
+            pin.close()
+        self._pins.clear()
+        if self._watcher is not None:
+            self._watcher.stop()
+            self._watcher = None
         for arena in self._maps.values():
             arena.close(unlink=False)
         self._maps.clear()

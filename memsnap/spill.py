@@ -31,6 +31,7 @@ class Spiller:
         self.report = report or self._tell_coordinator
         self.cond = threading.Condition()
         self.want: int | None = None
+        self.urgent: set[int] = set()  # steps to write unthrottled (a preemption notice)
         self.current: int | None = None
         self.last_time = time.monotonic()
         self.state = {"spilled_step": None, "failures": 0, "last_error": None, "bytes": 0}
@@ -50,6 +51,13 @@ class Spiller:
             with self.cond:
                 self.want = max(step, self.want or -1)
                 self.cond.notify_all()
+
+    def request(self, step: int) -> None:
+        """Spill ``step`` now, unthrottled, due or not (the job is being preempted)."""
+        with self.cond:
+            self.urgent.add(step)
+            self.want = max(step, self.want or -1)
+            self.cond.notify_all()
 
     def busy_with(self, step: int) -> bool:
         return self.current == step
@@ -103,7 +111,7 @@ class Spiller:
         if self._store is None:
             self._store = Store.open(self.cfg.spill)
         ranks = sorted(v.manifests)
-        bps = self.cfg.spill_bytes_per_s / max(1, len(ranks))
+        bps = None if step in self.urgent else self.cfg.spill_bytes_per_s / max(1, len(ranks))
         for rank in ranks:
             man = Manifest.from_json(v.manifests[rank])
             view = self.core.arenas[(rank, v.slot)].view(0, v.sizes[rank])
@@ -111,4 +119,5 @@ class Spiller:
             self.state["bytes"] += v.sizes[rank]
         self.report(step, ranks)
         self.state["spilled_step"] = step
+        self.urgent.discard(step)
         self.last_time = time.monotonic()

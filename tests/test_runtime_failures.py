@@ -28,7 +28,8 @@ K, M = 2, 1
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     spill = str(tmp_path_factory.mktemp("spill"))
-    opts = dict(k=K, m=M, chunk=64 * 255, memory_budget=256 << 20, spill=spill, spill_every=2)
+    opts = dict(k=K, m=M, chunk=64 * 255, memory_budget=256 << 20, spill=spill, spill_every=2,
+                on_error="raise", preemption=False)
     with cluster(JOB, 4) as c:
         trainers = start_all(JOB, [0, 1, 2, 3], opts)
         yield {"cluster": c, "trainers": trainers, "opts": opts, "digests": {}, "node_index": [0, 1, 2, 3],
