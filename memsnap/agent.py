@@ -17,7 +17,9 @@ Data path of one save of step ``t`` (who makes each call in brackets):
   5. [holders] the transport acknowledges every chunk (``ChunkStore.complete``).
   6. [agent]  ``coordinator.node_ready(t, node, info)`` (rank regions + manifests).
   7. [coordinator] when every node is ready: ``agent.commit(t, record, keep)`` on every
-     agent, which frees the versions and held chunks of steps it no longer keeps.
+     agent, which frees the versions and held chunks of steps it no longer keeps. In lean
+     mode (``local_copy=False``) it frees ``t``'s own version too: its one arena slot is
+     only the staging area of the next save.
 
 Restore: ``local(t, rank)`` names the arena still holding a rank's bytes; ``recover`` rebuilds
 a rank's bytes from its peers into a fresh arena; ``rebuild`` re-creates the shards a lost
@@ -120,7 +122,8 @@ class AgentCore:
             busy = sorted((v.step, v.state) for v in self.versions.values() if v.state in LIVE)
             raise MemoryBudgetError(
                 f"node {self.node[:12]}: no free arena slot for step {step}; versions in use: {busy}. "
-                "The previous snapshot is still being sent: save less often, or raise keep")
+                "The previous snapshot is still being sent: save less often"
+                + (", or raise keep" if self.cfg.local_copy else " (local_copy=False keeps one slot per rank)"))
         return free[0]
 
     def _supersede(self, step: int) -> None:
@@ -248,6 +251,7 @@ class AgentCore:
             v = self.versions.get(step)
             if v is not None and v.state in ("ready", "encoding", "restored"):
                 v.state = "committed"
+                self._drop_if_lean(v)
             for old in list(self.versions.values()):
                 if old.step < step and old.step not in keep and not self._pinned(old.step):
                     if old.state not in ("committed", "freed"):
@@ -256,6 +260,11 @@ class AgentCore:
         self.store.drop(lambda key: key.step in keep or key.step > step)
         if self.spiller is not None:
             self.spiller.committed(step)
+
+    def _drop_if_lean(self, v: Version) -> None:
+        """Lean mode: a committed version is not kept as a local copy; its slot is free."""
+        if not self.cfg.local_copy and self.versions.get(v.step) is v:
+            self.versions.pop(v.step)
 
     def abandon(self, step: int) -> None:
         """The coordinator gave up on ``step``: forget it here."""
@@ -301,6 +310,7 @@ class AgentCore:
         with self.lock:
             v = self.versions.get(step)
             if v is None or v.state in ("failed", "freed"):
+                self._clear_for_restore(step)
                 v = self.versions[step] = Version(step, self._free_slot(step), state="restoring")
             arena = self._arena(rank, v.slot, entry["nbytes"], prefault=False)
             v.sizes[rank] = entry["nbytes"]
@@ -308,8 +318,18 @@ class AgentCore:
         with self.lock:
             v.manifests[rank] = entry["manifest"]
             v.state = "committed"
+            self._drop_if_lean(v)  # the rank maps the arena now; the next save reuses it
         self.counters["repaired_chunks"] += stats.get("repaired", 0)
         return {"path": arena.path, "nbytes": entry["nbytes"], "manifest": entry["manifest"], "stats": stats}
+
+    def _clear_for_restore(self, step: int) -> None:
+        """Lean mode: the one slot may hold a later step that was never committed (the job
+        resumes from ``step``, so it is dropped anyway); give it up so ``step`` can use it."""
+        if self.cfg.local_copy:
+            return
+        for v in [v for v in self.versions.values() if v.step != step]:
+            self._fail(v, f"the job restores step {step}")
+            self.versions.pop(v.step)
 
     def rebuild(self, step: int, owner: str, shard: int, record: dict) -> int:
         """Re-protection: recreate shard ``shard`` of every stripe of ``owner`` and hold it here."""
@@ -326,11 +346,13 @@ class AgentCore:
         with self.lock:
             versions = {s: {"state": v.state, "ranks": sorted(v.manifests)} for s, v in self.versions.items()}
             arena_bytes = sum(a.nbytes for a in self.arenas.values())
+            local_bytes = sum(v.sizes.get(r, 0) for v in self.versions.values()
+                              if v.state == "committed" for r in v.manifests)
             return {
                 "node": self.node, "address": self.address, "ranks": sorted(self.ranks),
                 "versions": versions, "held": self.store.inventory(),
                 "records": sorted(self.records), "counters": dict(self.counters),
-                "bytes": {"arena": arena_bytes, "held": self.store.held_bytes(),
+                "bytes": {"arena": arena_bytes, "local": local_bytes, "held": self.store.held_bytes(),
                           "parity": sum(max(p.nbytes, 0) for p in self.parity.values()),
                           "budget_used": self.budget.used, "budget": self.budget.budget},
                 "spill": None if self.spiller is None else self.spiller.status(),

@@ -55,7 +55,11 @@ class SnapshotConfig:
     ``memory_budget`` bytes of RAM per node agent (also its Ray ``memory`` resource),
     ``spill`` a durable URI written every ``spill_every`` steps and/or
     ``spill_every_seconds``, at most ``spill_bytes_per_s``. ``chunk`` is the shard size
-    (None: about 1 MiB, see ``stripes.choose_chunk``).
+    (None: about 1 MiB, see ``stripes.choose_chunk``). ``local_copy``: each node's agent
+    keeps its own ranks' committed bytes, so a crashed process restores with no network
+    traffic; ``False`` (lean mode) keeps only the chunks held for peers plus one reused
+    staging arena per rank, every restore reads from the peers, and a group survives ``m``
+    node losses instead of ``m+1``.
     """
 
     job: str
@@ -70,6 +74,7 @@ class SnapshotConfig:
     spill_bytes_per_s: int = 256 << 20
     transport: str = "tcp"
     chunk: int | None = None
+    local_copy: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.job, str) or not _JOB_RE.match(self.job):
@@ -89,6 +94,12 @@ class SnapshotConfig:
             raise ConfigError(f"transport={self.transport!r}: use one of {TRANSPORTS}")
         if self.chunk is not None and (not isinstance(self.chunk, int) or self.chunk < 64 or self.chunk % 64):
             raise ConfigError(f"chunk={self.chunk!r}: must be a positive multiple of 64 bytes (or None)")
+        if not isinstance(self.local_copy, bool):
+            raise ConfigError(f"local_copy={self.local_copy!r}: must be True (keep each node's own copy) "
+                              "or False (lean mode)")
+        if not self.local_copy and self.spill is not None:
+            raise ConfigError(f"local_copy=False with spill={self.spill!r}: spilling reads the node's "
+                              "own copy; keep local_copy=True to spill, or pass spill=None")
         if self.spill is None and (self.spill_every or self.spill_every_seconds):
             raise ConfigError("spill_every/spill_every_seconds are set but spill=None: pass spill=URI")
         if self.spill is not None and not (self.spill_every or self.spill_every_seconds):
@@ -96,8 +107,9 @@ class SnapshotConfig:
 
     @property
     def slots(self) -> int:
-        """Arena slots per rank: ``keep`` committed versions plus the one being captured."""
-        return self.keep + 1
+        """Arena slots per rank: ``keep`` committed versions plus the one being captured
+        (lean mode: only the one staging arena, reused by every save)."""
+        return self.keep + 1 if self.local_copy else 1
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)

@@ -188,7 +188,7 @@ class CoordinatorCore:
                 raise CommitError(f"restore: timed out after {timeout:.0f} s waiting for ranks {missing}")
             if rnd["plan"] is None:
                 rnd["plan"] = restore.decide(self.records, dict(self.members), self._inventories(),
-                                             self._durable_step(), self.bad)
+                                             self._durable_step(), self.bad, self.cfg.local_copy)
                 log.info("restore plan (attempt %d): %s", attempt, rnd["plan"])
             plan = rnd["plan"]
         return self._plan_for(plan, rank)
@@ -384,7 +384,7 @@ class CoordinatorCore:
         record = self.records[step]
         out: dict[str, int] = {}
         for owner in record["holders"]:
-            margin = owner_margin(record, owner, self.members, inventories)
+            margin = owner_margin(record, owner, self.members, inventories, self.cfg.local_copy)
             node = owner if owner in self.placement.holders else self._node_of_owner(record, owner)
             group = str(self.placement.group_of(node)) if node in self.placement.holders else "?"
             out[group] = min(out.get(group, margin), margin)
@@ -409,11 +409,13 @@ def spill_metadata(cfg: SnapshotConfig, step: int) -> dict:
             "versions": versions, "time": time.time()}
 
 
-def owner_margin(record: dict, owner: str, members: dict[int, str], inventories: dict) -> int:
-    """How many more node losses ``owner``'s bytes in ``record`` survive (-1: already lost)."""
+def owner_margin(record: dict, owner: str, members: dict[int, str], inventories: dict,
+                 local_copy: bool = True) -> int:
+    """How many more node losses ``owner``'s bytes in ``record`` survive (-1: already lost).
+    The owner's own copy adds one (it must die too), except in lean mode (``local_copy=False``)."""
     lost = record["k"] + record["m"] - len(restore.holders_with(record, owner, inventories))
     ranks = [int(r) for r, e in record["ranks"].items() if e["owner"] == owner]
-    local = all(restore.has_local(inventories.get(members.get(r)), record["step"], r) for r in ranks)
+    local = local_copy and all(restore.has_local(inventories.get(members.get(r)), record["step"], r) for r in ranks)
     if lost > record["m"]:
         return 0 if local else -1
     return record["m"] - lost + (1 if local else 0)

@@ -2,8 +2,9 @@
 
 ``decide`` (run by the coordinator) picks the newest step that every rank can load and a
 tier per rank, from a coverage map of what the live agents hold: ``local`` when the rank's
-own node still has its arena, ``peer`` when at least ``k`` holders of every stripe are
-alive, else the newest spilled step from ``durable`` for every rank, else ``none``.
+own node still has its arena (never in lean mode, ``local_copy=False``), ``peer`` when at
+least ``k`` holders of every stripe are alive, else the newest spilled step from
+``durable`` for every rank, else ``none``.
 
 ``gather`` (run by the agent on the restoring rank's node) fetches each stripe's data shards
 straight into the arena, fetches parity only for stripes that lost a shard (holder gone,
@@ -51,12 +52,13 @@ def has_local(inv: dict | None, step: int, rank: int) -> bool:
     return v is not None and v["state"] == "committed" and rank in v["ranks"]
 
 
-def rank_tier(record: dict, rank: int, node: str, inventories: dict[str, dict]) -> str | None:
+def rank_tier(record: dict, rank: int, node: str, inventories: dict[str, dict],
+              local_copy: bool = True) -> str | None:
     """``"local"``, ``"peer"`` or None: how ``rank`` (now on ``node``) can load ``record``."""
     entry = record["ranks"].get(str(rank))
     if entry is None:
         return None
-    if has_local(inventories.get(node), record["step"], rank):
+    if local_copy and has_local(inventories.get(node), record["step"], rank):
         return "local"
     if node in inventories and len(holders_with(record, entry["owner"], inventories)) >= record["k"]:
         return "peer"
@@ -64,12 +66,14 @@ def rank_tier(record: dict, rank: int, node: str, inventories: dict[str, dict]) 
 
 
 def decide(records: dict[int, dict], members: dict[int, str], inventories: dict[str, dict],
-           durable_step: int | None, bad: set[int] = frozenset()) -> dict:
-    """The plan every rank follows: ``{"step", "tier", "ranks": {rank: tier}}``."""
+           durable_step: int | None, bad: set[int] = frozenset(), local_copy: bool = True) -> dict:
+    """The plan every rank follows: ``{"step", "tier", "ranks": {rank: tier}}``.
+
+    ``local_copy=False`` (lean mode): no rank loads from its own node; every rank reads peers."""
     for step in sorted(records, reverse=True):
         if step in bad or (durable_step is not None and durable_step > step):
             continue
-        tiers = {r: rank_tier(records[step], r, node, inventories) for r, node in members.items()}
+        tiers = {r: rank_tier(records[step], r, node, inventories, local_copy) for r, node in members.items()}
         if all(tiers.values()):
             return {"step": step, "tier": "ram", "ranks": tiers}
     if durable_step is not None:

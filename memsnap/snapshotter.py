@@ -66,7 +66,7 @@ class Snapshotter:
                  group_size: int | None = None, keep: int = 2, memory_budget: int = 4 << 30,
                  spill: str | None = None, spill_every: int | None = None,
                  spill_every_seconds: float | None = None, spill_bytes_per_s: int = 256 << 20,
-                 transport: str = "tcp", chunk: int | None = None,
+                 transport: str = "tcp", chunk: int | None = None, local_copy: bool = True,
                  every_steps: int | None = 1, every_seconds: float | None = None, auto: bool = False,
                  mtbf_hours: float | None = None, on_error: str = "warn",
                  max_staleness_steps: int | None = None, preemption: bool = True,
@@ -85,7 +85,8 @@ class Snapshotter:
         if not isinstance(rank, int) or not 0 <= rank < world_size:
             raise ConfigError(f"rank={rank!r}: must be an int in [0, world_size={world_size})")
         self.config = SnapshotConfig(job, k, m, group_size, keep, memory_budget, spill, spill_every,
-                                     spill_every_seconds, spill_bytes_per_s, transport, chunk)
+                                     spill_every_seconds, spill_bytes_per_s, transport, chunk,
+                                     local_copy=local_copy)
         if not ray.is_initialized():
             raise ConfigError("Snapshotter needs Ray: create it inside a Ray task/actor or after ray.init()")
         self.rank, self.world = rank, world_size

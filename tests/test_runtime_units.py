@@ -109,3 +109,72 @@ def test_spilled_steps_record_their_config_and_versions():
     meta = spill_metadata(SnapshotConfig("j", spill="/tmp/x", spill_every=5), 10)
     assert meta["step"] == 10 and meta["config"]["spill_every"] == 5 and meta["versions"]["ray"]
     json.dumps(meta)
+
+
+# --- lean mode (local_copy=False) ------------------------------------------------------------------
+def test_lean_config_is_validated_and_round_trips():
+    lean = SnapshotConfig("j", local_copy=False)
+    assert SnapshotConfig.from_dict(lean.to_dict()) == lean and lean.to_dict()["local_copy"] is False
+    assert (lean.slots, SnapshotConfig("j", keep=3).slots) == (1, 4)  # one reused staging arena
+    with pytest.raises(ConfigError, match="local_copy='no': must be True"):
+        SnapshotConfig("j", local_copy="no")
+    with pytest.raises(ConfigError, match="local_copy=False with spill='/tmp/x'"):
+        SnapshotConfig("j", spill="/tmp/x", local_copy=False)
+
+
+def test_lean_decide_reads_every_rank_from_peers():
+    members = {r: f"n{r}" for r in range(4)}
+    recs, everyone = {5: record(5)}, ["n0", "n1", "n2", "n3"]
+    peer = {"step": 5, "tier": "ram", "ranks": {r: "peer" for r in range(4)}}
+    assert decide(recs, members, inventories(5, everyone), None, local_copy=False) == peer
+    assert decide(recs, members, inventories(5, everyone, local=False), None) == peer
+    # n0 and n1 lost (m+1 = 2 nodes): ranks 2 and 3 keep one holder of k=2 each; only the
+    # local copies on n2 and n3 still have them, so lean mode falls back to durable
+    inv = inventories(5, ["n2", "n3"])
+    inv |= {"n7": {}, "n8": {}}
+    moved = {0: "n7", 1: "n8", 2: "n2", 3: "n3"}
+    assert decide(recs, moved, inv, durable_step=4)["ranks"] == {0: "peer", 1: "peer", 2: "local", 3: "local"}
+    assert decide(recs, moved, inv, durable_step=4, local_copy=False)["tier"] == "durable"
+
+
+def test_lean_protection_counts_m_losses_not_m_plus_one():
+    from memsnap.placement import NodeInfo, place, protection_level
+
+    rec, members = record(5), {r: f"n{r}" for r in range(4)}
+    alive = ["n0", "n1", "n2", "n3"]
+    margins = [owner_margin(rec, "n0", members, inventories(5, nodes), local_copy=False)
+               for nodes in (alive, ["n0", "n2", "n3"], ["n0", "n3"])]
+    assert margins == [1, 0, -1]  # the owner alive with its arena does not count in lean mode
+    p = place([NodeInfo(n) for n in alive], 2, 1)
+    assert protection_level(p, set(alive), local_copy=False) == {0: 1}
+    assert protection_level(p, set(alive)) == {0: 2}
+
+
+@pytest.fixture
+def lean():
+    cfg = SnapshotConfig("unit-lean", k=2, m=1, keep=2, memory_budget=1 << 20, local_copy=False).to_dict()
+    c = AgentCore(cfg, "e" * 56, SECRET)
+    yield c
+    c.shutdown()
+
+
+def test_lean_agent_frees_its_slot_on_commit_and_keeps_no_local_copy(lean, core):
+    for agent in (lean, core):
+        agent.begin(1, 0, 4096)
+        agent.versions[1].state, agent.versions[1].manifests[0] = "ready", "{}"
+        agent.commit(1, record(1), [1])
+    assert core.local(1, 0) is not None and core.inventory()["bytes"]["local"] == 4096
+    inv = lean.inventory()
+    assert lean.local(1, 0) is None and inv["versions"] == {} and inv["bytes"]["local"] == 0
+    assert inv["bytes"]["arena"] == 4096 and inv["records"] == [1]  # the staging arena stays, for reuse
+    assert lean.begin(2, 0, 4096)["slot"] == 0 and lean.begin(2, 1, 4096)["slot"] == 0
+    lean.versions[2].state = "encoding"  # still being sent: the one slot is busy
+    with pytest.raises(MemoryBudgetError, match="local_copy=False keeps one slot per rank"):
+        lean.begin(3, 0, 4096)
+
+
+def test_lean_restore_takes_the_slot_back_from_an_uncommitted_later_step(lean):
+    lean.begin(7, 0, 4096)
+    lean.versions[7].state = "encoding"  # the rank died after capturing step 7, before it committed
+    lean._clear_for_restore(5)
+    assert lean.versions == {} and lean._free_slot(5) == 0
