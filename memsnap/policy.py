@@ -233,9 +233,11 @@ class Scheduler:
 class StalenessGuard:
     """Raises when training runs too far ahead of the newest committed snapshot."""
 
-    def __init__(self, max_steps_behind: int, *, start_step: int = 0):
+    def __init__(self, max_steps_behind: int, *, start_step: int = 0, setting: str = "max_steps_behind"):
+        """``setting``: the name the user gave the bound, used in error messages."""
+        self.setting = setting
         self.max_steps_behind = require_positive_int(
-            "max_steps_behind", max_steps_behind,
+            setting, max_steps_behind,
             "give how many steps training may run past the newest committed snapshot")
         self.start_step = start_step
 
@@ -249,5 +251,5 @@ class StalenessGuard:
                 else f"the newest committed snapshot is step {newest_committed}")
         raise StalenessError(
             f"step {step}: {have}, {step - base} steps behind, more than "
-            f"max_steps_behind={self.max_steps_behind}. Snapshots are failing or too slow "
-            "(see the errors logged before this one); fix them, or raise max_steps_behind.")
+            f"{self.setting}={self.max_steps_behind}. Snapshots are failing or too slow "
+            f"(see the errors logged before this one); fix them, or raise {self.setting}.")

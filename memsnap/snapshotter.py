@@ -59,6 +59,15 @@ def _get(ref, timeout: float | None = None):
         raise _unwrap(exc) from None
 
 
+def _plan(state: Mapping[str, Any]) -> tuple[Manifest, list]:
+    """The layout of ``state`` (RNG included) and the local tensors whose bytes it stores."""
+    from memsnap.capture import _layout, _walk, collect, local_tensor
+
+    skeleton, paths, found = _walk(collect(state, rng=True))
+    entries, nbytes = _layout(paths, found)
+    return Manifest(tensors=entries, tree=skeleton, nbytes=nbytes), [local_tensor(t).detach() for t in found]
+
+
 class Snapshotter:
     """Snapshots of one rank's ``state`` into the job's erasure-coded RAM tier (and spill)."""
 
@@ -87,6 +96,11 @@ class Snapshotter:
         self.config = SnapshotConfig(job, k, m, group_size, keep, memory_budget, spill, spill_every,
                                      spill_every_seconds, spill_bytes_per_s, transport, chunk,
                                      local_copy=local_copy)
+        need = self.config.k + self.config.m + 1
+        if world_size < need:  # placement would fail later, inside the coordinator
+            raise ConfigError(f"world_size={world_size} with k={k}, m={m}: a node's k+m shards are held by "
+                              f"other nodes of the job, so its ranks must run on at least k+m+1={need} nodes; "
+                              f"run at least {need} ranks (one per node) or lower k and m")
         if not ray.is_initialized():
             raise ConfigError("Snapshotter needs Ray: create it inside a Ray task/actor or after ray.init()")
         self.rank, self.world = rank, world_size
@@ -102,8 +116,8 @@ class Snapshotter:
         self.last_error: str | None = None
         self._policy = Scheduler(Policy(every_steps=every_steps, every_seconds=every_seconds, auto=auto,
                                         mtbf_hours=mtbf_hours, nodes=world_size), start_step=-1)
-        self._guard = None if max_staleness_steps is None else StalenessGuard(max_staleness_steps,
-                                                                              start_step=-1)
+        self._guard = None if max_staleness_steps is None else StalenessGuard(
+            max_staleness_steps, start_step=-1, setting="max_staleness_steps")
         self._on_error = on_error
         self._optimizers = list(optimizers)
         self._cuda = None
@@ -205,12 +219,12 @@ class Snapshotter:
 
     def _save(self, step: int, state: Mapping[str, Any]) -> None:
         from memsnap import cuda_capture
-        from memsnap.capture import _plan, byte_view, copy_into
+        from memsnap.capture import byte_view, copy_into
 
         if not isinstance(step, int) or step < 0:
             raise ConfigError(f"step={step!r}: must be an int >= 0")
         local = self._local_ranks()
-        layout, sources = _plan(state, True)
+        layout, sources = _plan(state)
         info = _get(self._agent.begin.remote(step, self.rank, layout.nbytes))
         out = self._map(info["path"], layout.nbytes)
         layout.meta.update(step=step, rank=self.rank, world_size=self.world, job=self.config.job)
