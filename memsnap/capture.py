@@ -137,9 +137,16 @@ def _layout(paths: list[str], found: list[torch.Tensor]) -> tuple[list[TensorEnt
 
 def plan(state: Mapping[str, Any], *, rng: bool = True) -> Manifest:
     """The layout of ``state`` (offsets, dtypes, shapes, skeleton) without copying tensor bytes."""
+    return plan_sources(state, rng=rng)[0]
+
+
+def plan_sources(state: Mapping[str, Any], *, rng: bool = True) -> tuple[Manifest, list[torch.Tensor]]:
+    """The layout of ``state`` and, in manifest order, the (local) tensors whose bytes it
+    places: what ``copy_into`` (or an asynchronous copier) needs, from one walk of the state."""
     skeleton, paths, found = _walk(collect(state, rng=rng))
     entries, nbytes = _layout(paths, found)
-    return Manifest(tensors=entries, tree=skeleton, nbytes=nbytes)
+    sources = [local_tensor(t).detach() for t in found]
+    return Manifest(tensors=entries, tree=skeleton, nbytes=nbytes), sources
 
 
 def _refuse(path: str, t: torch.Tensor | None, was: TensorEntry | None) -> StateMismatchError:

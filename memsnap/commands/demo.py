@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 
 
@@ -56,12 +58,27 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"memsnap demo: {exc}", file=sys.stderr)
         return 2
-    report = run_demo(opts, progress=not args.json)
     if args.json:
+        with _stdout_to_stderr():  # Ray prints node-death notices to stdout; keep it pure JSON
+            report = run_demo(opts, progress=False)
         print(json.dumps(report, indent=2))
     else:
+        report = run_demo(opts, progress=True)
         print(summary(report))
     return 0 if report["bitwise_identical"] and report["final_params_identical"] else 1
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr():
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def summary(r: dict) -> str:
