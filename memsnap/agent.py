@@ -139,7 +139,9 @@ class AgentCore:
             self.versions.pop(s)
 
     def _free_slots(self) -> list[int]:
-        used = {v.slot for v in self.versions.values() if v.state in LIVE}
+        """Lean mode: a slot is free again once its chunks are acknowledged ("ready")."""
+        live = LIVE if self.cfg.local_copy else ("capturing", "encoding", "restoring")
+        used = {v.slot for v in self.versions.values() if v.state in live}
         return [s for s in range(self.cfg.slots) if s not in used]
 
     def _pinned(self, step: int) -> bool:
@@ -308,9 +310,9 @@ class AgentCore:
 
         entry = record["ranks"][str(rank)]
         with self.lock:
+            self._clear_for_restore(step)
             v = self.versions.get(step)
             if v is None or v.state in ("failed", "freed"):
-                self._clear_for_restore(step)
                 v = self.versions[step] = Version(step, self._free_slot(step), state="restoring")
             arena = self._arena(rank, v.slot, entry["nbytes"], prefault=False)
             v.sizes[rank] = entry["nbytes"]
@@ -323,11 +325,11 @@ class AgentCore:
         return {"path": arena.path, "nbytes": entry["nbytes"], "manifest": entry["manifest"], "stats": stats}
 
     def _clear_for_restore(self, step: int) -> None:
-        """Lean mode: the one slot may hold a later step that was never committed (the job
+        """Lean mode: the one slot may hold a step that was never committed here (the job
         resumes from ``step``, so it is dropped anyway); give it up so ``step`` can use it."""
         if self.cfg.local_copy:
             return
-        for v in [v for v in self.versions.values() if v.step != step]:
+        for v in [v for v in self.versions.values() if (v.step, v.state) != (step, "restoring")]:
             self._fail(v, f"the job restores step {step}")
             self.versions.pop(v.step)
 

@@ -107,8 +107,8 @@ class SnapshotConfig:
 
     @property
     def slots(self) -> int:
-        """Arena slots per rank: ``keep`` committed versions plus the one being captured
-        (lean mode: only the one staging arena, reused by every save)."""
+        """Arena slots per rank: ``keep`` committed versions plus the one being captured (lean
+        mode: one staging arena, reused once the chunks of a save are acknowledged)."""
         return self.keep + 1 if self.local_copy else 1
 
     def to_dict(self) -> dict:

@@ -171,10 +171,17 @@ def test_lean_agent_frees_its_slot_on_commit_and_keeps_no_local_copy(lean, core)
     lean.versions[2].state = "encoding"  # still being sent: the one slot is busy
     with pytest.raises(MemoryBudgetError, match="local_copy=False keeps one slot per rank"):
         lean.begin(3, 0, 4096)
+    lean.versions[2].state = "ready"  # every chunk acknowledged: the arena is not needed any more
+    assert lean.begin(3, 0, 4096)["slot"] == 0 and lean.versions[2].state == "ready"
+    assert core.begin(2, 0, 4096)["slot"] == 1
+    core.versions[2].state = "ready"
+    assert core.begin(3, 0, 4096)["slot"] == 2  # with the local copy, a ready version keeps its slot
 
 
-def test_lean_restore_takes_the_slot_back_from_an_uncommitted_later_step(lean):
+def test_lean_restore_takes_the_slot_back_from_steps_not_committed_here(lean):
+    lean.begin(6, 0, 4096)
+    lean.versions[6].state = "ready"  # acknowledged, but its commit has not reached this agent
     lean.begin(7, 0, 4096)
-    lean.versions[7].state = "encoding"  # the rank died after capturing step 7, before it committed
-    lean._clear_for_restore(5)
-    assert lean.versions == {} and lean._free_slot(5) == 0
+    lean.versions[7].state = "encoding"  # the rank died after capturing step 7
+    lean._clear_for_restore(6)
+    assert lean.versions == {} and lean._free_slot(6) == 0

@@ -1,0 +1,82 @@
+"""Lean mode (``local_copy=False``) end to end on a simulated 4-node loopback cluster.
+
+The agents keep no committed copy of their own node's bytes (only the chunks they hold for
+peers and one reused staging arena per rank), so a crashed process restores from its peers,
+and a group is protected against ``m`` node losses, not ``m+1``. The tests run in file order.
+"""
+from __future__ import annotations
+
+import pytest
+import ray
+
+from memsnap import naming
+from test_runtime_helpers import cluster, kill, restore_all, start_all, start_trainer, wait_for
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+JOB = "rt-lean"
+K, M = 2, 1
+
+
+@pytest.fixture(scope="module")
+def job():
+    opts = dict(k=K, m=M, chunk=64 * 255, memory_budget=256 << 20, local_copy=False,
+                on_error="raise", preemption=False)
+    with cluster(JOB, 4) as c:
+        trainers = start_all(JOB, [0, 1, 2, 3], opts)
+        yield {"cluster": c, "trainers": trainers, "opts": opts, "digests": {},
+               "nodes": ray.get([t.node.remote() for t in trainers], timeout=60)}
+
+
+def save_all(job, step: int) -> None:
+    """Save ``step`` on every rank and wait for its commit (lean mode has one slot per rank)."""
+    job["digests"][step] = ray.get([t.step_and_save.remote(step) for t in job["trainers"]], timeout=120)
+    assert ray.get(job["trainers"][0].wait.remote(step, 120), timeout=150) == step
+
+
+def inventories(job) -> list[dict]:
+    agents = [ray.get_actor(naming.agent(JOB, n), namespace=naming.NAMESPACE) for n in job["nodes"]]
+    return ray.get([a.inventory.remote() for a in agents], timeout=60)
+
+
+def status(job) -> dict:
+    return ray.get(job["trainers"][0].status.remote(), timeout=60)
+
+
+def assert_no_local_copy(job, steps: list[int]) -> None:
+    wait_for(lambda: all(inv["records"] == steps for inv in inventories(job)), timeout=60,
+             what=f"every agent told of the commits of steps {steps}")
+    for inv in inventories(job):
+        assert not any(v["state"] == "committed" for v in inv["versions"].values()), inv["versions"]
+        assert inv["records"] == steps
+        assert inv["bytes"]["local"] == 0 and inv["bytes"]["held"] > 0
+        assert inv["bytes"]["arena"] > 6_000_000  # the one staging arena of the node's rank, kept for reuse
+
+
+def test_lean_saves_commit_and_keep_no_local_copy(job):
+    save_all(job, 1)
+    save_all(job, 2)
+    assert_no_local_copy(job, [1, 2])
+    protection = wait_for(lambda: (lambda p: p if p and all(v == M for v in p.values()) else None)(
+        status(job)["protection"]), timeout=120, what="protection m (no local copy to add one)")
+    assert protection == {"0": M}
+    st = status(job)
+    assert st["committed_steps"] == [1, 2] and st["failed_snapshots"] == 0
+    assert all(a["local"] == 0 for a in st["agents"].values())
+
+
+def test_lean_process_crash_restores_from_peers_bitwise(job):
+    trainers = job["trainers"]
+    kill(trainers[1])  # the process dies, its node and agent live on
+    trainers[1] = start_trainer(JOB, 1, 4, 1, job["opts"], seed=99)
+    results = restore_all(trainers)
+    assert [r[0] for r in results] == [2] * 4
+    assert [r[1] for r in results] == job["digests"][2]  # bitwise equal to what was saved
+    assert [r[2]["tier"] for r in results] == ["peer"] * 4
+    assert_no_local_copy(job, [1, 2])  # the restored bytes were not kept as a local copy
+
+
+def test_lean_job_goes_on_saving_after_the_restore(job):
+    save_all(job, 3)
+    assert_no_local_copy(job, [2, 3])
+    assert status(job)["committed_step"] == 3
