@@ -58,6 +58,7 @@ class CoordinatorCore:
         self.last_restore: dict = {"tier": "none", "step": None, "seconds": {}}
         self.reprotect: dict = {"running": 0, "again": False, "rebuilt_chunks": 0, "errors": []}
         self.gen = 0  # bumped by every completed restore; older snapshots in flight are ignored
+        self.place_error: str | None = None
 
     # --- membership ------------------------------------------------------------------------
     def register(self, rank: int, node: str, address: dict) -> None:
@@ -76,15 +77,27 @@ class CoordinatorCore:
             self._kick_reprotect()
 
     def _maybe_place(self) -> None:
-        if len(self.members) == self.world:
-            nodes = [NodeInfo(n) for n in sorted(set(self.members.values()))]
+        """Place once every rank is known. Until every rank of a restarted worker group has
+        registered, ``members`` can still name nodes of the old group (ranks move between
+        nodes when Ray Train restarts), so too few distinct nodes is not an error yet."""
+        if len(self.members) < self.world:
+            return
+        nodes = [NodeInfo(n) for n in sorted(set(self.members.values()))]
+        try:
             self.placement = place(nodes, self.cfg.k, self.cfg.m, self.cfg.group_size)
-            self.epoch += 1
+        except ValueError as exc:
+            self.place_error = str(exc)
+            log.info("not placing yet: %s", exc)
+            return
+        self.place_error = None
+        self.epoch += 1
 
     def _replace(self, old: str | None, node: str) -> None:
-        placed = set(self.placement.holders)
-        used = set(self.members.values())
-        lost = old if old in placed and old not in used else next(iter(sorted(placed - used)), None)
+        """``node`` is new: it takes the slot of a placed node that is dead (``old``, the node
+        this rank ran on before, when that one is dead)."""
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        dead = sorted(set(self.placement.holders) - alive)
+        lost = old if old in dead else (dead[0] if dead else None)
         if lost is None:
             raise CommitError(f"node {node[:12]} joined but no placed node was lost; "
                               "start the job with every node, or restart it to re-place")
@@ -96,7 +109,8 @@ class CoordinatorCore:
         with self.cond:
             if not self.cond.wait_for(lambda: self.placement is not None, timeout):
                 missing = sorted(set(range(self.world)) - set(self.members))
-                raise CommitError(f"timed out after {timeout:.0f} s waiting for ranks {missing} to register")
+                why = f"ranks {missing} to register" if missing else f"a placement ({self.place_error})"
+                raise CommitError(f"timed out after {timeout:.0f} s waiting for {why}")
             return dict(self.members)
 
     def node_layout(self, node: str) -> dict:
