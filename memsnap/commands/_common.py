@@ -64,3 +64,11 @@ def weight_paths(manifest: Manifest, key: str | None) -> tuple[str, list[str]]:
     if not paths:
         raise ConfigError(f"state key {key!r} holds no tensors; pass --key with one of {keys}")
     return key, paths
+
+
+def write_safetensors(tensors: dict, path: str, metadata: dict[str, str]) -> str:
+    """Write ``tensors`` to ``path`` as safetensors; return their total size, human-readable."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, path, metadata=metadata)
+    return human(sum(t.numel() * t.element_size() for t in tensors.values()))

@@ -6,7 +6,7 @@ import argparse
 import torch
 from tqdm import tqdm
 
-from memsnap.commands._common import human
+from memsnap.commands._common import write_safetensors
 from memsnap.commands.export import weights
 from memsnap.errors import ConfigError, StateMismatchError
 from memsnap.storage import Store
@@ -38,8 +38,6 @@ def average(store: Store, steps: list[int], key: str | None) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from safetensors.torch import save_file
-
     if args.last < 1:
         raise ConfigError(f"--last {args.last}: average at least 1 step")
     store = Store.open(args.location, args.endpoint)
@@ -48,9 +46,9 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--last {args.last} but only {len(steps)} committed steps under "
                           f"{args.location}; pass --last {len(steps) or 1} or fewer")
     tensors = average(store, steps, args.key)
-    save_file(tensors, args.out, metadata={"memsnap_steps": ",".join(map(str, steps)), "source": store.uri})
-    size = sum(t.numel() * t.element_size() for t in tensors.values())
-    print(f"wrote the mean of steps {steps} ({len(tensors)} tensors, {human(size)}) to {args.out}")
+    size = write_safetensors(tensors, args.out,
+                             {"memsnap_steps": ",".join(map(str, steps)), "source": store.uri})
+    print(f"wrote the mean of steps {steps} ({len(tensors)} tensors, {size}) to {args.out}")
     return 0
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from memsnap.commands._common import add_location, human, open_step, weight_paths
+from memsnap.commands._common import add_location, open_step, weight_paths, write_safetensors
 from memsnap.reshard import gather
 from memsnap.storage import Store
 
@@ -15,13 +15,10 @@ def weights(store: Store, step: int, marker: dict, key: str | None) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from safetensors.torch import save_file
-
     store, step, marker = open_step(args)
     tensors = weights(store, step, marker, args.key)
-    save_file(tensors, args.safetensors, metadata={"memsnap_step": str(step), "source": store.uri})
-    size = sum(t.numel() * t.element_size() for t in tensors.values())
-    print(f"wrote {len(tensors)} tensors ({human(size)}) of step {step} to {args.safetensors}")
+    size = write_safetensors(tensors, args.safetensors, {"memsnap_step": str(step), "source": store.uri})
+    print(f"wrote {len(tensors)} tensors ({size}) of step {step} to {args.safetensors}")
     return 0
 
 
