@@ -64,6 +64,8 @@ class CoordinatorCore:
     def register(self, rank: int, node: str, address: dict) -> None:
         if not 0 <= rank < self.world:
             raise CommitError(f"rank={rank}: must be in [0, world_size={self.world})")
+        if self.placement is not None and node not in self.placement.holders:
+            self._await_a_dead_node()
         with self.cond:
             old = self.members.get(rank)
             self.members[rank] = node
@@ -91,6 +93,18 @@ class CoordinatorCore:
             return
         self.place_error = None
         self.epoch += 1
+
+    def _await_a_dead_node(self) -> None:
+        """A new node is joining: wait (bounded) until Ray has marked a placed node dead. Ray
+        Train can restart its workers before the GCS has declared the lost node dead."""
+        timeout = tunable("membership_timeout_s")
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+            if set(self.placement.holders) - alive:
+                return
+            time.sleep(0.5)
+        log.warning("a new node joined but no placed node was declared dead within %.0f s", timeout)
 
     def _replace(self, old: str | None, node: str) -> None:
         """``node`` is new: it takes the slot of a placed node that is dead (``old``, the node

@@ -235,10 +235,11 @@ def run_demo(opts: DemoOptions, *, progress: bool = True) -> dict:
     ref: dict = {}
     ref_thread = threading.Thread(target=lambda: ref.update(reference_losses(
         _train_config(opts, ""), opts.nodes, os.path.join(out, "reference.jsonl"))), daemon=True)
-    ref_thread.start()
-    _say(f"starting a {opts.nodes}-node Ray cluster on 127.0.0.1 (and the reference run that never fails)")
+    _say(f"starting a {opts.nodes}-node Ray cluster on 127.0.0.1")
     with LocalCluster(opts.nodes) as cluster:
         try:
+            _say("starting the reference run that never fails (plain gloo processes, no Ray)")
+            ref_thread.start()
             _say(f"training {opts.steps} steps with Ray Train on {opts.nodes} workers, snapshot every step "
                  f"into peers' RAM with RS({opts.k},{opts.m}); node kills after steps {list(opts.failure_steps)}")
             thread = threading.Thread(target=_fit, args=(_trainer(opts, run, spill_uri), run), daemon=True)
