@@ -118,7 +118,8 @@ class AgentCore:
         if not free and len(committed) >= 2 and not self._pinned(committed[0]):
             self.versions.pop(committed[0])  # a newer committed version stays whole
             free = self._free_slots()
-        if not free:  # sent but never committed: a newer step replaces the oldest such version
+        if not free and self.cfg.local_copy:  # sent but never committed: a newer step replaces
+            # the oldest such version (in lean mode a sent version holds no slot)
             waiting = sorted(s for s, v in self.versions.items() if v.state == "ready" and s < step)
             if waiting:
                 self._fail(self.versions[waiting[0]], f"replaced by step {step} before it committed")
