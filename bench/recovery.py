@@ -11,8 +11,9 @@
    measured in the same run.
 3. Per-node RAM held by the agents vs the snapshot size S for (k, m) in
    {(1,1), (2,1), (3,1), (2,2)} on 5 nodes (``--ram-mib`` per node): measured with the local
-   copy (arena + parity + held chunks), and lean (held chunks only: what a node holds when
-   its arena is not kept), against S*(1+(k+m)/k) and S*(k+m)/k.
+   copy (arena + parity + held chunks) against S*(1+(k+m)/k), and from a second job in lean
+   mode (``local_copy=False``: no committed local copy; held chunks against S*(k+m)/k, plus
+   the reused staging arena).
 """
 from __future__ import annotations
 
@@ -220,28 +221,46 @@ def ram_table(mib: int) -> list[dict]:
     rows = []
     with LocalCluster(nodes=5, cpus_per_node=1, object_store_mb=96):
         for k, m in [(1, 1), (2, 1), (3, 1), (2, 2)]:
-            job = f"bench-ram-{k}{m}"
-            opts = dict(k=k, m=m, keep=1, memory_budget=(mib * 8 + 64) * MIB, group_size=5)
-            ranks = _start(job, [0, 1, 2, 3, 4], mib, opts)
-            try:
-                ray.get([r.save.remote(1) for r in ranks], timeout=600)
-                ray.get(ranks[0].wait.remote(1), timeout=600)
-                agents = ray.get(ranks[0].status.remote())["agents"].values()
-                # one version was saved, so each agent has exactly one arena slot and parity buffer
-                rows.append(dict(k=k, m=m, S=max(a["arena"] for a in agents),
-                                 parity=max(a["parity"] for a in agents), held=max(a["held"] for a in agents),
-                                 total=max(a["arena"] + a["parity"] + a["held"] for a in agents)))
-            finally:
-                from memsnap.snapshotter import shutdown
-
-                with contextlib.suppress(Exception):
-                    shutdown(job, timeout=30)
-                for r in ranks:
-                    ray.kill(r)
-                for p in naming.arena_files(job):
-                    with contextlib.suppress(OSError):
-                        os.unlink(p)
+            full = _ram_of(f"bench-ram-{k}{m}", k, m, mib, local_copy=True)
+            lean = _ram_of(f"bench-ram-{k}{m}-lean", k, m, mib, local_copy=False)
+            rows.append(dict(full, **{"lean_" + key: v for key, v in lean.items()}))
     return rows
+
+
+def _ram_of(job: str, k: int, m: int, mib: int, local_copy: bool) -> dict:
+    """The largest agent's RAM after one committed snapshot of a fresh 5-node job, and its
+    arena bytes after a second one (``arena2``: lean mode reuses its one staging arena)."""
+    opts = dict(k=k, m=m, keep=1, memory_budget=(mib * 8 + 64) * MIB, group_size=5, local_copy=local_copy)
+    ranks = _start(job, [0, 1, 2, 3, 4], mib, opts)
+    try:
+        nodes = ray.get([r.node.remote() for r in ranks], timeout=60)
+        for step in (1, 2):
+            ray.get([r.save.remote(step) for r in ranks], timeout=600)
+            ray.get(ranks[0].wait.remote(step), timeout=600)
+            wait_for(lambda: _committed_on_agents(job, nodes, step), timeout=120,
+                     what="the commit reaching every agent")
+            agents = ray.get(ranks[0].status.remote())["agents"].values()
+            if step == 1:  # one version saved: each agent has exactly one arena slot and parity buffer
+                out = dict(k=k, m=m, S=max(a["arena"] for a in agents), local=max(a["local"] for a in agents),
+                           parity=max(a["parity"] for a in agents), held=max(a["held"] for a in agents),
+                           total=max(a["arena"] + a["parity"] + a["held"] for a in agents))
+        return dict(out, arena2=max(a["arena"] for a in agents))
+    finally:
+        from memsnap.snapshotter import shutdown
+
+        with contextlib.suppress(Exception):
+            shutdown(job, timeout=30)
+        for r in ranks:
+            ray.kill(r)
+        for p in naming.arena_files(job):
+            with contextlib.suppress(OSError):
+                os.unlink(p)
+
+
+def _committed_on_agents(job: str, nodes: list[str], step: int) -> bool:
+    """Whether every agent has heard of ``step``'s commit (sent to them in the background)."""
+    agents = [ray.get_actor(naming.agent(job, n), namespace=naming.NAMESPACE) for n in nodes]
+    return all(step in inv["records"] for inv in ray.get([a.inventory.remote() for a in agents], timeout=60))
 
 
 def main() -> None:
@@ -304,19 +323,24 @@ def write(path, args, ceiling, nbytes, rows, peer, ram) -> None:
     lines += ["", f"## RAM per node ({args.ram_mib} MiB of state per node, 5 nodes, one version)", "",
               "Measured from the agents' own accounting after one committed snapshot (largest node). "
               "S = the node's arena (its local copy), parity = the parity buffer the owner keeps for reuse, "
-              "held = its peers' chunks.", "",
+              "held = its peers' chunks. The lean columns come from a second job with `local_copy=False`: "
+              "its committed local copy (0 when lean mode keeps none), its held chunks against S(k+m)/k, "
+              "and its total (the staging arena is still allocated, for reuse by the next save). "
+              "Arenas after a 2nd save: with the local copy (keep=1) the committed step 1 stays whole while "
+              "step 2 is captured into a second slot; lean mode reuses its one arena.", "",
               "| k | m | S (MiB) | parity | held | total | target S(1+(k+m)/k) | total / target | "
-              "arena + held / target | lean: held / S(k+m)/k |",
-              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+              "arena + held / target | lean: local copy | lean: held / S(k+m)/k | lean: total | "
+              "arenas after a 2nd save: local copy / lean |",
+              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in ram:
         k, m, s = r["k"], r["m"], r["S"]
         t1, t2 = s * (1 + (k + m) / k), s * (k + m) / k
         lines.append(f"| {k} | {m} | {s / MIB:.1f} | {r['parity'] / MIB:.1f} | {r['held'] / MIB:.1f} | "
                      f"{r['total'] / MIB:.1f} | {t1 / MIB:.1f} | {r['total'] / t1:.3f} | "
-                     f"{(s + r['held']) / t1:.3f} | {r['held'] / t2:.3f} |")
-    lines += ["", "There is no lean mode yet (the arena is always kept as the local copy); the lean column is "
-              "the held chunks alone. The owner's parity buffer (S*m/k) is kept allocated for the next "
-              "snapshot, which is why the total exceeds S(1+(k+m)/k) by that much."]
+                     f"{(s + r['held']) / t1:.3f} | {r['lean_local'] / MIB:.1f} | {r['lean_held'] / t2:.3f} | "
+                     f"{r['lean_total'] / MIB:.1f} | {r['arena2'] / MIB:.1f} / {r['lean_arena2'] / MIB:.1f} |")
+    lines += ["", "The owner's parity buffer (S*m/k) is kept allocated for the next snapshot, which is why "
+              "the total exceeds S(1+(k+m)/k) by that much (in both modes)."]
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
