@@ -9,9 +9,10 @@ before the deadline and exit cleanly.
   (Python delivers signals there only); elsewhere, e.g. inside a Ray Train worker thread, the
   signals are skipped and the drain poll is the source. The deadline of a signal is
   ``grace_seconds`` (Kubernetes' default termination grace period is 30 s). A previous Python
-  handler is chained: it runs after ``on_preempt``, on every signal. A previous ``SIG_DFL`` is
-  not re-raised, so the process is not killed before its last snapshot; exiting is up to the
-  training loop. Python runs handlers between bytecodes of the main thread, so a notice that
+  handler is chained: it runs after ``on_preempt``, on every signal; if it asks to exit
+  (``SystemExit``, as the handler ``ray.init`` installs in every driver does), that is not
+  passed on. A previous ``SIG_DFL`` is not re-raised either, so the process is not killed
+  before its last snapshot; exiting is up to the training loop. Python runs handlers between bytecodes of the main thread, so a notice that
   arrives during a long native call (a CUDA kernel, a big copy) is handled when it returns.
 * **Ray drains** (optional, ``poll_seconds``): a daemon thread asks the GCS every
   ``poll_seconds`` for the nodes being drained, ``ray._private.state.state.
@@ -178,7 +179,11 @@ class PreemptionWatcher:
         self.trigger(self.grace_seconds, f"signal {signal.Signals(signum).name}")
         prev = self._previous.get(signum)
         if callable(prev):
-            prev(signum, frame)
+            try:
+                prev(signum, frame)
+            except SystemExit as exc:  # e.g. Ray's driver handler: sys.exit(signum)
+                log.warning("memsnap: the previous %s handler asked to exit (%s); the training loop "
+                            "exits after its last snapshot instead", signal.Signals(signum).name, exc.code)
 
     # --- Ray drain poll ------------------------------------------------------------------
     def poll_once(self) -> bool:

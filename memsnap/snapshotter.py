@@ -252,7 +252,13 @@ class Snapshotter:
         left = max(1.0, self._watcher.seconds_left() or 30.0)
         deadline = time.monotonic() + 0.9 * left
         log.warning("rank %d: preempted; last snapshot of step %d, %.0f s left", self.rank, step, left)
-        self._save(step, state)
+        try:
+            self._save(step, state)
+        except Exception as exc:  # still spill the newest committed step and exit cleanly
+            self.counters["failed_saves"] += 1
+            self.last_error = f"step {step}: {type(exc).__name__}: {exc}"
+            log.warning("rank %d: last snapshot of step %d failed (%s); spilling the newest committed "
+                        "step instead", self.rank, step, exc)
         if self._cuda is not None:
             self._cuda.wait()
         committed = self.wait(step, timeout=max(1.0, deadline - time.monotonic()) / 2)
