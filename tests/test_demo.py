@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.demo]
 
 
 def _demo(tmp_path, *args: str, timeout: float = 600) -> dict:
