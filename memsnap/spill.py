@@ -47,7 +47,7 @@ class Spiller:
             time.monotonic() - self.last_time >= self.cfg.spill_every_seconds
 
     def committed(self, step: int) -> None:
-        if self.due(step):
+        if self.due(step) or step in self.urgent:  # urgent: requested before the commit reached us
             with self.cond:
                 self.want = max(step, self.want or -1)
                 self.cond.notify_all()
