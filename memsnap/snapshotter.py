@@ -59,15 +59,6 @@ def _get(ref, timeout: float | None = None):
         raise _unwrap(exc) from None
 
 
-def _plan(state: Mapping[str, Any]) -> tuple[Manifest, list]:
-    """The layout of ``state`` (RNG included) and the local tensors whose bytes it stores."""
-    from memsnap.capture import _layout, _walk, collect, local_tensor
-
-    skeleton, paths, found = _walk(collect(state, rng=True))
-    entries, nbytes = _layout(paths, found)
-    return Manifest(tensors=entries, tree=skeleton, nbytes=nbytes), [local_tensor(t).detach() for t in found]
-
-
 class Snapshotter:
     """Snapshots of one rank's ``state`` into the job's erasure-coded RAM tier (and spill)."""
 
@@ -219,12 +210,12 @@ class Snapshotter:
 
     def _save(self, step: int, state: Mapping[str, Any]) -> None:
         from memsnap import cuda_capture
-        from memsnap.capture import byte_view, copy_into
+        from memsnap.capture import byte_view, copy_into, plan_sources
 
         if not isinstance(step, int) or step < 0:
             raise ConfigError(f"step={step!r}: must be an int >= 0")
         local = self._local_ranks()
-        layout, sources = _plan(state)
+        layout, sources = plan_sources(state)
         info = _get(self._agent.begin.remote(step, self.rank, layout.nbytes))
         out = self._map(info["path"], layout.nbytes)
         layout.meta.update(step=step, rank=self.rank, world_size=self.world, job=self.config.job)
