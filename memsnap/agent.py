@@ -413,6 +413,10 @@ class SnapshotAgent:
 
     def __init__(self, config: dict, node_id: str, secret: bytes):
         logging.basicConfig(level=logging.INFO)
+        # The encode path needs the state layer (and so torch): import it now, not on the
+        # first snapshot, where a cold import of torch (seconds) would hold up every send.
+        import memsnap.capture  # noqa: F401
+
         host = ray.util.get_node_ip_address()
         self.core = AgentCore(config, node_id, secret, host=host)
         cfg = self.core.cfg

@@ -392,6 +392,7 @@ class CoordinatorCore:
             newest = max(self.records, default=None)
             return {
                 "committed_step": newest,
+                "last_commit_time": None if newest is None else self.records[newest].get("time"),
                 "committed_steps": sorted(self.records),
                 "failed_snapshots": len(self.failed),
                 "failed_steps": {str(s): why for s, why in sorted(self.failed.items())[-10:]},

@@ -147,7 +147,8 @@ def _drive(cluster, run: Run, thread: threading.Thread, bar) -> None:
             if f.t_dead is None and _node_dead(f.node):
                 f.t_dead = time.time()
                 _say(f"Ray marked node {f.node[:8]} dead after {f.t_dead - f.t_kill:.1f} s")
-        if pending and done > pending[0] and _newest_attempt_done(run, pending[0]):
+        if pending and done > pending[0] and _newest_attempt_done(run, pending[0]) \
+                and _committed(opts.job, since=run.failures[-1].t_kill if run.failures else 0.0):
             victim = _pick_victim(cluster, read_events(run.events_path), head)
             if victim is not None:
                 rank, node_id, node = victim
@@ -158,6 +159,30 @@ def _drive(cluster, run: Run, thread: threading.Thread, bar) -> None:
                 cluster.add_node()
                 _say("added a replacement node")
         time.sleep(0.1)
+
+
+_COMMITTED: dict = {}
+
+
+def _committed(job: str, since: float) -> bool:
+    """Some step was committed by the current worker group (so a failure now has a snapshot
+    to resume from; the first snapshots wait for every agent to start). Polled at most 1/s."""
+    import ray
+
+    from memsnap import naming
+
+    now = time.time()
+    if now - _COMMITTED.get("t", 0.0) < 1.0:
+        return _COMMITTED.get("ok", False)
+    _COMMITTED["t"] = now
+    try:
+        coord = ray.get_actor(naming.coordinator(job), namespace=naming.NAMESPACE)
+        st = ray.get(coord.status.remote(), timeout=10)
+        ok = st["committed_step"] is not None and (st.get("last_commit_time") or 0.0) >= since
+    except Exception:
+        ok = False
+    _COMMITTED["ok"] = ok
+    return ok
 
 
 def _newest_attempt_done(run: Run, step: int) -> bool:
