@@ -37,29 +37,40 @@ class TrainConfig:
 
 
 def build(cfg: TrainConfig, rank: int, world: int, ddp: bool | None = None) -> dict[str, Any]:
-    """The whole training state of one rank; the model is wrapped in DDP when ``ddp`` (by
-    default when ``world > 1``; that needs an initialised process group)."""
+    """The whole training state of one rank. Data parallelism averages every gradient with
+    one all-reduce per parameter, in parameter order (``_average_gradients``), when ``ddp``
+    (by default when ``world > 1``; that needs an initialised process group). Unlike DDP's
+    buckets, which it rebuilds after the first iteration of every process, the reduction
+    order is the same in a run that restarted as in one that did not, so a resumed run can
+    match an uninterrupted one bit for bit."""
     torch.set_num_threads(1)
     torch.manual_seed(cfg.seed)
     model = TinyTransformer(cfg.model)
-    wrap = world > 1 if ddp is None else ddp
-    ddp = torch.nn.parallel.DistributedDataParallel(model) if wrap else model
+    parallel = world > 1 if ddp is None else ddp
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: min(1.0, (s + 1) / 10))
     data = MarkovTokens(cfg.model)
     sampler = ResumableSampler(data, shuffle=True, seed=cfg.seed, rank=rank, world_size=world)
     loader = ResumableLoader(DataLoader(data, batch_size=cfg.batch, sampler=sampler, drop_last=True))
-    return {"model": model, "optim": optim, "sched": sched, "data": loader, "_ddp": ddp}
+    return {"model": model, "optim": optim, "sched": sched, "data": loader, "_world": world if parallel else 1}
 
 
 def snapshot_state(objs: dict[str, Any]) -> dict[str, Any]:
-    """What memsnap captures: everything but the DDP wrapper (which holds no state of its own)."""
+    """What memsnap captures: everything but the bookkeeping entries (``_world``)."""
     return {k: v for k, v in objs.items() if not k.startswith("_")}
 
 
 def _batches(loader: ResumableLoader):
     while True:  # the loader moves on to the next epoch by itself when one runs out
         yield from loader
+
+
+def _average_gradients(model: torch.nn.Module, world: int) -> None:
+    if world > 1:
+        for p in model.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+                p.grad /= world
 
 
 def _global_mean(loss: torch.Tensor, world: int) -> float:
@@ -74,7 +85,7 @@ def run(cfg: TrainConfig, rank: int, world: int, *, first_step: int = 0, objs=No
         after_step: Callable[[int, dict], None] | None = None, attempt: int = 0) -> dict[str, Any]:
     """Train steps ``first_step .. cfg.steps - 1``; ``after_step(step, objs)`` runs after each."""
     objs = objs or build(cfg, rank, world)
-    model, optim, sched = objs["_ddp"], objs["optim"], objs["sched"]
+    model, optim, sched, parallel = objs["model"], objs["optim"], objs["sched"], objs["_world"]
     model.train()
     batches = _batches(objs["data"])
     for step in range(first_step, cfg.steps):
@@ -83,6 +94,7 @@ def run(cfg: TrainConfig, rank: int, world: int, *, first_step: int = 0, objs=No
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
         optim.zero_grad(set_to_none=True)
         loss.backward()
+        _average_gradients(model, parallel)
         optim.step()
         sched.step()
         mean = _global_mean(loss, world)
