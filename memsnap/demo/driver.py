@@ -141,8 +141,9 @@ def _drive(cluster, run: Run, thread: threading.Thread, bar) -> None:
             raise TimeoutError(f"the demo's training did not finish within {opts.timeout_s:.0f} s")
         losses = read_log(run.log_path)
         done = max(losses, default=-1) + 1
-        bar.n = done
-        bar.refresh()
+        if bar.n != done:
+            bar.n = done
+            bar.refresh()
         for f in run.failures:
             if f.t_dead is None and _node_dead(f.node):
                 f.t_dead = time.time()
