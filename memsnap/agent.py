@@ -27,6 +27,7 @@ holder had (re-protection). Spill runs on a background thread (``memsnap.spill``
 """
 from __future__ import annotations
 
+import importlib
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -413,9 +414,11 @@ class SnapshotAgent:
 
     def __init__(self, config: dict, node_id: str, secret: bytes):
         logging.basicConfig(level=logging.INFO)
-        # The encode path needs the state layer (and so torch): import it now, not on the
-        # first snapshot, where a cold import of torch (seconds) would hold up every send.
-        import memsnap.capture  # noqa: F401
+        # The encode path needs the state layer (and so torch): start importing it now, in the
+        # background, so neither the agent's creation nor its first send waits for a cold
+        # import of torch (seconds).
+        threading.Thread(target=importlib.import_module, args=("memsnap.capture",),
+                         name="memsnap-warmup", daemon=True).start()
 
         host = ray.util.get_node_ip_address()
         self.core = AgentCore(config, node_id, secret, host=host)
