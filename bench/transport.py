@@ -17,7 +17,6 @@ import os
 import platform
 import socket
 import sys
-import threading
 import time
 
 import numpy as np

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 
-import torch
 from tqdm import tqdm
 
 from memsnap.commands._common import write_safetensors
