@@ -27,7 +27,6 @@ holder had (re-protection). Spill runs on a background thread (``memsnap.spill``
 """
 from __future__ import annotations
 
-import importlib
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -40,6 +39,7 @@ from memsnap.arena import Arena, MemoryBudget, OwnedBuffer
 from memsnap.chunkstore import HeldChunks
 from memsnap.config import SnapshotConfig, tunable
 from memsnap.errors import CommitError, MemoryBudgetError
+from memsnap.checksum import fill_checksums
 from memsnap.manifest import Manifest
 from memsnap.transport.base import ChunkKey, make_transport
 
@@ -204,45 +204,57 @@ class AgentCore:
         _call(self._coordinator().node_ready.remote(v.step, self.node, info))
 
     def _encode_and_push(self, v: Version, local_ranks: list[int]) -> dict:
-        from memsnap.capture import fill_checksums
-
         layout = _call(self._coordinator().node_layout.remote(self.node))
         sizes = {r: v.sizes[r] for r in local_ranks}
         chunk = self.cfg.chunk or _choose_chunk(max(sizes.values(), default=0), self.cfg.k)
         regs = encode.regions(sizes, self.cfg.k, chunk)
-        parity = self._parity(encode.parity_nbytes(regs, self.cfg.m))
         encs, ranks = [], {}
         for reg in regs:
             data = self.arenas[(reg.rank, v.slot)].view(0, reg.nbytes)
             man = fill_checksums(Manifest.from_json(v.manifests[reg.rank]), data)
             v.manifests[reg.rank] = man.to_json().decode()
-            pview = parity.view(reg.stripe_base * self.cfg.m * chunk, reg.stripes * self.cfg.m * chunk)
-            enc = encode.Encoded(reg, data, pview, self.cfg.m)
-            enc.encode(self.codec)
-            encs.append(enc)
+            encs.append(encode.Encoded(reg, data))
             ranks[reg.rank] = dict(reg.to_dict(), owner=self.node, manifest=v.manifests[reg.rank])
-        self._push_all(v.step, encs, layout["addrs"])
+        self._push_all(v.step, encs, layout["addrs"], chunk)
         return {"chunk": chunk, "ranks": ranks, "holders": layout["holders"], "gen": v.gen}
 
-    def _push_all(self, step: int, encs: list, addrs: list[dict]) -> None:
+    def _push_all(self, step: int, encs: list, addrs: list[dict], chunk: int) -> None:
+        """Data shards stream to their holders straight from the arenas while parity is encoded
+        a batch of stripes at a time into two halves of a small scratch buffer: a half is
+        reused once the pushes of the batch it held are acknowledged."""
+        k, m = self.cfg.k, self.cfg.m
         timeout = tunable("push_timeout_s")
 
-        def push(j: int) -> None:
-            items = [it for enc in encs for it in enc.items(step, self.node, j)]
+        def push(j: int, items: list) -> None:
             self.transport.push(addrs[j], items, timeout=timeout)
             self.counters["pushed_bytes"] += sum(len(mv) for _, mv in items)
 
-        with ThreadPoolExecutor(max_workers=len(addrs)) as ex:
-            for fut in [ex.submit(push, j) for j in range(len(addrs))]:
+        total = sum(enc.lay.stripes for enc in encs)
+        per = min(total, max(1, int(tunable("parity_window")) // max(1, m * chunk)))
+        with ThreadPoolExecutor(max_workers=k + 2 * m) as ex:
+            futures = [ex.submit(push, j, [it for enc in encs for it in enc.items(step, self.node, j)])
+                       for j in range(k)]
+            if m:
+                scratch = self._parity(min(2, -(-total // per)) * per * m * chunk)
+                halves: list[list] = [[], []]
+                for b, members in enumerate(encode.batches(encs, per)):
+                    for fut in halves[b % 2]:
+                        fut.result()  # raises at once if a push of this half failed
+                    half = scratch.view((b % 2) * per * m * chunk, len(members) * m * chunk)
+                    batch = encode.ParityBatch(members, m, chunk, half)
+                    batch.encode(self.codec)
+                    halves[b % 2] = [ex.submit(push, j, batch.items(step, self.node, j)) for j in range(k, k + m)]
+                futures += halves[0] + halves[1]
+            for fut in futures:
                 fut.result()
 
     def _parity(self, nbytes: int) -> OwnedBuffer:
-        """The agent's one parity buffer (reused by every snapshot), grown when needed."""
+        """The agent's parity scratch (reused by every snapshot), grown when needed."""
         buf = self.parity.get(0)
         if buf is None or buf.nbytes < nbytes:
             if buf is not None:
                 buf.free()
-            buf = self.parity[0] = OwnedBuffer(self.budget, nbytes, "the parity buffer")
+            buf = self.parity[0] = OwnedBuffer(self.budget, nbytes, "the parity scratch buffer")
         return buf
 
     def _fail(self, v: Version, why: str) -> None:
@@ -269,7 +281,7 @@ class AgentCore:
                     self.versions.pop(old.step)
         self.store.drop(lambda key: key.step in keep or key.step > step)
         if self.spiller is not None:
-            self.spiller.committed(step)
+            self.spiller.committed(step, bool(record.get("spill")))
 
     def _drop_if_lean(self, v: Version) -> None:
         """Lean mode: a committed version is not kept as a local copy; its slot is free."""
@@ -414,12 +426,6 @@ class SnapshotAgent:
 
     def __init__(self, config: dict, node_id: str, secret: bytes):
         logging.basicConfig(level=logging.INFO)
-        # The encode path needs the state layer (and so torch): start importing it now, in the
-        # background, so neither the agent's creation nor its first send waits for a cold
-        # import of torch (seconds).
-        threading.Thread(target=importlib.import_module, args=("memsnap.capture",),
-                         name="memsnap-warmup", daemon=True).start()
-
         host = ray.util.get_node_ip_address()
         self.core = AgentCore(config, node_id, secret, host=host)
         cfg = self.core.cfg

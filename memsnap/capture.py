@@ -26,7 +26,7 @@ import torch
 
 from memsnap import rng as rng_state
 from memsnap import tree
-from memsnap.checksum import checksum
+from memsnap.checksum import checksum, fill_checksums  # noqa: F401 (re-exported)
 from memsnap.dtypes import NAME_OF, dtype_name
 from memsnap.errors import SnapshotBufferError, StateMismatchError
 from memsnap.manifest import Manifest, TensorEntry, align_up
@@ -252,8 +252,3 @@ def capture(state: Mapping[str, Any], *, out: Any = None, rng: bool = True, chec
     return (fill_checksums(m, mv) if checksums else m), mv
 
 
-def fill_checksums(manifest: Manifest, buf: Any) -> Manifest:
-    """``manifest`` with the xxh3-64 of every stored tensor's bytes in ``buf`` (aliases: None)."""
-    mv = byte_view(buf, manifest.nbytes, writable=False)
-    sums = [None if t.alias_of else checksum(mv[t.offset:t.offset + t.nbytes]) for t in manifest.tensors]
-    return manifest.with_checksums(sums)

@@ -20,6 +20,7 @@ TUNABLES: dict[str, float] = {
     "commit_notify_timeout_s": 30.0,
     "spill_retry_s": 5.0,           # pause before a failed spill is tried again
     "chunk_target": 1 << 20,        # shard size the stripe layout aims for (bytes)
+    "parity_window": 8 << 20,       # parity bytes encoded per batch (the scratch is two batches)
     "agent_max_concurrency": 16,
     "coordinator_max_concurrency": 64,
     "preemption_poll_s": 5.0,       # how often a rank asks Ray whether its node is draining

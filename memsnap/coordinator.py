@@ -53,6 +53,7 @@ class CoordinatorCore:
         self.failed: dict[int, str] = {}
         self.spill_ranks: dict[int, set[int]] = {}
         self.durable_step: int | None = None
+        self.spill_asked: tuple[int, float] | None = None  # (step, monotonic time) of the last spill asked
         self.rounds: dict[int, dict] = {}
         self.bad: set[int] = set()
         self.last_restore: dict = {"tier": "none", "step": None, "seconds": {}}
@@ -176,6 +177,7 @@ class CoordinatorCore:
         for s in [s for s in self.pending if s < step]:
             self.failed[s] = f"step {step} committed first"
             del self.pending[s]
+        record["spill"] = self._spill_due(step)
         keep = sorted(self.records)[-self.cfg.keep:]
         for s in [s for s in self.records if s not in keep]:
             del self.records[s]
@@ -298,6 +300,22 @@ class CoordinatorCore:
         except Exception as exc:  # nothing spilled yet, or storage unreachable
             log.info("no durable step at %s: %s", self.cfg.spill, exc)
             return None
+
+    def _spill_due(self, step: int) -> bool:
+        """Whether the agents spill the step committed now: the first commit in each new block
+        of ``spill_every`` steps (so a failed step ``10`` moves the spill to ``11``, not ``20``),
+        or ``spill_every_seconds`` after the last one asked. Decided here, once, so that every
+        agent writes the same step."""
+        every, secs = self.cfg.spill_every, self.cfg.spill_every_seconds
+        if self.cfg.spill is None or not (every or secs):
+            return False
+        last = self.spill_asked
+        due = last is None or last[0] > step
+        due = due or bool(every) and step // every > last[0] // every
+        due = due or bool(secs) and time.monotonic() - last[1] >= secs
+        if due:
+            self.spill_asked = (step, time.monotonic())
+        return due
 
     # --- spill (phase two of the durable write) -----------------------------------------------------
     def spilled(self, step: int, ranks: list[int]) -> bool:

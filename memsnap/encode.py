@@ -3,8 +3,8 @@
 A node's byte stream is its local ranks' arena regions back to back, each region starting
 on a stripe boundary (``Region.stripe_base``), so that no stripe straddles two ranks and a
 rank's bytes can be rebuilt alone. Stripe ``s`` of a region has ``k`` data shards (views
-straight into the arena; the last stripe's are zero-padded copies) and ``m`` parity shards
-in the agent's parity buffer.
+straight into the arena; the last stripe's are zero-padded copies) and ``m`` parity shards,
+computed a batch of stripes at a time into a small scratch buffer (``ParityBatch``).
 """
 from __future__ import annotations
 
@@ -47,18 +47,13 @@ def regions(sizes: Mapping[int, int], k: int, chunk: int) -> list[Region]:
     return out
 
 
-def parity_nbytes(regs: Sequence[Region], m: int) -> int:
-    """Bytes of parity a node's regions need."""
-    return sum(r.stripes for r in regs) * m * (regs[0].chunk if regs else 0)
-
-
 class Encoded:
-    """One region's shards: data views into ``data`` and parity views into ``parity``."""
+    """One region's data shards: views straight into ``data`` (the last stripe's padded)."""
 
-    def __init__(self, region: Region, data: memoryview, parity: memoryview, m: int):
-        self.region, self.m = region, m
+    def __init__(self, region: Region, data: memoryview):
+        self.region = region
         self.lay = region.layout
-        self._data, self._parity = data, parity
+        self._data = data
         k, chunk = region.k, region.chunk
         last = self.lay.stripes - 1
         ragged = last >= 0 and self.lay.data_range(last, k - 1)[1] - self.lay.data_range(last, k - 1)[0] < chunk
@@ -69,29 +64,53 @@ class Encoded:
                 self._tail[j * chunk:j * chunk + b - a] = data[a:b]
 
     def shard(self, stripe: int, j: int) -> memoryview:
-        """Shard ``j`` of ``stripe``: ``chunk`` bytes (data for ``j < k``, parity after)."""
+        """Data shard ``j < k`` of ``stripe``: ``chunk`` bytes."""
         k, chunk = self.region.k, self.region.chunk
-        if j >= k:
-            off = (stripe * self.m + j - k) * chunk
-            return self._parity[off:off + chunk]
+        if not 0 <= j < k:
+            raise IndexError(f"shard {j}: a region holds data shards 0..{k - 1}; parity is in a ParityBatch")
         if self._tail is not None and stripe == self.lay.stripes - 1:
             return memoryview(self._tail)[j * chunk:(j + 1) * chunk]
         a = (stripe * k + j) * chunk
         return self._data[a:a + chunk]
 
-    def encode(self, codec) -> None:
-        """Compute every stripe's parity into the parity buffer."""
-        if self.m == 0:
-            return
-        k = self.region.k
-        for s in range(self.lay.stripes):
-            codec.encode_into([self.shard(s, j) for j in range(k)],
-                              [self.shard(s, j) for j in range(k, k + self.m)])
-
     def items(self, step: int, owner: str, j: int) -> list[tuple[ChunkKey, memoryview]]:
-        """Every stripe's shard ``j`` with its key, ready to push to holder ``j``."""
+        """Every stripe's data shard ``j`` with its key, ready to push to holder ``j``."""
         base = self.region.stripe_base
         return [(ChunkKey(step, owner, base + s, j), self.shard(s, j)) for s in range(self.lay.stripes)]
+
+
+class ParityBatch:
+    """The parity of a run of stripes (``[(region, stripe), ...]``), computed into ``buf``.
+
+    Parity is produced a batch at a time into a small scratch buffer that is reused once the
+    batch has been pushed, so an owner never holds a whole snapshot's parity (S*m/k bytes).
+    """
+
+    def __init__(self, members: Sequence[tuple[Encoded, int]], m: int, chunk: int, buf: memoryview):
+        if len(buf) < len(members) * m * chunk:
+            raise ValueError(f"parity buffer of {len(buf)} bytes, {len(members) * m * chunk} needed")
+        self.members, self.m, self.chunk, self.buf = list(members), m, chunk, buf
+
+    def shard(self, i: int, p: int) -> memoryview:
+        """Parity shard ``p`` (0-based) of the batch's ``i``-th stripe."""
+        off = (i * self.m + p) * self.chunk
+        return self.buf[off:off + self.chunk]
+
+    def encode(self, codec) -> None:
+        for i, (enc, s) in enumerate(self.members):
+            codec.encode_into([enc.shard(s, j) for j in range(enc.region.k)],
+                              [self.shard(i, p) for p in range(self.m)])
+
+    def items(self, step: int, owner: str, j: int) -> list[tuple[ChunkKey, memoryview]]:
+        """Shard ``j >= k`` (parity ``j - k``) of every stripe of the batch, keyed."""
+        return [(ChunkKey(step, owner, enc.region.stripe_base + s, j), self.shard(i, j - enc.region.k))
+                for i, (enc, s) in enumerate(self.members)]
+
+
+def batches(encs: Sequence[Encoded], per_batch: int) -> list[list[tuple[Encoded, int]]]:
+    """Every stripe of ``encs`` in order, cut into runs of at most ``per_batch``."""
+    flat = [(enc, s) for enc in encs for s in range(enc.lay.stripes)]
+    return [flat[i:i + per_batch] for i in range(0, len(flat), max(1, per_batch))]
 
 
 def reconstruct_data(codec, shards: list, k: int) -> list:

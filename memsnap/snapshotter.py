@@ -16,6 +16,7 @@ Call protocol (every rank of the job, each in its own Ray worker or driver):
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import warnings
@@ -194,6 +195,7 @@ class Snapshotter:
         except Exception as exc:
             self.counters["failed_saves"] += 1
             self.last_error = f"step {step}: {type(exc).__name__}: {exc}"
+            self._report_failed(step)
             if self._on_error == "raise":
                 raise
             log.warning("rank %d: snapshot of step %d failed, training goes on: %s", self.rank, step, exc)
@@ -203,6 +205,12 @@ class Snapshotter:
         self.counters["saves"] += 1
         self._check_staleness(step)
         return True
+
+    def _report_failed(self, step: int) -> None:
+        """Tell the coordinator (without waiting) that ``step`` cannot commit: the other nodes
+        free their copies of it and ``wait(step)`` returns at once on every rank."""
+        with contextlib.suppress(Exception):
+            self._coord.node_failed.remote(step, self.node, f"rank {self.rank}: {self.last_error}")
 
     def _check_staleness(self, step: int) -> None:
         if self._guard is not None:
@@ -254,17 +262,32 @@ class Snapshotter:
             self._cuda.wait()
         committed = self.wait(step, timeout=max(1.0, deadline - time.monotonic()) / 2)
         if committed is not None and self.config.spill is not None:
-            self._ccall("spill_now", committed)
-            while time.monotonic() < deadline:
-                durable = self._ccall("status").get("durable_step")
-                if durable is not None and durable >= committed:
-                    log.warning("rank %d: step %d is spilled to %s", self.rank, committed, self.config.spill)
-                    break
-                time.sleep(0.2)
+            if self.spill(committed, timeout=max(0.0, deadline - time.monotonic())) is not None:
+                log.warning("rank %d: step %d is spilled to %s", self.rank, committed, self.config.spill)
             else:
                 log.warning("rank %d: step %d was not spilled before the deadline", self.rank, committed)
         self.close()
         raise SystemExit(0)
+
+    def spill(self, step: int | None = None, timeout: float = 300.0) -> int | None:
+        """Write committed ``step`` (default: the newest) to the spill URI now, unthrottled, and
+        wait until it is durable. Returns the step, or None if it was not durable in time.
+        Any one rank may call it; the agents of every node write their ranks."""
+        if self.config.spill is None:
+            raise ConfigError("spill() needs a spill URI: Snapshotter(..., spill='file:///...' or 's3://...')")
+        if step is None:
+            step = self._ccall("status").get("committed_step")
+            if step is None:
+                return None
+        self._ccall("spill_now", step)
+        deadline = time.monotonic() + timeout
+        while True:
+            durable = self._ccall("status").get("durable_step")
+            if durable is not None and durable >= step:
+                return step
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.2)
 
     def wait(self, step: int, timeout: float = 60.0) -> int | None:
         """Block until ``step`` (or a later one) is committed or failed; return the newest committed."""

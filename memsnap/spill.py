@@ -1,7 +1,8 @@
 """Background, throttled spill of committed snapshots to durable storage (one thread per agent).
 
-After a commit that is due (every ``spill_every`` steps or ``spill_every_seconds``), the
-agent's spill thread writes each local rank's bytes straight from its arena with
+After a commit the coordinator marked as due (the first commit in each block of
+``spill_every`` steps, or ``spill_every_seconds`` after the last; ``CoordinatorCore._spill_due``),
+the agent's spill thread writes each local rank's bytes straight from its arena with
 ``storage.Store.write_rank`` (capped at ``spill_bytes_per_s`` for the whole node), then
 reports the ranks to the coordinator, which writes the commit marker once every rank of the
 step is written. The version is pinned (not freed) while it is written. A failure (disk
@@ -33,21 +34,15 @@ class Spiller:
         self.want: int | None = None
         self.urgent: set[int] = set()  # steps to write unthrottled (a preemption notice)
         self.current: int | None = None
-        self.last_time = time.monotonic()
         self.state = {"spilled_step": None, "failures": 0, "last_error": None, "bytes": 0}
         self._stop = False
         self._store = None
         self.thread = threading.Thread(target=self._loop, name="memsnap-spill", daemon=True)
         self.thread.start()
 
-    def due(self, step: int) -> bool:
-        if self.cfg.spill_every and step % self.cfg.spill_every == 0:
-            return True
-        return bool(self.cfg.spill_every_seconds) and \
-            time.monotonic() - self.last_time >= self.cfg.spill_every_seconds
-
-    def committed(self, step: int) -> None:
-        if self.due(step) or step in self.urgent:  # urgent: requested before the commit reached us
+    def committed(self, step: int, due: bool) -> None:
+        """``step`` committed; the coordinator says whether it is due for a spill."""
+        if due or step in self.urgent:  # urgent: requested before the commit reached us
             with self.cond:
                 self.want = max(step, self.want or -1)
                 self.cond.notify_all()
@@ -120,4 +115,3 @@ class Spiller:
         self.report(step, ranks)
         self.state["spilled_step"] = step
         self.urgent.discard(step)
-        self.last_time = time.monotonic()

@@ -40,7 +40,7 @@ def test_a_failing_spill_is_reported_retried_and_leaves_ram_alone(tmp_path, fake
     reported = []
     sp = Spiller(core, report=lambda step, ranks: reported.append((step, ranks)))
     try:
-        sp.committed(7)
+        sp.committed(7, due=True)
         wait_for(lambda: sp.status()["failures"] >= 2, timeout=30, what="two failed attempts")
         assert "step 7" in sp.status()["last_error"] and not reported
         assert bytes(core.arenas[(0, 0)].view()) == raw  # the RAM tier is untouched
@@ -58,7 +58,7 @@ def test_spilled_bytes_load_back_through_the_durable_format(tmp_path, fake_core)
     core.cfg = SnapshotConfig("spill-unit", spill=str(tmp_path / "root"), spill_every=1)
     sp = Spiller(core, report=lambda step, ranks: Store.open(str(tmp_path / "root")).commit(step, 1))
     try:
-        sp.committed(7)
+        sp.committed(7, due=True)
         wait_for(lambda: sp.status()["spilled_step"] == 7, timeout=30, what="the spill")
     finally:
         sp.stop()
@@ -74,11 +74,31 @@ def test_spilled_bytes_load_back_through_the_durable_format(tmp_path, fake_core)
     assert torch.equal(fresh["model"].weight, state["model"].weight)
 
 
-def test_spill_every_steps_or_seconds():
-    core = types.SimpleNamespace(lock=threading.RLock(), versions={}, arenas={})
-    core.cfg = SnapshotConfig("spill-unit", spill="/tmp/unused", spill_every=3)
+def test_the_coordinator_asks_for_a_spill_every_n_steps_or_seconds(monkeypatch):
+    from memsnap import coordinator
+    from memsnap.coordinator import CoordinatorCore
+
+    steps = CoordinatorCore(SnapshotConfig("spill-unit", spill="/tmp/unused", spill_every=3).to_dict(), 1)
+    # step 6 never committed: the spill moves to 7, the first commit of its block, not to 9
+    assert [s for s in (0, 1, 2, 3, 4, 5, 7, 8, 9, 10) if steps._spill_due(s)] == [0, 3, 7, 9]
+    now = [100.0]
+    monkeypatch.setattr(coordinator.time, "monotonic", lambda: now[0])
+    secs = CoordinatorCore(SnapshotConfig("spill-unit", spill="/tmp/unused", spill_every_seconds=10).to_dict(), 1)
+    due = []
+    for step in range(8):
+        due.append(secs._spill_due(step))
+        now[0] += 4.0
+    assert due == [True, False, False, True, False, False, True, False]
+    never = CoordinatorCore(SnapshotConfig("spill-unit").to_dict(), 1)
+    assert not any(never._spill_due(s) for s in range(5))
+
+
+def test_a_commit_the_coordinator_did_not_ask_to_spill_is_not_written(tmp_path, fake_core):
+    core, _, _ = fake_core
+    core.cfg = SnapshotConfig("spill-unit", spill=str(tmp_path / "root"), spill_every=1)
     sp = Spiller(core, report=lambda *a: None)
     try:
-        assert [s for s in range(1, 10) if sp.due(s)] == [3, 6, 9]
+        sp.committed(7, due=False)
+        assert sp.status()["pending"] is None and sp.status()["spilled_step"] is None
     finally:
         sp.stop()

@@ -9,7 +9,6 @@ Timeline of one failure (all times on the driver's clock):
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sys
@@ -19,7 +18,7 @@ from dataclasses import dataclass, field
 
 from memsnap.demo.model import ModelConfig
 from memsnap.demo.train import TrainConfig, read_final, read_log
-from memsnap.demo.worker import read_events, train_loop_per_worker
+from memsnap.demo.worker import gate_path, read_events, train_loop_per_worker
 
 
 @dataclass(frozen=True)
@@ -90,6 +89,9 @@ def _trainer(opts: DemoOptions, run: Run, spill_uri: str):
         "train": _train_config(opts, run.log_path).to_json(),
         "events": run.events_path,
         "job": opts.job,
+        "out": os.path.abspath(opts.out),
+        "failure_steps": list(opts.failure_steps),
+        "steps": opts.steps,
         "snapshotter": {"k": opts.k, "m": opts.m, "spill": spill_uri, "spill_every": opts.spill_every},
     }
     return TorchTrainer(
@@ -148,53 +150,29 @@ def _drive(cluster, run: Run, thread: threading.Thread, bar) -> None:
             if f.t_dead is None and _node_dead(f.node):
                 f.t_dead = time.time()
                 _say(f"Ray marked node {f.node[:8]} dead after {f.t_dead - f.t_kill:.1f} s")
-        if pending and done > pending[0] and _newest_attempt_done(run, pending[0]) \
-                and _committed(opts.job, since=run.failures[-1].t_kill if run.failures else 0.0):
+        held = _held_at(run, pending[0]) if pending else None
+        if held is not None:
             victim = _pick_victim(cluster, read_events(run.events_path), head)
             if victim is not None:
                 rank, node_id, node = victim
-                step = pending.pop(0)
-                _say(f"step {step} done: killing node {node_id[:8]} (rank {rank}) abruptly")
-                run.failures.append(Failure(step, rank, node_id, time.time()))
+                pending.pop(0)
+                _say(f"step {held} committed: killing node {node_id[:8]} (rank {rank}) abruptly")
+                run.failures.append(Failure(held, rank, node_id, time.time()))
                 cluster.kill_node(node)
                 cluster.add_node()
                 _say("added a replacement node")
+                with open(gate_path(os.path.abspath(opts.out), held), "w"):
+                    pass  # the surviving ranks go on and fail in their next collective
         time.sleep(0.1)
 
 
-_COMMITTED: dict = {}
-
-
-def _committed(job: str, since: float) -> bool:
-    """Some step was committed by the current worker group (so a failure now has a snapshot
-    to resume from; the first snapshots wait for every agent to start). Polled at most 1/s."""
-    import ray
-
-    from memsnap import naming
-
-    now = time.time()
-    if now - _COMMITTED.get("t", 0.0) < 1.0:
-        return _COMMITTED.get("ok", False)
-    _COMMITTED["t"] = now
-    try:
-        coord = ray.get_actor(naming.coordinator(job), namespace=naming.NAMESPACE)
-        st = ray.get(coord.status.remote(), timeout=10)
-        ok = st["committed_step"] is not None and (st.get("last_commit_time") or 0.0) >= since
-    except Exception:
-        ok = False
-    _COMMITTED["ok"] = ok
-    return ok
-
-
-def _newest_attempt_done(run: Run, step: int) -> bool:
-    """The current worker group has itself finished ``step`` (not a previous group)."""
+def _held_at(run: Run, step: int) -> int | None:
+    """The step (``step`` or later, committed) at which the current worker group holds for
+    the next failure, or None while it has not got there."""
     since = run.failures[-1].t_kill if run.failures else 0.0
-
-
-    if not os.path.exists(run.log_path):
-        return False
-    with open(run.log_path) as f:
-        return any(r["step"] >= step and r["t"] > since for r in map(json.loads, filter(str.strip, f)))
+    held = [e["step"] for e in read_events(run.events_path)
+            if e["ev"] == "at_failure_step" and e["step"] >= step and e["t"] > since]
+    return min(held, default=None)
 
 
 def _after(events: list[dict], kind: str, t: float) -> list[dict]:

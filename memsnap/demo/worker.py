@@ -22,6 +22,37 @@ def read_events(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def gate_path(out: str, step: int) -> str:
+    return os.path.join(out, f"failure-{step}.done")
+
+
+def hold_for_failure(snap, step: int, rank: int, config: dict, timeout: float = 300.0) -> bool:
+    """Inject the failure after ``step`` if ``step`` committed: tell the driver, then hold until
+    it has killed a node and opened the gate. The kill thus lands right after a committed step
+    however fast the steps run. Returns False (train on, try again after the next step) when
+    ``step``'s snapshot failed; every rank gets the same answer from the coordinator."""
+    committed = snap.wait(step, timeout=timeout)
+    if committed is None or committed < step:
+        return False
+    event(config["events"], ev="at_failure_step", rank=rank, step=step)
+    gate = gate_path(config["out"], step)
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(gate):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {rank}: the demo driver did not inject the failure after step {step} "
+                               f"within {timeout:.0f} s")
+        time.sleep(0.05)
+    return True
+
+
+def _failure_due(config: dict, step: int) -> bool:
+    """The first failure step not yet injected is ``step`` or earlier."""
+    for f in config["failure_steps"]:
+        if not any(os.path.exists(gate_path(config["out"], s)) for s in range(f, config["steps"])):
+            return step >= f
+    return False
+
+
 def train_loop_per_worker(config: dict) -> None:
     import ray
 
@@ -43,10 +74,14 @@ def train_loop_per_worker(config: dict) -> None:
 
     def after_step(step: int, o: dict) -> None:
         snap.save(step, snapshot_state(o))
+        if _failure_due(config, step):
+            hold_for_failure(snap, step, rank, config)
 
     run(cfg, rank, world, first_step=first, objs=objs, after_step=after_step,
         attempt=0 if restored is None else 1)
     if rank == 0:
-        snap.wait(cfg.steps - 1, timeout=60)
+        final = snap.wait(cfg.steps - 1, timeout=60)
+        if final is not None:  # for the demo's comparison with a restore from disk
+            snap.spill(final, timeout=120)
         event(config["events"], ev="status", rank=rank, status=snap.status())
     snap.close()
