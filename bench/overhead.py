@@ -2,7 +2,10 @@
 
 A 4-node job on a simulated local Ray cluster: one training actor per node trains the demo's
 model (memsnap/demo/model.py). Every configuration runs on all four ranks at once, in
-interleaved rounds so machine noise hits them alike; the best round of each is kept:
+interleaved rounds so machine noise hits them alike. The first round warms every
+configuration up (agents started, first snapshots placed, files created) and is not counted;
+each later round gives every configuration's steps/s relative to ``none`` in the same round,
+and the median of those ratios is reported:
 
     none              no checkpointing
     memsnap/1         memsnap.Snapshotter.save every step (RS(2,1), every_steps=1)
@@ -10,7 +13,7 @@ interleaved rounds so machine noise hits them alike; the best round of each is k
     torch.save/10     torch.save + fsync every 10 steps
     dcp.async/10      torch.distributed.checkpoint.async_save every 10 steps
 
-    python bench/overhead.py [--steps 60] [--rounds 2] [--model small]
+    python bench/overhead.py [--steps 100] [--rounds 5] [--model small]
 """
 from __future__ import annotations
 
@@ -82,6 +85,12 @@ class Rank:
             f.flush()
             os.fsync(f.fileno())
 
+    def state_bytes(self) -> int:
+        from memsnap.capture import plan
+        from memsnap.demo.train import build, snapshot_state
+
+        return plan(snapshot_state(build(self.cfg, self.rank, NODES, ddp=False))).nbytes
+
     def status(self) -> dict:
         return {str(e): {k: s.status().get(k) for k in ("committed_step", "failed_saves")}
                 for e, s in self.snaps.items()}
@@ -119,8 +128,8 @@ class DcpAsync:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--rounds", type=int, default=5, help="counted rounds, after one warm-up round")
     ap.add_argument("--model", default="small")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "overhead.md"))
     args = ap.parse_args()
@@ -129,38 +138,62 @@ def main() -> None:
     from memsnap.snapshotter import shutdown
 
     work = tempfile.mkdtemp(prefix="memsnap-overhead-")
-    best: dict[str, float] = {}
+    rounds: list[dict[str, float]] = []
     with LocalCluster(NODES) as _cluster:
         try:
             ranks = [Rank.options(resources={f"memsnap_node_{i}": 0.01}).remote(i, args.model, work)
                      for i in range(NODES)]
-            for r in range(args.rounds):
+            for r in range(args.rounds + 1):
+                got = {}
                 for name in CONFIGS:
-                    sps = min(ray.get([a.run.remote(name, args.steps) for a in ranks], timeout=1800))
-                    best[name] = max(best.get(name, 0.0), sps)
-                    print(f"round {r} {name:14s} {sps:7.2f} steps/s (slowest rank)", file=sys.stderr, flush=True)
+                    got[name] = min(ray.get([a.run.remote(name, args.steps) for a in ranks], timeout=1800))
+                    print(f"round {r}{' (warm-up)' if r == 0 else ''} {name:14s} {got[name]:7.2f} steps/s "
+                          "(slowest rank)", file=sys.stderr, flush=True)
+                if r > 0:
+                    rounds.append(got)
             status = ray.get(ranks[0].status.remote(), timeout=120)
+            nbytes = ray.get(ranks[0].state_bytes.remote(), timeout=120)
         finally:
             for every in (1, 10):
                 shutdown(f"bench-overhead-{every}")
             shutil.rmtree(work, ignore_errors=True)
-    write(best, args, status)
+    write(rounds, args, status, nbytes)
 
 
-def write(best: dict[str, float], args, status: dict) -> None:
-    base = best["none"]
-    rows = [f"| {n} | {v:.2f} | {v / base:.3f} | {100 * (1 - v / base):.1f}% |" for n, v in best.items()]
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
+
+
+def write(rounds: list[dict[str, float]], args, status: dict, nbytes: int) -> None:
+    import platform
+
+    rows = []
+    for name in CONFIGS:
+        sps = [r[name] for r in rounds]
+        ratio = _median([r[name] / r["none"] for r in rounds])
+        rows.append(f"| {name} | {_median(sps):.2f} | {min(sps):.2f}-{max(sps):.2f} | {ratio:.3f} | "
+                    f"{100 * (1 - ratio):.1f}% |")
+    load = os.getloadavg()[0]
     text = "\n".join([
         "# Training throughput with snapshots (`bench/overhead.py`)",
         "",
-        f"The `{args.model}` model of `memsnap demo` (batch 8), one training actor on each of {NODES} "
-        f"simulated nodes of a local Ray cluster, all on this machine's 2 cores. {args.steps} timed "
-        f"steps per configuration on every rank at once; the slowest rank's steps/s; best of "
-        f"{args.rounds} interleaved rounds. memsnap runs RS(2,1): its agents' checksumming, "
-        "encoding and sending compete with training for the same 2 cores.",
+        f"`python bench/overhead.py --steps {args.steps} --rounds {args.rounds} --model {args.model}`; "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} CPUs, Python "
+        f"{platform.python_version()}, load average {load:.1f} at the end.",
         "",
-        "| configuration | steps/s | vs. none | throughput cost |",
-        "| --- | --- | --- | --- |",
+        f"The `{args.model}` model of `memsnap demo` (batch 8; {nbytes / (1 << 20):.1f} MiB of snapshot "
+        f"state per rank: weights, AdamW moments, scheduler, RNG, sampler), one training actor on each of "
+        f"{NODES} simulated nodes of a local Ray cluster, all on this machine's 2 cores. Each round runs "
+        f"{args.steps} timed steps of every configuration on every rank at once and takes the slowest "
+        f"rank's steps/s; one warm-up round is not counted; {args.rounds} counted rounds. The ratio is "
+        "the median over rounds of (configuration / none) within a round, so slow drifts of the "
+        "machine cancel out. memsnap runs RS(2,1) with the local copy: its agents' checksumming, "
+        "encoding, sending and committing compete with training for the same 2 cores.",
+        "",
+        "| configuration | steps/s (median) | range | vs. none (median ratio) | throughput cost |",
+        "| --- | --- | --- | --- | --- |",
         *rows,
         "",
         f"memsnap status at the end (per every_steps): {status}",

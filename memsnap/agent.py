@@ -215,7 +215,8 @@ class AgentCore:
             v.manifests[reg.rank] = man.to_json().decode()
             encs.append(encode.Encoded(reg, data))
             ranks[reg.rank] = dict(reg.to_dict(), owner=self.node, manifest=v.manifests[reg.rank])
-        self._push_all(v.step, encs, layout["addrs"], chunk)
+        if layout["holders"]:  # peers=False: the local copy (and the spill) is all there is
+            self._push_all(v.step, encs, layout["addrs"], chunk)
         return {"chunk": chunk, "ranks": ranks, "holders": layout["holders"], "gen": v.gen}
 
     def _push_all(self, step: int, encs: list, addrs: list[dict], chunk: int) -> None:

@@ -60,7 +60,10 @@ class SnapshotConfig:
     keeps its own ranks' committed bytes, so a crashed process restores with no network
     traffic; ``False`` (lean mode) keeps only the chunks held for peers plus one reused
     staging arena per rank, every restore reads from the peers, and a group survives ``m``
-    node losses instead of ``m+1``.
+    node losses instead of ``m+1``. ``peers=False``: no erasure-coded pieces on other nodes
+    (a single process, or a job on fewer than ``k+m+1`` nodes): snapshots live in the local
+    agent's RAM (a crashed process restores from there) and in the spill; a lost node falls
+    back to the durable tier.
     """
 
     job: str
@@ -76,6 +79,7 @@ class SnapshotConfig:
     transport: str = "tcp"
     chunk: int | None = None
     local_copy: bool = True
+    peers: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.job, str) or not _JOB_RE.match(self.job):
@@ -98,6 +102,11 @@ class SnapshotConfig:
         if not isinstance(self.local_copy, bool):
             raise ConfigError(f"local_copy={self.local_copy!r}: must be True (keep each node's own copy) "
                               "or False (lean mode)")
+        if not isinstance(self.peers, bool):
+            raise ConfigError(f"peers={self.peers!r}: must be True (pieces on other nodes) or False (local RAM only)")
+        if not self.peers and not self.local_copy:
+            raise ConfigError("peers=False with local_copy=False would hold no snapshot in RAM at all; "
+                              "keep local_copy=True")
         if not self.local_copy and self.spill is not None:
             raise ConfigError(f"local_copy=False with spill={self.spill!r}: spilling reads the node's "
                               "own copy; keep local_copy=True to spill, or pass spill=None")

@@ -31,7 +31,7 @@ from memsnap import agent as agents
 from memsnap import naming, restore
 from memsnap.config import SnapshotConfig, tunable
 from memsnap.errors import CommitError
-from memsnap.placement import NodeInfo, Placement, place, replace_node
+from memsnap.placement import NodeInfo, Placement, place, place_local, replace_node
 
 log = logging.getLogger("memsnap.coordinator")
 
@@ -65,13 +65,13 @@ class CoordinatorCore:
     def register(self, rank: int, node: str, address: dict) -> None:
         if not 0 <= rank < self.world:
             raise CommitError(f"rank={rank}: must be in [0, world_size={self.world})")
-        if self.placement is not None and node not in self.placement.holders:
+        if self.cfg.peers and self.placement is not None and node not in self.placement.holders:
             self._await_a_dead_node()
         with self.cond:
             old = self.members.get(rank)
             self.members[rank] = node
             self.addrs[node] = address
-            if self.placement is None:
+            if self.placement is None or not self.cfg.peers:
                 self._maybe_place()
             elif node not in self.placement.holders:
                 self._replace(old, node)
@@ -86,6 +86,10 @@ class CoordinatorCore:
         if len(self.members) < self.world:
             return
         nodes = [NodeInfo(n) for n in sorted(set(self.members.values()))]
+        if not self.cfg.peers:
+            self.placement = place_local(nodes, self.cfg.k, self.cfg.m)
+            self.epoch += 1
+            return
         try:
             self.placement = place(nodes, self.cfg.k, self.cfg.m, self.cfg.group_size)
         except ValueError as exc:

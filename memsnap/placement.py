@@ -135,6 +135,13 @@ def place(nodes: Sequence[NodeInfo], k: int, m: int, group_size: int | None = No
     return Placement(k, m, groups, holders)
 
 
+def place_local(nodes: Sequence[NodeInfo], k: int, m: int) -> Placement:
+    """The placement of a job without peers (``peers=False``): one group, nobody holds shards."""
+    _check_code(k, m)
+    ids = sorted({n.node_id for n in nodes})
+    return Placement(k, m, (tuple(ids),), {n: () for n in ids})
+
+
 def replace_node(p: Placement, lost: str, new: NodeInfo) -> Placement:
     """``p`` with node ``new`` in every slot ``lost`` had (its group, its shards, its holders)."""
     if lost not in p.holders:

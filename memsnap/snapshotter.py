@@ -68,6 +68,7 @@ class Snapshotter:
                  spill: str | None = None, spill_every: int | None = None,
                  spill_every_seconds: float | None = None, spill_bytes_per_s: int = 256 << 20,
                  transport: str = "tcp", chunk: int | None = None, local_copy: bool = True,
+                 peers: bool | None = None,
                  every_steps: int | None = 1, every_seconds: float | None = None, auto: bool = False,
                  mtbf_hours: float | None = None, on_error: str = "warn",
                  max_staleness_steps: int | None = None, preemption: bool = True,
@@ -85,14 +86,21 @@ class Snapshotter:
             raise ConfigError(f"world_size={world_size!r}: must be an int >= 1")
         if not isinstance(rank, int) or not 0 <= rank < world_size:
             raise ConfigError(f"rank={rank!r}: must be an int in [0, world_size={world_size})")
+        need = k + m + 1 if isinstance(k, int) and isinstance(m, int) else 0
+        if peers is None:
+            peers = world_size >= need
+            if not peers:
+                log.warning("memsnap job %r: world_size=%d is below k+m+1=%d, so there are no peers to hold "
+                            "erasure-coded pieces: snapshots protect against a crashed process (local RAM) "
+                            "and, with spill=, a lost node (durable tier)", job, world_size, need)
+        elif peers and world_size < need:  # placement would fail later, inside the coordinator
+            raise ConfigError(f"world_size={world_size} with k={k}, m={m}, peers=True: a node's k+m shards are "
+                              f"held by other nodes of the job, so its ranks must run on at least k+m+1={need} "
+                              f"nodes; run at least {need} ranks (one per node), lower k and m, or pass "
+                              "peers=False (local RAM and spill only)")
         self.config = SnapshotConfig(job, k, m, group_size, keep, memory_budget, spill, spill_every,
                                      spill_every_seconds, spill_bytes_per_s, transport, chunk,
-                                     local_copy=local_copy)
-        need = self.config.k + self.config.m + 1
-        if world_size < need:  # placement would fail later, inside the coordinator
-            raise ConfigError(f"world_size={world_size} with k={k}, m={m}: a node's k+m shards are held by "
-                              f"other nodes of the job, so its ranks must run on at least k+m+1={need} nodes; "
-                              f"run at least {need} ranks (one per node) or lower k and m")
+                                     local_copy=local_copy, peers=peers)
         if not ray.is_initialized():
             raise ConfigError("Snapshotter needs Ray: create it inside a Ray task/actor or after ray.init()")
         self.rank, self.world = rank, world_size

@@ -92,9 +92,15 @@ class Blob(torch.nn.Module):
 class Rank:
     """One rank of a test job: its own small state and Snapshotter."""
 
-    def __init__(self, job: str, rank: int, opts: dict):
+    def __init__(self, job: str, rank: int, opts: dict, world: int = WORLD):
         self.state = make_state(rank)
-        self.snap = Snapshotter(job=job, rank=rank, world_size=WORLD, **opts)
+        self.snap = Snapshotter(job=job, rank=rank, world_size=world, **opts)
+
+    def restore(self) -> int | None:
+        return self.snap.restore(self.state)
+
+    def digest(self) -> str:
+        return digest(self.state)
 
     def ready(self) -> str:
         return ray.get_runtime_context().get_node_id()
@@ -204,9 +210,44 @@ def test_snapshots_failing_for_longer_than_max_staleness_steps_stop_training(job
         assert r["counters"]["failed_saves"] == 3
 
 
-def test_fewer_ranks_than_k_plus_m_plus_1_is_refused_up_front():
-    with pytest.raises(ConfigError, match=r"world_size=1 with k=1, m=1.*k\+m\+1=3"):
-        Snapshotter(job="tc-too-few", rank=0, world_size=1, k=1, m=1, preemption=False)
+def test_asking_for_peers_with_fewer_ranks_than_k_plus_m_plus_1_is_refused_up_front():
+    with pytest.raises(ConfigError, match=r"world_size=1 with k=1, m=1, peers=True.*k\+m\+1=3.*peers=False"):
+        Snapshotter(job="tc-too-few", rank=0, world_size=1, k=1, m=1, peers=True, preemption=False)
+
+
+def test_a_single_process_snapshots_into_local_ram_and_the_spill(job, tmp_path):
+    """world_size=1 has no peers: a crashed process restores from its node's agent, the
+    spill holds the rest, and status() says no node loss is survivable from RAM."""
+    from memsnap.localcluster import wait_for
+
+    name, actors = job
+    spill = str(tmp_path / "spill")
+
+    def solo():
+        actor = Rank.options(resources={"memsnap_node_0": 0.01}).remote(
+            name, 0, dict(BASE, spill=spill, spill_every=2), world=1)
+        actors.append(actor)
+        ray.get(actor.ready.remote(), timeout=180)
+        return actor
+
+    first = solo()
+    for step in range(3):
+        got = ray.get(first.step.remote(step), timeout=240)
+        assert got["saved"] and got["error"] is None
+    assert wait(first, 2) == 2
+    wait_for(lambda: ray.get(first.status.remote(), timeout=60)["durable_step"] == 2, timeout=120,
+             what="step 2 spilled (the first commit of the second block of 2 steps)")
+    st = ray.get(first.status.remote(), timeout=60)
+    assert st["committed_steps"] == [1, 2] and st["protection"] == {"0": 0}
+    saved = ray.get(first.digest.remote(), timeout=60)
+    kill(first)  # the process dies; the node and its agent stay
+    second = solo()
+    assert ray.get(second.digest.remote(), timeout=60) != saved
+    assert ray.get(second.restore.remote(), timeout=240) == 2
+    assert ray.get(second.digest.remote(), timeout=60) == saved
+    assert ray.get(second.status.remote(), timeout=60)["last_restore"]["tier"] == "local"
+    fresh = make_state(7)
+    assert memsnap.load(spill, fresh, 2, rank=0, world_size=1) == 2 and digest(fresh) == saved
 
 
 SCRIPT = """
