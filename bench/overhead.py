@@ -2,7 +2,7 @@
 
 A 4-node job on a simulated local Ray cluster: one training actor per node trains the demo's
 model (memsnap/demo/model.py). Every configuration runs on all four ranks at once, in
-interleaved rounds so machine noise hits them alike. The first round warms every
+interleaved rounds (the order rotates every round) so machine noise hits them alike. The first round warms every
 configuration up (agents started, first snapshots placed, files created) and is not counted;
 each later round gives every configuration's steps/s relative to ``none`` in the same round,
 and the median of those ratios is reported:
@@ -145,7 +145,8 @@ def main() -> None:
                      for i in range(NODES)]
             for r in range(args.rounds + 1):
                 got = {}
-                for name in CONFIGS:
+                order = CONFIGS[r % len(CONFIGS):] + CONFIGS[:r % len(CONFIGS)]  # no seat is always first
+                for name in order:
                     got[name] = min(ray.get([a.run.remote(name, args.steps) for a in ranks], timeout=1800))
                     print(f"round {r}{' (warm-up)' if r == 0 else ''} {name:14s} {got[name]:7.2f} steps/s "
                           "(slowest rank)", file=sys.stderr, flush=True)

@@ -86,6 +86,8 @@ class AgentCore:
         self.counters = {"failed_snapshots": 0, "pushed_bytes": 0, "repaired_chunks": 0}
         self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="memsnap-agent")
         self.spiller = None
+        self.prepared: dict[int, Arena] = {}  # rank -> a touched arena its peer restore will fill
+        self.preparing: dict[int, threading.Event] = {}
 
     def _transport_opts(self) -> dict:
         if self.cfg.transport == "objstore":
@@ -148,7 +150,8 @@ class AgentCore:
 
     def _free_slots(self) -> list[int]:
         """Lean mode: a slot is free again once its chunks are acknowledged ("ready")."""
-        live = LIVE if self.cfg.local_copy else ("capturing", "encoding", "restoring")
+        # lean mode: a committed version is still here only while it waits for its spill
+        live = LIVE if self.cfg.local_copy else ("capturing", "encoding", "restoring", "committed")
         used = {v.slot for v in self.versions.values() if v.state in live}
         return [s for s in range(self.cfg.slots) if s not in used]
 
@@ -165,10 +168,53 @@ class AgentCore:
             arena.close(unlink=True)
             self.budget.release(arena.nbytes)
             del self.arenas[(rank, slot)]
-        self.budget.charge(nbytes, f"the arena of rank {rank} (slot {slot})")
-        arena = Arena.create(naming.arena_path(self.cfg.job, self.node, rank, slot, gen), nbytes, prefault)
+        path = naming.arena_path(self.cfg.job, self.node, rank, slot, gen)
+        ready = self.prepared.pop(rank, None)
+        if ready is not None and ready.nbytes == nbytes:
+            ready.rename(path)  # already charged and touched
+            arena = ready
+        else:
+            if ready is not None:
+                ready.close(unlink=True)
+                self.budget.release(ready.nbytes)
+            self.budget.charge(nbytes, f"the arena of rank {rank} (slot {slot})")
+            arena = Arena.create(path, nbytes, prefault)
         self.arenas[(rank, slot)] = arena
         return arena
+
+    # --- 0. prepare a peer restore --------------------------------------------------------------
+    def prepare(self, rank: int, nbytes: int) -> bool:
+        """``rank`` just registered here and will restore ``nbytes`` from its peers (its node
+        is new): create and touch the arena now, while the job gathers for the restore, so the
+        fetch lands in memory that is already backed (fresh pages cost as much as the copy)."""
+        with self.lock:
+            if rank in self.prepared or rank in self.preparing or any(
+                    r == rank and a.nbytes >= nbytes for (r, _), a in self.arenas.items()):
+                return False
+            try:
+                self.budget.charge(nbytes, f"the restore arena of rank {rank}")
+            except MemoryBudgetError as exc:
+                log.info("not preparing a restore arena: %s", exc)
+                return False
+            done = self.preparing[rank] = threading.Event()
+        try:
+            arena = Arena.create(naming.arena_path(self.cfg.job, self.node, rank, "prep", 0), nbytes)
+        except BaseException:
+            self.budget.release(nbytes)
+            raise
+        finally:
+            with self.lock:
+                self.preparing.pop(rank, None)
+            done.set()
+        with self.lock:
+            self.prepared[rank] = arena
+        return True
+
+    def _await_prepared(self, rank: int, timeout: float = 60.0) -> None:
+        with self.lock:
+            done = self.preparing.get(rank)
+        if done is not None:
+            done.wait(timeout)
 
     # --- 3. captured ---------------------------------------------------------------------------
     def captured(self, step: int, rank: int, manifest_json: str, local_ranks: list[int]) -> None:
@@ -272,9 +318,15 @@ class AgentCore:
                 if s not in keep:
                     del self.records[s]
             v = self.versions.get(step)
+            hold = not self.cfg.local_copy and bool(record.get("spill"))  # lean: kept until spilled
+            if hold:  # an older step held for a spill gives way, unless it is being written
+                for old in [o for o in self.versions.values()
+                            if o.step < step and o.state == "committed" and not self._pinned(o.step)]:
+                    self.versions.pop(old.step)
             if v is not None and v.state in ("ready", "encoding", "restored"):
                 v.state = "committed"
-                self._drop_if_lean(v)
+                if not hold:
+                    self._drop_if_lean(v)
             for old in list(self.versions.values()):
                 if old.step < step and old.step not in keep and not self._pinned(old.step):
                     if old.state not in ("committed", "freed"):
@@ -283,6 +335,16 @@ class AgentCore:
         self.store.drop(lambda key: key.step in keep or key.step > step)
         if self.spiller is not None:
             self.spiller.committed(step, bool(record.get("spill")))
+
+    def spilled(self, step: int, ranks: list[int]) -> None:
+        """The spill thread wrote ``ranks`` of ``step``: tell the coordinator; in lean mode the
+        version was held only for this, so its slot is free again."""
+        ray.get(self._coordinator().spilled.remote(step, ranks), timeout=tunable("call_timeout_s"))
+        if not self.cfg.local_copy:
+            with self.lock:
+                v = self.versions.get(step)
+                if v is not None and v.state == "committed":
+                    self.versions.pop(step)
 
     def _drop_if_lean(self, v: Version) -> None:
         """Lean mode: a committed version is not kept as a local copy; its slot is free."""
@@ -330,6 +392,7 @@ class AgentCore:
         from memsnap.restore import gather
 
         entry = record["ranks"][str(rank)]
+        self._await_prepared(rank)
         with self.lock:
             self._clear_for_restore(step)
             v = self.versions.get(step)
@@ -398,9 +461,10 @@ class AgentCore:
             self.spiller.stop()
         self.transport.close()
         with self.lock:
-            for arena in self.arenas.values():
+            for arena in [*self.arenas.values(), *self.prepared.values()]:
                 arena.close(unlink=True)
             self.arenas.clear()
+            self.prepared.clear()
 
 
 def _codec(k: int, m: int):
@@ -433,7 +497,7 @@ class SnapshotAgent:
         if cfg.spill is not None:
             from memsnap.spill import Spiller
 
-            self.core.spiller = Spiller(self.core)
+            self.core.spiller = Spiller(self.core, report=self.core.spilled)
 
     def ping(self) -> str:
         return self.core.node
@@ -443,6 +507,9 @@ class SnapshotAgent:
             self.core.ranks.add(rank)
             self.core.world = world_size
         return self.core.address
+
+    def prepare(self, rank: int, nbytes: int) -> bool:
+        return self.core.prepare(rank, nbytes)
 
     def begin(self, step: int, rank: int, nbytes: int) -> dict:
         return self.core.begin(step, rank, nbytes)
@@ -485,6 +552,13 @@ class SnapshotAgent:
     def flip_chunk(self, step: int, owner: str, stripe: int, shard: int, offset: int = 0) -> None:
         """Fault injection: corrupt one byte of a held chunk."""
         self.core.store.flip_byte(ChunkKey(step, owner, stripe, shard), offset)
+
+    def stall_receiving(self, step: int, after_chunks: int) -> None:
+        """Fault injection: stop acknowledging chunks of ``step`` after ``after_chunks``."""
+        self.core.store.stall(step, after_chunks)
+
+    def stalled(self) -> bool:
+        return self.core.store.stalled.is_set()
 
     def objstore_push(self, packed_keys: list, refs: list, checksums: list) -> list:
         return self.core.transport.handle_push(packed_keys, refs, checksums)

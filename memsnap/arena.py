@@ -66,6 +66,11 @@ class Arena:
             os.close(fd)
         return cls(path, nbytes, mm, owner=False)
 
+    def rename(self, path: str) -> None:
+        """Give the shared-memory file a new name; the mapping stays as it is."""
+        os.replace(self.path, path)
+        self.path = path
+
     def view(self, offset: int = 0, nbytes: int | None = None) -> memoryview:
         """A writable view of ``nbytes`` (default: the rest) from ``offset``."""
         stop = self.nbytes if nbytes is None else offset + nbytes

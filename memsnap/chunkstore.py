@@ -26,6 +26,8 @@ class HeldChunks:
         self._free: dict[int, list[mmap.mmap]] = {}
         self._pending: dict[ChunkKey, mmap.mmap] = {}
         self._held: dict[ChunkKey, tuple[mmap.mmap, int]] = {}
+        self._stall: tuple[int, int] | None = None  # fault injection, see ``stall``
+        self.stalled = threading.Event()
 
     # --- the ChunkStore protocol (called by the transport's server half) ------------------
     def reserve(self, key: ChunkKey, nbytes: int) -> memoryview:
@@ -38,6 +40,8 @@ class HeldChunks:
         return memoryview(buf)[:nbytes]
 
     def complete(self, key: ChunkKey, checksum: int) -> None:
+        if self._stall is not None and key.step == self._stall[0]:
+            self._stall_here()
         with self._lock:
             buf = self._pending.pop(key)
             old = self._held.pop(key, None)
@@ -94,6 +98,20 @@ class HeldChunks:
         with self._lock:
             buf = self._held[key][0]
             buf[offset] ^= 0xFF
+
+    def stall(self, step: int, after: int) -> None:
+        """Fault injection: after ``after`` chunks of ``step`` arrive, block the receiving
+        thread for good (no more acknowledgements), so a sender is stuck mid-transfer."""
+        with self._lock:
+            self._stall = (step, after)
+
+    def _stall_here(self) -> None:
+        with self._lock:
+            step, left = self._stall
+            self._stall = (step, left - 1)
+        if left <= 0:
+            self.stalled.set()
+            threading.Event().wait()  # until the process dies
 
     # --- the pool ----------------------------------------------------------------------------
     def _take(self, nbytes: int, key: ChunkKey) -> mmap.mmap:

@@ -20,7 +20,7 @@ TUNABLES: dict[str, float] = {
     "commit_notify_timeout_s": 30.0,
     "spill_retry_s": 5.0,           # pause before a failed spill is tried again
     "chunk_target": 1 << 20,        # shard size the stripe layout aims for (bytes)
-    "parity_window": 8 << 20,       # parity bytes encoded per batch (the scratch is two batches)
+    "parity_window": 4 << 20,       # parity bytes encoded per batch (the scratch is two batches)
     "agent_max_concurrency": 16,
     "coordinator_max_concurrency": 64,
     "preemption_poll_s": 5.0,       # how often a rank asks Ray whether its node is draining
@@ -60,7 +60,8 @@ class SnapshotConfig:
     keeps its own ranks' committed bytes, so a crashed process restores with no network
     traffic; ``False`` (lean mode) keeps only the chunks held for peers plus one reused
     staging arena per rank, every restore reads from the peers, and a group survives ``m``
-    node losses instead of ``m+1``. ``peers=False``: no erasure-coded pieces on other nodes
+    node losses instead of ``m+1``; with a spill, a step due for it is held until written.
+    ``peers=False``: no erasure-coded pieces on other nodes
     (a single process, or a job on fewer than ``k+m+1`` nodes): snapshots live in the local
     agent's RAM (a crashed process restores from there) and in the spill; a lost node falls
     back to the durable tier.
@@ -107,9 +108,6 @@ class SnapshotConfig:
         if not self.peers and not self.local_copy:
             raise ConfigError("peers=False with local_copy=False would hold no snapshot in RAM at all; "
                               "keep local_copy=True")
-        if not self.local_copy and self.spill is not None:
-            raise ConfigError(f"local_copy=False with spill={self.spill!r}: spilling reads the node's "
-                              "own copy; keep local_copy=True to spill, or pass spill=None")
         if self.spill is None and (self.spill_every or self.spill_every_seconds):
             raise ConfigError("spill_every/spill_every_seconds are set but spill=None: pass spill=URI")
         if self.spill is not None and not (self.spill_every or self.spill_every_seconds):
@@ -118,8 +116,11 @@ class SnapshotConfig:
     @property
     def slots(self) -> int:
         """Arena slots per rank: ``keep`` committed versions plus the one being captured (lean
-        mode: one staging arena, reused once the chunks of a save are acknowledged)."""
-        return self.keep + 1 if self.local_copy else 1
+        mode: one staging arena, reused once the chunks of a save are acknowledged, and with a
+        spill a second one, for a committed step held until it is written)."""
+        if self.local_copy:
+            return self.keep + 1
+        return 2 if self.spill is not None else 1
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)

@@ -62,7 +62,18 @@ class CoordinatorCore:
         self.place_error: str | None = None
 
     # --- membership ------------------------------------------------------------------------
-    def register(self, rank: int, node: str, address: dict) -> None:
+    def register(self, rank: int, node: str, address: dict) -> dict:
+        """Add ``rank`` on ``node``. Answers ``{"restore_bytes": n}`` when the newest committed
+        step holds ``n`` bytes of this rank that ``node`` has no copy of (a replacement node):
+        its agent can prepare the memory a peer restore will fill."""
+        self._register(rank, node, address)
+        with self.lock:
+            record = self.records[max(self.records)] if self.records else None
+            entry = None if record is None else record["ranks"].get(str(rank))
+            moved = entry is not None and (entry["owner"] != node or not self.cfg.local_copy)
+            return {"restore_bytes": entry["nbytes"] if moved else None}
+
+    def _register(self, rank: int, node: str, address: dict) -> None:
         if not 0 <= rank < self.world:
             raise CommitError(f"rank={rank}: must be in [0, world_size={self.world})")
         if self.cfg.peers and self.placement is not None and node not in self.placement.holders:
@@ -511,7 +522,7 @@ class Coordinator:
     def config(self) -> dict:
         return {"config": self.core.cfg.to_dict(), "world_size": self.core.world}
 
-    def register(self, rank: int, node: str, address: dict) -> None:
+    def register(self, rank: int, node: str, address: dict) -> dict:
         return self.core.register(rank, node, address)
 
     def members(self, timeout: float) -> dict:

@@ -23,8 +23,9 @@ def secret_key(job: str) -> bytes:
     return f"memsnap:{job}:secret".encode()
 
 
-def arena_path(job: str, node_id: str, rank: int, slot: int, gen: int) -> str:
-    """The shared-memory file of ``rank``'s arena ``slot`` (``gen`` bumps when it is regrown)."""
+def arena_path(job: str, node_id: str, rank: int, slot: int | str, gen: int) -> str:
+    """The shared-memory file of ``rank``'s arena ``slot`` (``gen`` bumps when it is regrown;
+    slot ``"prep"``: an arena prepared for a restore, renamed to its slot when used)."""
     return os.path.join(SHM_DIR, f"memsnap-{job}-{node_id[:12]}-r{rank}-s{slot}-g{gen}")
 
 

@@ -108,7 +108,9 @@ class Snapshotter:
         self._agent = agents.get_or_create(self.config, self.node, job_secret(job))
         self._address = _get(self._agent.register.remote(rank, world_size))
         self._coord = coordinators.get_or_create(self.config, world_size)
-        self._ccall("register", rank, self.node, self._address)
+        hint = self._ccall("register", rank, self.node, self._address) or {}
+        if hint.get("restore_bytes"):  # a new node: its agent backs the restore's memory meanwhile
+            self._agent.prepare.remote(rank, hint["restore_bytes"])
         self._local: list[int] | None = None
         self._maps: dict[str, Arena] = {}
         self.counters = {"saves": 0, "failed_saves": 0, "skipped_saves": 0}

@@ -3,7 +3,7 @@
 One cluster for the whole module (starting one costs about a minute on 2 cores); the tests
 run in file order and each leaves the job in a state the next one builds on:
 save/commit -> process crash -> rank dies mid-capture -> coordinator lost -> corrupted chunk
-+ node loss (+ a holder lost during a transfer) -> re-protection -> more losses than the code
++ node loss (that node, a holder, dies in the middle of a transfer) -> re-protection -> more losses than the code
 tolerates (durable fallback).
 """
 from __future__ import annotations
@@ -145,12 +145,18 @@ def test_corrupt_chunk_and_node_loss_restore_from_peers(job):
             break
     else:
         pytest.fail("no holder of shard 0 of the lost node's step 4")
+    # every rank saves step 5; the soon-lost node, a holder of the others, stops acknowledging
+    # chunks of step 5 after the first one it receives, and dies while the senders are mid-transfer
+    ray.get(agent(lost).stall_receiving.remote(5, 1), timeout=30)
+    for r in (0, 1, 2, 3):
+        ray.get(trainers[r].step_and_save.remote(5), timeout=120)
+    wait_for(lambda: ray.get(agent(lost).stalled.remote(), timeout=30), timeout=60,
+             what="a transfer of step 5 to the soon-lost holder to be under way")
+    assert status(job)["committed_step"] == 4
     victim = next(n for n in c.nodes if n.node_id == lost)
     c.kill_node(victim)
     wait_for(lambda: node_dead(lost), timeout=60, what="the killed node to be declared dead")
-    # survivors try step 5: a holder (and a rank) is gone mid-transfer, so it never commits
-    for r in (0, 1, 3):
-        ray.get(trainers[r].step_and_save.remote(5), timeout=120)
+    assert ray.get(trainers[0].wait.remote(5, 120), timeout=150) == 4  # step 5 fails, never commits
     c.add_node()  # resource memsnap_node_4
     trainers[2] = start_trainer(JOB, 2, 4, 4, job["opts"], seed=97)
     nodes[2] = ray.get(trainers[2].node.remote())

@@ -2,7 +2,9 @@
 
 The agents keep no committed copy of their own node's bytes (only the chunks they hold for
 peers and one reused staging arena per rank), so a crashed process restores from its peers,
-and a group is protected against ``m`` node losses, not ``m+1``. The tests run in file order.
+and a group is protected against ``m`` node losses, not ``m+1``: the last test loses ``m+1``
+nodes of a second, spilling lean job and falls back to the durable tier. The tests run in file
+order.
 """
 from __future__ import annotations
 
@@ -10,7 +12,9 @@ import pytest
 import ray
 
 from memsnap import naming
-from test_runtime_helpers import cluster, kill, restore_all, start_all, start_trainer, wait_for
+from memsnap.snapshotter import shutdown
+from test_runtime_helpers import (cluster, kill, node_dead, remove_arenas, restore_all, start_all,
+                                  start_trainer, wait_for)
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -80,3 +84,40 @@ def test_lean_job_goes_on_saving_after_the_restore(job):
     save_all(job, 3)
     assert_no_local_copy(job, [2, 3])
     assert status(job)["committed_step"] == 3
+
+
+def test_lean_with_spill_m_plus_1_node_losses_fall_back_to_durable(job, tmp_path):
+    """A second, spilling lean job: a step the coordinator asks to spill is held until it is
+    written, then dropped. Losing m+1 = 2 nodes leaves node 0's bytes with one holder (k=2 are
+    needed) and no local copy, so every rank loads the newest spilled step, with a warning."""
+    c, name = job["cluster"], "rt-lean-spill"
+    opts = dict(job["opts"], spill=str(tmp_path / "spill"), spill_every=2)
+    try:
+        trainers = start_all(name, [0, 1, 2, 3], opts)
+        nodes = ray.get([t.node.remote() for t in trainers], timeout=60)
+        digests = {}
+        for step in (1, 2, 3):  # spilled: 1 (the first commit) and 2 (first of the block 2-3)
+            digests[step] = ray.get([t.step_and_save.remote(step) for t in trainers], timeout=120)
+            assert ray.get(trainers[0].wait.remote(step, 120), timeout=150) == step
+        wait_for(lambda: ray.get(trainers[0].status.remote(), timeout=60)["durable_step"] == 2, timeout=120,
+                 what="step 2 spilled")
+        agents = [ray.get_actor(naming.agent(name, n), namespace=naming.NAMESPACE) for n in nodes]
+        wait_for(lambda: not any(v["state"] == "committed" for inv in ray.get([a.inventory.remote() for a in agents],
+                                                                                timeout=60)
+                                 for v in inv["versions"].values()),
+                 timeout=60, what="the lean agents to drop the spilled step's local copy")
+        doomed = nodes[2:]
+        for n in [n for n in c.nodes if n.node_id in doomed]:
+            c.kill_node(n)
+        wait_for(lambda: all(node_dead(n) for n in doomed), timeout=60, what="two dead nodes")
+        for r in (2, 3):
+            c.add_node()
+            trainers[r] = start_trainer(name, r, 4, r + 2, opts, seed=70 + r)  # memsnap_node_4, _5
+        results = restore_all(trainers)
+        assert [r[0] for r in results] == [2] * 4  # the newest spilled step, not 3 (RAM)
+        assert [r[1] for r in results] == digests[2]
+        assert {r[2]["tier"] for r in results} == {"durable"}
+        assert all("durable storage" in r[2]["warning"] for r in results)
+    finally:
+        shutdown(name, timeout=30)
+        remove_arenas(name)
