@@ -13,7 +13,7 @@ and the median of those ratios is reported:
     torch.save/10     torch.save + fsync every 10 steps
     dcp.async/10      torch.distributed.checkpoint.async_save every 10 steps
 
-    python bench/overhead.py [--steps 100] [--rounds 5] [--model small]
+    python bench/overhead.py [--steps 100] [--rounds 5] [--models small medium]
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ class Rank:
         from memsnap.demo.train import TrainConfig
 
         torch.set_num_threads(1)
-        self.rank, self.work = rank, work
+        self.rank, self.work, self.model = rank, work, model
         self.cfg = TrainConfig(model=ModelConfig.sized(model), batch=8)
         self.snaps = {}
         self.dcp_ready = False
@@ -48,7 +48,7 @@ class Rank:
         from memsnap.snapshotter import Snapshotter
 
         if every not in self.snaps:
-            self.snaps[every] = Snapshotter(job=f"bench-overhead-{every}", rank=self.rank, world_size=NODES,
+            self.snaps[every] = Snapshotter(job=f"bench-overhead-{self.model}-{every}", rank=self.rank, world_size=NODES,
                                             k=2, m=1, every_steps=every, preemption=False)
         return self.snaps[every]
 
@@ -130,35 +130,44 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--rounds", type=int, default=5, help="counted rounds, after one warm-up round")
-    ap.add_argument("--model", default="small")
+    ap.add_argument("--models", nargs="+", default=["small"], help="demo model sizes, one table each")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "overhead.md"))
     args = ap.parse_args()
 
     from memsnap.localcluster import LocalCluster
+
+    sections = []
+    with LocalCluster(NODES) as _cluster:
+        for model in args.models:
+            sections.append(measure(model, args))
+    write(sections, args)
+
+
+def measure(model: str, args) -> dict:
     from memsnap.snapshotter import shutdown
 
     work = tempfile.mkdtemp(prefix="memsnap-overhead-")
     rounds: list[dict[str, float]] = []
-    with LocalCluster(NODES) as _cluster:
-        try:
-            ranks = [Rank.options(resources={f"memsnap_node_{i}": 0.01}).remote(i, args.model, work)
-                     for i in range(NODES)]
-            for r in range(args.rounds + 1):
-                got = {}
-                order = CONFIGS[r % len(CONFIGS):] + CONFIGS[:r % len(CONFIGS)]  # no seat is always first
-                for name in order:
-                    got[name] = min(ray.get([a.run.remote(name, args.steps) for a in ranks], timeout=1800))
-                    print(f"round {r}{' (warm-up)' if r == 0 else ''} {name:14s} {got[name]:7.2f} steps/s "
-                          "(slowest rank)", file=sys.stderr, flush=True)
-                if r > 0:
-                    rounds.append(got)
-            status = ray.get(ranks[0].status.remote(), timeout=120)
-            nbytes = ray.get(ranks[0].state_bytes.remote(), timeout=120)
-        finally:
-            for every in (1, 10):
-                shutdown(f"bench-overhead-{every}")
-            shutil.rmtree(work, ignore_errors=True)
-    write(rounds, args, status, nbytes)
+    ranks = [Rank.options(resources={f"memsnap_node_{i}": 0.01}).remote(i, model, work) for i in range(NODES)]
+    try:
+        for r in range(args.rounds + 1):
+            got = {}
+            order = CONFIGS[r % len(CONFIGS):] + CONFIGS[:r % len(CONFIGS)]  # no seat is always first
+            for name in order:
+                got[name] = min(ray.get([a.run.remote(name, args.steps) for a in ranks], timeout=1800))
+                print(f"{model} round {r}{' (warm-up)' if r == 0 else ''} {name:14s} {got[name]:7.2f} steps/s "
+                      "(slowest rank)", file=sys.stderr, flush=True)
+            if r > 0:
+                rounds.append(got)
+        status = ray.get(ranks[0].status.remote(), timeout=120)
+        nbytes = ray.get(ranks[0].state_bytes.remote(), timeout=120)
+    finally:
+        for every in (1, 10):
+            shutdown(f"bench-overhead-{model}-{every}")
+        for a in ranks:
+            ray.kill(a)
+        shutil.rmtree(work, ignore_errors=True)
+    return {"model": model, "rounds": rounds, "status": status, "nbytes": nbytes}
 
 
 def _median(xs: list[float]) -> float:
@@ -167,39 +176,37 @@ def _median(xs: list[float]) -> float:
     return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
 
 
-def write(rounds: list[dict[str, float]], args, status: dict, nbytes: int) -> None:
+def write(sections: list[dict], args) -> None:
     import platform
 
-    rows = []
-    for name in CONFIGS:
-        sps = [r[name] for r in rounds]
-        ratio = _median([r[name] / r["none"] for r in rounds])
-        rows.append(f"| {name} | {_median(sps):.2f} | {min(sps):.2f}-{max(sps):.2f} | {ratio:.3f} | "
-                    f"{100 * (1 - ratio):.1f}% |")
-    load = os.getloadavg()[0]
-    text = "\n".join([
+    lines = [
         "# Training throughput with snapshots (`bench/overhead.py`)",
         "",
-        f"`python bench/overhead.py --steps {args.steps} --rounds {args.rounds} --model {args.model}`; "
+        f"`python bench/overhead.py --steps {args.steps} --rounds {args.rounds} --models {' '.join(args.models)}`; "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} CPUs, Python "
-        f"{platform.python_version()}, load average {load:.1f} at the end.",
+        f"{platform.python_version()}, load average {os.getloadavg()[0]:.1f} at the end.",
         "",
-        f"The `{args.model}` model of `memsnap demo` (batch 8; {nbytes / (1 << 20):.1f} MiB of snapshot "
-        f"state per rank: weights, AdamW moments, scheduler, RNG, sampler), one training actor on each of "
-        f"{NODES} simulated nodes of a local Ray cluster, all on this machine's 2 cores. Each round runs "
-        f"{args.steps} timed steps of every configuration on every rank at once and takes the slowest "
-        f"rank's steps/s; one warm-up round is not counted; {args.rounds} counted rounds. The ratio is "
-        "the median over rounds of (configuration / none) within a round, so slow drifts of the "
-        "machine cancel out. memsnap runs RS(2,1) with the local copy: its agents' checksumming, "
-        "encoding, sending and committing compete with training for the same 2 cores.",
-        "",
-        "| configuration | steps/s (median) | range | vs. none (median ratio) | throughput cost |",
-        "| --- | --- | --- | --- | --- |",
-        *rows,
-        "",
-        f"memsnap status at the end (per every_steps): {status}",
-        "",
-    ])
+        f"One training actor on each of {NODES} simulated nodes of a local Ray cluster, all on this "
+        f"machine's 2 cores, trains a model of `memsnap demo` (batch 8). Each round runs {args.steps} "
+        "timed steps of every configuration on every rank at once (the order rotates every round) and "
+        f"takes the slowest rank's steps/s; one warm-up round is not counted; {args.rounds} counted "
+        "rounds. The ratio is the median over rounds of (configuration / none) within a round, so slow "
+        "drifts of the machine cancel out. memsnap runs RS(2,1) with the local copy: its agents' "
+        "checksumming, encoding, sending and committing compete with training for the same 2 cores.",
+    ]
+    for sec in sections:
+        rounds = sec["rounds"]
+        lines += ["", f"## `{sec['model']}` model ({sec['nbytes'] / (1 << 20):.1f} MiB of snapshot state per rank: "
+                  "weights, AdamW moments, scheduler, RNG, sampler)", "",
+                  "| configuration | steps/s (median) | range | vs. none (median ratio) | throughput cost |",
+                  "| --- | --- | --- | --- | --- |"]
+        for name in CONFIGS:
+            sps = [r[name] for r in rounds]
+            ratio = _median([r[name] / r["none"] for r in rounds])
+            lines.append(f"| {name} | {_median(sps):.2f} | {min(sps):.2f}-{max(sps):.2f} | {ratio:.3f} | "
+                         f"{100 * (1 - ratio):.1f}% |")
+        lines += ["", f"memsnap status at the end (per every_steps): {sec['status']}"]
+    text = "\n".join(lines) + "\n"
     print(text)
     with open(args.out, "w") as f:
         f.write(text)

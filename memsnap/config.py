@@ -24,6 +24,7 @@ TUNABLES: dict[str, float] = {
     "agent_max_concurrency": 16,
     "coordinator_max_concurrency": 64,
     "preemption_poll_s": 5.0,       # how often a rank asks Ray whether its node is draining
+    "reprotect_defer_s": 20.0,      # re-protection waits this long at most for a restore to go first
 }
 
 

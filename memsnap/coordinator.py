@@ -58,6 +58,7 @@ class CoordinatorCore:
         self.bad: set[int] = set()
         self.last_restore: dict = {"tier": "none", "step": None, "seconds": {}}
         self.reprotect: dict = {"running": 0, "again": False, "rebuilt_chunks": 0, "errors": []}
+        self.restores = 0  # restore rounds completed; re-protection lets the next one go first
         self.gen = 0  # bumped by every completed restore; older snapshots in flight are ignored
         self.place_error: str | None = None
 
@@ -271,6 +272,10 @@ class CoordinatorCore:
             if not failed:
                 self._note_restore(rnd)
                 self._resume(rnd)
+                if not rnd.get("counted"):
+                    rnd["counted"] = True
+                    self.restores += 1
+                    self.cond.notify_all()
             return {"ok": not failed, "failed": {str(r): rep for r, rep in failed.items()},
                     "gen": rnd.get("gen", self.gen)}
 
@@ -361,6 +366,7 @@ class CoordinatorCore:
 
     def _reprotect_loop(self) -> None:
         try:
+            self._let_the_restore_go_first()
             while True:
                 self.reprotect["again"] = False
                 for step in sorted(self.records):
@@ -370,6 +376,14 @@ class CoordinatorCore:
         finally:
             with self.lock:
                 self.reprotect["running"] = 0
+
+    def _let_the_restore_go_first(self) -> None:
+        """A rank joined on a new node, so a restore is about to run; rebuilding the lost
+        node's shards moves as many bytes over the same nodes. Wait until a restore round
+        completes (or ``reprotect_defer_s`` passes) so the restore has the network to itself."""
+        with self.cond:
+            seen = self.restores
+            self.cond.wait_for(lambda: self.restores > seen, tunable("reprotect_defer_s"))
 
     def _reprotect_step(self, step: int) -> None:
         with self.lock:

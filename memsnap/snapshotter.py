@@ -141,14 +141,7 @@ class Snapshotter:
         a local one bound to 127.0.0.1."""
         import os
 
-        if not ray.is_initialized():
-            from memsnap.localcluster import loopback_env
-
-            if os.environ.get("RAY_ADDRESS"):
-                ray.init(address=os.environ["RAY_ADDRESS"], namespace=naming.NAMESPACE)
-            else:
-                loopback_env()
-                ray.init(namespace=naming.NAMESPACE, include_dashboard=False)
+        ensure_ray()
         rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
         return cls(job=job, rank=rank, world_size=world, **kwargs)
 
@@ -419,6 +412,22 @@ class Snapshotter:
         for arena in self._maps.values():
             arena.close(unlink=False)
         self._maps.clear()
+
+
+def ensure_ray() -> None:
+    """Connect to the Ray cluster in ``RAY_ADDRESS`` unless Ray is initialised already, or
+    start a local one bound to 127.0.0.1."""
+    import os
+
+    if ray.is_initialized():
+        return
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], namespace=naming.NAMESPACE)
+    else:
+        from memsnap.localcluster import loopback_env
+
+        loopback_env()
+        ray.init(namespace=naming.NAMESPACE, include_dashboard=False)
 
 
 def shutdown(job: str, timeout: float = 30.0) -> None:
