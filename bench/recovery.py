@@ -144,8 +144,8 @@ def peer_vs_durable(mib: int, spill: str) -> dict:
 def data_path_alone(ranks, lost: str) -> dict:
     """The lost node's bytes fetched again from the same holders with every other rank idle and
     re-protection done (on separate machines, the other ranks' own loads would not share these
-    2 cores), into the replacement node's arena, whose pages are backed already; then rank 1's
-    apply alone. (Backing fresh pages costs about 1.1 ms per MiB on this VM.)"""
+    2 cores), into the replacement node's arena, whose pages are backed already (best of 3);
+    then rank 1's apply alone (best of 2). (Backing fresh pages costs about 1.1 ms per MiB on this VM.)"""
     wait_for(lambda: (lambda st: st["reprotect"]["running"] == 0 and st["protection"]
                       and min(st["protection"].values()) == 2)(ray.get(ranks[0].status.remote(), timeout=60)),
              timeout=600, what="re-protection to finish (it would share the cores)")
@@ -154,10 +154,13 @@ def data_path_alone(ranks, lost: str) -> dict:
     a_old = ray.get_actor(naming.agent(JOB, ray.get(ranks[0].node.remote())), namespace=naming.NAMESPACE)
     record = ray.get(a_old.records.remote(), timeout=60)[1]  # a survivor was told of the commit
     assert record["ranks"]["1"]["owner"] == lost
-    out = {}
-    t = time.perf_counter()
-    ray.get(a_new.recover.remote(1, 1, record), timeout=600)
-    out["touched"] = time.perf_counter() - t
+    out, runs = {}, []
+    for _ in range(3):
+        t = time.perf_counter()
+        ray.get(a_new.recover.remote(1, 1, record), timeout=600)
+        runs.append(time.perf_counter() - t)
+    print(f"  data path alone, fetch runs: {[round(r, 3) for r in runs]}", flush=True)
+    out["touched"] = min(runs)
     out["apply"] = min(ray.get(ranks[1].apply_local.remote(1), timeout=600) for _ in range(2))
     return out
 
@@ -320,7 +323,7 @@ def run(args, work: str) -> None:
     rows = [("memsnap peer RAM (k=2, m=1), collective restore, lost rank end to end", peer["wall"]),
             ("  of which: fetch + decode from peers", peer["seconds"].get("fetch", float("nan"))),
             ("  of which: apply (verify checksums + copy into the live tensors)", peer["seconds"].get("apply", float("nan"))),
-            ("memsnap peer data path alone: fetch + decode into backed memory", alone["touched"]),
+            ("memsnap peer data path alone: fetch + decode into backed memory (best of 3)", alone["touched"]),
             ("memsnap peer data path alone: apply", alone["apply"]),
             ("memsnap peer data path alone, end to end (fetch + apply)", alone["touched"] + alone["apply"])]
     rows.append(("memsnap durable, local disk, warm cache", min(durable_restore(spill, args.mib, None) for _ in range(2))))

@@ -208,7 +208,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes-mib", type=int, nargs="+", default=[256, 1024])
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--chunk-mib", type=float, default=1.0, help="target shard size (choose_chunk)")
+    ap.add_argument("--chunk-mib", type=float, default=4.0, help="target shard size (choose_chunk)")
     ap.add_argument("--out", default=None, help="append the markdown table to this file")
     args = ap.parse_args(argv)
     sizes = [s << 20 for s in args.sizes_mib]

@@ -313,6 +313,7 @@ class AgentCore:
     # --- 7. commit -------------------------------------------------------------------------------
     def commit(self, step: int, record: dict, keep: list[int]) -> None:
         with self.lock:
+            first = step not in self.records  # (re-protection tells the agents of a commit again)
             self.records[step] = record
             for s in list(self.records):
                 if s not in keep:
@@ -333,7 +334,7 @@ class AgentCore:
                         self._fail(old, f"step {step} committed first")
                     self.versions.pop(old.step)
         self.store.drop(lambda key: key.step in keep or key.step > step)
-        if self.spiller is not None:
+        if self.spiller is not None and first:
             self.spiller.committed(step, bool(record.get("spill")))
 
     def spilled(self, step: int, ranks: list[int]) -> None:

@@ -19,7 +19,8 @@ TUNABLES: dict[str, float] = {
     "restore_timeout_s": 300.0,     # one collective restore round, all ranks
     "commit_notify_timeout_s": 30.0,
     "spill_retry_s": 5.0,           # pause before a failed spill is tried again
-    "chunk_target": 1 << 20,        # shard size the stripe layout aims for (bytes)
+    "chunk_target": 4 << 20,        # shard size the stripe layout aims for (bytes; 4 MiB moves
+                                    # 1.2-1.4x faster than 1 MiB over loopback: fewer frames)
     "parity_window": 4 << 20,       # parity bytes encoded per batch (the scratch is two batches)
     "agent_max_concurrency": 16,
     "coordinator_max_concurrency": 64,
@@ -57,7 +58,7 @@ class SnapshotConfig:
     ``memory_budget`` bytes of RAM per node agent (also its Ray ``memory`` resource),
     ``spill`` a durable URI written every ``spill_every`` steps and/or
     ``spill_every_seconds``, at most ``spill_bytes_per_s``. ``chunk`` is the shard size
-    (None: about 1 MiB, see ``stripes.choose_chunk``). ``local_copy``: each node's agent
+    (None: about 4 MiB, see ``stripes.choose_chunk``). ``local_copy``: each node's agent
     keeps its own ranks' committed bytes, so a crashed process restores with no network
     traffic; ``False`` (lean mode) keeps only the chunks held for peers plus one reused
     staging arena per rank, every restore reads from the peers, and a group survives ``m``

@@ -400,8 +400,8 @@ class CoordinatorCore:
             with self.lock:
                 live_record = self.records.get(step)
                 keep = sorted(self.records)[-self.cfg.keep:]
-            if live_record is not None:
-                self._broadcast("commit", step, live_record, keep)
+            if live_record is not None:  # the new holders, told again: not a new commit, no spill
+                self._broadcast("commit", step, dict(live_record, spill=False), keep)
 
     def _new_holders(self, record: dict, owner: str, holders: list[str], live: set[str]) -> list:
         """``(j, node)`` for every shard ``j`` whose holder is gone: a live node not yet holding one."""

@@ -51,7 +51,7 @@ class StripeLayout:
         return min(start, self.nbytes), min(start + self.chunk, self.nbytes)
 
 
-def choose_chunk(nbytes: int, k: int, target: int = 1 << 20) -> int:
+def choose_chunk(nbytes: int, k: int, target: int = 4 << 20) -> int:
     """A shard size near ``target`` for ``nbytes`` cut into stripes of ``k`` shards.
 
     The result is a multiple of 64 with an odd number of 64-byte lines, so that the ``k``
