@@ -36,10 +36,10 @@ import ray
 
 from memsnap import encode, naming
 from memsnap.arena import Arena, MemoryBudget, OwnedBuffer
+from memsnap.checksum import fill_checksums
 from memsnap.chunkstore import HeldChunks
 from memsnap.config import SnapshotConfig, tunable
 from memsnap.errors import CommitError, MemoryBudgetError
-from memsnap.checksum import fill_checksums
 from memsnap.manifest import Manifest
 from memsnap.transport.base import ChunkKey, make_transport
 
@@ -277,7 +277,7 @@ class AgentCore:
             self.counters["pushed_bytes"] += sum(len(mv) for _, mv in items)
 
         total = sum(enc.lay.stripes for enc in encs)
-        per = min(total, max(1, int(tunable("parity_window")) // max(1, m * chunk)))
+        per = max(1, min(total, int(tunable("parity_window")) // max(1, m * chunk)))
         with ThreadPoolExecutor(max_workers=k + 2 * m) as ex:
             futures = [ex.submit(push, j, [it for enc in encs for it in enc.items(step, self.node, j)])
                        for j in range(k)]

@@ -15,8 +15,6 @@ import logging
 import threading
 import time
 
-import ray
-
 from memsnap.config import tunable
 from memsnap.manifest import Manifest
 
@@ -26,10 +24,11 @@ log = logging.getLogger("memsnap.spill")
 class Spiller:
     """The spill thread of one agent (``core`` is its ``AgentCore``)."""
 
-    def __init__(self, core, report=None):
-        """``report(step, ranks)`` runs after the ranks are written (default: tell the coordinator)."""
+    def __init__(self, core, report):
+        """``report(step, ranks)`` runs after the ranks are written (the agent's ``spilled``:
+        tell the coordinator, and in lean mode free the version)."""
         self.core, self.cfg = core, core.cfg
-        self.report = report or self._tell_coordinator
+        self.report = report
         self.cond = threading.Condition()
         self.want: int | None = None
         self.urgent: set[int] = set()  # steps to write unthrottled (a preemption notice)
@@ -87,10 +86,6 @@ class Spiller:
         with self.cond:
             if self.want is None and self._version(step) is not None:
                 self.want = step
-
-    def _tell_coordinator(self, step: int, ranks: list[int]) -> None:
-        coord = self.core._coordinator()
-        ray.get(coord.spilled.remote(step, ranks), timeout=tunable("call_timeout_s"))
 
     def _version(self, step: int):
         with self.core.lock:

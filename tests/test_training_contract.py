@@ -2,8 +2,9 @@
 
 One 3-node loopback cluster for the module (k=1, m=1 needs k+m+1 = 3 nodes); each test runs
 its own job (3 ranks, one pinned to each node) and shuts it down afterwards. The SIGTERM test
-runs rank 0 as a separate Python process connected to the cluster, the other two ranks as
-actors that mirror its steps.
+runs rank 0 as a separate, torchrun-style Python process (``Snapshotter.from_env``: RANK,
+WORLD_SIZE and RAY_ADDRESS from the environment), the other two ranks as actors that mirror
+its steps.
 """
 from __future__ import annotations
 
@@ -257,10 +258,10 @@ import ray, torch
 from memsnap.snapshotter import Snapshotter
 from test_training_contract import digest, make_state, train_step
 
-address, job, spill, out = sys.argv[1:5]
-ray.init(address=address, namespace="memsnap", log_to_driver=False, logging_level="WARNING")
-snap = Snapshotter(job=job, rank=0, world_size={world}, k={k}, m={m}, memory_budget={budget},
-                   spill=spill, spill_every=1000)
+job, spill, out = sys.argv[1:4]
+# a torchrun-style process: RANK, WORLD_SIZE and RAY_ADDRESS come from the environment
+snap = Snapshotter.from_env(job=job, k={k}, m={m}, memory_budget={budget}, spill=spill, spill_every=1000)
+assert (snap.rank, snap.world) == (0, {world})
 state, step = make_state(0), -1
 try:
     for step in range(1000):
@@ -292,9 +293,10 @@ def test_sigterm_takes_a_last_snapshot_spills_it_and_exits_cleanly(job, local_cl
     spill, out = str(tmp_path / "spill"), str(tmp_path / "rank0.json")
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(SCRIPT.format(world=WORLD, k=K, m=M, budget=BUDGET)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]),
+               RANK="0", WORLD_SIZE=str(WORLD), RAY_ADDRESS=local_cluster.address)
     with open(tmp_path / "stderr.txt", "w") as err:
-        proc = subprocess.Popen([sys.executable, str(script), local_cluster.address, name, spill, out],
+        proc = subprocess.Popen([sys.executable, str(script), name, spill, out],
                                 stdout=subprocess.PIPE, stderr=err, text=True, env=env)
     try:
         others = start_ranks(job, dict(spill=spill, spill_every=1000, preemption=False), ranks=(1, 2))
