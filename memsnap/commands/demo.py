@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import sys
+import tempfile
 
 
 def register(subparsers) -> argparse.ArgumentParser:
@@ -58,27 +59,39 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"memsnap demo: {exc}", file=sys.stderr)
         return 2
+    # Ray's driver prints node-death notices (with raylet log dumps) to stdout while the demo
+    # kills nodes: with --json they go to stderr, so stdout is one JSON object; in the summary
+    # mode they are kept aside and shown (on stderr) only if the demo fails.
     if args.json:
-        with _stdout_to_stderr():  # Ray prints node-death notices to stdout; keep it pure JSON
+        with _stdout_to(2):
             report = run_demo(opts, progress=False)
         print(json.dumps(report, indent=2))
     else:
-        report = run_demo(opts, progress=True)
+        with tempfile.TemporaryFile() as notices:
+            try:
+                with _stdout_to(notices.fileno()):
+                    report = run_demo(opts, progress=True)
+            except BaseException:
+                notices.seek(0)
+                sys.stderr.write(notices.read().decode(errors="replace"))
+                raise
         print(summary(report))
     return 0 if report["bitwise_identical"] and report["final_params_identical"] else 1
 
 
 @contextlib.contextmanager
-def _stdout_to_stderr():
+def _stdout_to(fd: int):
+    """Point file descriptor 1 at ``fd`` for the block (Ray writes to it from C++ too)."""
     sys.stdout.flush()
     saved = os.dup(1)
-    os.dup2(2, 1)
+    os.dup2(fd, 1)
     try:
         yield
     finally:
         sys.stdout.flush()
         os.dup2(saved, 1)
-        os.close(saved)
+        with contextlib.suppress(OSError):  # seen closed already after Ray's shutdown
+            os.close(saved)
 
 
 def summary(r: dict) -> str:
