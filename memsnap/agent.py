@@ -121,8 +121,9 @@ class AgentCore:
         if not free and len(committed) >= 2 and not self._pinned(committed[0]):
             self.versions.pop(committed[0])  # a newer committed version stays whole
             free = self._free_slots()
-        if not free and self.cfg.local_copy:  # sent but never committed: a newer step replaces
-            # the oldest such version (in lean mode a sent version holds no slot)
+        if not free and (self.cfg.local_copy or self.cfg.spill is not None):  # sent but never
+            # committed: a newer step replaces the oldest such version (in lean mode without a
+            # spill a sent version holds no slot)
             waiting = sorted(s for s, v in self.versions.items() if v.state == "ready" and s < step)
             if waiting:
                 self._fail(self.versions[waiting[0]], f"replaced by step {step} before it committed")
@@ -149,9 +150,13 @@ class AgentCore:
             self.versions.pop(s)
 
     def _free_slots(self) -> list[int]:
-        """Lean mode: a slot is free again once its chunks are acknowledged ("ready")."""
-        # lean mode: a committed version is still here only while it waits for its spill
-        live = LIVE if self.cfg.local_copy else ("capturing", "encoding", "restoring", "committed")
+        """Lean mode: a slot is free again once its chunks are acknowledged ("ready"), or, with
+        a spill, once its commit arrives and no spill is due (else once it is spilled)."""
+        # lean mode: a committed version is still here only while it waits for its spill; with a
+        # spill, a sent ("ready") version keeps its slot until its commit says whether it is due
+        # (the commit reaches this agent after the coordinator has answered the ranks' wait)
+        live = LIVE if self.cfg.local_copy else ("capturing", "encoding", "restoring", "committed") + (
+            ("ready",) if self.cfg.spill is not None else ())
         used = {v.slot for v in self.versions.values() if v.state in live}
         return [s for s in range(self.cfg.slots) if s not in used]
 

@@ -37,16 +37,19 @@ def train_step(state: dict) -> float:
     return float(loss)
 
 
-def digest(state: dict) -> str:
-    """One hash over every tensor's bytes, the schedule and the RNG: equal iff bitwise equal."""
+def digest(state: dict, rng: bool = True) -> str:
+    """One hash over the parameters, the optimizer's tensors, the schedule (when the state has
+    one) and, with ``rng``, this process's torch RNG: equal iff bitwise equal."""
     h = xxhash.xxh3_64()
     for t in state["model"].state_dict().values():
         h.update(t.detach().contiguous().numpy().tobytes())
     for per_param in state["optim"].state_dict()["state"].values():
         for v in per_param.values():
             h.update(v.contiguous().numpy().tobytes() if torch.is_tensor(v) else repr(v).encode())
-    h.update(repr(sorted(state["sched"].state_dict().items())).encode())
-    h.update(torch.get_rng_state().numpy().tobytes())
+    if "sched" in state:
+        h.update(repr(sorted(state["sched"].state_dict().items())).encode())
+    if rng:
+        h.update(torch.get_rng_state().numpy().tobytes())
     return h.hexdigest()
 
 

@@ -22,13 +22,13 @@ from collections.abc import Mapping
 import pytest
 import ray
 import torch
-import xxhash
 
 import memsnap
 from memsnap.errors import ConfigError
 from memsnap.snapshotter import Snapshotter, shutdown
 from memsnap.storage import Store
 from test_runtime_helpers import cluster, kill, remove_arenas
+from test_runtime_helpers import digest as helpers_digest
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -53,13 +53,7 @@ def train_step(state: dict) -> None:
 
 def digest(state: dict) -> str:
     """A hash over the parameters and the optimizer's tensors: equal iff bitwise equal."""
-    h = xxhash.xxh3_64()
-    for t in state["model"].state_dict().values():
-        h.update(t.detach().contiguous().numpy().tobytes())
-    for per_param in state["optim"].state_dict()["state"].values():
-        for v in per_param.values():
-            h.update(v.contiguous().numpy().tobytes() if torch.is_tensor(v) else repr(v).encode())
-    return h.hexdigest()
+    return helpers_digest(state, rng=False)
 
 
 class Counted(Mapping):
