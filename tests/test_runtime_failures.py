@@ -16,7 +16,7 @@ import ray
 from memsnap import naming
 from memsnap.errors import TransportError
 from memsnap.transport.base import ChunkKey, make_transport
-from test_runtime_helpers import (cluster, kill, node_dead, remove_arenas, restore_all, start_all,
+from test_runtime_helpers import (cluster, kill, lose_nodes, remove_arenas, restore_all, start_all,
                                   start_trainer, wait_for)
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -153,9 +153,7 @@ def test_corrupt_chunk_and_node_loss_restore_from_peers(job):
     wait_for(lambda: ray.get(agent(lost).stalled.remote(), timeout=30), timeout=60,
              what="a transfer of step 5 to the soon-lost holder to be under way")
     assert status(job)["committed_step"] == 4
-    victim = next(n for n in c.nodes if n.node_id == lost)
-    c.kill_node(victim)
-    wait_for(lambda: node_dead(lost), timeout=60, what="the killed node to be declared dead")
+    lose_nodes(c, [lost])
     assert ray.get(trainers[0].wait.remote(5, 120), timeout=150) == 4  # step 5 fails, never commits
     c.add_node()  # resource memsnap_node_4
     trainers[2] = start_trainer(JOB, 2, 4, 4, job["opts"], seed=97)
@@ -179,9 +177,7 @@ def test_reprotection_brings_the_protection_level_back(job):
 def test_more_losses_than_tolerated_fall_back_to_durable(job):
     c, trainers, nodes = job["cluster"], job["trainers"], job["nodes"]
     doomed = [nodes[1], nodes[2], nodes[3]]  # node 0 is the head: the driver needs it
-    for n in [n for n in c.nodes if n.node_id in doomed]:
-        c.kill_node(n)
-    wait_for(lambda: all(node_dead(n) for n in doomed), timeout=60, what="three dead nodes")
+    lose_nodes(c, doomed)
     for i, r in enumerate((1, 2, 3)):
         c.add_node()
         trainers[r] = start_trainer(JOB, r, 4, 5 + i, job["opts"], seed=90 + r)
@@ -235,9 +231,7 @@ def test_m_node_losses_at_once_are_restored_from_ram(job):
         digests = ray.get([t.step_and_save.remote(1) for t in trainers], timeout=120)
         assert ray.get(trainers[0].wait.remote(1, 120), timeout=150) == 1
         doomed = ray.get([trainers[1].node.remote(), trainers[2].node.remote()])
-        for n in [n for n in c.nodes if n.node_id in doomed]:
-            c.kill_node(n)
-        wait_for(lambda: all(node_dead(n) for n in doomed), timeout=60, what="two dead nodes")
+        lose_nodes(c, doomed)
         for i, r in enumerate((1, 2)):
             c.add_node()  # resources memsnap_node_8, memsnap_node_9
             trainers[r] = start_trainer(other, r, 4, 8 + i, opts, seed=80 + r)

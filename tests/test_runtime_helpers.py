@@ -146,6 +146,14 @@ def node_dead(node_id: str) -> bool:
     return any(n["NodeID"] == node_id and not n["Alive"] for n in ray.nodes())
 
 
+def lose_nodes(c, node_ids: list[str]) -> None:
+    """Kill the nodes ``node_ids`` of cluster ``c`` abruptly; return once Ray declared them dead."""
+    for n in [n for n in c.nodes if n.node_id in node_ids]:
+        c.kill_node(n)
+    wait_for(lambda: all(node_dead(n) for n in node_ids), timeout=60,
+             what=f"{len(node_ids)} killed node(s) to be declared dead")
+
+
 def remove_arenas(job: str) -> None:
     """Unlink ``job``'s shared-memory files (those of killed nodes' agents stay behind otherwise)."""
     for path in naming.arena_files(job):
@@ -170,4 +178,4 @@ def cluster(job: str, nodes: int):
         remove_arenas(job)
 
 
-__all__ = ["cluster", "remove_arenas", "start_all", "start_trainer", "restore_all", "kill", "node_dead", "wait_for", "shutil"]
+__all__ = ["cluster", "remove_arenas", "start_all", "start_trainer", "restore_all", "kill", "node_dead", "lose_nodes", "wait_for", "shutil"]

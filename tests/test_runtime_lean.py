@@ -13,7 +13,7 @@ import ray
 
 from memsnap import naming
 from memsnap.snapshotter import shutdown
-from test_runtime_helpers import (cluster, kill, node_dead, remove_arenas, restore_all, start_all,
+from test_runtime_helpers import (cluster, kill, lose_nodes, remove_arenas, restore_all, start_all,
                                   start_trainer, wait_for)
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -107,9 +107,7 @@ def test_lean_with_spill_m_plus_1_node_losses_fall_back_to_durable(job, tmp_path
                                  for v in inv["versions"].values()),
                  timeout=60, what="the lean agents to drop the spilled step's local copy")
         doomed = nodes[2:]
-        for n in [n for n in c.nodes if n.node_id in doomed]:
-            c.kill_node(n)
-        wait_for(lambda: all(node_dead(n) for n in doomed), timeout=60, what="two dead nodes")
+        lose_nodes(c, doomed)
         for r in (2, 3):
             c.add_node()
             trainers[r] = start_trainer(name, r, 4, r + 2, opts, seed=70 + r)  # memsnap_node_4, _5
