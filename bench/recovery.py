@@ -79,6 +79,13 @@ class Rank:
     def status(self) -> dict:
         return self.snap.status()
 
+    def receive_again(self, record: dict) -> float:
+        """This rank's bytes of ``record`` read from its holders straight into its live
+        tensors again (the direct restore's data path, without the collective plan)."""
+        t = time.perf_counter()
+        self.snap._receive(record, self.state)
+        return time.perf_counter() - t
+
     def apply_local(self, step: int) -> float:
         """Load this rank's committed ``step`` from its node's agent again: the apply phase alone."""
         info = ray.get(self.snap._agent.local.remote(step, self.snap.rank))
@@ -162,6 +169,9 @@ def data_path_alone(ranks, lost: str) -> dict:
     print(f"  data path alone, fetch runs: {[round(r, 3) for r in runs]}", flush=True)
     out["touched"] = min(runs)
     out["apply"] = min(ray.get(ranks[1].apply_local.remote(1), timeout=600) for _ in range(2))
+    direct = [ray.get(ranks[1].receive_again.remote(record), timeout=600) for _ in range(3)]
+    print(f"  data path alone, straight into the live tensors: {[round(r, 3) for r in direct]}", flush=True)
+    out["direct"] = min(direct)
     return out
 
 
@@ -321,11 +331,11 @@ def run(args, work: str) -> None:
     nbytes = args.mib * MIB
     alone = peer["alone"]
     rows = [("memsnap peer RAM (k=2, m=1), collective restore, lost rank end to end", peer["wall"]),
-            ("  of which: fetch + decode from peers", peer["seconds"].get("fetch", float("nan"))),
-            ("  of which: apply (verify checksums + copy into the live tensors)", peer["seconds"].get("apply", float("nan"))),
-            ("memsnap peer data path alone: fetch + decode into backed memory (best of 3)", alone["touched"]),
-            ("memsnap peer data path alone: apply", alone["apply"]),
-            ("memsnap peer data path alone, end to end (fetch + apply)", alone["touched"] + alone["apply"])]
+            ("  of which: fetch + decode straight into the live tensors", peer["seconds"].get("fetch", float("nan"))),
+            ("memsnap peer data path alone, straight into the live tensors, end to end (best of 3)", alone["direct"]),
+            ("memsnap peer data path alone, through the agent's arena: fetch + decode (best of 3)", alone["touched"]),
+            ("memsnap peer data path alone, through the agent's arena: apply (verify + copy)", alone["apply"]),
+            ("memsnap peer data path alone, through the agent's arena, end to end", alone["touched"] + alone["apply"])]
     rows.append(("memsnap durable, local disk, warm cache", min(durable_restore(spill, args.mib, None) for _ in range(2))))
     rows.append(("memsnap durable, local disk, cold cache", durable_restore(spill, args.mib, spill)))
     if not args.no_s3:
@@ -361,28 +371,33 @@ def write(path, args, ceiling, nbytes, rows, peer, ram) -> None:
         lines += ["", "Against the socket ceiling (target >= 0.5x end to end):", "",
                   f"- collective restore (all 4 ranks load at once, on the same 2 cores): fetch+decode "
                   f"{x(fetch)}, lost rank end to end {x(peer['wall'])};",
-                  f"- data path alone (other ranks idle, re-protection done): fetch {x(alone['touched'])}, "
-                  f"end to end {x(alone['touched'] + alone['apply'])}."]
+                  f"- data path alone (other ranks idle, re-protection done), straight into the live tensors: "
+                  f"end to end {x(alone['direct'])};",
+                  f"- data path alone through the agent's arena (`MEMSNAP_DIRECT_RESTORE=0`, and the objstore "
+                  f"transport): fetch {x(alone['touched'])}, end to end {x(alone['touched'] + alone['apply'])}."]
     lines += ["", f"## RAM per node ({args.ram_mib} MiB of state per node, 5 nodes, one version)", "",
               "Measured from the agents' own accounting after one committed snapshot (largest node). "
               "S = the node's arena (its local copy), parity = the owner's parity scratch (two batches of "
               "`parity_window` stripes, reused by every snapshot), "
               "held = its peers' chunks. The lean columns come from a second job with `local_copy=False`: "
               "its committed local copy (0 when lean mode keeps none), its held chunks against S(k+m)/k, "
-              "and its total (the staging arena is still allocated, for reuse by the next save). "
+              "and its total, with its target S(k+m)/k: once its chunks are held, the staging arena gives "
+              "its pages back until the next capture. "
               "Arenas after a 2nd save: with the local copy (keep=1) the committed step 1 stays whole while "
-              "step 2 is captured into a second slot; lean mode reuses its one arena.", "",
+              "step 2 is captured into a second slot; lean mode reuses its one arena (resident bytes: 0 once "
+              "step 2's chunks are held).", "",
               "| k | m | S (MiB) | parity | held | total | target S(1+(k+m)/k) | total / target | "
-              "arena + held / target | lean: local copy | lean: held / S(k+m)/k | lean: total | "
+              "arena + held / target | lean: local copy | lean: held / S(k+m)/k | lean: total | lean: total / S(k+m)/k | "
               "arenas after a 2nd save: local copy / lean |",
-              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in ram:
         k, m, s = r["k"], r["m"], r["S"]
         t1, t2 = s * (1 + (k + m) / k), s * (k + m) / k
         lines.append(f"| {k} | {m} | {s / MIB:.1f} | {r['parity'] / MIB:.1f} | {r['held'] / MIB:.1f} | "
                      f"{r['total'] / MIB:.1f} | {t1 / MIB:.1f} | {r['total'] / t1:.3f} | "
                      f"{(s + r['held']) / t1:.3f} | {r['lean_local'] / MIB:.1f} | {r['lean_held'] / t2:.3f} | "
-                     f"{r['lean_total'] / MIB:.1f} | {r['arena2'] / MIB:.1f} / {r['lean_arena2'] / MIB:.1f} |")
+                     f"{r['lean_total'] / MIB:.1f} | {r['lean_total'] / t2:.3f} | "
+                     f"{r['arena2'] / MIB:.1f} / {r['lean_arena2'] / MIB:.1f} |")
     lines += ["", "Parity is encoded a batch of stripes at a time into the scratch while data shards stream "
               "from the arena, so the scratch is a fixed few MiB, not S*m/k."]
     os.makedirs(os.path.dirname(path), exist_ok=True)

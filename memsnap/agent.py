@@ -19,11 +19,14 @@ Data path of one save of step ``t`` (who makes each call in brackets):
   7. [coordinator] when every node is ready: ``agent.commit(t, record, keep)`` on every
      agent, which frees the versions and held chunks of steps it no longer keeps. In lean
      mode (``local_copy=False``) it frees ``t``'s own version too: its one arena slot is
-     only the staging area of the next save.
+     only the staging area of the next save, and its pages go back to the kernel meanwhile.
 
-Restore: ``local(t, rank)`` names the arena still holding a rank's bytes; ``recover`` rebuilds
-a rank's bytes from its peers into a fresh arena; ``rebuild`` re-creates the shards a lost
-holder had (re-protection). Spill runs on a background thread (``memsnap.spill``).
+Restore: ``local(t, rank)`` names the arena still holding a rank's bytes. A rank restoring
+from peers over TCP reads them itself (``memsnap.receive``); ``recover`` rebuilds a rank's
+bytes from its peers into an arena instead (the objstore transport, and re-protection's
+``rebuild_local``, which gives a restored node its local copy back); ``rebuild`` re-creates
+the shards a lost holder had (re-protection). Spill runs on a background thread
+(``memsnap.spill``).
 """
 from __future__ import annotations
 
@@ -72,7 +75,7 @@ class AgentCore:
         self.transport = make_transport(self.cfg.transport, secret=secret, host=host,
                                         **self._transport_opts())
         self.address = self.transport.start(self.store)
-        self.codec = _codec(self.cfg.k, self.cfg.m)
+        self.codec = codec_for(self.cfg.k, self.cfg.m)
         self.lock = threading.RLock()
         self.send_lock = threading.Lock()
         self.versions: dict[int, Version] = {}
@@ -166,6 +169,7 @@ class AgentCore:
     def _arena(self, rank: int, slot: int, nbytes: int, prefault: bool = True) -> Arena:
         arena = self.arenas.get((rank, slot))
         if arena is not None and arena.nbytes >= nbytes:
+            arena.resident = True  # (lean mode released it: the capture backs it again)
             return arena
         gen = 0
         if arena is not None:
@@ -252,6 +256,8 @@ class AgentCore:
             if v.state != "encoding":
                 return
             v.state = "ready"
+            if not self.cfg.local_copy and self.cfg.spill is None:
+                self._release_slot(v)
         _call(self._coordinator().node_ready.remote(v.step, self.node, info))
 
     def _encode_and_push(self, v: Version, local_ranks: list[int]) -> dict:
@@ -351,11 +357,25 @@ class AgentCore:
                 v = self.versions.get(step)
                 if v is not None and v.state == "committed":
                     self.versions.pop(step)
+                    self._release_slot(v)
 
-    def _drop_if_lean(self, v: Version) -> None:
-        """Lean mode: a committed version is not kept as a local copy; its slot is free."""
+    def _drop_if_lean(self, v: Version, release: bool = True) -> None:
+        """Lean mode: a committed version is not kept as a local copy; its slot is free (and,
+        with ``release``, its pages go back to the kernel)."""
         if not self.cfg.local_copy and self.versions.get(v.step) is v:
             self.versions.pop(v.step)
+            if release:
+                self._release_slot(v)
+
+    def _release_slot(self, v: Version) -> None:
+        """Lean mode: ``v``'s bytes are held by its peers (and spilled if that was due), so its
+        arenas give their pages back until the next capture (RAM at rest: S(k+m)/k, not
+        S(k+m)/k + S). Not when a newer version took the slot meanwhile. Call under the lock."""
+        if any(o is not v and o.slot == v.slot and o.state in LIVE for o in self.versions.values()):
+            return
+        for (rank, slot), arena in self.arenas.items():
+            if slot == v.slot:
+                arena.release()
 
     def abandon(self, step: int) -> None:
         """The coordinator gave up on ``step``: forget it here."""
@@ -410,9 +430,19 @@ class AgentCore:
         with self.lock:
             v.manifests[rank] = entry["manifest"]
             v.state = "committed"
-            self._drop_if_lean(v)  # the rank maps the arena now; the next save reuses it
+            self._drop_if_lean(v, release=False)  # the rank reads the arena now; the next save reuses it
         self.counters["repaired_chunks"] += stats.get("repaired", 0)
         return {"path": arena.path, "nbytes": entry["nbytes"], "manifest": entry["manifest"], "stats": stats}
+
+    def rebuild_local(self, step: int, rank: int, record: dict) -> bool:
+        """Re-protection: read ``rank``'s bytes of ``step`` back from the holders as this node's
+        local copy, unless one is here or the rank has begun a newer step. True when rebuilt."""
+        with self.lock:
+            if any(s > step for s in self.versions) or (
+                    (v := self.versions.get(step)) is not None and rank in v.manifests):
+                return False
+        self.recover(step, rank, record)
+        return True
 
     def _clear_for_restore(self, step: int) -> None:
         """Lean mode: the one slot may hold a step that was never committed here (the job
@@ -437,7 +467,7 @@ class AgentCore:
     def inventory(self) -> dict:
         with self.lock:
             versions = {s: {"state": v.state, "ranks": sorted(v.manifests)} for s, v in self.versions.items()}
-            arena_bytes = sum(a.nbytes for a in self.arenas.values())
+            arena_bytes = sum(a.nbytes for a in self.arenas.values() if a.resident)
             local_bytes = sum(v.sizes.get(r, 0) for v in self.versions.values()
                               if v.state == "committed" for r in v.manifests)
             return {
@@ -473,7 +503,7 @@ class AgentCore:
             self.prepared.clear()
 
 
-def _codec(k: int, m: int):
+def codec_for(k: int, m: int):
     if m == 0:
         return None
     from memsnap.codec import ReedSolomon
@@ -544,6 +574,13 @@ class SnapshotAgent:
 
     def recover(self, step: int, rank: int, record: dict) -> dict:
         return self.core.recover(step, rank, record)
+
+    def rebuild_local(self, step: int, rank: int, record: dict) -> bool:
+        return self.core.rebuild_local(step, rank, record)
+
+    def count(self, counter: str, n: int) -> None:
+        """Add ``n`` to one of the agent's counters (a rank reports what its restore repaired)."""
+        self.core.counters[counter] = self.core.counters.get(counter, 0) + n
 
     def rebuild(self, step: int, owner: str, shard: int, record: dict) -> int:
         return self.core.rebuild(step, owner, shard, record)

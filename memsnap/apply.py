@@ -169,6 +169,20 @@ def _plan_object(key: str, obj: Any, subtree: Any, manifest: Manifest, strict: b
     return _ObjectPlan(key, obj, subtree, live)
 
 
+def _as_sharded(entry: TensorEntry, local: torch.Tensor, meshes: list[Any]) -> torch.Tensor:
+    if not entry.placements:
+        return local
+    from torch.distributed.tensor import DTensor
+
+    mesh = _mesh_for(entry, meshes)
+    if mesh.device_type != "cpu":
+        local = local.to(mesh.device_type)
+    placements = [_parse_placement(p) for p in entry.placements]
+    shape = torch.Size(entry.global_shape)
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape,
+                              stride=torch.empty(shape, device="meta").stride())
+
+
 class _Source:
     """Typed views of the snapshot bytes, following aliases to the entry that holds them."""
 
@@ -205,21 +219,42 @@ class _Source:
     def new_tensor(self, i: int) -> torch.Tensor:
         h = self.holder(i)
         if h not in self.fresh:  # tied tensors the live state lacks come back tied
-            self.fresh[h] = self._as_sharded(self.manifest.tensors[i], self.view(h).clone())
+            self.fresh[h] = _as_sharded(self.manifest.tensors[i], self.view(h).clone(), self.meshes)
         return self.fresh[h]
 
-    def _as_sharded(self, entry: TensorEntry, local: torch.Tensor) -> torch.Tensor:
-        if not entry.placements:
-            return local
-        from torch.distributed.tensor import DTensor
 
-        mesh = _mesh_for(entry, self.meshes)
-        if mesh.device_type != "cpu":
-            local = local.to(mesh.device_type)
-        placements = [_parse_placement(p) for p in entry.placements]
-        shape = torch.Size(entry.global_shape)
-        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape,
-                                  stride=torch.empty(shape, device="meta").stride())
+class _Received(_Source):
+    """The snapshot's tensors already received one by one (``received``: entry index ->
+    tensor): into the live tensors themselves (``live``: those indices), or into new CPU
+    tensors that ``load_state_dict`` adopts without another copy."""
+
+    def __init__(self, manifest: Manifest, received: dict[int, torch.Tensor], live: set[int],
+                 meshes: list[Any]):
+        self.manifest, self.meshes = manifest, meshes
+        self.index = {t.path: i for i, t in enumerate(manifest.tensors)}
+        self.received, self.live = received, live
+        self.fresh = {}
+
+    def copy_into(self, i: int, dst: torch.Tensor) -> None:
+        h = self.holder(i)
+        src = self.received.get(h)
+        if src is not None and h in self.live and src.data_ptr() == dst.data_ptr():
+            return  # received in place
+        dst.copy_(self.view(i))
+
+    def view(self, i: int) -> torch.Tensor:
+        h = self.holder(i)
+        e = self.manifest.tensors[h]
+        if e.nbytes == 0:
+            return torch.empty(e.shape, dtype=dtype_of(e.dtype))
+        return self.received[h]
+
+    def new_tensor(self, i: int) -> torch.Tensor:
+        h = self.holder(i)
+        if h not in self.fresh:  # a tensor received into live memory is not handed out twice
+            t = self.view(h)
+            self.fresh[h] = _as_sharded(self.manifest.tensors[i], t.clone() if h in self.live else t, self.meshes)
+        return self.fresh[h]
 
 
 def _run(p: _ObjectPlan, src: _Source, state: Any, strict: bool) -> None:
@@ -256,13 +291,34 @@ def _check_rng(saved: Any, manifest: Manifest) -> None:
             f"pass rng=False to apply without restoring RNGs")
 
 
-def apply(state: Mapping[str, Any], manifest: Manifest, buf: Any, *, rng: bool = True,
-          verify: bool = True, strict: bool = True) -> None:
-    """Put the snapshot ``manifest`` + ``buf`` back into ``state``; validate everything first."""
-    mv = byte_view(buf, manifest.nbytes, writable=False)
+@dataclass
+class Plan:
+    """Everything ``apply`` checked about ``state`` against a manifest, before any byte moves:
+    built by ``plan``, carried out by ``finish``."""
+
+    manifest: Manifest
+    objects: list[_ObjectPlan]
+    saved_rng: Any
+    meshes: list[Any]
+    rng: bool
+    strict: bool
+
+    def tensor_entries(self):
+        """``(entry index, live tensor or None)`` for every tensor the apply will write,
+        RNG states included (they have no live tensor)."""
+        for p in self.objects:
+            for path, i in _saved_tensors(p.subtree, p.key).items():
+                yield i, p.live.get(path)
+        if self.rng and self.saved_rng is not None:
+            for i in _saved_tensors(self.saved_rng, RNG_KEY).values():
+                yield i, None
+
+
+def plan(state: Mapping[str, Any], manifest: Manifest, *, rng: bool = True, strict: bool = True) -> Plan:
+    """Match the snapshot against the live state; raise ``StateMismatchError`` on any mismatch.
+
+    Nothing is touched: everything that can be refused is refused here."""
     _check_layout(manifest)
-    if verify:
-        verify_checksums(manifest, mv)
     saved = dict(_top_level(manifest))
     saved_rng = saved.pop(RNG_KEY, None)
     if strict:
@@ -279,8 +335,29 @@ def apply(state: Mapping[str, Any], manifest: Manifest, buf: Any, *, rng: bool =
         for path, i in _saved_tensors(p.subtree, p.key).items():
             if path not in p.live and manifest.tensors[i].placements:
                 _mesh_for(manifest.tensors[i], meshes)
-    src = _Source(manifest, mv, meshes)
-    for p in plans:
-        _run(p, src, state, strict)
-    if rng and saved_rng is not None:
-        rng_state.set_state(tree.decode(saved_rng, lambda i, p: src.new_tensor(i), RNG_KEY))
+    return Plan(manifest, plans, saved_rng, meshes, rng, strict)
+
+
+def finish(pl: Plan, src: _Source, state: Any) -> None:
+    """Write the snapshot's values from ``src`` into ``state`` as ``pl`` decided."""
+    for p in pl.objects:
+        _run(p, src, state, pl.strict)
+    if pl.rng and pl.saved_rng is not None:
+        rng_state.set_state(tree.decode(pl.saved_rng, lambda i, p: src.new_tensor(i), RNG_KEY))
+
+
+def apply(state: Mapping[str, Any], manifest: Manifest, buf: Any, *, rng: bool = True,
+          verify: bool = True, strict: bool = True) -> None:
+    """Put the snapshot ``manifest`` + ``buf`` back into ``state``; validate everything first."""
+    mv = byte_view(buf, manifest.nbytes, writable=False)
+    _check_layout(manifest)
+    if verify:
+        verify_checksums(manifest, mv)
+    pl = plan(state, manifest, rng=rng, strict=strict)
+    finish(pl, _Source(manifest, mv, pl.meshes), state)
+
+
+def apply_received(state: Mapping[str, Any], pl: Plan, received: dict[int, torch.Tensor],
+                   live: set[int]) -> None:
+    """Finish ``pl`` from tensors received one by one (see ``memsnap.receive``)."""
+    finish(pl, _Received(pl.manifest, received, live, pl.meshes), state)

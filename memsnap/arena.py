@@ -35,6 +35,7 @@ class Arena:
         self.nbytes = nbytes
         self._mm = mm
         self.owner = owner
+        self.resident = True  # False after ``release`` until it is handed out again
 
     @classmethod
     def create(cls, path: str, nbytes: int, prefault: bool = True) -> "Arena":
@@ -65,6 +66,14 @@ class Arena:
         finally:
             os.close(fd)
         return cls(path, nbytes, mm, owner=False)
+
+    def release(self) -> None:
+        """Give the pages back to the kernel: a hole is punched in the shared-memory file
+        (``MADV_REMOVE``), which keeps its size, and every mapping reads zeros until it is
+        written again. Lean mode does this once a snapshot's chunks are held by its peers."""
+        with contextlib.suppress(ValueError, OSError):
+            self._mm.madvise(mmap.MADV_REMOVE)
+            self.resident = False
 
     def rename(self, path: str) -> None:
         """Give the shared-memory file a new name; the mapping stays as it is."""

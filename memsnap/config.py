@@ -26,6 +26,8 @@ TUNABLES: dict[str, float] = {
     "coordinator_max_concurrency": 64,
     "preemption_poll_s": 5.0,       # how often a rank asks Ray whether its node is draining
     "reprotect_defer_s": 20.0,      # re-protection waits this long at most for a restore to go first
+    "direct_restore": 1,            # 1: a peer restore reads into the rank's tensors (TCP only);
+                                    # 0: through the agent's arena, then copied (as the objstore does)
 }
 
 

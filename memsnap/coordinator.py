@@ -57,7 +57,8 @@ class CoordinatorCore:
         self.rounds: dict[int, dict] = {}
         self.bad: set[int] = set()
         self.last_restore: dict = {"tier": "none", "step": None, "seconds": {}}
-        self.reprotect: dict = {"running": 0, "again": False, "rebuilt_chunks": 0, "errors": []}
+        self.reprotect: dict = {"running": 0, "again": False, "rebuilt_chunks": 0, "local_copies": 0,
+                                "errors": []}
         self.restores = 0  # restore rounds completed; re-protection lets the next one go first
         self.gen = 0  # bumped by every completed restore; older snapshots in flight are ignored
         self.place_error: str | None = None
@@ -371,6 +372,7 @@ class CoordinatorCore:
                 self.reprotect["again"] = False
                 for step in sorted(self.records):
                     self._reprotect_step(step)
+                self._rebuild_local_copies()
                 if not self.reprotect.get("again"):
                     return
         finally:
@@ -402,6 +404,37 @@ class CoordinatorCore:
                 keep = sorted(self.records)[-self.cfg.keep:]
             if live_record is not None:  # the new holders, told again: not a new commit, no spill
                 self._broadcast("commit", step, dict(live_record, spill=False), keep)
+
+    def _rebuild_local_copies(self) -> None:
+        """A rank restored from peers holds its bytes only in its live state (receive.py), so
+        its node has no local copy of the newest step: that node's agent reads them from the
+        holders once more. The local copy (one more loss survived, a crash restored with no
+        network) is back without waiting for the next snapshot."""
+        if not self.cfg.local_copy:
+            return
+        with self.lock:
+            step = max(self.records, default=None)
+            if step is None:
+                return
+            record = dict(self.records[step])
+            record["addrs"] = dict(record["addrs"], **self.addrs)
+            members = dict(self.members)
+        inventories = self._inventories()
+        for r in sorted(record["ranks"], key=int):
+            node = members.get(int(r))
+            inv = inventories.get(node)
+            if inv is None or restore.has_local(inv, step, int(r)) or any(s > step for s in inv["versions"]):
+                continue  # nothing to do, or the rank moved on: its next commit leaves a local copy
+            try:
+                ok = ray.get(agents.find(self.cfg.job, node).rebuild_local.remote(step, int(r), record),
+                             timeout=tunable("push_timeout_s"))
+            except Exception as exc:
+                self.reprotect["errors"].append(f"local copy of rank {r} at step {step}: {exc}")
+                log.warning("could not rebuild rank %s's local copy of step %d: %s", r, step, exc)
+                continue
+            if ok:
+                with self.lock:
+                    self.reprotect["local_copies"] += 1
 
     def _new_holders(self, record: dict, owner: str, holders: list[str], live: set[str]) -> list:
         """``(j, node)`` for every shard ``j`` whose holder is gone: a live node not yet holding one."""

@@ -120,13 +120,18 @@ def reconstruct_data(codec, shards: list, k: int) -> list:
     return list(codec.reconstruct_data(shards))[:k]
 
 
-def write_stripe(out: memoryview, lay: StripeLayout, stripe: int, data: Sequence,
+def write_stripe(out, lay: StripeLayout, stripe: int, data: Sequence,
                  in_place: frozenset[int] = frozenset()) -> None:
-    """Copy a stripe's data shards into ``out`` (the region's bytes), clipped at the end.
+    """Copy a stripe's data shards into ``out`` (the region's bytes, a memoryview or a
+    ``landing.Flat``/``Spans``), clipped at the end.
 
     Shards listed in ``in_place`` were fetched straight into ``out`` and are not copied.
     """
     for j, shard in enumerate(data):
         a, b = lay.data_range(stripe, j)
         if b > a and j not in in_place:
-            out[a:b] = memoryview(shard).cast("B")[:b - a]
+            src = memoryview(shard).cast("B")[:b - a]
+            if isinstance(out, memoryview):
+                out[a:b] = src
+            else:
+                out.write(a, src)

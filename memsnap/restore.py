@@ -6,8 +6,9 @@ own node still has its arena (never in lean mode, ``local_copy=False``), ``peer`
 least ``k`` holders of every stripe are alive, else the newest spilled step from
 ``durable`` for every rank, else ``none``.
 
-``gather`` (run by the agent on the restoring rank's node) fetches each stripe's data shards
-straight into the arena, fetches parity only for stripes that lost a shard (holder gone,
+``gather`` (run by the restoring rank itself, or by the agent on its node) fetches each
+stripe's data shards straight to where they land (the rank's live tensors, or the agent's
+arena: see landing.py), fetches parity only for stripes that lost a shard (holder gone,
 chunk missing, or checksum failed), decodes those, and pushes repaired chunks back to
 holders that answered with a bad one. ``rebuild_shard`` re-creates the shard a lost holder
 had, for re-protection.
@@ -20,7 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 from memsnap import encode
 from memsnap.config import tunable
 from memsnap.errors import TooFewShardsError, TransportError
-from memsnap.transport.base import ChunkKey
+from memsnap.landing import Flat
+from memsnap.transport.base import ChunkKey, Scatter
 
 log = logging.getLogger("memsnap.restore")
 
@@ -85,20 +87,26 @@ def decide(records: dict[int, dict], members: dict[int, str], inventories: dict[
 class _Stripes:
     """Per-stripe shard buffers of one region while it is gathered."""
 
-    def __init__(self, region: encode.Region, m: int, out: memoryview):
+    def __init__(self, region: encode.Region, m: int, out):
         self.region, self.lay, self.out = region, region.layout, out
         self.n = region.stripes
         self.shards = [[None] * (region.k + m) for _ in range(self.n)]
         self.in_place = [set() for _ in range(self.n)]
 
-    def dest(self, s: int, j: int) -> memoryview:
+    def dest(self, s: int, j: int):
+        """Where shard ``j`` of stripe ``s`` is fetched to: its place in ``out`` when it is a
+        whole data shard, else a scratch chunk (parity, the clipped last stripe)."""
         chunk = self.region.chunk
         if j < self.region.k:
             a, b = self.lay.data_range(s, j)
             if b - a == chunk:
                 self.in_place[s].add(j)
-                return self.out[a:b]
+                return self.out.view(a, b)
         return memoryview(bytearray(chunk))
+
+    def contiguous(self, s: int) -> list:
+        """Stripe ``s``'s shards as whole buffers, for the codec (a scatter is joined)."""
+        return [x.joined() if isinstance(x, Scatter) else x for x in self.shards[s]]
 
     def missing(self) -> list[int]:
         k = self.region.k
@@ -131,11 +139,14 @@ def _fetch_shard(core, st: _Stripes, key_of, j: int, addr: dict | None, stripes:
     return bad
 
 
-def gather(core, record: dict, entry: dict, out: memoryview) -> dict:
-    """Fill ``out`` with ``entry``'s region of ``record`` from the holders; return counters."""
+def gather(core, record: dict, entry: dict, out) -> dict:
+    """Fill ``out`` (a buffer, or a ``landing.Spans``) with ``entry``'s region of ``record``
+    from the holders; return counters (``decoded``: the byte ranges rebuilt from parity).
+
+    ``core`` needs ``transport`` (a client is enough) and ``codec``."""
     k, m = record["k"], record["m"]
     region = encode.Region(**_region_args(entry))
-    st = _Stripes(region, m, out)
+    st = _Stripes(region, m, out if hasattr(out, "write") else Flat(out))
     owner, base = entry["owner"], region.stripe_base
     holders = record["holders"][owner]
     addrs = [record["addrs"].get(h) for h in holders]
@@ -150,18 +161,23 @@ def gather(core, record: dict, entry: dict, out: memoryview) -> dict:
     if lost:
         with ThreadPoolExecutor(max_workers=max(1, m)) as ex:
             list(ex.map(lambda j: _fetch_shard(core, st, key_of, j, addrs[j], lost), range(k, k + m)))
+    decoded, lost_set = [], set(lost)
     for s in range(st.n):
         shards = st.shards[s]
         if sum(x is not None for x in shards) < k:
             raise TooFewShardsError(
                 f"step {record['step']}, owner {owner[:12]}, stripe {base + s}: only "
                 f"{sum(x is not None for x in shards)} of k={k} shards could be read from the holders")
-        data = encode.reconstruct_data(core.codec, shards, k)
+        if all(x is not None for x in shards[:k]) and len(st.in_place[s]) == k:
+            continue  # every data shard already sits where it belongs
+        data = encode.reconstruct_data(core.codec, st.contiguous(s), k)
         st.shards[s][:k] = data
-        encode.write_stripe(out, st.lay, s, data, frozenset(st.in_place[s]))
+        encode.write_stripe(st.out, st.lay, s, data, frozenset(st.in_place[s]))
+        if s in lost_set:
+            decoded.append((st.lay.data_range(s, 0)[0], st.lay.data_range(s, k - 1)[1]))
     repaired = _repair(core, st, key_of, bad, addrs)
     return {"stripes": st.n, "decoded_stripes": len(lost), "repaired": repaired,
-            "bytes": region.nbytes}
+            "bytes": region.nbytes, "decoded": decoded}
 
 
 def _repair(core, st: _Stripes, key_of, bad: list[list[int]], addrs: list) -> int:

@@ -105,11 +105,17 @@ class Snapshotter:
             raise ConfigError("Snapshotter needs Ray: create it inside a Ray task/actor or after ray.init()")
         self.rank, self.world = rank, world_size
         self.node = ray.get_runtime_context().get_node_id()
-        self._agent = agents.get_or_create(self.config, self.node, job_secret(job))
+        self._secret = job_secret(job)
+        self._agent = agents.get_or_create(self.config, self.node, self._secret)
         self._address = _get(self._agent.register.remote(rank, world_size))
         self._coord = coordinators.get_or_create(self.config, world_size)
+        # A peer restore reads straight into this rank's tensors over TCP; through the object
+        # store it goes through the agent, whose arena is backed early on a new node.
+        self._direct = transport == "tcp" and bool(tunable("direct_restore"))
+        self._peers = None
+        self._dirty = False  # a failed direct restore left the live state partly written
         hint = self._ccall("register", rank, self.node, self._address) or {}
-        if hint.get("restore_bytes"):  # a new node: its agent backs the restore's memory meanwhile
+        if hint.get("restore_bytes") and not self._direct:
             self._agent.prepare.remote(rank, hint["restore_bytes"])
         self._local: list[int] | None = None
         self._maps: dict[str, Arena] = {}
@@ -314,7 +320,12 @@ class Snapshotter:
                 ok, report, tier = False, {"error": f"{type(exc).__name__}: {exc}"}, None
                 error = exc
             result = self._ccall("restore_done", self.rank, attempt, ok, report, timeout=timeout)
+            if result["ok"] and self._dirty and plan["tier"] == "none":
+                raise MemsnapError(
+                    f"rank {self.rank}: a restore from peers failed after it had begun writing into the "
+                    "live state, and no other copy can be loaded; rebuild the state and call restore again")
             if result["ok"]:
+                self._dirty = False
                 _get(self._agent.resume.remote(plan["step"], result["gen"]))
                 seconds["total"] = time.perf_counter() - t0
                 return self._restored(plan, tier, seconds)
@@ -351,10 +362,35 @@ class Snapshotter:
                 except ChecksumError as exc:
                     log.warning("rank %d: local copy of step %d is corrupt (%s); reading peers", self.rank, step, exc)
         t = time.perf_counter()
+        if self._direct:
+            self._receive(plan["record"], state)
+            seconds["fetch"] = time.perf_counter() - t
+            return "peer"
         info = _get(self._agent.recover.remote(step, self.rank, plan["record"]), tunable("restore_timeout_s"))
         seconds["fetch"] = time.perf_counter() - t
         self._apply(info, state, seconds)
         return "peer"
+
+    def _receive(self, record: dict, state) -> None:
+        """Read this rank's bytes from the holders straight into ``state`` (receive.py)."""
+        from memsnap import receive
+        from memsnap.errors import StateMismatchError
+
+        if self._peers is None:
+            from memsnap.agent import codec_for
+            from memsnap.transport import make_transport
+
+            client = make_transport("tcp", secret=self._secret, host=ray.util.get_node_ip_address())
+            self._peers = receive.Peers(client, codec_for(self.config.k, self.config.m))
+        try:
+            stats = receive.into_state(self._peers, record, self.rank, state)
+        except StateMismatchError:
+            raise  # refused before anything was written
+        except BaseException:
+            self._dirty = True
+            raise
+        if stats.get("repaired"):
+            self._agent.count.remote("repaired_chunks", stats["repaired"])
 
     def _apply(self, info: dict, state, seconds: dict) -> None:
         from memsnap.apply import apply
@@ -412,6 +448,9 @@ class Snapshotter:
         for arena in self._maps.values():
             arena.close(unlink=False)
         self._maps.clear()
+        if self._peers is not None:
+            self._peers.transport.close()
+            self._peers = None
 
 
 def ensure_ray() -> None:

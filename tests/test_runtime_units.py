@@ -162,13 +162,18 @@ def lean():
 def test_lean_agent_frees_its_slot_on_commit_and_keeps_no_local_copy(lean, core):
     for agent in (lean, core):
         agent.begin(1, 0, 4096)
+        agent.arenas[(0, 0)].view(0, 4)[:] = b"step"
         agent.versions[1].state, agent.versions[1].manifests[0] = "ready", "{}"
         agent.commit(1, record(1), [1])
     assert core.local(1, 0) is not None and core.inventory()["bytes"]["local"] == 4096
+    assert bytes(core.arenas[(0, 0)].view(0, 4)) == b"step"
     inv = lean.inventory()
     assert lean.local(1, 0) is None and inv["versions"] == {} and inv["bytes"]["local"] == 0
-    assert inv["bytes"]["arena"] == 4096 and inv["records"] == [1]  # the staging arena stays, for reuse
+    # the staging arena keeps its file and mapping but gives its pages back until the next capture
+    assert inv["bytes"]["arena"] == 0 and inv["records"] == [1]
+    assert bytes(lean.arenas[(0, 0)].view(0, 4)) == bytes(4)
     assert lean.begin(2, 0, 4096)["slot"] == 0 and lean.begin(2, 1, 4096)["slot"] == 0
+    assert lean.inventory()["bytes"]["arena"] == 2 * 4096
     lean.versions[2].state = "encoding"  # still being sent: the one slot is busy
     with pytest.raises(MemoryBudgetError, match="local_copy=False keeps one slot per rank"):
         lean.begin(3, 0, 4096)

@@ -12,6 +12,7 @@ from hypothesis import given, settings, strategies as st
 
 from memsnap.errors import MemoryBudgetError, TransportError
 from memsnap.transport import ChunkKey, make_transport
+from memsnap.transport.base import Scatter
 
 SECRET = os.urandom(32)
 SIZES = [0, 1, 63, 64, 65, 1000, 4097, (1 << 20) + 3, 3 << 20]
@@ -221,6 +222,31 @@ def test_round_trip_with_little_in_flight(harness):
         out = _empty_like(items)
         assert client.fetch(harness.addr, out, timeout=60) == [True] * len(items)
         assert [bytes(v) for _, v in out] == [bytes(v) for _, v in items]
+    finally:
+        client.close()
+
+
+def _scattered(n: int, cuts: list[int]) -> Scatter:
+    """``n`` bytes cut at ``cuts`` into separate buffers (a zero-length piece included)."""
+    edges = [0, *sorted(c for c in cuts if 0 <= c <= n), n]
+    return Scatter([bytearray(b - a) for a, b in zip(edges, edges[1:])])
+
+
+def test_fetch_into_a_scatter_fills_the_pieces_in_order(harness):
+    """A restoring rank fetches a shard straight into the tensors it spans."""
+    items = _chunks("scatter", sizes=[1000, (1 << 20) + 3, 600 * 64])
+    client = harness.client()
+    try:
+        client.push(harness.addr, items, timeout=60)
+        dests = [_scattered(1000, [0, 1, 999]), _scattered((1 << 20) + 3, [4096, 4096, 700_001]),
+                 _scattered(600 * 64, list(range(0, 600 * 64, 64)))]  # more pieces than one scatter read
+        out = [(k, d) for (k, _), d in zip(items, dests)]
+        assert client.fetch(harness.addr, out, timeout=60) == [True] * 3
+        assert [d.joined() for d in dests] == [bytes(v) for _, v in items]
+        harness.corrupt(items[1][0])
+        again = _scattered((1 << 20) + 3, [10])
+        assert client.fetch(harness.addr, [(items[1][0], again)], timeout=60) == [False]
+        assert client.fetch(harness.addr, [(items[0][0], _scattered(999, [5]))], timeout=60) == [False]
     finally:
         client.close()
 

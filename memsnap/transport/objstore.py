@@ -19,7 +19,7 @@ import numpy as np
 import xxhash
 
 from memsnap.errors import TransportError
-from memsnap.transport.base import ChunkKey, ChunkStore, Transport, byte_view
+from memsnap.transport.base import ChunkKey, ChunkStore, Scatter, Transport, byte_view
 
 log = logging.getLogger("memsnap.transport")
 
@@ -69,7 +69,7 @@ class ObjStoreServer:
 def _batches(items: Sequence, limit: int) -> Iterator[list]:
     batch, size = [], 0
     for item in items:
-        n = len(byte_view(item[1]))
+        n = len(item[1]) if isinstance(item[1], Scatter) else len(byte_view(item[1]))
         if batch and size + n > limit:
             yield batch
             batch, size = [], 0
@@ -131,7 +131,7 @@ class ObjStoreTransport(Transport):
         deadline = time.monotonic() + timeout
         found: list[bool] = []
         for batch, held in self._pipelined(peer, "objstore_fetch", items, self._fetch_args, deadline, timeout):
-            found.extend(self._fill(peer, key, byte_view(buf), arr, c) for (key, buf), (arr, c) in zip(batch, held))
+            found.extend(self._fill(peer, key, buf, arr, c) for (key, buf), (arr, c) in zip(batch, held))
         return found
 
     @staticmethod
@@ -158,7 +158,7 @@ class ObjStoreTransport(Transport):
             batch, ref = inflight.popleft()
             yield batch, self._wait(peer, method, ref, deadline, timeout, batch[0][0])
 
-    def _fill(self, peer: dict, key: ChunkKey, dest: memoryview, arr, checksum: int) -> bool:
+    def _fill(self, peer: dict, key: ChunkKey, dest, arr, checksum: int) -> bool:
         if arr is None:
             return False
         src = byte_view(arr)
@@ -166,10 +166,13 @@ class ObjStoreTransport(Transport):
             log.warning("fetch from %s: chunk %s is %d bytes, the buffer %d", self._describe(peer), key,
                         len(src), len(dest))
             return False
-        dest[:] = src
-        if xxhash.xxh3_64_intdigest(dest) != checksum:
+        if xxhash.xxh3_64_intdigest(src) != checksum:
             log.warning("fetch from %s: chunk %s fails its checksum; treated as missing", self._describe(peer), key)
             return False
+        if isinstance(dest, Scatter):
+            dest.write(src)
+        else:
+            byte_view(dest)[:] = src
         return True
 
     def _submit(self, peer: dict, method: str, args: tuple, key: ChunkKey):

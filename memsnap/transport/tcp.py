@@ -30,7 +30,7 @@ import xxhash
 
 from memsnap.errors import AuthenticationError, TransportError
 from memsnap.transport import auth, wire
-from memsnap.transport.base import ChunkKey, ChunkStore, Transport, byte_view
+from memsnap.transport.base import ChunkKey, ChunkStore, Transport, byte_view, dest_parts
 
 log = logging.getLogger("memsnap.transport")
 
@@ -293,7 +293,8 @@ class TcpTransport(Transport):
 
     def _hashing(self, fn: Callable, *args) -> Future:
         """``fn(*args)`` on the helper thread (big chunks), so it overlaps the caller's I/O."""
-        if len(args[0]) < INLINE_HASH:
+        first = args[0]
+        if (sum(len(p) for p in first) if isinstance(first, list) else len(first)) < INLINE_HASH:
             done: Future = Future()
             done.set_result(fn(*args))
             return done
@@ -334,14 +335,14 @@ class TcpTransport(Transport):
         found: list[Future] = []
         for i, (key, buf) in enumerate(items):
             cursor[0] = key
-            found.append(self._receive_one(sock, key, byte_view(buf), deadline, addr))
+            found.append(self._receive_one(sock, key, dest_parts(buf), deadline, addr))
             if i + self.window < len(items):
                 _arm(sock, deadline)
                 wire.send_request(sock, wire.FETCH, items[i + self.window][0].pack(), None, 0)
         return [f.result() for f in found]
 
-    def _receive_one(self, sock, key: ChunkKey, dest: memoryview, deadline: float, addr) -> Future:
-        """Read one fetch answer into ``dest``; the future says whether it is there and intact."""
+    def _receive_one(self, sock, key: ChunkKey, dest: list[memoryview], deadline: float, addr) -> Future:
+        """Read one fetch answer into the views ``dest``; the future says whether it is there and intact."""
         _arm(sock, deadline)
         status, message, nbytes, checksum = wire.read_response(sock)
         missing: Future = Future()
@@ -350,17 +351,27 @@ class TcpTransport(Transport):
             if status == wire.FAILED:
                 log.warning("fetch from %s:%s: chunk %s failed: %s", addr[0], addr[1], key, message)
             return missing
-        if nbytes != len(dest):
+        size = sum(len(p) for p in dest)
+        if nbytes != size:
             wire.drain(sock, nbytes)
             log.warning("fetch from %s:%s: chunk %s is %d bytes, the buffer %d", addr[0], addr[1], key,
-                        nbytes, len(dest))
+                        nbytes, size)
             return missing
-        wire.recv_into(sock, dest)
+        wire.recv_parts(sock, dest)
         return self._hashing(_verify, dest, checksum, key, addr)
 
 
-def _verify(dest: memoryview, checksum: int, key: ChunkKey, addr) -> bool:
-    if xxhash.xxh3_64_intdigest(dest) == checksum:
+def _digest(parts: list[memoryview]) -> int:
+    if len(parts) == 1:
+        return xxhash.xxh3_64_intdigest(parts[0])
+    h = xxhash.xxh3_64()
+    for p in parts:
+        h.update(p)
+    return h.intdigest()
+
+
+def _verify(dest: list[memoryview], checksum: int, key: ChunkKey, addr) -> bool:
+    if _digest(dest) == checksum:
         return True
     log.warning("fetch from %s:%s: chunk %s fails its checksum; treated as missing", addr[0], addr[1], key)
     return False

@@ -40,6 +40,30 @@ def recv_into(sock: socket.socket, view: memoryview) -> None:
         got += n
 
 
+IOV = 256  # buffers per recvmsg_into call (well under the kernel's IOV_MAX of 1024)
+
+
+def recv_parts(sock: socket.socket, parts: list[memoryview]) -> None:
+    """Fill every view of ``parts`` in order from ``sock``: one scatter read (``recvmsg_into``)
+    per up to ``IOV`` views, so a chunk spread over many small tensors costs few syscalls."""
+    if len(parts) == 1:
+        return recv_into(sock, parts[0])
+    i, total, got = 0, sum(len(p) for p in parts), 0
+    parts = [p for p in parts if len(p)]
+    while i < len(parts):
+        n = sock.recvmsg_into(parts[i:i + IOV], 0, socket.MSG_WAITALL)[0]
+        if n == 0:
+            raise ConnectionLost(f"peer closed the connection after {got} of {total} bytes")
+        got += n
+        while n and i < len(parts):  # step over the filled views; keep the rest of a partial one
+            if n >= len(parts[i]):
+                n -= len(parts[i])
+                i += 1
+            else:
+                parts[i] = parts[i][n:]
+                n = 0
+
+
 def recv_exact(sock: socket.socket, n: int) -> bytes:
     """``n`` bytes from ``sock`` (for headers, keys and messages)."""
     buf = bytearray(n)

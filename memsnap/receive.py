@@ -1,0 +1,102 @@
+"""A restore from peers inside the restoring rank: each shard lands straight in the live tensors.
+
+The rank matches the snapshot against its live state first (``apply.plan``: nothing is
+touched when anything differs), then lays its byte stream over the tensors the bytes belong
+to (``landing.Spans``): a live CPU tensor receives its own bytes in place; a tensor the live
+state lacks (optimizer moments before the first step, RNG states) or keeps elsewhere (CUDA,
+non-contiguous) gets a new CPU tensor. ``restore.gather`` then reads every data shard from
+its holder into those views, rebuilds lost stripes from parity, and ``apply.apply_received``
+hands the new tensors to ``load_state_dict``. No byte is copied twice on the way.
+
+Integrity: a data shard is checked against its xxh3 when it arrives (the holder's copy of
+what the owner sent); a stripe rebuilt from parity is checked again through the manifest's
+per-tensor checksums of the tensors it covers.
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Any, Mapping
+
+import torch
+
+from memsnap import apply as applying
+from memsnap.capture import local_tensor
+from memsnap.checksum import checksum
+from memsnap.dtypes import dtype_of
+from memsnap.errors import ChecksumError, SnapshotBufferError
+from memsnap.landing import Spans
+from memsnap.manifest import Manifest
+from memsnap.restore import gather
+
+
+class Peers:
+    """What ``gather`` needs in a rank: a transport client and the codec."""
+
+    def __init__(self, transport, codec):
+        self.transport, self.codec = transport, codec
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, writable, no copy (any dtype, bfloat16 included)."""
+    n = t.numel() * t.element_size()
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
+
+
+def _in_place(t: torch.Tensor | None) -> bool:
+    return (t is not None and t.device.type == "cpu" and t.is_contiguous()
+            and not (t.is_conj() or t.is_neg()) and t.numel() > 0)
+
+
+def destinations(pl: applying.Plan) -> tuple[dict[int, torch.Tensor], set[int]]:
+    """``(received, live)``: the tensor each stored entry of the snapshot is received into,
+    and which of those are live tensors of the state (the rest are new)."""
+    man = pl.manifest
+    want: dict[int, torch.Tensor | None] = {}
+    for i, live in pl.tensor_entries():
+        e = man.tensors[i]
+        if not e.alias_of and e.nbytes and i not in want:
+            t = None if live is None else local_tensor(live)
+            want[i] = t if _in_place(t) else None
+    spans, ends = sorted((t.data_ptr(), i) for i, t in want.items() if t is not None), 0
+    for ptr, i in spans:  # two entries on one live storage (tied live, untied saved): one is new
+        if ptr < ends:
+            want[i] = None
+        else:
+            ends = ptr + man.tensors[i].nbytes
+    received = {i: t if t is not None else torch.empty(man.tensors[i].shape, dtype=dtype_of(man.tensors[i].dtype))
+                for i, t in want.items()}
+    return received, {i for i, t in want.items() if t is not None}
+
+
+def _verify_decoded(man: Manifest, received: dict[int, torch.Tensor], decoded: list[tuple[int, int]]) -> None:
+    if not decoded:
+        return
+    for i, t in received.items():
+        e = man.tensors[i]
+        if e.checksum is None or not any(a < e.offset + e.nbytes and e.offset < b for a, b in decoded):
+            continue
+        got = checksum(tensor_bytes(t))
+        if got != e.checksum:
+            raise ChecksumError(
+                f"tensor {e.path!r} rebuilt from parity hashes to {got} but the manifest records "
+                f"{e.checksum}; the stripe could not be repaired")
+
+
+def into_state(peers: Peers, record: dict, rank: int, state: Mapping[str, Any]) -> dict:
+    """Restore ``rank``'s bytes of ``record`` from its holders straight into ``state``.
+
+    Raises before touching ``state`` when the snapshot does not match it. Once the fetch has
+    begun, a failure leaves ``state`` partly written (the caller must load something else)."""
+    entry = record["ranks"][str(rank)]
+    man = Manifest.from_json(entry["manifest"])
+    if man.nbytes > entry["nbytes"]:
+        raise SnapshotBufferError(f"rank {rank}'s manifest describes {man.nbytes} bytes but step "
+                                  f"{record['step']} holds {entry['nbytes']}; the record is damaged")
+    pl = applying.plan(state, man)
+    received, live = destinations(pl)
+    landing = Spans([(man.tensors[i].offset, tensor_bytes(t)) for i, t in received.items()], entry["nbytes"])
+    stats = gather(peers, record, entry, landing)
+    _verify_decoded(man, received, stats["decoded"])
+    applying.apply_received(state, pl, received, live)
+    stats["in_place_bytes"] = sum(man.tensors[i].nbytes for i in live)
+    return stats

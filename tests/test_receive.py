@@ -1,0 +1,145 @@
+"""A restore from peers inside the rank (receive.py), without Ray: real TCP holders, a real
+codec, and a live model + optimizer that must end bitwise equal, received in place."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from memsnap import encode, receive
+from memsnap.agent import codec_for
+from memsnap.arena import MemoryBudget
+from memsnap.capture import capture
+from memsnap.chunkstore import HeldChunks
+from memsnap.errors import StateMismatchError
+from memsnap.landing import Spans
+from memsnap.stripes import choose_chunk
+from memsnap.transport import ChunkKey, make_transport
+
+from test_runtime_helpers import digest
+
+SECRET = os.urandom(32)
+K, M = 2, 1
+OWNER = "node-a"
+
+
+def make_state(seed: int, width: int = 96, stepped: bool = True) -> dict:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, 7))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if stepped:
+        model(torch.randn(4, width)).sum().backward()
+        optim.step()
+    return {"model": model, "optim": optim, "epoch": seed}
+
+
+@pytest.fixture(scope="module")
+def holders():
+    """k+m holder servers, each with its own chunk store, and a client."""
+    stores = [HeldChunks(MemoryBudget(1 << 30, f"h{j}")) for j in range(K + M)]
+    servers = [make_transport("tcp", secret=SECRET, host="127.0.0.1") for _ in stores]
+    addrs = [t.start(s) for t, s in zip(servers, stores)]
+    client = make_transport("tcp", secret=SECRET, host="127.0.0.1")
+    yield stores, addrs, client
+    client.close()
+    for t in servers:
+        t.close()
+
+
+def publish(holders, state: dict, step: int, chunk_target: int = 4096) -> tuple[dict, str]:
+    """Capture ``state`` as rank 0 of ``OWNER``, push its shards to the holders, return the record."""
+    stores, addrs, client = holders
+    man, buf = capture(state, checksums=True)
+    chunk = choose_chunk(man.nbytes, K, chunk_target)
+    region = encode.Region(0, man.nbytes, 0, K, chunk)
+    enc = encode.Encoded(region, buf)
+    codec = codec_for(K, M)
+    parity = memoryview(bytearray(region.stripes * M * chunk))
+    batch = encode.ParityBatch([(enc, s) for s in range(region.stripes)], M, chunk, parity)
+    batch.encode(codec)
+    for j in range(K + M):
+        items = enc.items(step, OWNER, j) if j < K else batch.items(step, OWNER, j)
+        client.push(addrs[j], items, timeout=60)
+    entry = {"owner": OWNER, "manifest": man.to_json().decode(), **region.to_dict()}
+    record = {"step": step, "k": K, "m": M, "ranks": {"0": entry},
+              "holders": {OWNER: [f"h{j}" for j in range(K + M)]},
+              "addrs": {f"h{j}": a for j, a in enumerate(addrs)}}
+    return record, digest(state, rng=False)
+
+
+def peers(holders) -> receive.Peers:
+    return receive.Peers(holders[2], codec_for(K, M))
+
+
+def pointers(state: dict) -> list[int]:
+    return [p.data_ptr() for p in state["model"].parameters()] + [
+        t.data_ptr() for s in state["optim"].state.values() for t in s.values()]
+
+
+def test_shards_land_in_the_live_tensors_and_the_state_is_bitwise_equal(holders):
+    saved = make_state(1)
+    record, want = publish(holders, saved, step=3)
+    live = make_state(2)
+    before = pointers(live)
+    stats = receive.into_state(peers(holders), record, 0, live)
+    assert digest(live, rng=False) == want and live["epoch"] == 1
+    assert pointers(live) == before  # the parameters and moments were written where they are
+    assert stats["in_place_bytes"] > 0.9 * sum(t.numel() * 4 for t in saved["model"].parameters()) * 3
+    assert stats["decoded_stripes"] == 0 and stats["stripes"] > 10
+
+
+def test_a_fresh_optimizer_adopts_new_tensors_received_whole(holders):
+    """Before the first step an optimizer has no moments: they are received into new tensors."""
+    record, want = publish(holders, make_state(3), step=4)
+    live = make_state(4, stepped=False)
+    receive.into_state(peers(holders), record, 0, live)
+    assert digest(live, rng=False) == want
+    torch.manual_seed(0)
+    live["model"](torch.randn(2, 96)).sum().backward()
+    live["optim"].step()  # the adopted moments are the optimizer's own
+
+
+def test_a_lost_holder_is_decoded_and_checked(holders):
+    record, want = publish(holders, make_state(5), step=5)
+    record["addrs"]["h0"] = {"transport": "tcp", "host": "127.0.0.1", "port": 1}  # nobody listens
+    live = make_state(6)
+    stats = receive.into_state(peers(holders), record, 0, live)
+    assert digest(live, rng=False) == want
+    assert stats["decoded_stripes"] == stats["stripes"] and stats["decoded"]
+
+
+def test_a_flipped_byte_in_a_held_chunk_is_rebuilt_and_repaired(holders):
+    record, want = publish(holders, make_state(7), step=6)
+    holders[0][1].flip_byte(ChunkKey(6, OWNER, 2, 1), 10)
+    live = make_state(8)
+    stats = receive.into_state(peers(holders), record, 0, live)
+    assert digest(live, rng=False) == want
+    assert stats["decoded_stripes"] == 1 and stats["repaired"] == 1
+    again = make_state(9)
+    assert receive.into_state(peers(holders), record, 0, again)["decoded_stripes"] == 0  # repaired on the holder
+
+
+def test_a_mismatched_state_is_refused_before_any_byte_is_written(holders):
+    record, _ = publish(holders, make_state(10), step=7)
+    live = make_state(11, width=64)
+    want = digest(live, rng=False)
+    with pytest.raises(StateMismatchError):
+        receive.into_state(peers(holders), record, 0, live)
+    assert digest(live, rng=False) == want
+
+
+def test_spans_cover_the_gaps_and_scatter_across_pieces():
+    a, b = bytearray(10), bytearray(5)
+    spans = Spans([(20, b), (4, a)], 30)
+    assert isinstance(spans.view(4, 14), memoryview)  # inside one piece: no scatter
+    scattered = spans.view(2, 22)  # gap 2..4, a, gap 14..20, b[:2]
+    assert [len(p) for p in scattered.parts] == [2, 10, 6, 2]
+    spans.write(0, bytes(range(30)))
+    assert bytes(a) == bytes(range(4, 14)) and bytes(b) == bytes(range(20, 25))
+    with pytest.raises(ValueError, match="overlaps"):
+        Spans([(0, bytearray(8)), (4, bytearray(8))], 16)
+    with pytest.raises(ValueError, match="past the stream"):
+        Spans([(10, bytearray(8))], 16)
+    with pytest.raises(IndexError):
+        spans.view(25, 31)
