@@ -143,3 +143,55 @@ def test_spans_cover_the_gaps_and_scatter_across_pieces():
         Spans([(10, bytearray(8))], 16)
     with pytest.raises(IndexError):
         spans.view(25, 31)
+
+
+class _Coordinator:
+    """The two restore calls of a Snapshotter, answered from a script of plans."""
+
+    def __init__(self, plans: list[dict]):
+        self.plans, self.done = list(plans), []
+
+    def __call__(self, method: str, *args, timeout=None):
+        if method == "restore_plan":
+            return self.plans[args[1]]
+        assert method == "restore_done"
+        self.done.append(args[2])
+        return {"ok": args[2], "gen": 1, "failed": {}}
+
+
+def _snapshotter(plans: list[dict], fail_with: Exception, monkeypatch):
+    """A Snapshotter without Ray around it: a scripted coordinator, a receive that fails."""
+    from memsnap import snapshotter
+
+    snap = object.__new__(snapshotter.Snapshotter)
+    snap.rank, snap._direct, snap._dirty, snap._peers = 0, True, False, object()
+    snap._ccall = _Coordinator(plans)
+
+    def failing(peers, record, rank, state):
+        raise fail_with
+
+    monkeypatch.setattr(receive, "into_state", failing)
+    return snap
+
+
+PEER = {"step": 3, "tier": "peer", "plan": "ram", "record": {}}
+NONE = {"step": None, "tier": "none", "plan": "none"}
+
+
+def test_a_restore_that_failed_mid_write_never_starts_fresh_on_mixed_state(monkeypatch):
+    from memsnap.errors import MemsnapError, TooFewShardsError
+
+    snap = _snapshotter([PEER, NONE], TooFewShardsError("stripe 4: only 1 of k=2 shards"), monkeypatch)
+    with pytest.raises(MemsnapError, match="begun writing into the live state"):
+        snap.restore({})
+    assert snap._ccall.done == [False, True]
+
+
+def test_a_refused_restore_touched_nothing_and_may_start_fresh(monkeypatch):
+    snap = _snapshotter([PEER, NONE], StateMismatchError("'model/w': snapshot has float32[4]"), monkeypatch)
+    snap._agent = type("Agent", (), {"resume": type("M", (), {"remote": staticmethod(lambda *a: None)})})()
+    monkeypatch.setattr("memsnap.snapshotter._get", lambda ref, timeout=None: None)
+    snap._policy = type("P", (), {"resume": lambda self, s: None})()
+    snap._guard = None
+    assert snap.restore({}) is None and not snap._dirty
+    assert snap.last_restore["tier"] == "none"

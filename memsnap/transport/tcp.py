@@ -7,8 +7,8 @@ destination the chunk store reserved, and the responder verifies its xxh3-64, co
 and acknowledges, in order, while the reader already receives the next chunk. Client: one
 pooled stream per peer and caller thread, chunks sent as ``sendall`` of memoryview slices
 with up to ``window`` chunks unacknowledged, so the stream never waits for a round trip; the
-checksum of the next chunk (or of the last one fetched) is computed on a helper thread
-while the socket copies the current one.
+checksum of the next chunk pushed (and, on machines with more than 4 cores, of the last one
+fetched) is computed on a helper thread while the socket copies the current one.
 
 Timeouts: every client call has a deadline; it bounds the connect and handshake, is checked
 between frames, and limits how long a single send or receive may wait for the peer.
@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import os
 import queue
 import socket
 import struct
@@ -37,6 +38,14 @@ log = logging.getLogger("memsnap.transport")
 HANDSHAKE_TIMEOUT = 10.0  # seconds a server waits for a new connection to prove the secret
 PIPELINE = 8  # requests read ahead of the one being verified and answered, per connection
 INLINE_HASH = 256 << 10  # smaller chunks are hashed on the calling thread (a hand-off costs more)
+
+
+def _fetch_inline_below() -> int:
+    """Chunks below this size are verified by the fetching thread itself. A hand-off to the
+    helper only pays when a core is free for it: on 4 cores or fewer every fetched chunk is
+    hashed inline (on 2 cores, 256 MiB from two holders: 0.151 s inline against 0.178 s
+    handed off, medians of 8 interleaved runs)."""
+    return INLINE_HASH if len(os.sched_getaffinity(0)) > 4 else 1 << 62
 
 
 class _Timeout(Exception):
@@ -202,6 +211,7 @@ class TcpTransport(Transport):
             raise ValueError(f"window={window!r}: must be an int >= 1 (chunks in flight per stream)")
         self.secret = auth.check_secret(secret)
         self.host, self.port, self.window = host, port, window
+        self.fetch_inline_below = _fetch_inline_below()
         self._server: _Server | None = None
         self._idle: dict[tuple[str, int], list[socket.socket]] = collections.defaultdict(list)
         self._lock = threading.Lock()
@@ -291,10 +301,10 @@ class TcpTransport(Transport):
         with self._lock:
             self._idle[addr].append(sock)
 
-    def _hashing(self, fn: Callable, *args) -> Future:
+    def _hashing(self, fn: Callable, *args, inline_below: int = INLINE_HASH) -> Future:
         """``fn(*args)`` on the helper thread (big chunks), so it overlaps the caller's I/O."""
         first = args[0]
-        if (sum(len(p) for p in first) if isinstance(first, list) else len(first)) < INLINE_HASH:
+        if (sum(len(p) for p in first) if isinstance(first, list) else len(first)) < inline_below:
             done: Future = Future()
             done.set_result(fn(*args))
             return done
@@ -358,7 +368,7 @@ class TcpTransport(Transport):
                         nbytes, size)
             return missing
         wire.recv_parts(sock, dest)
-        return self._hashing(_verify, dest, checksum, key, addr)
+        return self._hashing(_verify, dest, checksum, key, addr, inline_below=self.fetch_inline_below)
 
 
 def _digest(parts: list[memoryview]) -> int:
