@@ -353,6 +353,7 @@ class Snapshotter:
             return "none"
         if tier == "durable":
             return self._load_durable(plan, state, seconds)
+        corrupt = False
         if tier == "local":
             info = _get(self._agent.local.remote(step, self.rank))
             if info is not None:
@@ -361,10 +362,13 @@ class Snapshotter:
                     return "local"
                 except ChecksumError as exc:
                     log.warning("rank %d: local copy of step %d is corrupt (%s); reading peers", self.rank, step, exc)
+                    corrupt = True
         t = time.perf_counter()
         if self._direct:
             self._receive(plan["record"], state)
             seconds["fetch"] = time.perf_counter() - t
+            if corrupt:  # the agent reads the node's copy back from the holders, in the background
+                self._agent.recover.remote(step, self.rank, plan["record"])
             return "peer"
         info = _get(self._agent.recover.remote(step, self.rank, plan["record"]), tunable("restore_timeout_s"))
         seconds["fetch"] = time.perf_counter() - t

@@ -189,6 +189,22 @@ def test_more_losses_than_tolerated_fall_back_to_durable(job):
     assert all("durable storage" in r[2]["warning"] for r in results)
 
 
+def _flip(path: str, offset: int) -> bytes:
+    """Flip one byte of a file; return the byte it held."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    return byte
+
+
+def _byte(path: str, offset: int) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read(1)
+
+
 def test_objstore_transport_and_a_corrupt_local_copy_rebuilt_from_peers(job):
     """A second job on the surviving nodes, chunks through Ray's object store; rank 1's arena
     gets a flipped byte, so its restore detects it by checksum and reads its peers instead."""
@@ -202,12 +218,7 @@ def test_objstore_transport_and_a_corrupt_local_copy_rebuilt_from_peers(job):
         st = ray.get(trainers[0].status.remote(), timeout=60)
         assert st["bytes"]["peer"] > 0 and st["failed_snapshots"] == 0
         node1 = ray.get(trainers[1].node.remote())
-        path = next(p for p in naming.arena_files(other, node1) if "-r1-s0-" in p)
-        with open(path, "r+b") as f:
-            f.seek(4096)
-            byte = f.read(1)
-            f.seek(4096)
-            f.write(bytes([byte[0] ^ 0xFF]))
+        _flip(next(p for p in naming.arena_files(other, node1) if "-r1-s0-" in p), 4096)
         results = restore_all(trainers)
         assert [r[0] for r in results] == [1] * 4 and [r[1] for r in results] == digests
         assert results[1][2]["tier"] == "peer" and results[0][2]["tier"] == "local"
@@ -222,7 +233,9 @@ def test_objstore_transport_and_a_corrupt_local_copy_rebuilt_from_peers(job):
 
 def test_m_node_losses_at_once_are_restored_from_ram(job):
     """k=1, m=2 (replication to two more holders): two nodes of the group die together, and
-    both lost ranks come back from their peers' RAM on replacement nodes, bitwise."""
+    both lost ranks come back from their peers' RAM on replacement nodes, bitwise. Rank 3's
+    local copy has a flipped byte: it reads its holders straight into its tensors, and its
+    agent then rebuilds the local copy from them."""
     c = job["cluster"]
     other = "rt-m2"
     opts = dict(k=1, m=2, chunk=64 * 255, memory_budget=256 << 20)
@@ -235,9 +248,13 @@ def test_m_node_losses_at_once_are_restored_from_ram(job):
         for i, r in enumerate((1, 2)):
             c.add_node()  # resources memsnap_node_8, memsnap_node_9
             trainers[r] = start_trainer(other, r, 4, 8 + i, opts, seed=80 + r)
+        node3 = ray.get(trainers[3].node.remote())
+        path = next(p for p in naming.arena_files(other, node3) if "-r3-s0-" in p)
+        good = _flip(path, 4096)
         results = restore_all(trainers)
         assert [r[0] for r in results] == [1] * 4 and [r[1] for r in results] == digests
-        assert [r[2]["tier"] for r in results] == ["local", "peer", "peer", "local"]
+        assert [r[2]["tier"] for r in results] == ["local", "peer", "peer", "peer"]
+        wait_for(lambda: _byte(path, 4096) == good, timeout=60, what="rank 3's local copy rebuilt")
     finally:
         from memsnap.snapshotter import shutdown
 
