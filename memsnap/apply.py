@@ -1,10 +1,11 @@
 """Apply: a Manifest plus its bytes -> back into the live objects, in place, all or nothing.
 
-Sequence: (1) check the buffer and, with ``verify``, every checksum; (2) match the snapshot
-against the live state (top-level keys, every tensor's path, dtype and shape, optimizer
-parameter groups) and raise ``StateMismatchError`` before anything is touched; (3) copy the
-bytes into the live tensors (same device, same dtype; a DTensor's local shard) and call each
-object's ``load_state_dict``; plain values are written back into ``state``; (4) restore RNGs.
+Sequence: (1) check the buffer, then match the snapshot against the live state (top-level
+keys, every tensor's path, dtype and shape, optimizer parameter groups: ``plan``) and raise
+``StateMismatchError`` before anything is touched; (2) with ``verify``, check every checksum;
+(3) copy the bytes into the live tensors (same device, same dtype; a DTensor's local shard)
+and call each object's ``load_state_dict``; plain values are written back into ``state``;
+(4) restore RNGs (``finish``). ``memsnap.receive`` runs (1), fills the tensors itself, then (4).
 
 Tensors the snapshot has and the live object lacks (e.g. optimizer moments before the first
 step) are handed to ``load_state_dict`` as new CPU tensors, which it places itself.
@@ -350,10 +351,9 @@ def apply(state: Mapping[str, Any], manifest: Manifest, buf: Any, *, rng: bool =
           verify: bool = True, strict: bool = True) -> None:
     """Put the snapshot ``manifest`` + ``buf`` back into ``state``; validate everything first."""
     mv = byte_view(buf, manifest.nbytes, writable=False)
-    _check_layout(manifest)
+    pl = plan(state, manifest, rng=rng, strict=strict)
     if verify:
         verify_checksums(manifest, mv)
-    pl = plan(state, manifest, rng=rng, strict=strict)
     finish(pl, _Source(manifest, mv, pl.meshes), state)
 
 
