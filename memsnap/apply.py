@@ -5,7 +5,8 @@ keys, every tensor's path, dtype and shape, optimizer parameter groups: ``plan``
 ``StateMismatchError`` before anything is touched; (2) with ``verify``, check every checksum;
 (3) copy the bytes into the live tensors (same device, same dtype; a DTensor's local shard)
 and call each object's ``load_state_dict``; plain values are written back into ``state``;
-(4) restore RNGs (``finish``). ``memsnap.receive`` runs (1), fills the tensors itself, then (4).
+(4) restore RNGs. ``memsnap.receive`` runs (1) (``plan``), receives the bytes into the tensors
+itself, then (3) and (4) (``finish``).
 
 Tensors the snapshot has and the live object lacks (e.g. optimizer moments before the first
 step) are handed to ``load_state_dict`` as new CPU tensors, which it places itself.
