@@ -78,6 +78,7 @@ class AgentCore:
         self.codec = codec_for(self.cfg.k, self.cfg.m)
         self.lock = threading.RLock()
         self.send_lock = threading.Lock()
+        self.rebuild_lock = threading.Lock()
         self.versions: dict[int, Version] = {}
         self.arenas: dict[tuple[int, int], Arena] = {}
         self.parity: dict[int, OwnedBuffer] = {}
@@ -434,15 +435,65 @@ class AgentCore:
         self.counters["repaired_chunks"] += stats.get("repaired", 0)
         return {"path": arena.path, "nbytes": entry["nbytes"], "manifest": entry["manifest"], "stats": stats}
 
-    def rebuild_local(self, step: int, rank: int, record: dict) -> bool:
+    def rebuild_local(self, step: int, rank: int, record: dict, replace: bool = False) -> bool:
         """Re-protection: read ``rank``'s bytes of ``step`` back from the holders as this node's
-        local copy, unless one is here or the rank has begun a newer step. True when rebuilt."""
+        local copy (``replace``: over a copy found corrupt). True when it was installed.
+
+        The rank trains on meanwhile, so the bytes are gathered into an arena of their own and
+        installed only if the rank has not begun a newer step by then (its next commit leaves
+        a newer local copy anyway); the slots its saves use are never touched while gathering."""
+        with self.rebuild_lock:  # one at a time: a second request finds the first one's result
+            return self._rebuild_local(step, rank, record, replace)
+
+    def _rebuild_local(self, step: int, rank: int, record: dict, replace: bool) -> bool:
+        from memsnap.restore import gather
+
+        entry = record["ranks"][str(rank)]
+        nbytes = entry["nbytes"]
         with self.lock:
-            if any(s > step for s in self.versions) or (
-                    (v := self.versions.get(step)) is not None and rank in v.manifests):
+            if self._newer_than(step) or (not replace and self._holds(step, rank)):
                 return False
-        self.recover(step, rank, record)
+            self.budget.charge(nbytes, f"the rebuilt local copy of rank {rank} (step {step})")
+        arena = None
+        try:
+            arena = Arena.create(naming.arena_path(self.cfg.job, self.node, rank, "rebuild", step), nbytes,
+                                 prefault=False)
+            stats = gather(self, record, entry, arena.view(0, nbytes))
+            with self.lock:
+                v = self.versions.get(step)
+                if self._newer_than(step) or (v is not None and v.state != "committed"):
+                    return False
+                if v is None:
+                    free = self._free_slots()
+                    if not free:
+                        return False
+                    v = self.versions[step] = Version(step, free[0], state="committed", gen=self.gen)
+                self._install(rank, v.slot, arena)
+                arena = None
+                v.sizes[rank], v.manifests[rank] = nbytes, entry["manifest"]
+        finally:
+            if arena is not None:  # not installed: give the memory back
+                arena.close(unlink=True)
+                self.budget.release(nbytes)
+        self.counters["repaired_chunks"] += stats.get("repaired", 0)
         return True
+
+    def _newer_than(self, step: int) -> bool:
+        return any(s > step for s in self.versions)
+
+    def _holds(self, step: int, rank: int) -> bool:
+        v = self.versions.get(step)
+        return v is not None and v.state == "committed" and rank in v.manifests
+
+    def _install(self, rank: int, slot: int, arena: Arena) -> None:
+        """Make ``arena`` (already charged) ``rank``'s arena of ``slot``, replacing the old one."""
+        old = self.arenas.pop((rank, slot), None)
+        gen = 0 if old is None else int(old.path.rsplit("-g", 1)[1]) + 1
+        if old is not None:
+            old.close(unlink=True)
+            self.budget.release(old.nbytes)
+        arena.rename(naming.arena_path(self.cfg.job, self.node, rank, slot, gen))
+        self.arenas[(rank, slot)] = arena
 
     def _clear_for_restore(self, step: int) -> None:
         """Lean mode: the one slot may hold a step that was never committed here (the job
@@ -575,8 +626,8 @@ class SnapshotAgent:
     def recover(self, step: int, rank: int, record: dict) -> dict:
         return self.core.recover(step, rank, record)
 
-    def rebuild_local(self, step: int, rank: int, record: dict) -> bool:
-        return self.core.rebuild_local(step, rank, record)
+    def rebuild_local(self, step: int, rank: int, record: dict, replace: bool = False) -> bool:
+        return self.core.rebuild_local(step, rank, record, replace)
 
     def count(self, counter: str, n: int) -> None:
         """Add ``n`` to one of the agent's counters (a rank reports what its restore repaired)."""

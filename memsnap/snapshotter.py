@@ -186,6 +186,9 @@ class Snapshotter:
     def _map(self, path: str, nbytes: int) -> memoryview:
         arena = self._maps.get(path)
         if arena is None or arena.nbytes < nbytes:
+            slot = path.rsplit("-g", 1)[0]  # the agent replaced this slot's file: drop the old mapping
+            for old in [p for p in self._maps if p != path and p.rsplit("-g", 1)[0] == slot]:
+                self._maps.pop(old).close(unlink=False)
             arena = self._maps[path] = Arena.attach(path, nbytes)
         return arena.view(0, nbytes)
 
@@ -368,7 +371,7 @@ class Snapshotter:
             self._receive(plan["record"], state)
             seconds["fetch"] = time.perf_counter() - t
             if corrupt:  # the agent reads the node's copy back from the holders, in the background
-                self._agent.recover.remote(step, self.rank, plan["record"])
+                self._agent.rebuild_local.remote(step, self.rank, plan["record"], True)
             return "peer"
         info = _get(self._agent.recover.remote(step, self.rank, plan["record"]), tunable("restore_timeout_s"))
         seconds["fetch"] = time.perf_counter() - t

@@ -1,6 +1,8 @@
 """The runtime's pure parts without Ray: config, the tier decision, protection, agent slots."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from memsnap.agent import AgentCore
@@ -191,3 +193,43 @@ def test_lean_restore_takes_the_slot_back_from_steps_not_committed_here(lean):
     lean.versions[7].state = "encoding"  # the rank died after capturing step 7
     lean._clear_for_restore(6)
     assert lean.versions == {} and lean._free_slot(6) == 0
+
+
+def _gather_writing(fill: bytes, during=None):
+    """A stand-in for ``restore.gather``: runs ``during`` (the rank saving on meanwhile), fills ``out``."""
+    def gather(core, record, entry, out):
+        if during is not None:
+            during()
+        out[:] = fill * (len(out) // len(fill))
+        return {"repaired": 0}
+    return gather
+
+
+def test_a_rebuilt_local_copy_is_installed_only_if_the_rank_has_not_moved_on(core, monkeypatch):
+    """Re-protection reads a restored rank's bytes back as the node's local copy while the rank
+    trains on: it gathers into an arena of its own and never takes over a slot a newer save uses."""
+    import memsnap.restore
+
+    rec = record(7)
+    rec["ranks"]["0"]["nbytes"] = 4096
+    used = core.budget.used
+    monkeypatch.setattr(memsnap.restore, "gather",
+                        _gather_writing(b"x", during=lambda: core.begin(8, 0, 4096)))
+    assert core.rebuild_local(7, 0, rec) is False  # step 8 began during the gather
+    assert 7 not in core.versions and core.versions[8].state == "capturing"
+    assert core.budget.used == used + 4096  # only step 8's arena is charged
+    monkeypatch.setattr(memsnap.restore, "gather", _gather_writing(b"y"))
+    assert core.rebuild_local(7, 0, rec) is False  # the rank moved on: nothing to do
+    core.versions.pop(8)
+    assert core.rebuild_local(7, 0, rec) is True
+    info = core.local(7, 0)
+    assert info is not None and info["nbytes"] == 4096
+    with open(info["path"], "rb") as f:
+        assert f.read(4096) == b"y" * 4096
+    assert core.rebuild_local(7, 0, rec) is False  # already held
+    monkeypatch.setattr(memsnap.restore, "gather", _gather_writing(b"z"))
+    assert core.rebuild_local(7, 0, rec, replace=True) is True  # over a copy found corrupt
+    new = core.local(7, 0)["path"]
+    assert new != info["path"] and not os.path.exists(info["path"])
+    with open(new, "rb") as f:
+        assert f.read(4096) == b"z" * 4096
