@@ -394,6 +394,7 @@ class AgentCore:
         """The job restored ``step`` (None: started fresh) in restore generation ``gen``: forget
         every uncommitted version after it, so the resumed run can take those steps again."""
         last = -1 if step is None else step
+        log.info("node %s resumes from step %s in restore generation %d (was %d)", self.node[:12], step, gen, self.gen)
         with self.lock:
             self.gen = max(self.gen, gen)
             for v in [v for v in self.versions.values() if v.step > last and v.state != "committed"]:
@@ -522,7 +523,7 @@ class AgentCore:
             local_bytes = sum(v.sizes.get(r, 0) for v in self.versions.values()
                               if v.state == "committed" for r in v.manifests)
             return {
-                "node": self.node, "address": self.address, "ranks": sorted(self.ranks),
+                "node": self.node, "address": self.address, "ranks": sorted(self.ranks), "gen": self.gen,
                 "versions": versions, "held": self.store.inventory(),
                 "records": sorted(self.records), "counters": dict(self.counters),
                 "bytes": {"arena": arena_bytes, "local": local_bytes, "held": self.store.held_bytes(),

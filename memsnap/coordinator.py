@@ -157,7 +157,8 @@ class CoordinatorCore:
         with self.cond:
             gen = info.get("gen", 0)
             if gen < self.gen:
-                log.info("ignoring step %d from node %s: taken before the last restore", step, node[:12])
+                log.info("ignoring step %d from node %s: taken before the last restore (generation %d < %d)",
+                         step, node[:12], gen, self.gen)
                 return
             self.gen = gen  # a rebuilt coordinator learns the generation from the agents
             if step in self.failed or step in self.records or self._stale(step):
@@ -287,6 +288,7 @@ class CoordinatorCore:
             return
         self.gen += 1
         rnd["gen"] = self.gen
+        log.info("restore generation %d: the job resumes from step %s", self.gen, rnd["plan"]["step"])
         last = -1 if rnd["plan"]["step"] is None else rnd["plan"]["step"]
         for table in (self.pending, self.failed, self.records):
             for s in [s for s in table if s > last]:
@@ -479,6 +481,7 @@ class CoordinatorCore:
                 "protection": self._protection(newest, inventories),
                 "members": {str(r): n for r, n in self.members.items()},
                 "epoch": self.epoch,
+                "generation": self.gen,
                 "durable_step": self.durable_step,
                 "last_restore": dict(self.last_restore),
                 "reprotect": dict(self.reprotect, errors=list(self.reprotect["errors"][-5:])),
@@ -545,6 +548,10 @@ def rebuild_state(core: CoordinatorCore) -> None:
             continue
         found += 1
         core.addrs[node] = inv["address"]
+        # the restore generation goes on from the agents': restarting it at 0 would let the next
+        # restore hand a new node's agent a generation below the survivors', and every step
+        # that node sends afterwards would be ignored as taken before the restore
+        core.gen = max(core.gen, int(inv.get("gen", 0)))
         for rank in inv["ranks"]:
             core.members.setdefault(rank, node)
         for step, record in records.items():
@@ -553,8 +560,8 @@ def rebuild_state(core: CoordinatorCore) -> None:
         keep = sorted(core.records)[-core.cfg.keep:]
         core.records = {s: core.records[s] for s in keep}
         core._maybe_place()
-        log.warning("coordinator rebuilt from %d agents: ranks %s, committed steps %s",
-                    found, sorted(core.members), sorted(core.records))
+        log.warning("coordinator rebuilt from %d agents: ranks %s, committed steps %s, restore generation %d",
+                    found, sorted(core.members), sorted(core.records), core.gen)
 
 
 @ray.remote

@@ -127,7 +127,12 @@ def test_rank_dying_mid_capture_leaves_the_previous_step(job):
 
 
 def test_coordinator_loss_the_job_continues_and_restores(job):
+    generation = status(job)["generation"]
+    assert generation >= 1  # the restores so far
     ray.kill(ray.get_actor(naming.coordinator(JOB), namespace=naming.NAMESPACE), no_restart=True)
+    # rebuilt from the agents, restore generation included (a new node's agent joining after
+    # the next restore must not be handed a generation below the survivors')
+    assert status(job)["generation"] == generation
     save_all(job, 4)
     results = restore_all(job["trainers"])
     assert [r[0] for r in results] == [4] * 4 and [r[1] for r in results] == job["digests"][4]
