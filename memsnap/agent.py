@@ -172,13 +172,7 @@ class AgentCore:
         if arena is not None and arena.nbytes >= nbytes:
             arena.resident = True  # (lean mode released it: the capture backs it again)
             return arena
-        gen = 0
-        if arena is not None:
-            gen = int(arena.path.rsplit("-g", 1)[1]) + 1
-            arena.close(unlink=True)
-            self.budget.release(arena.nbytes)
-            del self.arenas[(rank, slot)]
-        path = naming.arena_path(self.cfg.job, self.node, rank, slot, gen)
+        path = naming.arena_path(self.cfg.job, self.node, rank, slot, self._drop_arena(rank, slot))
         ready = self.prepared.pop(rank, None)
         if ready is not None and ready.nbytes == nbytes:
             ready.rename(path)  # already charged and touched
@@ -409,9 +403,9 @@ class AgentCore:
     def local(self, step: int, rank: int) -> dict | None:
         """Where this node still holds ``rank``'s committed bytes of ``step``, or None."""
         with self.lock:
-            v = self.versions.get(step)
-            if v is None or v.state != "committed" or rank not in v.manifests:
+            if not self._holds(step, rank):
                 return None
+            v = self.versions[step]
             arena = self.arenas.get((rank, v.slot))
             return {"path": arena.path, "nbytes": v.sizes[rank], "manifest": v.manifests[rank]}
 
@@ -488,13 +482,18 @@ class AgentCore:
 
     def _install(self, rank: int, slot: int, arena: Arena) -> None:
         """Make ``arena`` (already charged) ``rank``'s arena of ``slot``, replacing the old one."""
-        old = self.arenas.pop((rank, slot), None)
-        gen = 0 if old is None else int(old.path.rsplit("-g", 1)[1]) + 1
-        if old is not None:
-            old.close(unlink=True)
-            self.budget.release(old.nbytes)
-        arena.rename(naming.arena_path(self.cfg.job, self.node, rank, slot, gen))
+        arena.rename(naming.arena_path(self.cfg.job, self.node, rank, slot, self._drop_arena(rank, slot)))
         self.arenas[(rank, slot)] = arena
+
+    def _drop_arena(self, rank: int, slot: int) -> int:
+        """Unlink and uncharge ``rank``'s arena of ``slot`` if there is one; return the
+        generation its replacement's file takes (the rank maps the new file)."""
+        old = self.arenas.pop((rank, slot), None)
+        if old is None:
+            return 0
+        old.close(unlink=True)
+        self.budget.release(old.nbytes)
+        return naming.arena_gen(old.path)[1] + 1
 
     def _clear_for_restore(self, step: int) -> None:
         """Lean mode: the one slot may hold a step that was never committed here (the job

@@ -24,9 +24,17 @@ def secret_key(job: str) -> bytes:
 
 
 def arena_path(job: str, node_id: str, rank: int, slot: int | str, gen: int) -> str:
-    """The shared-memory file of ``rank``'s arena ``slot`` (``gen`` bumps when it is regrown;
-    slot ``"prep"``: an arena prepared for a restore, renamed to its slot when used)."""
+    """The shared-memory file of ``rank``'s arena ``slot`` (``gen`` bumps when it is regrown or
+    replaced; slot ``"prep"``/``"rebuild"``: an arena made for a restore or a rebuilt local
+    copy, renamed to its slot when used)."""
     return os.path.join(SHM_DIR, f"memsnap-{job}-{node_id[:12]}-r{rank}-s{slot}-g{gen}")
+
+
+def arena_gen(path: str) -> tuple[str, int]:
+    """``(the path without its generation, the generation)`` of an ``arena_path``: two files of
+    one rank's slot share the first."""
+    base, gen = path.rsplit("-g", 1)
+    return base, int(gen)
 
 
 def arena_files(job: str, node_id: str | None = None) -> list[str]:

@@ -186,8 +186,8 @@ class Snapshotter:
     def _map(self, path: str, nbytes: int) -> memoryview:
         arena = self._maps.get(path)
         if arena is None or arena.nbytes < nbytes:
-            slot = path.rsplit("-g", 1)[0]  # the agent replaced this slot's file: drop the old mapping
-            for old in [p for p in self._maps if p != path and p.rsplit("-g", 1)[0] == slot]:
+            slot = naming.arena_gen(path)[0]  # the agent replaced this slot's file: drop the old mapping
+            for old in [p for p in self._maps if p != path and naming.arena_gen(p)[0] == slot]:
                 self._maps.pop(old).close(unlink=False)
             arena = self._maps[path] = Arena.attach(path, nbytes)
         return arena.view(0, nbytes)
