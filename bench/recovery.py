@@ -80,11 +80,18 @@ class Rank:
     def status(self) -> dict:
         return self.snap.status()
 
-    def receive_again(self, record: dict) -> float:
-        """This rank's bytes of ``record`` read from its holders straight into its live
+    def source(self) -> dict:
+        """Where this rank's bytes of its last restored step live (its part of the plan)."""
+        return self.snap.last_plan.source.to_wire()
+
+    def receive_again(self, source: dict) -> float:
+        """This rank's bytes ``source`` names read from its holders straight into its live
         tensors again (the direct restore's data path, without the collective plan)."""
+        from memsnap.records import RankSource
+
+        src = RankSource.from_wire(source)
         t = time.perf_counter()
-        self.snap._receive(record, self.state)
+        self.snap._receive(src, self.snap._ask("manifest", src.step, src.rank, source), self.state)
         return time.perf_counter() - t
 
     def apply_local(self, step: int) -> float:
@@ -161,14 +168,13 @@ def data_path_alone(ranks, lost: str, rounds: int = 7) -> dict:
              timeout=600, what="re-protection to finish (it would share the cores)")
     new = ray.get(ranks[1].node.remote())
     a_new = ray.get_actor(naming.agent(JOB, new), namespace=naming.NAMESPACE)
-    a_old = ray.get_actor(naming.agent(JOB, ray.get(ranks[0].node.remote())), namespace=naming.NAMESPACE)
-    record = ray.get(a_old.records.remote(), timeout=60)[1]  # a survivor was told of the commit
-    assert record["ranks"]["1"]["owner"] == lost
+    source = ray.get(ranks[1].source.remote(), timeout=60)  # rank 1's part of the restore plan
+    assert source["owner"] == lost
     runs: dict[str, list[float]] = {"direct": [], "touched": [], "apply": []}
     for _ in range(rounds):
-        runs["direct"].append(ray.get(ranks[1].receive_again.remote(record), timeout=600))
+        runs["direct"].append(ray.get(ranks[1].receive_again.remote(source), timeout=600))
         t = time.perf_counter()
-        ray.get(a_new.recover.remote(1, 1, record), timeout=600)
+        ray.get(a_new.recover.remote(1, 1, source), timeout=600)
         runs["touched"].append(time.perf_counter() - t)
         runs["apply"].append(ray.get(ranks[1].apply_local.remote(1), timeout=600))
     for name, v in runs.items():
@@ -227,7 +233,7 @@ def torch_load_together(paths: list[str], mib: int) -> float:
 
 def s3_copy(spill: str, mib: int) -> float | None:
     """Write rank 1's step to a moto S3 server on loopback and time restoring it from there."""
-    from s3server import moto_s3
+    from support.s3server import moto_s3
 
     from memsnap.storage import Store
 

@@ -23,6 +23,8 @@ _LAZY = {
     "save": "memsnap.durable",
     "load": "memsnap.durable",
     "Snapshotter": "memsnap.snapshotter",
+    "start_spare": "memsnap.snapshotter",
+    "shutdown": "memsnap.snapshotter",
     "ResumableSampler": "memsnap.sampler",
     "ResumableLoader": "memsnap.sampler",
 }

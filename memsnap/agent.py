@@ -5,37 +5,46 @@ One detached agent per node and job, pinned to its node, ``num_cpus=0``. It owns
 slots per rank), (b) the parity it computes and (c) the chunks it holds for its peers,
 all charged against ``memory_budget``. Training processes never own snapshot bytes.
 
-Data path of one save of step ``t`` (who makes each call in brackets):
+Call protocol (who makes each call in brackets; the Ray face is ``actors.SnapshotAgent``,
+and ``relay.NodeRelay`` speaks to the coordinator for the node's ranks, once per node):
 
-  1. [rank]  ``begin(t, rank, nbytes)`` -> the path of an arena region; the rank maps it once.
-  2. [rank]  capture the state into that region (``memsnap.capture.capture(out=...)``).
+  0. [rank]  ``join(rank, world)`` then ``members(timeout)``: registration and the placement
+     answer, through the agent (the agent's own address never travels through a rank).
+  1. [rank]  ``begin(t, rank, nbytes)`` -> the path of an arena region (the rank maps it
+     once), or ``{"skipped": why}`` when every slot is busy (newest wins, see ``_free_slot``).
+  2. [rank]  capture the state into that region (``memsnap.capture.copy_into``).
   3. [rank]  ``captured(t, rank, manifest_json)``; ``Snapshotter.save`` returns here.
   4. [agent, background, once every local rank of ``t`` has captured] fill the tensor
      checksums, stripe the node's stream (its ranks' regions back to back), encode parity
      with ``encode_into`` into the parity buffer, push shard ``j`` of every stripe to
-     ``placement.holders[node][j]``.
+     holder ``j`` (the layout is cached until the placement changes), and hand the holders
+     the ranks' manifests (``hold_manifests``: metadata stays with the data).
   5. [holders] the transport acknowledges every chunk (``ChunkStore.complete``).
-  6. [agent]  ``coordinator.node_ready(t, node, info)`` (rank regions + manifests).
-  7. [coordinator] when every node is ready: ``agent.commit(t, record, keep)`` on every
-     agent, which frees the versions and held chunks of steps it no longer keeps. In lean
-     mode (``local_copy=False``) it frees ``t``'s own version too: its one arena slot is
-     only the staging area of the next save, and its pages go back to the kernel meanwhile.
+  6. [agent]  ``coordinator.node_ready(NodeReady)``: a few hundred bytes, whatever the tensor count.
+  7. [coordinator] when every node is ready: ``commit(CommitNotice)`` on every agent, which
+     frees the versions and held chunks of steps it no longer keeps. In lean mode
+     (``local_copy=False``) it frees ``t``'s own version too: its one arena slot is only the
+     staging area of the next save, and its pages go back to the kernel meanwhile.
+  8. [rank]  ``wait(t)``: answered from the commit notices this agent received.
 
-Restore: ``local(t, rank)`` names the arena still holding a rank's bytes. A rank restoring
-from peers over TCP reads them itself (``memsnap.receive``); ``recover`` rebuilds a rank's
-bytes from its peers into an arena instead (the objstore transport, and re-protection's
-``rebuild_local``, which gives a restored node its local copy back); ``rebuild`` re-creates
-the shards a lost holder had (re-protection). Spill runs on a background thread
-(``memsnap.spill``).
+Restore: ``local(t, rank)`` names the arena still holding a rank's bytes; ``manifest_for``
+finds a rank's manifest here or at a holder of its owner. A rank restoring from peers over
+TCP reads its bytes itself (``memsnap.receive``); ``recover`` rebuilds a rank's bytes from its
+peers into an arena instead (the objstore transport, and re-protection's ``rebuild_local``,
+which gives a restored node its local copy back); ``rebuild`` re-creates the shards a lost
+holder had (re-protection). Spill runs on a background thread (``memsnap.spill``).
 """
 from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import ray
+import xxhash
 
 from memsnap import encode, naming
 from memsnap.arena import Arena, MemoryBudget, OwnedBuffer
@@ -43,12 +52,15 @@ from memsnap.checksum import fill_checksums
 from memsnap.chunkstore import HeldChunks
 from memsnap.config import SnapshotConfig, tunable
 from memsnap.errors import CommitError, MemoryBudgetError
+from memsnap.directory import Directory
 from memsnap.manifest import Manifest
-from memsnap.transport.base import ChunkKey, make_transport
+from memsnap.records import CommitNotice, NodeReady, RankSource, Region
+from memsnap.transport.base import make_transport
 
 log = logging.getLogger("memsnap.agent")
 
-LIVE = ("capturing", "encoding", "ready", "committed", "restoring")
+LIVE = ("capturing", "queued", "sending", "ready", "committed", "restoring")
+BUSY_WARN_S = 60.0  # at most one "saves arrive faster than the pipeline" warning a minute
 
 
 @dataclass
@@ -57,7 +69,9 @@ class Version:
 
     step: int
     slot: int
-    state: str = "capturing"  # capturing -> encoding -> ready -> committed | failed
+    state: str = "capturing"  # capturing -> queued -> sending -> ready -> committed | failed
+    #                                 (queued: every local rank captured, waiting for the sender;
+    #                                  a newer capture may take its slot: newest wins)
     sizes: dict[int, int] = field(default_factory=dict)         # rank -> nbytes
     manifests: dict[int, str] = field(default_factory=dict)     # rank -> manifest JSON
     error: str | None = None
@@ -74,6 +88,7 @@ class AgentCore:
         self.store = HeldChunks(self.budget)
         self.transport = make_transport(self.cfg.transport, secret=secret, host=host,
                                         **self._transport_opts())
+        self.store.own = self._serve_own
         self.address = self.transport.start(self.store)
         self.codec = codec_for(self.cfg.k, self.cfg.m)
         self.lock = threading.RLock()
@@ -82,12 +97,21 @@ class AgentCore:
         self.versions: dict[int, Version] = {}
         self.arenas: dict[tuple[int, int], Arena] = {}
         self.parity: dict[int, OwnedBuffer] = {}
-        self.records: dict[int, dict] = {}
+        self.committed: dict[int, CommitNotice] = {}  # the commit notices of the steps kept
+        self.newest: int | None = None  # the newest committed step this node heard of
+        self.infos: dict[int, NodeReady] = {}  # this node's own NodeReady, by step
+        self.held_meta: dict[tuple[int, str], tuple[NodeReady, dict[int, str]]] = {}  # held owners'
+        self.layout: dict | None = None  # this node's holders and addresses, until the placement changes
+        self.dir = Directory(self.cfg.job)
+        self.coordinator = None  # -> the coordinator's handle (set by the Ray face)
+        self.changed = lambda: None  # wakes the relay's waiters (set by the Ray face)
         self.ranks: set[int] = set()
         self.world: int | None = None
         self.abandoned: dict[int, str] = {}
         self.gen = 0
-        self.counters = {"failed_snapshots": 0, "pushed_bytes": 0, "repaired_chunks": 0}
+        self.counters = {"failed_snapshots": 0, "pushed_bytes": 0, "repaired_chunks": 0,
+                         "superseded": 0, "skipped_busy": 0}
+        self.throughput = Throughput()
         self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="memsnap-agent")
         self.spiller = None
         self.prepared: dict[int, Arena] = {}  # rank -> a touched arena its peer restore will fill
@@ -102,12 +126,17 @@ class AgentCore:
     def begin(self, step: int, rank: int, nbytes: int) -> dict:
         with self.lock:
             self.ranks.add(rank)
+            if step in self.abandoned:  # skipped or replaced on this node already: every rank skips it
+                return {"skipped": self.abandoned[step]}
             v = self.versions.get(step)
             if v is not None and v.state not in ("capturing", "failed"):
                 raise CommitError(f"step {step} is already {v.state} on node {self.node[:12]}; "
                                   "save each step once, with a step number larger than the last")
             if v is None or v.state == "failed":
-                v = self.versions[step] = Version(step, self._free_slot(step), gen=self.gen)
+                slot = self._free_slot(step)
+                if slot is None:
+                    return {"skipped": self._skip(step)}
+                v = self.versions[step] = Version(step, slot, gen=self.gen)
             try:
                 arena = self._arena(rank, v.slot, nbytes)
             except MemoryBudgetError:
@@ -118,34 +147,67 @@ class AgentCore:
             v.manifests.pop(rank, None)
             return {"path": arena.path, "nbytes": nbytes, "slot": v.slot}
 
-    def _free_slot(self, step: int) -> int:
+    def _free_slot(self, step: int) -> int | None:
+        """A slot for ``step``, or None when the pipeline is busy (the save is skipped, not
+        failed). Under pressure the newest capture wins: it takes the slot of an older one
+        that has not started sending, or of one sent but not yet committed."""
         self._supersede(step)
         free = self._free_slots()
         committed = sorted(s for s, v in self.versions.items() if v.state == "committed")
         if not free and len(committed) >= 2 and not self._pinned(committed[0]):
             self.versions.pop(committed[0])  # a newer committed version stays whole
             free = self._free_slots()
-        if not free and (self.cfg.local_copy or self.cfg.spill is not None):  # sent but never
-            # committed: a newer step replaces the oldest such version (in lean mode without a
-            # spill a sent version holds no slot)
-            waiting = sorted(s for s, v in self.versions.items() if v.state == "ready" and s < step)
-            if waiting:
-                self._fail(self.versions[waiting[0]], f"replaced by step {step} before it committed")
-                self.versions.pop(waiting[0])
+        for state in ("queued", "ready", "capturing"):
+            if free:
+                break
+            if state == "ready" and not (self.cfg.local_copy or self.cfg.spill is not None):
+                continue  # lean mode without a spill: a sent version holds no slot
+            older = sorted(s for s, v in self.versions.items() if v.state == state and s < step)
+            if older:
+                self._replace(self.versions[older[0]], step)
                 free = self._free_slots()
-        if not free:
-            busy = sorted((v.step, v.state) for v in self.versions.values() if v.state in LIVE)
-            raise MemoryBudgetError(
-                f"node {self.node[:12]}: no free arena slot for step {step}; versions in use: {busy}. "
-                "The previous snapshot is still being sent: save less often"
-                + (", or raise keep" if self.cfg.local_copy else " (local_copy=False keeps one slot per rank)"))
-        return free[0]
+        return free[0] if free else None
+
+    def _replace(self, v: Version, step: int) -> None:
+        """``step`` takes ``v``'s slot: ``v`` is dropped here and, through the coordinator, on
+        every node (not a failure: a newer snapshot replaces it). Call under the lock."""
+        was = {"queued": "not yet sent", "ready": "sent, not yet committed"}.get(v.state, "still capturing")
+        v.state, v.error = "superseded", f"replaced by step {step}"
+        self.versions.pop(v.step)
+        self.abandoned[v.step] = v.error  # a rank still capturing it drops its capture quietly
+        self.counters["superseded"] += 1
+        self._busy_warning(f"step {v.step} ({was}) was replaced by step {step}")
+        self.pool.submit(self._tell, "node_skipped", v.step, self.node, v.error)
+
+    def _skip(self, step: int) -> str:
+        """No slot for ``step``: the save is skipped and counted, the older ones go on."""
+        busy = sorted((v.step, v.state) for v in self.versions.values() if v.state in LIVE)
+        why = f"node {self.node[:12]}: step {step} skipped, every arena slot is busy {busy}"
+        self.counters["skipped_busy"] += 1
+        self._busy_warning(why)
+        self.abandoned[step] = "skipped: the pipeline was busy"
+        self.pool.submit(self._tell, "node_skipped", step, self.node, why)
+        return why
+
+    def _busy_warning(self, what: str) -> None:
+        now = time.monotonic()
+        if now - getattr(self, "_warned_busy", -BUSY_WARN_S) < BUSY_WARN_S:
+            return
+        self._warned_busy = now
+        rate, per = self.throughput.describe()
+        log.warning("node %s: snapshots arrive faster than the pipeline sends them (%s; %d replaced, %d skipped "
+                    "so far). The pipeline moves %s, one snapshot per %s: snapshot less often (every_steps=N "
+                    "or every_seconds=T above that), or auto=True to let the policy choose", self.node[:12],
+                    what, self.counters["superseded"], self.counters["skipped_busy"], rate, per)
+
+    def _tell(self, method: str, *args) -> None:
+        try:
+            _call(getattr(self._coordinator(), method).remote(*args))
+        except Exception as exc:  # the coordinator learns it from the next commit anyway
+            log.warning("could not tell the coordinator %s%s: %s", method, args[:2], exc)
 
     def _supersede(self, step: int) -> None:
-        """Give up older uncommitted versions and free committed ones beyond ``keep``."""
-        for v in list(self.versions.values()):
-            if v.step < step and v.state == "capturing":
-                self._fail(v, f"superseded by step {step} before every rank captured")
+        """Free committed versions beyond ``keep`` and forget failed ones."""
         committed = sorted(s for s, v in self.versions.items() if v.state == "committed")
         for s in committed[:-self.cfg.keep] if len(committed) > self.cfg.keep else []:
             if not self._pinned(s):
@@ -159,7 +221,7 @@ class AgentCore:
         # lean mode: a committed version is still here only while it waits for its spill; with a
         # spill, a sent ("ready") version keeps its slot until its commit says whether it is due
         # (the commit reaches this agent after the coordinator has answered the ranks' wait)
-        live = LIVE if self.cfg.local_copy else ("capturing", "encoding", "restoring", "committed") + (
+        live = LIVE if self.cfg.local_copy else ("capturing", "queued", "sending", "restoring", "committed") + (
             ("ready",) if self.cfg.spill is not None else ())
         used = {v.slot for v in self.versions.values() if v.state in live}
         return [s for s in range(self.cfg.slots) if s not in used]
@@ -233,43 +295,72 @@ class AgentCore:
             v.manifests[rank] = manifest_json
             if not set(local_ranks) <= set(v.manifests):
                 return
-            v.state = "encoding"
+            v.state = "queued"
         self.pool.submit(self._send, v, sorted(local_ranks))
 
     # --- 4-6. encode, push, report ---------------------------------------------------------
     def _send(self, v: Version, local_ranks: list[int]) -> None:
         try:
             with self.send_lock:  # one snapshot is encoded and sent at a time: one parity buffer
+                with self.lock:
+                    if v.state != "queued":
+                        return  # replaced by a newer capture while it waited
+                    v.state = "sending"
+                t = time.monotonic()
                 info = self._encode_and_push(v, local_ranks)
+                self.throughput.add(sum(v.sizes[r] for r in local_ranks), time.monotonic() - t)
         except Exception as exc:  # reported, never raised into the pool
             log.warning("node %s: step %d not sent: %s", self.node[:12], v.step, exc)
             with self.lock:
                 self._fail(v, f"{type(exc).__name__}: {exc}")
-            _call(self._coordinator().node_failed.remote(v.step, self.node, v.error))
+                self.layout = None  # a holder may be gone: ask for the layout again
+            self._tell("node_failed", v.step, self.node, v.error)
             return
         with self.lock:
-            if v.state != "encoding":
+            if v.state != "sending":
                 return
             v.state = "ready"
+            self.infos[v.step] = info
             if not self.cfg.local_copy and self.cfg.spill is None:
                 self._release_slot(v)
-        _call(self._coordinator().node_ready.remote(v.step, self.node, info))
+        _call(self._coordinator().node_ready.remote(info.to_wire()))
 
-    def _encode_and_push(self, v: Version, local_ranks: list[int]) -> dict:
-        layout = _call(self._coordinator().node_layout.remote(self.node))
+    def _layout(self) -> dict:
+        with self.lock:
+            layout = self.layout
+        if layout is None:
+            layout = _call(self._coordinator().node_layout.remote(self.node))
+            with self.lock:
+                self.layout = layout
+        return layout
+
+    def _encode_and_push(self, v: Version, local_ranks: list[int]) -> NodeReady:
+        layout = self._layout()
         sizes = {r: v.sizes[r] for r in local_ranks}
         chunk = self.cfg.chunk or _choose_chunk(max(sizes.values(), default=0), self.cfg.k)
         regs = encode.regions(sizes, self.cfg.k, chunk)
-        encs, ranks = [], {}
+        encs, digest = [], xxhash.xxh3_64()
         for reg in regs:
             data = self.arenas[(reg.rank, v.slot)].view(0, reg.nbytes)
             man = fill_checksums(Manifest.from_json(v.manifests[reg.rank]), data)
             v.manifests[reg.rank] = man.to_json().decode()
+            digest.update(v.manifests[reg.rank].encode())
             encs.append(encode.Encoded(reg, data))
-            ranks[reg.rank] = dict(reg.to_dict(), owner=self.node, manifest=v.manifests[reg.rank])
-        if layout["holders"]:  # peers=False: the local copy (and the spill) is all there is
+        info = NodeReady(v.step, self.node, v.gen, chunk, tuple(Region(r.rank, r.nbytes, r.stripe_base) for r in regs),
+                         tuple(layout["holders"]), digest.hexdigest())
+        if layout["holders"]:  # without peers the local copy (and the spill) is all there is
             self._push_all(v.step, encs, layout["addrs"], chunk)
-        return {"chunk": chunk, "ranks": ranks, "holders": layout["holders"], "gen": v.gen}
+            self._hand_manifests(info, {r: v.manifests[r] for r in local_ranks})
+        return info
+
+    def _hand_manifests(self, info: NodeReady, manifests: dict[int, str]) -> None:
+        """The ranks' manifests go to every holder with the chunks (a restore on another node
+        reads them there); a holder that does not take them fails the step like a lost push."""
+        got = self.dir.call_all(info.holders, "hold_manifests", info.step, self.node, info.to_wire(), manifests,
+                                timeout=tunable("call_timeout_s"))
+        missing = sorted(set(info.holders) - set(got))
+        if missing:
+            raise CommitError(f"step {info.step}: holders {[h[:12] for h in missing]} did not take the manifests")
 
     def _push_all(self, step: int, encs: list, addrs: list[dict], chunk: int) -> None:
         """Data shards stream to their holders straight from the arenas while parity is encoded
@@ -317,20 +408,22 @@ class AgentCore:
         self.counters["failed_snapshots"] += 1
 
     # --- 7. commit -------------------------------------------------------------------------------
-    def commit(self, step: int, record: dict, keep: list[int]) -> None:
+    def commit(self, notice: CommitNotice) -> None:
+        step, keep = notice.step, set(notice.keep)
         with self.lock:
-            first = step not in self.records  # (re-protection tells the agents of a commit again)
-            self.records[step] = record
-            for s in list(self.records):
-                if s not in keep:
-                    del self.records[s]
+            first = step not in self.committed  # (re-protection tells the agents of a commit again)
+            self.committed[step] = notice
+            self.newest = max(step, -1 if self.newest is None else self.newest)
+            for s in [s for s in self.committed if s < step and s not in keep]:
+                del self.committed[s]
+            self._moved(step, notice.moved)
             v = self.versions.get(step)
-            hold = not self.cfg.local_copy and bool(record.get("spill"))  # lean: kept until spilled
+            hold = not self.cfg.local_copy and notice.spill  # lean: kept until spilled
             if hold:  # an older step held for a spill gives way, unless it is being written
                 for old in [o for o in self.versions.values()
                             if o.step < step and o.state == "committed" and not self._pinned(o.step)]:
                     self.versions.pop(old.step)
-            if v is not None and v.state in ("ready", "encoding", "restored"):
+            if v is not None and v.state in ("ready", "queued", "sending", "restored"):
                 v.state = "committed"
                 if not hold:
                     self._drop_if_lean(v)
@@ -339,14 +432,111 @@ class AgentCore:
                     if old.state not in ("committed", "freed"):
                         self._fail(old, f"step {step} committed first")
                     self.versions.pop(old.step)
+            self._forget_meta(lambda s: s in keep or s > step)
         self.store.drop(lambda key: key.step in keep or key.step > step)
+        self.changed()
         if self.spiller is not None and first:
-            self.spiller.committed(step, bool(record.get("spill")))
+            self.spiller.committed(step, notice.spill)
+
+    def _moved(self, step: int, moved) -> None:
+        """Re-protection rebuilt some owners' shards on new holders: keep the records true."""
+        from dataclasses import replace
+
+        for owner, holders in moved.items():
+            if owner == self.node and step in self.infos:
+                self.infos[step] = replace(self.infos[step], holders=tuple(holders))
+            meta = self.held_meta.get((step, owner))
+            if meta is not None:
+                self.held_meta[(step, owner)] = (replace(meta[0], holders=tuple(holders)), meta[1])
+
+    def _forget_meta(self, keep) -> None:
+        for s in [s for s in self.infos if not keep(s)]:
+            del self.infos[s]
+        for key in [key for key in self.held_meta if not keep(key[0])]:
+            del self.held_meta[key]
+
+    def resolved(self, step: int) -> bool:
+        """Whether a ``wait(step)`` may return: committed (or a newer step), failed, or skipped."""
+        with self.lock:
+            return (self.newest is not None and self.newest >= step) or step in self.abandoned
+
+    # --- manifests held beside the chunks ----------------------------------------------------------
+    def _serve_own(self, key) -> tuple[memoryview, int] | None:
+        """Data shard ``key`` of this node's own committed stream, read from its arena: a rank
+        that moved to another node reads its whole copy here (one source, no decode)."""
+        if key.owner != self.node or key.shard >= self.cfg.k:
+            return None
+        with self.lock:
+            v, info = self.versions.get(key.step), self.infos.get(key.step)
+            if v is None or v.state != "committed" or info is None:
+                return None
+            for r in info.regions:
+                reg = encode.Region(r.rank, r.nbytes, r.stripe_base, self.cfg.k, info.chunk)
+                arena = self.arenas.get((r.rank, v.slot))
+                if reg.stripe_base <= key.stripe < reg.stripe_base + reg.stripes and arena is not None:
+                    view = encode.shard_of(reg, arena.view(0, r.nbytes), key.stripe - reg.stripe_base, key.shard)
+                    return view, xxhash.xxh3_64_intdigest(view)
+        return None
+
+    def hold_manifests(self, step: int, owner: str, info: dict, manifests: dict) -> None:
+        with self.lock:
+            self.held_meta[(step, owner)] = (NodeReady.from_wire(info), {int(r): m for r, m in manifests.items()})
+
+    def held_manifests(self, step: int, owner: str) -> dict[int, str]:
+        with self.lock:
+            meta = self.held_meta.get((step, owner))
+            return {} if meta is None else dict(meta[1])
+
+    def manifest_for(self, step: int, rank: int, src: RankSource) -> str:
+        """``rank``'s manifest of ``step``: this node's own copy, or one held here for its owner,
+        or one read from another holder of its owner."""
+        with self.lock:
+            v = self.versions.get(step)
+            if v is not None and v.state == "committed" and rank in v.manifests:
+                return v.manifests[rank]
+            held = self.held_manifests(step, src.owner).get(rank)
+        if held is not None:
+            return held
+        for node in [src.owner, *src.holders]:
+            handle = self.dir.agent(node) if node != self.node else None
+            if handle is None:
+                continue
+            try:
+                found = ray.get(handle.held_manifests.remote(step, src.owner) if node != src.owner
+                                else handle.local.remote(step, rank), timeout=tunable("call_timeout_s"))
+            except Exception as exc:
+                log.info("no manifest of rank %d from %s: %s", rank, node[:12], exc)
+                continue
+            man = (found or {}).get("manifest") if node == src.owner else (found or {}).get(rank)
+            if man is not None:
+                return man
+        raise CommitError(f"step {step}: no live agent holds rank {rank}'s manifest (owner {src.owner[:12]}, "
+                          f"holders {[h[:12] for h in src.holders]})")
+
+    def committed_infos(self) -> dict:
+        """What a rebuilt coordinator needs from this agent: its ranks, address, restore
+        generation, the steps it heard committed and every NodeReady it keeps (its own and
+        those of the owners it holds for)."""
+        with self.lock:
+            infos = [i.to_wire() for i in self.infos.values()] + [m[0].to_wire() for m in self.held_meta.values()]
+            return {"address": self.address, "gen": self.gen, "ranks": sorted(self.ranks),
+                    "committed": sorted(self.committed), "infos": infos}
+
+    def joined(self, rank: int, world: int) -> None:
+        with self.lock:
+            self.ranks.add(rank)
+            self.world = world
+
+    def placed(self, answer: dict) -> None:
+        """The coordinator's placement answer: cache this node's layout for its sends."""
+        with self.lock:
+            self.world = answer.get("world", self.world)
+            self.layout = answer.get("layout") or {"holders": [], "addrs": [], "epoch": answer.get("epoch")}
 
     def spilled(self, step: int, ranks: list[int]) -> None:
         """The spill thread wrote ``ranks`` of ``step``: tell the coordinator; in lean mode the
         version was held only for this, so its slot is free again."""
-        ray.get(self._coordinator().spilled.remote(step, ranks), timeout=tunable("call_timeout_s"))
+        _call(self._coordinator().spilled.remote(step, ranks))
         if not self.cfg.local_copy:
             with self.lock:
                 v = self.versions.get(step)
@@ -372,17 +562,23 @@ class AgentCore:
             if slot == v.slot:
                 arena.release()
 
-    def abandon(self, step: int) -> None:
-        """The coordinator gave up on ``step``: forget it here."""
+    def abandon(self, step: int, why: str = "a node or holder failed before acknowledging",
+                failed: bool = True) -> None:
+        """The coordinator gave up on ``step`` (``failed=False``: a node skipped or replaced it,
+        which is not a failure): forget it here."""
         with self.lock:
-            self.abandoned[step] = "a node or holder failed before acknowledging"
+            self.abandoned[step] = why
             for s in sorted(self.abandoned)[:-16]:
                 del self.abandoned[s]
             v = self.versions.get(step)
             if v is not None and v.state != "committed":
-                self._fail(v, "abandoned by the coordinator")
+                if failed:
+                    self._fail(v, f"abandoned: {why}")
                 self.versions.pop(step)
+            if step not in self.committed:
+                self._forget_meta(lambda s: s != step)
         self.store.drop(lambda key: key.step != step)
+        self.changed()
 
     def resume(self, step: int | None, gen: int) -> None:
         """The job restored ``step`` (None: started fresh) in restore generation ``gen``: forget
@@ -396,7 +592,11 @@ class AgentCore:
                 self.versions.pop(v.step)
             for s in [s for s in self.abandoned if s > last]:
                 del self.abandoned[s]
-            records = set(self.records)
+            for s in [s for s in self.committed if s > last]:
+                del self.committed[s]
+            self.newest = max(self.committed, default=None)
+            records = set(self.committed)
+            self._forget_meta(lambda s: s <= last or s in records)
         self.store.drop(lambda key: key.step <= last or key.step in records)
 
     # --- restore ---------------------------------------------------------------------------------
@@ -409,20 +609,24 @@ class AgentCore:
             arena = self.arenas.get((rank, v.slot))
             return {"path": arena.path, "nbytes": v.sizes[rank], "manifest": v.manifests[rank]}
 
-    def recover(self, step: int, rank: int, record: dict) -> dict:
+    def recover(self, step: int, rank: int, src: RankSource) -> dict:
         """Rebuild ``rank``'s bytes of ``step`` from the peers into a local arena (now a local copy)."""
         from memsnap.restore import gather
 
-        entry = record["ranks"][str(rank)]
+        manifest = self.manifest_for(step, rank, src)
+        entry = {"nbytes": src.nbytes, "manifest": manifest}
         self._await_prepared(rank)
         with self.lock:
             self._clear_for_restore(step)
             v = self.versions.get(step)
             if v is None or v.state in ("failed", "freed"):
-                v = self.versions[step] = Version(step, self._free_slot(step), state="restoring")
+                slot = self._free_slot(step)
+                if slot is None:
+                    raise CommitError(f"node {self.node[:12]}: no arena slot is free for the restore of step {step}")
+                v = self.versions[step] = Version(step, slot, state="restoring")
             arena = self._arena(rank, v.slot, entry["nbytes"], prefault=False)
             v.sizes[rank] = entry["nbytes"]
-        stats = gather(self, record, entry, arena.view(0, entry["nbytes"]))
+        stats = gather(self, src, arena.view(0, entry["nbytes"]))
         with self.lock:
             v.manifests[rank] = entry["manifest"]
             v.state = "committed"
@@ -430,7 +634,7 @@ class AgentCore:
         self.counters["repaired_chunks"] += stats.get("repaired", 0)
         return {"path": arena.path, "nbytes": entry["nbytes"], "manifest": entry["manifest"], "stats": stats}
 
-    def rebuild_local(self, step: int, rank: int, record: dict, replace: bool = False) -> bool:
+    def rebuild_local(self, step: int, rank: int, src: RankSource, replace: bool = False) -> bool:
         """Re-protection: read ``rank``'s bytes of ``step`` back from the holders as this node's
         local copy (``replace``: over a copy found corrupt). True when it was installed.
 
@@ -438,13 +642,16 @@ class AgentCore:
         installed only if the rank has not begun a newer step by then (its next commit leaves
         a newer local copy anyway); the slots its saves use are never touched while gathering."""
         with self.rebuild_lock:  # one at a time: a second request finds the first one's result
-            return self._rebuild_local(step, rank, record, replace)
+            return self._rebuild_local(step, rank, src, replace)
 
-    def _rebuild_local(self, step: int, rank: int, record: dict, replace: bool) -> bool:
+    def _rebuild_local(self, step: int, rank: int, src: RankSource, replace: bool) -> bool:
         from memsnap.restore import gather
 
-        entry = record["ranks"][str(rank)]
-        nbytes = entry["nbytes"]
+        nbytes = src.nbytes
+        with self.lock:
+            if self._newer_than(step) or (not replace and self._holds(step, rank)):
+                return False
+        entry = {"nbytes": nbytes, "manifest": self.manifest_for(step, rank, src)}
         with self.lock:
             if self._newer_than(step) or (not replace and self._holds(step, rank)):
                 return False
@@ -453,7 +660,7 @@ class AgentCore:
         try:
             arena = Arena.create(naming.arena_path(self.cfg.job, self.node, rank, "rebuild", step), nbytes,
                                  prefault=False)
-            stats = gather(self, record, entry, arena.view(0, nbytes))
+            stats = gather(self, src, arena.view(0, nbytes))
             with self.lock:
                 v = self.versions.get(step)
                 if self._newer_than(step) or (v is not None and v.state != "committed"):
@@ -504,14 +711,25 @@ class AgentCore:
             self._fail(v, f"the job restores step {step}")
             self.versions.pop(v.step)
 
-    def rebuild(self, step: int, owner: str, shard: int, record: dict) -> int:
-        """Re-protection: recreate shard ``shard`` of every stripe of ``owner`` and hold it here."""
+    def rebuild(self, step: int, k: int, m: int, info: dict, addrs: dict, shard: int) -> int:
+        """Re-protection: recreate shard ``shard`` of every stripe of the owner ``info`` names
+        and hold it here, with the owner's manifests (read from another holder)."""
         from memsnap.restore import rebuild_shard
 
-        n = rebuild_shard(self, record, owner, shard)
-        with self.lock:
-            if step in self.records:
-                self.records[step]["holders"][owner][shard] = self.node
+        ready = NodeReady.from_wire(info)
+        n = rebuild_shard(self, step, k, m, ready, addrs, shard)
+        manifests = {}
+        for node in ready.holders:
+            handle = self.dir.agent(node) if node != self.node else None
+            if handle is not None and not manifests:
+                try:
+                    manifests = ray.get(handle.held_manifests.remote(step, ready.node), timeout=tunable("call_timeout_s"))
+                except Exception as exc:
+                    log.info("no manifests of %s at %s: %s", ready.node[:12], node[:12], exc)
+        holders = ready.holders[:shard] + (self.node,) + ready.holders[shard + 1:]
+        from dataclasses import replace
+
+        self.hold_manifests(step, ready.node, replace(ready, holders=holders).to_wire(), manifests)
         return n
 
     # --- introspection -----------------------------------------------------------------------
@@ -524,7 +742,7 @@ class AgentCore:
             return {
                 "node": self.node, "address": self.address, "ranks": sorted(self.ranks), "gen": self.gen,
                 "versions": versions, "held": self.store.inventory(),
-                "records": sorted(self.records), "counters": dict(self.counters),
+                "records": sorted(self.committed), "counters": dict(self.counters),
                 "bytes": {"arena": arena_bytes, "local": local_bytes, "held": self.store.held_bytes(),
                           "parity": sum(max(p.nbytes, 0) for p in self.parity.values()),
                           "budget_used": self.budget.used, "budget": self.budget.budget},
@@ -532,16 +750,10 @@ class AgentCore:
             }
 
     def _coordinator(self):
-        """The job's coordinator; a new one (rebuilt from the agents) if it was lost."""
-        try:
-            return ray.get_actor(naming.coordinator(self.cfg.job), namespace=naming.NAMESPACE)
-        except ValueError:
-            if self.world is None:
-                raise
-            from memsnap import coordinator
-
-            log.warning("coordinator of job %s is gone; starting a new one", self.cfg.job)
-            return coordinator.get_or_create(self.cfg, self.world)
+        """The job's coordinator (found again, or a new one, by the Ray face)."""
+        if self.coordinator is None:
+            raise CommitError("this agent has no coordinator to talk to (not inside its Ray actor)")
+        return self.coordinator()
 
     def shutdown(self) -> None:
         if self.spiller is not None:
@@ -552,6 +764,23 @@ class AgentCore:
                 arena.close(unlink=True)
             self.arenas.clear()
             self.prepared.clear()
+
+
+class Throughput:
+    """The send pipeline's measured rate over its last few snapshots (for the busy warning)."""
+
+    def __init__(self, window: int = 8):
+        self.sends: deque[tuple[int, float]] = deque(maxlen=window)
+
+    def add(self, nbytes: int, seconds: float) -> None:
+        self.sends.append((nbytes, max(seconds, 1e-6)))
+
+    def describe(self) -> tuple[str, str]:
+        if not self.sends:
+            return "nothing yet (no snapshot sent)", "? s"
+        nbytes = sum(b for b, _ in self.sends)
+        seconds = sum(s for _, s in self.sends)
+        return f"{nbytes / seconds / 2**20:.0f} MiB/s", f"{seconds / len(self.sends):.2f} s"
 
 
 def codec_for(k: int, m: int):
@@ -570,116 +799,3 @@ def _choose_chunk(nbytes: int, k: int) -> int:
 
 def _call(ref, timeout: float | None = None):
     return ray.get(ref, timeout=timeout or tunable("call_timeout_s"))
-
-
-@ray.remote
-class SnapshotAgent:
-    """The Ray actor around ``AgentCore``; see the module docstring for the call protocol."""
-
-    def __init__(self, config: dict, node_id: str, secret: bytes):
-        logging.basicConfig(level=logging.INFO)
-        host = ray.util.get_node_ip_address()
-        self.core = AgentCore(config, node_id, secret, host=host)
-        cfg = self.core.cfg
-        if cfg.spill is not None:
-            from memsnap.spill import Spiller
-
-            self.core.spiller = Spiller(self.core, report=self.core.spilled)
-
-    def ping(self) -> str:
-        return self.core.node
-
-    def register(self, rank: int, world_size: int) -> dict:
-        with self.core.lock:
-            self.core.ranks.add(rank)
-            self.core.world = world_size
-        return self.core.address
-
-    def prepare(self, rank: int, nbytes: int) -> bool:
-        return self.core.prepare(rank, nbytes)
-
-    def begin(self, step: int, rank: int, nbytes: int) -> dict:
-        return self.core.begin(step, rank, nbytes)
-
-    def captured(self, step: int, rank: int, manifest_json: str, local_ranks: list[int]) -> None:
-        return self.core.captured(step, rank, manifest_json, local_ranks)
-
-    def commit(self, step: int, record: dict, keep: list[int]) -> None:
-        return self.core.commit(step, record, keep)
-
-    def abandon(self, step: int) -> None:
-        return self.core.abandon(step)
-
-    def resume(self, step: int | None, gen: int) -> None:
-        return self.core.resume(step, gen)
-
-    def spill_now(self, step: int) -> bool:
-        """Write committed ``step`` to durable storage now, unthrottled (preemption)."""
-        if self.core.spiller is None:
-            return False
-        self.core.spiller.request(step)
-        return True
-
-    def local(self, step: int, rank: int) -> dict | None:
-        return self.core.local(step, rank)
-
-    def recover(self, step: int, rank: int, record: dict) -> dict:
-        return self.core.recover(step, rank, record)
-
-    def rebuild_local(self, step: int, rank: int, record: dict, replace: bool = False) -> bool:
-        return self.core.rebuild_local(step, rank, record, replace)
-
-    def count(self, counter: str, n: int) -> None:
-        """Add ``n`` to one of the agent's counters (a rank reports what its restore repaired)."""
-        self.core.counters[counter] = self.core.counters.get(counter, 0) + n
-
-    def rebuild(self, step: int, owner: str, shard: int, record: dict) -> int:
-        return self.core.rebuild(step, owner, shard, record)
-
-    def inventory(self) -> dict:
-        return self.core.inventory()
-
-    def records(self) -> dict:
-        with self.core.lock:
-            return {s: r for s, r in self.core.records.items()}
-
-    def flip_chunk(self, step: int, owner: str, stripe: int, shard: int, offset: int = 0) -> None:
-        """Fault injection: corrupt one byte of a held chunk."""
-        self.core.store.flip_byte(ChunkKey(step, owner, stripe, shard), offset)
-
-    def stall_receiving(self, step: int, after_chunks: int) -> None:
-        """Fault injection: stop acknowledging chunks of ``step`` after ``after_chunks``."""
-        self.core.store.stall(step, after_chunks)
-
-    def stalled(self) -> bool:
-        return self.core.store.stalled.is_set()
-
-    def objstore_push(self, packed_keys: list, refs: list, checksums: list) -> list:
-        return self.core.transport.handle_push(packed_keys, refs, checksums)
-
-    def objstore_fetch(self, packed_keys: list) -> list:
-        return self.core.transport.handle_fetch(packed_keys)
-
-    def shutdown(self) -> None:
-        self.core.shutdown()
-        ray.actor.exit_actor()
-
-
-def get_or_create(cfg: SnapshotConfig, node_id: str, secret: bytes):
-    """The agent of ``cfg.job`` on ``node_id``: the existing one, or a new one pinned there."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    return SnapshotAgent.options(
-        name=naming.agent(cfg.job, node_id), namespace=naming.NAMESPACE, lifetime="detached",
-        get_if_exists=True, num_cpus=0, max_concurrency=int(tunable("agent_max_concurrency")),
-        memory=cfg.memory_budget,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-    ).remote(cfg.to_dict(), node_id, secret)
-
-
-def find(job: str, node_id: str):
-    """The live agent of ``job`` on ``node_id``, or None."""
-    try:
-        return ray.get_actor(naming.agent(job, node_id), namespace=naming.NAMESPACE)
-    except ValueError:
-        return None

@@ -29,7 +29,7 @@ from memsnap import tree
 from memsnap.checksum import checksum, fill_checksums  # noqa: F401 (re-exported)
 from memsnap.dtypes import NAME_OF, dtype_name
 from memsnap.errors import SnapshotBufferError, StateMismatchError
-from memsnap.manifest import Manifest, TensorEntry, align_up
+from memsnap.manifest import Manifest, TensorEntry, align_up, compact_json
 
 RNG_KEY = "__rng__"
 
@@ -149,6 +149,46 @@ def plan_sources(state: Mapping[str, Any], *, rng: bool = True) -> tuple[Manifes
     return Manifest(tensors=entries, tree=skeleton, nbytes=nbytes), sources
 
 
+class PlanCache:
+    """One rank's layout kept from save to save until its tensors change: a save then walks
+    the state only for its non-tensor leaves (LR, step counts, RNG: the skeleton), checks
+    each tensor against the kept layout (a few attribute reads), and reuses the layout's JSON.
+    ``replans`` counts the saves that had to lay the state out again."""
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._entries: list[TensorEntry] = []
+        self._nbytes = 0
+        self._json: str | None = None
+        self.replans = 0
+
+    def plan(self, state: Mapping[str, Any], *, rng: bool = True) -> tuple[Manifest, list[torch.Tensor]]:
+        """What ``plan_sources`` returns, from the kept layout when it still fits."""
+        skeleton, paths, found = _walk(collect(state, rng=rng))
+        locals_ = [local_tensor(t) for t in found]
+        key = _fingerprint(paths, found, locals_)
+        if key != self._key:
+            self._entries, self._nbytes = _layout(paths, found)
+            self._json = compact_json([e.to_dict() for e in self._entries])
+            self._key = key
+            self.replans += 1
+        manifest = Manifest(tensors=self._entries, tree=skeleton, nbytes=self._nbytes, tensors_json=self._json)
+        return manifest, [t.detach() for t in locals_]
+
+
+def _fingerprint(paths: list[str], found: list[torch.Tensor], locals_: list[torch.Tensor]) -> tuple:
+    """Everything the layout of these tensors depends on: paths, dtypes, shapes, devices,
+    which tensors are tied (not where they live: the RNG state is a new tensor every time),
+    and a sharded tensor's global shape and placements."""
+    first: dict[tuple, int] = {}
+    tied = []
+    for i, t in enumerate(locals_):
+        key = _alias_key(t)
+        tied.append(-1 if key is None else first.setdefault(key, i))
+    return (tuple(paths), tuple((t.dtype, t.shape, t.device) for t in locals_), tuple(tied),
+            tuple((tuple(w.shape), tuple(map(placement_name, w.placements))) for w in found if is_dtensor(w)))
+
+
 def _refuse(path: str, t: torch.Tensor | None, was: TensorEntry | None) -> StateMismatchError:
     now = "absent" if t is None else f"{dtype_name(t.dtype)}{list(t.shape)}"
     old = "absent" if was is None else f"{was.path!r} as {was.dtype}{list(was.shape)}"
@@ -183,7 +223,7 @@ def _reuse(skeleton: Any, paths: list[str], locals_: list[torch.Tensor], old: Ma
     entries = old.tensors
     if any(e.checksum is not None for e in entries):
         entries = [replace(e, checksum=None) for e in entries]
-    return replace(old, tensors=entries, tree=skeleton)
+    return replace(old, tensors=entries, tree=skeleton, tensors_json=None)
 
 
 # --- copying ---------------------------------------------------------------------------------

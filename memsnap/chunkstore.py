@@ -28,6 +28,7 @@ class HeldChunks:
         self._held: dict[ChunkKey, tuple[mmap.mmap, int]] = {}
         self._stall: tuple[int, int] | None = None  # fault injection, see ``stall``
         self.stalled = threading.Event()
+        self.own = None  # key -> (chunk, checksum) | None: data shards served from the owner's arena
 
     # --- the ChunkStore protocol (called by the transport's server half) ------------------
     def reserve(self, key: ChunkKey, nbytes: int) -> memoryview:
@@ -56,9 +57,13 @@ class HeldChunks:
                 self._put_back(buf)
 
     def lookup(self, key: ChunkKey) -> tuple[memoryview, int] | None:
+        """A held chunk and its checksum; else what ``own`` serves (the agent's own committed
+        bytes, read by a rank that moved to another node), else None."""
         with self._lock:
             got = self._held.get(key)
-        return None if got is None else (memoryview(got[0]), got[1])
+        if got is None:
+            return None if self.own is None else self.own(key)
+        return memoryview(got[0]), got[1]
 
     # --- the agent's own use ---------------------------------------------------------------
     def put(self, key: ChunkKey, data) -> None:

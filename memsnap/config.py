@@ -22,8 +22,7 @@ TUNABLES: dict[str, float] = {
     "chunk_target": 4 << 20,        # shard size the stripe layout aims for (bytes; 4 MiB moves
                                     # 1.2-1.4x faster than 1 MiB over loopback: fewer frames)
     "parity_window": 4 << 20,       # parity bytes encoded per batch (the scratch is two batches)
-    "agent_max_concurrency": 16,
-    "coordinator_max_concurrency": 64,
+    "agent_threads": 16,            # an agent's threads for blocking work (its calls are asyncio)
     "preemption_poll_s": 5.0,       # how often a rank asks Ray whether its node is draining
     "reprotect_defer_s": 20.0,      # re-protection waits this long at most for a restore to go first
     "direct_restore": 1,            # 1: a peer restore reads into the rank's tensors (TCP only);
@@ -65,10 +64,12 @@ class SnapshotConfig:
     traffic; ``False`` (lean mode) keeps only the chunks held for peers plus one reused
     staging arena per rank, every restore reads from the peers, and a group survives ``m``
     node losses instead of ``m+1``; with a spill, a step due for it is held until written.
-    ``peers=False``: no erasure-coded pieces on other nodes
-    (a single process, or a job on fewer than ``k+m+1`` nodes): snapshots live in the local
-    agent's RAM (a crashed process restores from there) and in the spill; a lost node falls
-    back to the durable tier.
+    ``peers``: None (default) decides from the job's *nodes* (those running ranks plus spare
+    agents) once every rank registered: with at least ``k+m+1`` erasure-coded pieces go to
+    other nodes, with fewer (a single process, one multi-GPU machine) snapshots live in each
+    node's agent RAM (a crashed process restores from there) and in the spill, and a lost
+    node falls back to the durable tier. ``True`` refuses to run without peers; ``False``
+    never uses them.
     """
 
     job: str
@@ -84,7 +85,7 @@ class SnapshotConfig:
     transport: str = "tcp"
     chunk: int | None = None
     local_copy: bool = True
-    peers: bool = True
+    peers: bool | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.job, str) or not _JOB_RE.match(self.job):
@@ -107,9 +108,10 @@ class SnapshotConfig:
         if not isinstance(self.local_copy, bool):
             raise ConfigError(f"local_copy={self.local_copy!r}: must be True (keep each node's own copy) "
                               "or False (lean mode)")
-        if not isinstance(self.peers, bool):
-            raise ConfigError(f"peers={self.peers!r}: must be True (pieces on other nodes) or False (local RAM only)")
-        if not self.peers and not self.local_copy:
+        if self.peers is not None and not isinstance(self.peers, bool):
+            raise ConfigError(f"peers={self.peers!r}: must be None (decided from the job's node count), True "
+                              "(pieces on other nodes, refused on fewer than k+m+1 nodes) or False (local RAM only)")
+        if self.peers is False and not self.local_copy:
             raise ConfigError("peers=False with local_copy=False would hold no snapshot in RAM at all; "
                               "keep local_copy=True")
         if self.spill is None and (self.spill_every or self.spill_every_seconds):

@@ -37,6 +37,17 @@ class Region:
         return dict(self.__dict__)
 
 
+def shard_of(region: Region, data: memoryview, stripe: int, j: int) -> memoryview:
+    """Data shard ``j < k`` of ``stripe`` of ``region`` (bytes ``data``): a view, or for a
+    clipped last stripe a zero-padded copy."""
+    a, b = region.layout.data_range(stripe, j)
+    if b - a == region.chunk:
+        return data[a:b]
+    out = bytearray(region.chunk)
+    out[:b - a] = data[a:b]
+    return memoryview(out)
+
+
 def regions(sizes: Mapping[int, int], k: int, chunk: int) -> list[Region]:
     """The regions of a node's ranks (``{rank: nbytes}``), in rank order, stripe-aligned."""
     out, base = [], 0

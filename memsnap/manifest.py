@@ -9,11 +9,15 @@ things. Nothing here is pickled: ``to_json``/``from_json`` are the only serialis
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 FORMAT_VERSION = 1
 ALIGN = 64  # every tensor starts on a cache-line boundary of the buffer
+
+
+def compact_json(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), allow_nan=False)
 
 
 def align_up(n: int, align: int = ALIGN) -> int:
@@ -48,8 +52,12 @@ class TensorEntry:
     mesh_shape: tuple[int, ...] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items() if v is not None}
+        out = {}
+        for name in _ENTRY_FIELDS:
+            v = getattr(self, name)
+            if v is not None:
+                out[name] = list(v) if isinstance(v, tuple) else v
+        return out
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "TensorEntry":
@@ -58,6 +66,9 @@ class TensorEntry:
             if d.get(k) is not None:
                 d[k] = tuple(d[k])
         return cls(**d)
+
+
+_ENTRY_FIELDS = tuple(f.name for f in fields(TensorEntry))
 
 
 @dataclass
@@ -75,16 +86,15 @@ class Manifest:
     nbytes: int
     meta: dict[str, Any] = field(default_factory=dict)
     version: int = FORMAT_VERSION
+    tensors_json: str | None = field(default=None, repr=False, compare=False)  # ``tensors`` as JSON, when
+    # known (the capture plan cache reuses it while the tensors are unchanged)
 
     def to_json(self) -> bytes:
-        doc = {
-            "version": self.version,
-            "nbytes": self.nbytes,
-            "meta": self.meta,
-            "tensors": [t.to_dict() for t in self.tensors],
-            "tree": self.tree,
-        }
-        return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+        tensors = self.tensors_json
+        if tensors is None:
+            tensors = compact_json([t.to_dict() for t in self.tensors])
+        head = compact_json({"version": self.version, "nbytes": self.nbytes, "meta": self.meta})
+        return f'{head[:-1]},"tensors":{tensors},"tree":{compact_json(self.tree)}}}'.encode()
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> "Manifest":
@@ -102,7 +112,8 @@ class Manifest:
         )
 
     def with_checksums(self, checksums: list[str | None]) -> "Manifest":
-        return replace(self, tensors=[replace(t, checksum=c) for t, c in zip(self.tensors, checksums)])
+        return replace(self, tensors=[replace(t, checksum=c) for t, c in zip(self.tensors, checksums)],
+                       tensors_json=None)
 
     def entry(self, path: str) -> TensorEntry:
         for t in self.tensors:

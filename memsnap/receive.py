@@ -26,6 +26,7 @@ from memsnap.dtypes import dtype_of
 from memsnap.errors import ChecksumError, SnapshotBufferError
 from memsnap.landing import Spans
 from memsnap.manifest import Manifest
+from memsnap.records import RankSource
 from memsnap.restore import gather
 
 
@@ -82,20 +83,20 @@ def _verify_decoded(man: Manifest, received: dict[int, torch.Tensor], decoded: l
                 f"{e.checksum}; the stripe could not be repaired")
 
 
-def into_state(peers: Peers, record: dict, rank: int, state: Mapping[str, Any]) -> dict:
-    """Restore ``rank``'s bytes of ``record`` from its holders straight into ``state``.
+def into_state(peers: Peers, src: RankSource, manifest_json: str | bytes, state: Mapping[str, Any]) -> dict:
+    """Restore the rank's bytes ``src`` names, described by ``manifest_json``, from its holders
+    straight into ``state``.
 
     Raises before touching ``state`` when the snapshot does not match it. Once the fetch has
     begun, a failure leaves ``state`` partly written (the caller must load something else)."""
-    entry = record["ranks"][str(rank)]
-    man = Manifest.from_json(entry["manifest"])
-    if man.nbytes > entry["nbytes"]:
-        raise SnapshotBufferError(f"rank {rank}'s manifest describes {man.nbytes} bytes but step "
-                                  f"{record['step']} holds {entry['nbytes']}; the record is damaged")
+    man = Manifest.from_json(manifest_json)
+    if man.nbytes > src.nbytes:
+        raise SnapshotBufferError(f"rank {src.rank}'s manifest describes {man.nbytes} bytes but step "
+                                  f"{src.step} holds {src.nbytes}; the manifest or the plan is damaged")
     pl = applying.plan(state, man)
     received, live = destinations(pl)
-    landing = Spans([(man.tensors[i].offset, tensor_bytes(t)) for i, t in received.items()], entry["nbytes"])
-    stats = gather(peers, record, entry, landing)
+    landing = Spans([(man.tensors[i].offset, tensor_bytes(t)) for i, t in received.items()], src.nbytes)
+    stats = gather(peers, src, landing)
     _verify_decoded(man, received, stats["decoded"])
     applying.apply_received(state, pl, received, live)
     stats["in_place_bytes"] = sum(man.tensors[i].nbytes for i in live)

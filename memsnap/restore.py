@@ -1,10 +1,4 @@
-"""Restore: the collective tier decision, and reading a rank's bytes back from its peers.
-
-``decide`` (run by the coordinator) picks the newest step that every rank can load and a
-tier per rank, from a coverage map of what the live agents hold: ``local`` when the rank's
-own node still has its arena (never in lean mode, ``local_copy=False``), ``peer`` when at
-least ``k`` holders of every stripe are alive, else the newest spilled step from
-``durable`` for every rank, else ``none``.
+"""Restore: reading a rank's bytes back from its peers (the decision is ``coverage.decide``).
 
 ``gather`` (run by the restoring rank itself, or by the agent on its node) fetches each
 stripe's data shards straight to where they land (the rank's live tensors, or the agent's
@@ -22,65 +16,10 @@ from memsnap import encode
 from memsnap.config import tunable
 from memsnap.errors import TooFewShardsError, TransportError
 from memsnap.landing import Flat
+from memsnap.records import NodeReady, RankSource
 from memsnap.transport.base import ChunkKey, Scatter
 
 log = logging.getLogger("memsnap.restore")
-
-
-# --- the decision (coordinator) ------------------------------------------------------------------
-def owner_stripes(record: dict, owner: str) -> int:
-    """How many stripes ``owner``'s stream has in ``record``."""
-    return sum(encode.Region(**_region_args(e)).stripes for e in record["ranks"].values()
-               if e["owner"] == owner)
-
-
-def _region_args(entry: dict) -> dict:
-    return {k: entry[k] for k in ("rank", "nbytes", "stripe_base", "k", "chunk")}
-
-
-def holders_with(record: dict, owner: str, inventories: dict[str, dict]) -> list[int]:
-    """The shard indices whose holder is alive and holds every stripe of ``owner``."""
-    step, need = record["step"], owner_stripes(record, owner)
-    out = []
-    for j, node in enumerate(record["holders"][owner]):
-        held = inventories.get(node, {}).get("held", {}).get(step, {}).get(owner, {})
-        if held.get(j, 0) >= need:
-            out.append(j)
-    return out
-
-
-def has_local(inv: dict | None, step: int, rank: int) -> bool:
-    v = (inv or {}).get("versions", {}).get(step)
-    return v is not None and v["state"] == "committed" and rank in v["ranks"]
-
-
-def rank_tier(record: dict, rank: int, node: str, inventories: dict[str, dict],
-              local_copy: bool = True) -> str | None:
-    """``"local"``, ``"peer"`` or None: how ``rank`` (now on ``node``) can load ``record``."""
-    entry = record["ranks"].get(str(rank))
-    if entry is None:
-        return None
-    if local_copy and has_local(inventories.get(node), record["step"], rank):
-        return "local"
-    if node in inventories and len(holders_with(record, entry["owner"], inventories)) >= record["k"]:
-        return "peer"
-    return None
-
-
-def decide(records: dict[int, dict], members: dict[int, str], inventories: dict[str, dict],
-           durable_step: int | None, bad: set[int] = frozenset(), local_copy: bool = True) -> dict:
-    """The plan every rank follows: ``{"step", "tier", "ranks": {rank: tier}}``.
-
-    ``local_copy=False`` (lean mode): no rank loads from its own node; every rank reads peers."""
-    for step in sorted(records, reverse=True):
-        if step in bad or (durable_step is not None and durable_step > step):
-            continue
-        tiers = {r: rank_tier(records[step], r, node, inventories, local_copy) for r, node in members.items()}
-        if all(tiers.values()):
-            return {"step": step, "tier": "ram", "ranks": tiers}
-    if durable_step is not None:
-        return {"step": durable_step, "tier": "durable", "ranks": {r: "durable" for r in members}}
-    return {"step": None, "tier": "none", "ranks": {r: "none" for r in members}}
 
 
 # --- reading from peers (agent) ----------------------------------------------------------------
@@ -139,24 +78,27 @@ def _fetch_shard(core, st: _Stripes, key_of, j: int, addr: dict | None, stripes:
     return bad
 
 
-def gather(core, record: dict, entry: dict, out) -> dict:
-    """Fill ``out`` (a buffer, or a ``landing.Spans``) with ``entry``'s region of ``record``
+def gather(core, src: RankSource, out) -> dict:
+    """Fill ``out`` (a buffer, or a ``landing.Spans``) with the rank's bytes ``src`` names,
     from the holders; return counters (``decoded``: the byte ranges rebuilt from parity).
 
     ``core`` needs ``transport`` (a client is enough) and ``codec``."""
-    k, m = record["k"], record["m"]
-    region = encode.Region(**_region_args(entry))
+    k, m = src.k, src.m
+    region = src.layout()
     st = _Stripes(region, m, out if hasattr(out, "write") else Flat(out))
-    owner, base = entry["owner"], region.stripe_base
-    holders = record["holders"][owner]
-    addrs = [record["addrs"].get(h) for h in holders]
+    owner, base = src.owner, region.stripe_base
+    addrs = list(src.addrs)
 
     def key_of(s: int, j: int) -> ChunkKey:
-        return ChunkKey(record["step"], owner, base + s, j)
+        return ChunkKey(src.step, owner, base + s, j)
 
     everything = list(range(st.n))
-    with ThreadPoolExecutor(max_workers=max(1, k)) as ex:
-        bad = list(ex.map(lambda j: _fetch_shard(core, st, key_of, j, addrs[j], everything), range(k)))
+    if src.copy is not None:  # the owner's node holds the whole copy: every data shard from there
+        with ThreadPoolExecutor(max_workers=max(1, k)) as ex:
+            list(ex.map(lambda j: _fetch_shard(core, st, key_of, j, src.copy, everything), range(k)))
+    with ThreadPoolExecutor(max_workers=max(1, k)) as ex:  # (what the copy did not give) from the holders
+        bad = list(ex.map(lambda j: _fetch_shard(core, st, key_of, j, addrs[j],
+                                                 [s for s in everything if st.shards[s][j] is None]), range(k)))
     lost = st.missing()
     if lost:
         with ThreadPoolExecutor(max_workers=max(1, m)) as ex:
@@ -166,7 +108,7 @@ def gather(core, record: dict, entry: dict, out) -> dict:
         shards = st.shards[s]
         if sum(x is not None for x in shards) < k:
             raise TooFewShardsError(
-                f"step {record['step']}, owner {owner[:12]}, stripe {base + s}: only "
+                f"step {src.step}, owner {owner[:12]}, stripe {base + s}: only "
                 f"{sum(x is not None for x in shards)} of k={k} shards could be read from the holders")
         if all(x is not None for x in shards[:k]) and len(st.in_place[s]) == k:
             continue  # every data shard already sits where it belongs
@@ -176,6 +118,8 @@ def gather(core, record: dict, entry: dict, out) -> dict:
         if s in lost_set:
             decoded.append((st.lay.data_range(s, 0)[0], st.lay.data_range(s, k - 1)[1]))
     repaired = _repair(core, st, key_of, bad, addrs)
+    if src.copy is not None:  # read from the owner's arena, not from what it sent: check it all
+        decoded = [(0, region.nbytes)]
     return {"stripes": st.n, "decoded_stripes": len(lost), "repaired": repaired,
             "bytes": region.nbytes, "decoded": decoded}
 
@@ -206,13 +150,11 @@ def _padded(buf, chunk: int) -> memoryview:
 
 
 # --- re-protection (agent on the replacement node) ----------------------------------------
-def rebuild_shard(core, record: dict, owner: str, shard: int, batch: int = 64) -> int:
-    """Recreate shard ``shard`` of every stripe of ``owner`` from the other holders; hold it here."""
-    k, m = record["k"], record["m"]
-    entries = [e for e in record["ranks"].values() if e["owner"] == owner]
-    chunk = entries[0]["chunk"]
-    total = owner_stripes(record, owner)
-    holders = record["holders"][owner]
+def rebuild_shard(core, step: int, k: int, m: int, info: NodeReady, addrs: dict, shard: int,
+                  batch: int = 64) -> int:
+    """Recreate shard ``shard`` of every stripe of owner ``info.node`` from its other holders
+    (at ``addrs``) and hold it here: re-protection on a new holder."""
+    owner, chunk, total, holders = info.node, info.chunk, info.stripes(k), info.holders
     sources = [j for j in range(k + m) if j != shard and holders[j] != core.node]
     n = 0
     for start in range(0, total, batch):
@@ -222,13 +164,13 @@ def rebuild_shard(core, record: dict, owner: str, shard: int, batch: int = 64) -
             need = [s for s in stripes if sum(x is not None for x in got[s]) < k]
             if not need:
                 break
-            items = [(ChunkKey(record["step"], owner, s, j), memoryview(bytearray(chunk))) for s in need]
-            ok = _fetch(core, record["addrs"].get(holders[j]), items) or [False] * len(items)
+            items = [(ChunkKey(step, owner, s, j), memoryview(bytearray(chunk))) for s in need]
+            ok = _fetch(core, addrs.get(holders[j]), items) or [False] * len(items)
             for (key, buf), good in zip(items, ok):
                 if good:
                     got[key.stripe][j] = buf
         for s in stripes:
             full = core.codec.reconstruct(got[s]) if shard >= k or got[s][shard] is None else got[s]
-            core.store.put(ChunkKey(record["step"], owner, s, shard), full[shard])
+            core.store.put(ChunkKey(step, owner, s, shard), full[shard])
             n += 1
     return n

@@ -24,27 +24,17 @@ from typing import Any, Mapping
 
 import ray
 
-from memsnap import agent as agents
-from memsnap import coordinator as coordinators
-from memsnap import naming
+from memsnap import actors, naming
 from memsnap.arena import Arena
 from memsnap.config import SnapshotConfig, tunable
 from memsnap.errors import ChecksumError, ConfigError, MemsnapError
 from memsnap.manifest import Manifest
+from memsnap.options import Failures, Memory, Protection, Spill, When, Wire, resolve
 from memsnap.policy import Policy, Scheduler, StalenessGuard
+from memsnap.records import RankPlan
+from memsnap.secret import job_secret
 
 log = logging.getLogger("memsnap")
-
-
-def job_secret(job: str) -> bytes:
-    """The job's data-plane secret: made once by the first rank, kept in Ray's GCS key-value store."""
-    import secrets
-
-    from ray.experimental import internal_kv
-
-    key = naming.secret_key(job)
-    internal_kv._internal_kv_put(key, secrets.token_bytes(32), overwrite=False, namespace=naming.NAMESPACE)
-    return internal_kv._internal_kv_get(key, namespace=naming.NAMESPACE)
 
 
 def _unwrap(exc: BaseException) -> BaseException:
@@ -63,81 +53,64 @@ def _get(ref, timeout: float | None = None):
 class Snapshotter:
     """Snapshots of one rank's ``state`` into the job's erasure-coded RAM tier (and spill)."""
 
-    def __init__(self, job: str, rank: int, world_size: int, *, k: int = 2, m: int = 1,
-                 group_size: int | None = None, keep: int = 2, memory_budget: int = 4 << 30,
-                 spill: str | None = None, spill_every: int | None = None,
-                 spill_every_seconds: float | None = None, spill_bytes_per_s: int = 256 << 20,
-                 transport: str = "tcp", chunk: int | None = None, local_copy: bool = True,
-                 peers: bool | None = None,
-                 every_steps: int | None = 1, every_seconds: float | None = None, auto: bool = False,
-                 mtbf_hours: float | None = None, on_error: str = "warn",
-                 max_staleness_steps: int | None = None, preemption: bool = True,
-                 preemption_grace_s: float = 30.0, optimizers=()):
-        """``every_steps``/``every_seconds``/``auto``/``mtbf_hours``: when to snapshot (see
-        ``memsnap.policy.Policy``; ``mtbf_hours`` is one rank's MTBF). ``on_error``: ``"warn"``
-        (log, count, go on) or ``"raise"``. ``max_staleness_steps``: raise ``StalenessError``
-        when the newest committed step falls further behind. ``preemption``: react to SIGTERM
-        and Ray drains. ``optimizers``: for CUDA state, the optimizers whose step must wait for
-        the side-stream copy."""
-        if on_error not in ("warn", "raise"):
-            raise ConfigError(f"on_error={on_error!r}: use 'warn' (log, count and keep training) "
-                              "or 'raise' (a failed snapshot stops training)")
+    def __init__(self, job: str, rank: int, world_size: int, *, protection: Protection | None = None,
+                 memory: Memory | None = None, spill: Spill | str | None = None, when: When | None = None,
+                 failures: Failures | None = None, wire: Wire | None = None, optimizers=(), **shorthand: Any):
+        """Options come in groups (``memsnap.options``: ``protection``, ``memory``, ``spill``,
+        ``when``, ``failures``, ``wire``), or as their flat shorthand keywords (``k=2, m=1,
+        spill="s3://...", spill_every=100, every_steps=1, on_error="raise"``, ...).
+        ``optimizers``: for CUDA state, the optimizers whose step must wait for the side-stream copy."""
+        opts = resolve({"protection": protection, "memory": memory, "spill": spill, "when": when,
+                        "failures": failures, "wire": wire}, shorthand)
         if not isinstance(world_size, int) or world_size < 1:
             raise ConfigError(f"world_size={world_size!r}: must be an int >= 1")
         if not isinstance(rank, int) or not 0 <= rank < world_size:
             raise ConfigError(f"rank={rank!r}: must be an int in [0, world_size={world_size})")
-        need = k + m + 1 if isinstance(k, int) and isinstance(m, int) else 0
-        if peers is None:
-            peers = world_size >= need
-            if not peers:
-                log.warning("memsnap job %r: world_size=%d is below k+m+1=%d, so there are no peers to hold "
-                            "erasure-coded pieces: snapshots protect against a crashed process (local RAM) "
-                            "and, with spill=, a lost node (durable tier)", job, world_size, need)
-        elif peers and world_size < need:  # placement would fail later, inside the coordinator
-            raise ConfigError(f"world_size={world_size} with k={k}, m={m}, peers=True: a node's k+m shards are "
-                              f"held by other nodes of the job, so its ranks must run on at least k+m+1={need} "
-                              f"nodes; run at least {need} ranks (one per node), lower k and m, or pass "
-                              "peers=False (local RAM and spill only)")
-        self.config = SnapshotConfig(job, k, m, group_size, keep, memory_budget, spill, spill_every,
-                                     spill_every_seconds, spill_bytes_per_s, transport, chunk,
-                                     local_copy=local_copy, peers=peers)
+        wh, fail, wi = opts["when"], opts["failures"], opts["wire"]
+        self.options = opts
+        self.config = job_config(job, opts)
         if not ray.is_initialized():
             raise ConfigError("Snapshotter needs Ray: create it inside a Ray task/actor or after ray.init()")
         self.rank, self.world = rank, world_size
         self.node = ray.get_runtime_context().get_node_id()
-        self._secret = job_secret(job)
-        self._agent = agents.get_or_create(self.config, self.node, self._secret)
-        self._address = _get(self._agent.register.remote(rank, world_size))
-        self._coord = coordinators.get_or_create(self.config, world_size)
+        self._secret = job_secret(job)  # for this rank's own data-plane client (a peer restore)
+        # every call goes to this node's agent, which speaks to the coordinator for the node
+        self._agent = actors.agent_for(self.config, self.node)
+        check_same_job(self.config, _get(self._agent.config.remote()))
+        _get(self._agent.join.remote(rank, world_size), tunable("membership_timeout_s") + 60)
         # A peer restore reads straight into this rank's tensors over TCP; through the object
         # store it goes through the agent, whose arena is backed early on a new node.
-        self._direct = transport == "tcp" and bool(tunable("direct_restore"))
-        self._peers = None
+        self._direct = wi.transport == "tcp" and bool(tunable("direct_restore"))
+        self._receiver = None
         self._dirty = False  # a failed direct restore left the live state partly written
-        hint = self._ccall("register", rank, self.node, self._address) or {}
-        if hint.get("restore_bytes") and not self._direct:
-            self._agent.prepare.remote(rank, hint["restore_bytes"])
         self._local: list[int] | None = None
+        self.peers: bool | None = None  # decided by the coordinator from the job's node count
         self._maps: dict[str, Arena] = {}
-        self.counters = {"saves": 0, "failed_saves": 0, "skipped_saves": 0}
+        from memsnap.capture import PlanCache
+
+        self._plan = PlanCache()  # the layout is laid out again only when the tensors change
+        self.counters = {"saves": 0, "failed_saves": 0, "skipped_saves": 0, "skipped_busy": 0}
         self.last_restore: dict = {"tier": "none", "step": None, "seconds": {}}
+        self.last_plan: RankPlan | None = None  # this rank's part of the last restore plan
         self.last_error: str | None = None
-        self._policy = Scheduler(Policy(every_steps=every_steps, every_seconds=every_seconds, auto=auto,
-                                        mtbf_hours=mtbf_hours, nodes=world_size), start_step=-1)
-        self._guard = None if max_staleness_steps is None else StalenessGuard(
-            max_staleness_steps, start_step=-1, setting="max_staleness_steps")
-        self._on_error = on_error
+        self._policy = Scheduler(Policy(every_steps=wh.every_steps, every_seconds=wh.every_seconds, auto=wh.auto,
+                                        mtbf_hours=wh.mtbf_hours, nodes=world_size), start_step=-1)
+        self._guard = None if fail.max_staleness_steps is None else StalenessGuard(
+            fail.max_staleness_steps, start_step=-1, setting="max_staleness_steps")
+        self._on_error = fail.on_error
         self._optimizers = list(optimizers)
         self._cuda = None
         self._pins: dict[str, Any] = {}
-        self._watcher = self._watch_preemption(preemption_grace_s) if preemption else None
+        self._watcher = self._watch_preemption(fail.preemption_grace_s) if fail.preemption else None
 
     @classmethod
     def from_ray_train(cls, job: str, **kwargs: Any) -> "Snapshotter":
-        """A Snapshotter for this Ray Train worker: rank and world size from its context."""
-        from memsnap.integrations.ray_train import from_ray_train
+        """A Snapshotter for this Ray Train worker (call inside ``train_loop_per_worker``): rank
+        and world size from its Ray Train context."""
+        import ray.train
 
-        return from_ray_train(job, **kwargs)
+        ctx = ray.train.get_context()
+        return cls(job=job, rank=ctx.get_world_rank(), world_size=ctx.get_world_size(), **kwargs)
 
     @classmethod
     def from_env(cls, job: str, **kwargs: Any) -> "Snapshotter":
@@ -163,24 +136,18 @@ class Snapshotter:
             log.warning("rank %d: preemption watcher not started: %s", self.rank, exc)
             return None
 
-    # --- calls to the coordinator, surviving its loss ------------------------------------------
-    def _ccall(self, method: str, *args, timeout: float | None = None):
-        for attempt in range(6):  # a restarting coordinator is waited for ~30 s in all
-            try:
-                return _get(getattr(self._coord, method).remote(*args), timeout)
-            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
-                log.warning("coordinator lost (%s); finding it again", type(exc).__name__)
-                time.sleep(min(0.5 * 2 ** attempt, 10.0))
-                self._coord = coordinators.get_or_create(self.config, self.world)
-                if method != "register":
-                    _get(self._coord.register.remote(self.rank, self.node, self._address))
-        return _get(getattr(self._coord, method).remote(*args), timeout)
+    # --- calls through this node's agent ---------------------------------------------------------
+    def _ask(self, method: str, *args, timeout: float | None = None):
+        return _get(getattr(self._agent, method).remote(*args), timeout)
 
     def _local_ranks(self) -> list[int]:
         if self._local is None:
             timeout = tunable("membership_timeout_s")
-            members = self._ccall("members", timeout, timeout=timeout + 10)
-            self._local = sorted(r for r, n in members.items() if n == self.node)
+            answer = self._ask("members", timeout, timeout=timeout + 60)
+            self._local, self.peers = answer["ranks"], answer["peers"]
+            if not self.peers and self.rank == min(self._local, default=self.rank):
+                log.warning("memsnap job %r: no peer protection on this node's ranks (%s)", self.config.job,
+                            answer["why"])
         return self._local
 
     def _map(self, path: str, nbytes: int) -> memoryview:
@@ -203,7 +170,7 @@ class Snapshotter:
             return False
         t = time.perf_counter()
         try:
-            self._save(step, state)
+            captured = self._save(step, state)
         except Exception as exc:
             self.counters["failed_saves"] += 1
             self.last_error = f"step {step}: {type(exc).__name__}: {exc}"
@@ -211,6 +178,10 @@ class Snapshotter:
             if self._on_error == "raise":
                 raise
             log.warning("rank %d: snapshot of step %d failed, training goes on: %s", self.rank, step, exc)
+            self._check_staleness(step)
+            return False
+        if not captured:  # the node's pipeline was busy: skipped, not failed
+            self.counters["skipped_busy"] += 1
             self._check_staleness(step)
             return False
         self._policy.taken(step, time.perf_counter() - t)
@@ -222,28 +193,33 @@ class Snapshotter:
         """Tell the coordinator (without waiting) that ``step`` cannot commit: the other nodes
         free their copies of it and ``wait(step)`` returns at once on every rank."""
         with contextlib.suppress(Exception):
-            self._coord.node_failed.remote(step, self.node, f"rank {self.rank}: {self.last_error}")
+            self._agent.report_failed.remote(step, f"rank {self.rank}: {self.last_error}")
 
     def _check_staleness(self, step: int) -> None:
         if self._guard is not None:
-            self._guard.check(step, self._ccall("wait_committed", step, 0.0))
+            self._guard.check(step, self._ask("wait", step, 0.0))
 
-    def _save(self, step: int, state: Mapping[str, Any]) -> None:
+    def _save(self, step: int, state: Mapping[str, Any]) -> bool:
+        """Capture ``step`` into this node's agent; False when the agent skipped it (busy)."""
         from memsnap import cuda_capture
-        from memsnap.capture import byte_view, copy_into, plan_sources
+        from memsnap.capture import byte_view, copy_into
 
         if not isinstance(step, int) or step < 0:
             raise ConfigError(f"step={step!r}: must be an int >= 0")
         local = self._local_ranks()
-        layout, sources = plan_sources(state)
+        layout, sources = self._plan.plan(state)
         info = _get(self._agent.begin.remote(step, self.rank, layout.nbytes))
+        if "skipped" in info:
+            log.debug("rank %d: step %d skipped: %s", self.rank, step, info["skipped"])
+            return False
         out = self._map(info["path"], layout.nbytes)
         layout.meta.update(step=step, rank=self.rank, world_size=self.world, job=self.config.job)
         if cuda_capture.needs_async(sources):
             self._save_cuda(step, layout, sources, out, info["path"], local)
-            return
+            return True
         copy_into(layout, sources, byte_view(out, layout.nbytes, writable=True))
         _get(self._agent.captured.remote(step, self.rank, layout.to_json().decode(), local))
+        return True
 
     def _save_cuda(self, step, layout, sources, out, path, local) -> None:
         """D2H on a side stream; the agent hears of the step once the copy is done."""
@@ -288,22 +264,16 @@ class Snapshotter:
         if self.config.spill is None:
             raise ConfigError("spill() needs a spill URI: Snapshotter(..., spill='file:///...' or 's3://...')")
         if step is None:
-            step = self._ccall("status").get("committed_step")
+            step = self._ask("wait", -1, 0.0)
             if step is None:
                 return None
-        self._ccall("spill_now", step)
-        deadline = time.monotonic() + timeout
-        while True:
-            durable = self._ccall("status").get("durable_step")
-            if durable is not None and durable >= step:
-                return step
-            if time.monotonic() >= deadline:
-                return None
-            time.sleep(0.2)
+        self._ask("request_spill", step)
+        durable = self._ask("wait_durable", step, timeout, timeout=timeout + 60)
+        return step if durable is not None and durable >= step else None
 
     def wait(self, step: int, timeout: float = 60.0) -> int | None:
         """Block until ``step`` (or a later one) is committed or failed; return the newest committed."""
-        return self._ccall("wait_committed", step, timeout, timeout=timeout + 10)
+        return self._ask("wait", step, timeout, timeout=timeout + 60)
 
     # --- restore -----------------------------------------------------------------------------
     def restore(self, state: Mapping[str, Any]) -> int | None:
@@ -313,45 +283,46 @@ class Snapshotter:
         error: Exception | None = None
         for attempt in range(3):
             t = time.perf_counter()
-            plan = self._ccall("restore_plan", self.rank, attempt, timeout=timeout)
+            plan = RankPlan.from_wire(self._ask("restore_plan", self.rank, attempt, timeout=timeout))
             seconds = {"plan": time.perf_counter() - t}
             try:
                 tier = self._load(plan, state, seconds)
                 ok, report = True, {"tier": tier, "seconds": seconds}
             except Exception as exc:
-                log.warning("rank %d: restore of step %s failed: %s", self.rank, plan["step"], exc)
+                log.warning("rank %d: restore of step %s failed: %s", self.rank, plan.step, exc)
                 ok, report, tier = False, {"error": f"{type(exc).__name__}: {exc}"}, None
                 error = exc
-            result = self._ccall("restore_done", self.rank, attempt, ok, report, timeout=timeout)
-            if result["ok"] and self._dirty and plan["tier"] == "none":
+            result = self._ask("restore_done", self.rank, attempt, ok, report, timeout=timeout)
+            if result["ok"] and self._dirty and plan.tier == "none":
                 raise MemsnapError(
                     f"rank {self.rank}: a restore from peers failed after it had begun writing into the "
                     "live state, and no other copy can be loaded; rebuild the state and call restore again")
             if result["ok"]:
                 self._dirty = False
-                _get(self._agent.resume.remote(plan["step"], result["gen"]))
+                _get(self._agent.resume.remote(plan.step, result["gen"]))
                 seconds["total"] = time.perf_counter() - t0
                 return self._restored(plan, tier, seconds)
         raise error if error is not None else MemsnapError(f"restore failed on ranks {sorted(result['failed'])}: "
                                                 f"{result['failed']}")
 
-    def _restored(self, plan: dict, tier: str, seconds: dict) -> int | None:
-        self.last_restore = {"tier": tier, "step": plan["step"], "seconds": seconds}
-        resumed = -1 if plan["step"] is None else plan["step"]
+    def _restored(self, plan: RankPlan, tier: str, seconds: dict) -> int | None:
+        self.last_restore = {"tier": tier, "step": plan.step, "seconds": seconds}
+        self.last_plan = plan
+        resumed = -1 if plan.step is None else plan.step
         self._policy.resume(resumed)
         if self._guard is not None:
             self._guard.start_step = resumed
-        if plan["plan"] == "durable":
-            msg = (f"memsnap: restored step {plan['step']} from durable storage {plan['spill']}: "
+        if plan.plan == "durable":
+            msg = (f"memsnap: restored step {plan.step} from durable storage {plan.spill}: "
                    "the RAM tiers could not serve every rank")
             self.last_restore["warning"] = msg
             warnings.warn(msg, RuntimeWarning, stacklevel=3)
-        log.info("rank %d restored step %s from %s in %s", self.rank, plan["step"], tier,
+        log.info("rank %d restored step %s from %s in %s", self.rank, plan.step, tier,
                  {k: round(v, 3) for k, v in seconds.items()})
-        return plan["step"]
+        return plan.step
 
-    def _load(self, plan: dict, state, seconds: dict) -> str:
-        tier, step = plan["tier"], plan["step"]
+    def _load(self, plan: RankPlan, state, seconds: dict) -> str:
+        tier, step = plan.tier, plan.step
         if tier == "none":
             return "none"
         if tier == "durable":
@@ -367,30 +338,32 @@ class Snapshotter:
                     log.warning("rank %d: local copy of step %d is corrupt (%s); reading peers", self.rank, step, exc)
                     corrupt = True
         t = time.perf_counter()
+        source = plan.source.to_wire()
+        read = "copy" if tier == "copy" else "peer"  # copy: the old node's whole copy, else k of k+m
         if self._direct:
-            self._receive(plan["record"], state)
+            self._receive(plan.source, self._ask("manifest", step, self.rank, source), state)
             seconds["fetch"] = time.perf_counter() - t
             if corrupt:  # the agent reads the node's copy back from the holders, in the background
-                self._agent.rebuild_local.remote(step, self.rank, plan["record"], True)
-            return "peer"
-        info = _get(self._agent.recover.remote(step, self.rank, plan["record"]), tunable("restore_timeout_s"))
+                self._agent.rebuild_local.remote(step, self.rank, source, True)
+            return read
+        info = _get(self._agent.recover.remote(step, self.rank, source), tunable("restore_timeout_s"))
         seconds["fetch"] = time.perf_counter() - t
         self._apply(info, state, seconds)
-        return "peer"
+        return read
 
-    def _receive(self, record: dict, state) -> None:
+    def _receive(self, source, manifest_json: str, state) -> None:
         """Read this rank's bytes from the holders straight into ``state`` (receive.py)."""
         from memsnap import receive
         from memsnap.errors import StateMismatchError
 
-        if self._peers is None:
+        if self._receiver is None:
             from memsnap.agent import codec_for
             from memsnap.transport import make_transport
 
             client = make_transport("tcp", secret=self._secret, host=ray.util.get_node_ip_address())
-            self._peers = receive.Peers(client, codec_for(self.config.k, self.config.m))
+            self._receiver = receive.Peers(client, codec_for(self.config.k, self.config.m))
         try:
-            stats = receive.into_state(self._peers, record, self.rank, state)
+            stats = receive.into_state(self._receiver, source, manifest_json, state)
         except StateMismatchError:
             raise  # refused before anything was written
         except BaseException:
@@ -406,19 +379,19 @@ class Snapshotter:
         apply(state, Manifest.from_json(info["manifest"]), self._map(info["path"], info["nbytes"]), verify=True)
         seconds["apply"] = time.perf_counter() - t
 
-    def _load_durable(self, plan: dict, state, seconds: dict) -> str:
+    def _load_durable(self, plan: RankPlan, state, seconds: dict) -> str:
         from memsnap.apply import apply
         from memsnap.storage import Store
 
         from tqdm import tqdm
 
         t = time.perf_counter()
-        store = Store.open(plan["spill"])
-        man = store.manifest(plan["step"], self.rank)
+        store = Store.open(plan.spill)
+        man = store.manifest(plan.step, self.rank)
         buf = bytearray(man.nbytes)
         with tqdm(total=man.nbytes, unit="B", unit_scale=True, disable=None,
-                  desc=f"rank {self.rank}: step {plan['step']} from {plan['spill']}") as bar:
-            store.read_rank_into(plan["step"], self.rank, buf, progress=lambda done, total: bar.update(done - bar.n))
+                  desc=f"rank {self.rank}: step {plan.step} from {plan.spill}") as bar:
+            store.read_rank_into(plan.step, self.rank, buf, progress=lambda done, total: bar.update(done - bar.n))
         seconds["fetch"] = time.perf_counter() - t
         t = time.perf_counter()
         apply(state, man, buf, verify=True)
@@ -428,7 +401,7 @@ class Snapshotter:
     # --- status / close ------------------------------------------------------------------------
     def status(self) -> dict:
         """JSON-serialisable state of the job's snapshots, as this rank sees it."""
-        st = self._ccall("status")
+        st = self._ask("job_status", timeout=tunable("call_timeout_s") * 3)
         agents_ = st.pop("agents")
         st["bytes"] = {
             "local": sum(a["arena"] for a in agents_.values()),
@@ -438,6 +411,7 @@ class Snapshotter:
         st["agents"] = agents_
         st["failed_snapshots"] += sum(a["counters"]["failed_snapshots"] for a in agents_.values())
         st["failed_saves"] = self.counters["failed_saves"]
+        st["skipped_busy"] = st["skipped_snapshots"]  # steps skipped or replaced under load, job-wide
         st["last_restore"] = dict(self.last_restore)
         return st
 
@@ -455,9 +429,9 @@ class Snapshotter:
         for arena in self._maps.values():
             arena.close(unlink=False)
         self._maps.clear()
-        if self._peers is not None:
-            self._peers.transport.close()
-            self._peers = None
+        if self._receiver is not None:
+            self._receiver.transport.close()
+            self._receiver = None
 
 
 def ensure_ray() -> None:
@@ -476,10 +450,49 @@ def ensure_ray() -> None:
         ray.init(namespace=naming.NAMESPACE, include_dashboard=False)
 
 
+def check_same_job(mine: SnapshotConfig, running: dict) -> None:
+    """A job name reused with another configuration would silently run on the old agents:
+    refuse it, naming what differs. (The world size is membership, not configuration: a job
+    back with another number of ranks is an elastic restart.)"""
+    theirs = SnapshotConfig.from_dict(running)
+    diff = {k: (getattr(theirs, k), v) for k, v in mine.to_dict().items() if getattr(theirs, k) != v}
+    if diff:
+        fields_ = ", ".join(f"{k}={new!r} (running: {old!r})" for k, (old, new) in sorted(diff.items()))
+        raise ConfigError(f"job {mine.job!r} is already running with another configuration: {fields_}. "
+                          f"Use the same options, another job name, or stop the old one first with "
+                          f"memsnap.shutdown({mine.job!r})")
+
+
+def job_config(job: str, opts: dict) -> SnapshotConfig:
+    """The job-wide configuration the agents share, from a Snapshotter's resolved options."""
+    pro, mem, sp, wi = opts["protection"], opts["memory"], opts["spill"], opts["wire"]
+    return SnapshotConfig(job, pro.k, pro.m, pro.group_size, mem.keep, mem.budget, sp.uri, sp.every,
+                          sp.every_seconds, sp.bytes_per_s, wi.transport, wi.chunk,
+                          local_copy=pro.local_copy, peers=pro.peers)
+
+
+def start_spare(job: str, node_id: str, **options: Any):
+    """Start ``job``'s agent on ``node_id``, a node that runs no rank: a *spare* that holds
+    erasure-coded pieces of the other nodes (and so lets a job on ``k+m`` nodes be protected).
+    ``options`` are the job's Snapshotter options (``k``, ``m``, ``memory_budget``, ...); call
+    it before the ranks start, e.g. from the driver. Returns the agent's actor handle."""
+    if not ray.is_initialized():
+        raise ConfigError("start_spare needs Ray: call it after ray.init()")
+    groups = {g: options.pop(g) for g in list(options) if g in ("protection", "memory", "spill", "wire")}
+    cfg = job_config(job, resolve(groups, options))
+    job_secret(job)  # made now if no rank made it yet: the agent reads it from Ray's key-value store
+    handle = actors.agent_for(cfg, node_id)
+    _get(handle.address.remote())
+    return handle
+
+
 def shutdown(job: str, timeout: float = 30.0) -> None:
-    """Stop the job's coordinator and every agent (their shared memory is unlinked)."""
+    """Stop the job's coordinator and every agent (their shared memory is unlinked), and
+    delete the job's secret."""
+    from memsnap.secret import drop_secret
+
     for node in [n["NodeID"] for n in ray.nodes() if n.get("Alive")]:
-        handle = agents.find(job, node)
+        handle = actors.find(job, node)
         if handle is not None:
             try:
                 ray.get(handle.shutdown.remote(), timeout=timeout)
@@ -489,3 +502,4 @@ def shutdown(job: str, timeout: float = 30.0) -> None:
         ray.kill(ray.get_actor(naming.coordinator(job), namespace=naming.NAMESPACE), no_restart=True)
     except ValueError:
         pass
+    drop_secret(job)

@@ -8,6 +8,8 @@ import pytest
 # Every Ray process a test starts binds to loopback only.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# The agents of the clusters the tests start accept fault injection (memsnap.testing).
+os.environ.setdefault("MEMSNAP_TESTING_HOOKS", "1")
 
 
 def pytest_report_header(config):

@@ -187,3 +187,31 @@ def test_lazily_conjugated_views_are_stored_resolved():
     c = torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64).conj()
     m, buf = capture({"c": c}, rng=False)
     assert bytes(buf[:m.entry("c").nbytes]) == c.resolve_conj().numpy().tobytes()
+
+
+def test_the_plan_cache_lays_out_again_only_when_the_tensors_change():
+    """A save reuses the layout (and its JSON) while the tensors are the same storage, dtype
+    and shape; the skeleton (LR, step counts, RNG) is taken fresh every time."""
+    from memsnap.capture import PlanCache, plan_sources
+
+    model = torch.nn.Linear(8, 4)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(optim, step_size=1, gamma=0.5)
+    state = {"model": model, "optim": optim, "sched": sched}
+    cache = PlanCache()
+
+    def train():
+        model(torch.randn(2, 8)).sum().backward()
+        optim.step()
+        sched.step()
+
+    for _ in range(3):
+        man, sources = cache.plan(state)
+        fresh, fresh_sources = plan_sources(state)
+        assert man.to_json() == fresh.to_json()  # byte for byte: LR and step counts included
+        assert [(s.dtype, s.shape) for s in sources] == [(s.dtype, s.shape) for s in fresh_sources]
+        assert sources[0].data_ptr() == model.weight.data_ptr()  # the live tensors, not copies
+        train()
+    assert cache.replans == 2  # the first save, and once the optimizer's moments appeared
+    model.weight.data = torch.zeros(4, 8, dtype=torch.float64)  # a tensor changed: laid out again
+    assert cache.plan(state)[0].entry("model/weight").dtype == "float64" and cache.replans == 3

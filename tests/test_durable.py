@@ -25,7 +25,8 @@ N = 5
 RESUME = """
 import json, sys, torch
 sys.path.insert(0, {tests!r})
-import memsnap, toytrain
+import memsnap
+from support import toytrain
 objs = toytrain.make(seed=999)  # a different seed: all that matters must come from the checkpoint
 step = memsnap.load({ckpt!r}, objs)
 losses = toytrain.train_steps(objs, {n})
@@ -49,7 +50,7 @@ def params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def test_resume_in_fresh_process_is_bitwise(tmp_path):
     sys.path.insert(0, str(TESTS))
-    import toytrain
+    import support.toytrain as toytrain
 
     ref_objs = toytrain.make(seed=0)
     reference = toytrain.train_steps(ref_objs, 2 * N)

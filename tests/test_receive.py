@@ -2,6 +2,7 @@
 codec, and a live model + optimizer that must end bitwise equal, received in place."""
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -14,10 +15,11 @@ from memsnap.capture import capture
 from memsnap.chunkstore import HeldChunks
 from memsnap.errors import StateMismatchError
 from memsnap.landing import Spans
+from memsnap.records import RankSource, Region
 from memsnap.stripes import choose_chunk
 from memsnap.transport import ChunkKey, make_transport
 
-from test_runtime_helpers import digest
+from support.runtime import digest
 
 SECRET = os.urandom(32)
 K, M = 2, 1
@@ -61,11 +63,9 @@ def publish(holders, state: dict, step: int, chunk_target: int = 4096) -> tuple[
     for j in range(K + M):
         items = enc.items(step, OWNER, j) if j < K else batch.items(step, OWNER, j)
         client.push(addrs[j], items, timeout=60)
-    entry = {"owner": OWNER, "manifest": man.to_json().decode(), **region.to_dict()}
-    record = {"step": step, "k": K, "m": M, "ranks": {"0": entry},
-              "holders": {OWNER: [f"h{j}" for j in range(K + M)]},
-              "addrs": {f"h{j}": a for j, a in enumerate(addrs)}}
-    return record, digest(state, rng=False)
+    source = RankSource(step, K, M, OWNER, chunk, Region(0, man.nbytes, 0), tuple(f"h{j}" for j in range(K + M)),
+                        tuple(addrs))
+    return (source, man.to_json().decode()), digest(state, rng=False)
 
 
 def peers(holders) -> receive.Peers:
@@ -82,7 +82,7 @@ def test_shards_land_in_the_live_tensors_and_the_state_is_bitwise_equal(holders)
     record, want = publish(holders, saved, step=3)
     live = make_state(2)
     before = pointers(live)
-    stats = receive.into_state(peers(holders), record, 0, live)
+    stats = receive.into_state(peers(holders), *record, live)
     assert digest(live, rng=False) == want and live["epoch"] == 1
     assert pointers(live) == before  # the parameters and moments were written where they are
     assert stats["in_place_bytes"] > 0.9 * sum(t.numel() * 4 for t in saved["model"].parameters()) * 3
@@ -93,7 +93,7 @@ def test_a_fresh_optimizer_adopts_new_tensors_received_whole(holders):
     """Before the first step an optimizer has no moments: they are received into new tensors."""
     record, want = publish(holders, make_state(3), step=4)
     live = make_state(4, stepped=False)
-    receive.into_state(peers(holders), record, 0, live)
+    receive.into_state(peers(holders), *record, live)
     assert digest(live, rng=False) == want
     torch.manual_seed(0)
     live["model"](torch.randn(2, 96)).sum().backward()
@@ -102,9 +102,11 @@ def test_a_fresh_optimizer_adopts_new_tensors_received_whole(holders):
 
 def test_a_lost_holder_is_decoded_and_checked(holders):
     record, want = publish(holders, make_state(5), step=5)
-    record["addrs"]["h0"] = {"transport": "tcp", "host": "127.0.0.1", "port": 1}  # nobody listens
+    source, manifest = record
+    dead = {"transport": "tcp", "host": "127.0.0.1", "port": 1}  # nobody listens there
+    record = (dataclasses.replace(source, addrs=(dead, *source.addrs[1:])), manifest)
     live = make_state(6)
-    stats = receive.into_state(peers(holders), record, 0, live)
+    stats = receive.into_state(peers(holders), *record, live)
     assert digest(live, rng=False) == want
     assert stats["decoded_stripes"] == stats["stripes"] and stats["decoded"]
 
@@ -113,11 +115,11 @@ def test_a_flipped_byte_in_a_held_chunk_is_rebuilt_and_repaired(holders):
     record, want = publish(holders, make_state(7), step=6)
     holders[0][1].flip_byte(ChunkKey(6, OWNER, 2, 1), 10)
     live = make_state(8)
-    stats = receive.into_state(peers(holders), record, 0, live)
+    stats = receive.into_state(peers(holders), *record, live)
     assert digest(live, rng=False) == want
     assert stats["decoded_stripes"] == 1 and stats["repaired"] == 1
     again = make_state(9)
-    assert receive.into_state(peers(holders), record, 0, again)["decoded_stripes"] == 0  # repaired on the holder
+    assert receive.into_state(peers(holders), *record, again)["decoded_stripes"] == 0  # repaired on the holder
 
 
 def test_a_mismatched_state_is_refused_before_any_byte_is_written(holders):
@@ -125,7 +127,7 @@ def test_a_mismatched_state_is_refused_before_any_byte_is_written(holders):
     live = make_state(11, width=64)
     want = digest(live, rng=False)
     with pytest.raises(StateMismatchError):
-        receive.into_state(peers(holders), record, 0, live)
+        receive.into_state(peers(holders), *record, live)
     assert digest(live, rng=False) == want
 
 
@@ -145,8 +147,9 @@ def test_spans_cover_the_gaps_and_scatter_across_pieces():
         spans.view(25, 31)
 
 
-class _Coordinator:
-    """The two restore calls of a Snapshotter, answered from a script of plans."""
+class _Agent:
+    """The restore calls a Snapshotter makes through its node's agent, answered from a
+    script of plans."""
 
     def __init__(self, plans: list[dict]):
         self.plans, self.done = list(plans), []
@@ -154,6 +157,8 @@ class _Coordinator:
     def __call__(self, method: str, *args, timeout=None):
         if method == "restore_plan":
             return self.plans[args[1]]
+        if method == "manifest":
+            return "{}"
         assert method == "restore_done"
         self.done.append(args[2])
         return {"ok": args[2], "gen": 1, "failed": {}}
@@ -164,17 +169,18 @@ def _snapshotter(plans: list[dict], fail_with: Exception, monkeypatch):
     from memsnap import snapshotter
 
     snap = object.__new__(snapshotter.Snapshotter)
-    snap.rank, snap._direct, snap._dirty, snap._peers = 0, True, False, object()
-    snap._ccall = _Coordinator(plans)
+    snap.rank, snap._direct, snap._dirty, snap._receiver = 0, True, False, object()
+    snap._ask = _Agent(plans)
 
-    def failing(peers, record, rank, state):
+    def failing(peers, source, manifest, state):
         raise fail_with
 
     monkeypatch.setattr(receive, "into_state", failing)
     return snap
 
 
-PEER = {"step": 3, "tier": "peer", "plan": "ram", "record": {}}
+PEER = {"step": 3, "tier": "peer", "plan": "ram",
+        "source": RankSource(3, K, M, OWNER, 64, Region(0, 64, 0), ("h0", "h1", "h2"), (None,) * 3).to_wire()}
 NONE = {"step": None, "tier": "none", "plan": "none"}
 
 
@@ -184,7 +190,7 @@ def test_a_restore_that_failed_mid_write_never_starts_fresh_on_mixed_state(monke
     snap = _snapshotter([PEER, NONE], TooFewShardsError("stripe 4: only 1 of k=2 shards"), monkeypatch)
     with pytest.raises(MemsnapError, match="begun writing into the live state"):
         snap.restore({})
-    assert snap._ccall.done == [False, True]
+    assert snap._ask.done == [False, True]
 
 
 def test_a_refused_restore_touched_nothing_and_may_start_fresh(monkeypatch):
@@ -195,3 +201,23 @@ def test_a_refused_restore_touched_nothing_and_may_start_fresh(monkeypatch):
     snap._guard = None
     assert snap.restore({}) is None and not snap._dirty
     assert snap.last_restore["tier"] == "none"
+
+
+def test_a_rank_that_moved_reads_its_whole_copy_from_its_old_node_with_no_decode(holders):
+    (source, manifest), want = publish(holders, make_state(12), step=8)
+    stores, addrs, client = holders
+    old_node = HeldChunks(MemoryBudget(1 << 30, "old"))  # serves the data shards, as its agent does
+    for j in range(K):
+        for key in stores[j].keys(8):
+            old_node.put(key, stores[j].lookup(key)[0])
+    server = make_transport("tcp", secret=SECRET, host="127.0.0.1")
+    try:
+        copy = server.start(old_node)
+        dead = {"transport": "tcp", "host": "127.0.0.1", "port": 1}  # both data holders are gone
+        src = dataclasses.replace(source, addrs=(dead, dead, *source.addrs[K:]), copy=copy)
+        live = make_state(13)
+        stats = receive.into_state(peers(holders), src, manifest, live)
+    finally:
+        server.close()
+    assert digest(live, rng=False) == want
+    assert stats["decoded_stripes"] == 0  # every data shard came from the copy: nothing rebuilt

@@ -14,10 +14,10 @@ import socket
 import pytest
 import ray
 
-from memsnap import naming
+from memsnap import naming, testing
 from memsnap.errors import TransportError
 from memsnap.transport.base import ChunkKey, make_transport
-from test_runtime_helpers import (cluster, kill, lose_nodes, remove_arenas, restore_all, start_all,
+from support.runtime import (cluster, kill, lose_nodes, remove_arenas, restore_all, start_all,
                                   start_trainer, wait_for)
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -147,16 +147,16 @@ def test_corrupt_chunk_and_node_loss_restore_from_peers(job):
     for node in nodes:
         held = ray.get(agent(node).inventory.remote(), timeout=30)["held"].get(4, {}).get(lost, {})
         if 0 in held:
-            ray.get(agent(node).flip_chunk.remote(4, lost, 5, 0, 17), timeout=30)
+            testing.flip_chunk(agent(node), 4, lost, 5, 0, 17)
             break
     else:
         pytest.fail("no holder of shard 0 of the lost node's step 4")
     # every rank saves step 5; the soon-lost node, a holder of the others, stops acknowledging
     # chunks of step 5 after the first one it receives, and dies while the senders are mid-transfer
-    ray.get(agent(lost).stall_receiving.remote(5, 1), timeout=30)
+    testing.stall_receiving(agent(lost), 5, 1)
     for r in (0, 1, 2, 3):
         ray.get(trainers[r].step_and_save.remote(5), timeout=120)
-    wait_for(lambda: ray.get(agent(lost).stalled.remote(), timeout=30), timeout=60,
+    wait_for(lambda: testing.stalled(agent(lost)), timeout=60,
              what="a transfer of step 5 to the soon-lost holder to be under way")
     assert status(job)["committed_step"] == 4
     lose_nodes(c, [lost])

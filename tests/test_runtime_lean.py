@@ -13,7 +13,7 @@ import ray
 
 from memsnap import naming
 from memsnap.snapshotter import shutdown
-from test_runtime_helpers import (cluster, kill, lose_nodes, remove_arenas, restore_all, start_all,
+from support.runtime import (cluster, kill, lose_nodes, remove_arenas, restore_all, start_all,
                                   start_trainer, wait_for)
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]

@@ -75,21 +75,21 @@ def test_spilled_bytes_load_back_through_the_durable_format(tmp_path, fake_core)
 
 
 def test_the_coordinator_asks_for_a_spill_every_n_steps_or_seconds(monkeypatch):
-    from memsnap import coordinator
-    from memsnap.coordinator import CoordinatorCore
+    from memsnap import commit
+    from memsnap.commit import CommitLog
 
-    steps = CoordinatorCore(SnapshotConfig("spill-unit", spill="/tmp/unused", spill_every=3).to_dict(), 1)
+    steps = CommitLog(SnapshotConfig("spill-unit", spill="/tmp/unused", spill_every=3))
     # step 6 never committed: the spill moves to 7, the first commit of its block, not to 9
     assert [s for s in (0, 1, 2, 3, 4, 5, 7, 8, 9, 10) if steps._spill_due(s)] == [0, 3, 7, 9]
     now = [100.0]
-    monkeypatch.setattr(coordinator.time, "monotonic", lambda: now[0])
-    secs = CoordinatorCore(SnapshotConfig("spill-unit", spill="/tmp/unused", spill_every_seconds=10).to_dict(), 1)
+    monkeypatch.setattr(commit.time, "monotonic", lambda: now[0])
+    secs = CommitLog(SnapshotConfig("spill-unit", spill="/tmp/unused", spill_every_seconds=10))
     due = []
     for step in range(8):
         due.append(secs._spill_due(step))
         now[0] += 4.0
     assert due == [True, False, False, True, False, False, True, False]
-    never = CoordinatorCore(SnapshotConfig("spill-unit").to_dict(), 1)
+    never = CommitLog(SnapshotConfig("spill-unit"))
     assert not any(never._spill_due(s) for s in range(5))
 
 

@@ -7,9 +7,10 @@ import pytest
 
 from memsnap.agent import AgentCore
 from memsnap.config import SnapshotConfig, tunable
-from memsnap.coordinator import owner_margin, spill_metadata
+from memsnap.coordinator import spill_metadata
+from memsnap.coverage import decide, owner_margin
 from memsnap.errors import CommitError, ConfigError, MemoryBudgetError
-from memsnap.restore import decide
+from memsnap.records import CommitNotice, CommitRecord, NodeReady, Region
 
 SECRET = b"s" * 32
 
@@ -35,11 +36,11 @@ def test_tunables_come_from_one_table_with_env_override(monkeypatch):
         tunable("nope")
 
 
-def record(step=5, k=2, m=1):
-    ranks = {str(r): {"rank": r, "nbytes": 1000, "stripe_base": 0, "k": k, "chunk": 192, "owner": f"n{r}",
-                      "manifest": "{}"} for r in range(4)}
-    holders = {f"n{o}": [f"n{(o + 1 + j) % 4}" for j in range(k + m)] for o in range(4)}
-    return {"step": step, "k": k, "m": m, "ranks": ranks, "holders": holders, "addrs": {}}
+def record(step=5, k=2, m=1, nbytes=1000):
+    """Rank r on node nr (1000 bytes: 3 stripes of 2 x 192), held by the next k+m nodes."""
+    nodes = {f"n{r}": NodeReady(step, f"n{r}", 0, 192, (Region(r, nbytes, 0),),
+                                tuple(f"n{(r + 1 + j) % 4}" for j in range(k + m))) for r in range(4)}
+    return CommitRecord(step, k, m, nodes)
 
 
 def inventories(step, alive, local=True):
@@ -70,12 +71,34 @@ def test_decide_prefers_local_then_peer_then_durable():
     assert decide(recs, members, inventories(5, ["n0", "n1", "n2", "n3"]), None, bad={5})["tier"] == "none"
 
 
+def test_a_rank_that_moved_reads_its_old_nodes_copy_before_the_holders():
+    recs = {5: record(5)}
+    inv = inventories(5, ["n0", "n1", "n2", "n3"])
+    inv["n9"] = {"versions": {}, "held": {}}
+    moved = {0: "n1", 1: "n0", 2: "n9", 3: "n3"}  # 0 and 1 swapped nodes; 2 on a new node
+    tiers = decide(recs, moved, inv, None)["ranks"]
+    assert tiers == {0: "copy", 1: "copy", 2: "copy", 3: "local"}
+    del inv["n2"]  # rank 2's old node is gone: its holders serve it
+    assert decide(recs, moved, inv, None)["ranks"][2] == "peer"
+    assert decide(recs, moved, inv, None, local_copy=False)["ranks"][0] == "peer"  # lean: no copy to read
+
+
 def test_owner_margin_counts_holders_and_the_local_copy():
     rec, members = record(5), {r: f"n{r}" for r in range(4)}
     assert owner_margin(rec, "n0", members, inventories(5, ["n0", "n1", "n2", "n3"])) == 2
     assert owner_margin(rec, "n0", members, inventories(5, ["n1", "n2", "n3"])) == 1  # no local copy
     assert owner_margin(rec, "n0", members, inventories(5, ["n0", "n3"])) == 0  # only the local copy
     assert owner_margin(rec, "n0", members, inventories(5, ["n3"])) == -1
+
+
+class _Inline:
+    """An executor that runs what is submitted at once (the agent's background calls, in order)."""
+
+    def submit(self, fn, *args):
+        fn(*args)
+
+    def shutdown(self, wait=True):
+        pass
 
 
 @pytest.fixture
@@ -166,7 +189,7 @@ def test_lean_agent_frees_its_slot_on_commit_and_keeps_no_local_copy(lean, core)
         agent.begin(1, 0, 4096)
         agent.arenas[(0, 0)].view(0, 4)[:] = b"step"
         agent.versions[1].state, agent.versions[1].manifests[0] = "ready", "{}"
-        agent.commit(1, record(1), [1])
+        agent.commit(CommitNotice(1, (1,)))
     assert core.local(1, 0) is not None and core.inventory()["bytes"]["local"] == 4096
     assert bytes(core.arenas[(0, 0)].view(0, 4)) == b"step"
     inv = lean.inventory()
@@ -176,11 +199,15 @@ def test_lean_agent_frees_its_slot_on_commit_and_keeps_no_local_copy(lean, core)
     assert bytes(lean.arenas[(0, 0)].view(0, 4)) == bytes(4)
     assert lean.begin(2, 0, 4096)["slot"] == 0 and lean.begin(2, 1, 4096)["slot"] == 0
     assert lean.inventory()["bytes"]["arena"] == 2 * 4096
-    lean.versions[2].state = "encoding"  # still being sent: the one slot is busy
-    with pytest.raises(MemoryBudgetError, match="local_copy=False keeps one slot per rank"):
-        lean.begin(3, 0, 4096)
+    lean.versions[2].state = "sending"  # still being sent: the one slot is busy, step 3 is skipped
+    told = []
+    lean._tell, lean.pool = lambda *args: told.append(args), _Inline()
+    assert "every arena slot is busy" in lean.begin(3, 0, 4096)["skipped"]
+    assert "skipped" in lean.begin(3, 1, 4096)  # every rank of the node skips the same step
+    assert lean.counters["skipped_busy"] == 1 and lean.counters["failed_snapshots"] == 0
+    assert [t[:2] for t in told] == [("node_skipped", 3)]
     lean.versions[2].state = "ready"  # every chunk acknowledged: the arena is not needed any more
-    assert lean.begin(3, 0, 4096)["slot"] == 0 and lean.versions[2].state == "ready"
+    assert lean.begin(4, 0, 4096)["slot"] == 0 and lean.versions[2].state == "ready"
     assert core.begin(2, 0, 4096)["slot"] == 1
     core.versions[2].state = "ready"
     assert core.begin(3, 0, 4096)["slot"] == 2  # with the local copy, a ready version keeps its slot
@@ -190,14 +217,38 @@ def test_lean_restore_takes_the_slot_back_from_steps_not_committed_here(lean):
     lean.begin(6, 0, 4096)
     lean.versions[6].state = "ready"  # acknowledged, but its commit has not reached this agent
     lean.begin(7, 0, 4096)
-    lean.versions[7].state = "encoding"  # the rank died after capturing step 7
+    lean.versions[7].state = "queued"  # the rank died after capturing step 7
     lean._clear_for_restore(6)
     assert lean.versions == {} and lean._free_slot(6) == 0
 
 
+def test_a_burst_of_saves_coalesces_newest_wins_and_nothing_counts_as_failed(core):
+    """Saves faster than the pipeline: a capture that finds every slot taken replaces the
+    older one still queued for the sender (or sent but not committed), never fails."""
+    told = []
+    core._tell = lambda *args: told.append(args)
+    core._send = lambda v, ranks: None  # the sender is busy: captured versions stay queued
+    core.pool = _Inline()
+    for step in (1, 2):
+        core.begin(step, 0, 4096)
+        core.captured(step, 0, "{}", [0])
+    core.versions[1].state = "committed"
+    core.versions[2].state = "sending"
+    for step in (3, 4, 5):  # each replaces the previous one, still queued
+        assert "slot" in core.begin(step, 0, 4096)
+        core.captured(step, 0, "{}", [0])
+    assert {s: v.state for s, v in core.versions.items()} == {1: "committed", 2: "sending", 5: "queued"}
+    assert [t[:2] for t in told] == [("node_skipped", 3), ("node_skipped", 4)]
+    assert core.counters["superseded"] == 2 and core.counters["failed_snapshots"] == 0
+    assert "skipped" in core.begin(4, 0, 4096)  # a late rank of a replaced step skips it too
+    core.versions[2].state = "ready"  # sent, its commit not here yet: the newest capture wins again
+    core.versions[5].state = "sending"
+    assert "slot" in core.begin(6, 0, 4096) and 2 not in core.versions
+
+
 def _gather_writing(fill: bytes, during=None):
     """A stand-in for ``restore.gather``: runs ``during`` (the rank saving on meanwhile), fills ``out``."""
-    def gather(core, record, entry, out):
+    def gather(core, src, out):
         if during is not None:
             during()
         out[:] = fill * (len(out) // len(fill))
@@ -210,8 +261,8 @@ def test_a_rebuilt_local_copy_is_installed_only_if_the_rank_has_not_moved_on(cor
     trains on: it gathers into an arena of its own and never takes over a slot a newer save uses."""
     import memsnap.restore
 
-    rec = record(7)
-    rec["ranks"]["0"]["nbytes"] = 4096
+    rec = record(7, nbytes=4096).source(0, {})
+    core.hold_manifests(7, "n0", record(7, nbytes=4096).nodes["n0"].to_wire(), {0: "{}"})  # held here for n0
     used = core.budget.used
     monkeypatch.setattr(memsnap.restore, "gather",
                         _gather_writing(b"x", during=lambda: core.begin(8, 0, 4096)))
@@ -233,3 +284,29 @@ def test_a_rebuilt_local_copy_is_installed_only_if_the_rank_has_not_moved_on(cor
     assert new != info["path"] and not os.path.exists(info["path"])
     with open(new, "rb") as f:
         assert f.read(4096) == b"z" * 4096
+
+
+def test_options_come_in_groups_or_as_their_shorthand_and_bad_ones_say_what_to_fix():
+    from memsnap.options import Failures, Protection, Spill, resolve
+
+    grouped = resolve({"protection": Protection(k=4, m=2), "spill": Spill("s3://b/run", every=100)}, {})
+    flat = resolve({"spill": "s3://b/run"}, {"k": 4, "m": 2, "spill_every": 100})
+    assert grouped == flat and grouped["protection"].k == 4 and grouped["spill"].uri == "s3://b/run"
+    assert resolve({}, {})["when"].every_steps == 1  # the defaults
+    with pytest.raises(ConfigError, match=r"unknown option\(s\) \['kk'\].*shorthand keywords"):
+        resolve({}, {"kk": 2})
+    with pytest.raises(ConfigError, match=r"k=3 and protection=.*both given"):
+        resolve({"protection": Protection(k=4)}, {"k": 3})
+    with pytest.raises(ConfigError, match="on_error='loud'"):
+        Failures(on_error="loud")
+    with pytest.raises(ConfigError, match=r"memory=4: pass a memsnap.options.Memory"):
+        resolve({"memory": 4}, {})
+
+
+def test_a_job_name_reused_with_another_configuration_is_refused_naming_the_fields():
+    from memsnap.snapshotter import check_same_job
+
+    running = SnapshotConfig("reused", k=2, m=1).to_dict()
+    check_same_job(SnapshotConfig("reused", k=2, m=1), running)  # the same: fine
+    with pytest.raises(ConfigError, match=r"k=4 \(running: 2\), m=2 \(running: 1\).*memsnap.shutdown\('reused'\)"):
+        check_same_job(SnapshotConfig("reused", k=4, m=2), running)

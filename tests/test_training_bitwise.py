@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-import toytrain
+import support.toytrain as toytrain
 from memsnap.manifest import Manifest
 
 N = 6
@@ -33,7 +33,7 @@ def test_resume_in_a_fresh_process_is_bitwise_identical(tmp_path):
     first = toytrain.train_steps(objs, N)
     assert first == ref[:N]
     toytrain.save(objs, tmp_path)
-    subprocess.run([sys.executable, str(HERE / "toytrain.py"), str(tmp_path), str(N)],
+    subprocess.run([sys.executable, str(HERE / "support" / "toytrain.py"), str(tmp_path), str(N)],
                    check=True, timeout=120, cwd=HERE)
     resumed = [float.fromhex(x) for x in json.loads((tmp_path / "losses.json").read_text())]
     assert [x.hex() for x in first + resumed] == [x.hex() for x in ref]

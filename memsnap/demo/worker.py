@@ -56,7 +56,7 @@ def _failure_due(config: dict, step: int) -> bool:
 def train_loop_per_worker(config: dict) -> None:
     import ray
 
-    from memsnap.integrations.ray_train import from_ray_train
+    from memsnap.snapshotter import Snapshotter
 
     cfg = TrainConfig.from_json(config["train"])
     ctx = ray.train.get_context()
@@ -64,7 +64,7 @@ def train_loop_per_worker(config: dict) -> None:
     node = ray.get_runtime_context().get_node_id()
     event(config["events"], ev="start", rank=rank, node=node, pid=os.getpid())
     objs = build(cfg, rank, world)
-    snap = from_ray_train(config["job"], **config["snapshotter"])
+    snap = Snapshotter.from_ray_train(config["job"], **config["snapshotter"])
     t0 = time.perf_counter()
     restored = snap.restore(snapshot_state(objs))
     last = snap.status()["last_restore"]

@@ -16,17 +16,6 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from typing import Any
-
-
-def from_ray_train(job: str, **kwargs: Any):
-    """A ``Snapshotter`` for this Ray Train worker (call inside ``train_loop_per_worker``)."""
-    import ray.train
-
-    from memsnap.snapshotter import Snapshotter
-
-    ctx = ray.train.get_context()
-    return Snapshotter(job=job, rank=ctx.get_world_rank(), world_size=ctx.get_world_size(), **kwargs)
 
 
 POINTER_FILE = "memsnap.json"

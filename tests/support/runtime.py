@@ -164,7 +164,7 @@ def remove_arenas(job: str) -> None:
 @contextlib.contextmanager
 def cluster(job: str, nodes: int):
     """A loopback cluster of ``nodes`` for one test module; torn down (and /dev/shm cleaned) after."""
-    here = os.path.dirname(os.path.abspath(__file__))  # so Ray workers can import this module
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: workers import support.*
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
     c = LocalCluster(nodes=nodes, cpus_per_node=1, object_store_mb=96)
     try:

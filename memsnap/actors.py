@@ -1,0 +1,325 @@
+"""The Ray faces of memsnap's two actors: thin asyncio wrappers over plain objects.
+
+``SnapshotAgent`` (one per node and job, detached, pinned to its node) wraps ``AgentCore``
+(the RAM, the data plane) and ``NodeRelay`` (its ranks' calls toward the coordinator);
+``Coordinator`` (one per job, detached) wraps ``CoordinatorCore``. Both are asyncio actors:
+a barrier of N participants is N futures on one event loop, never a thread each, so no
+concurrency setting limits the job's size. Blocking work (memory, sockets, Ray lookups)
+runs in each actor's own thread pool. The call protocols are in ``agent.py`` and
+``coordinator.py``; records cross this boundary as plain dicts (``records.py``).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import ray
+
+from memsnap import naming
+from memsnap.agent import AgentCore
+from memsnap.config import SnapshotConfig, tunable
+from memsnap.coordinator import CoordinatorCore, rebuild_state
+from memsnap.directory import find_agent
+from memsnap.errors import CommitError
+from memsnap.records import CommitNotice, RankSource
+from memsnap.relay import NodeRelay
+from memsnap.secret import job_secret
+from memsnap.waiting import Signal
+
+log = logging.getLogger("memsnap.actors")
+
+LOST = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+
+
+class _Pool:
+    """An actor's own threads for blocking work, awaited from its event loop."""
+
+    def __init__(self, threads: int, name: str):
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name)
+
+    async def run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+
+# --- the coordinator -----------------------------------------------------------------------------
+@ray.remote
+class Coordinator:
+    """The Ray actor around ``CoordinatorCore``; see ``coordinator.py`` for the protocol."""
+
+    def __init__(self, config: dict, world_size: int):
+        logging.basicConfig(level=logging.INFO)
+        self.core = CoordinatorCore(config, world_size)
+        self.signal = Signal()
+        self.core.changed = self.signal.notify
+        self.pool = _Pool(8, "memsnap-coordinator")
+        self.planning: dict[int, asyncio.Lock] = {}
+        rebuild_state(self.core)
+
+    async def config(self) -> dict:
+        return {"config": self.core.cfg.to_dict(), "world_size": self.core.world}
+
+    async def join(self, node: str, address: dict, ranks: list[int]) -> dict:
+        if self.core.membership.needs_a_dead_node(node):
+            await self._a_dead_node()
+        return await self.pool.run(self.core.join, node, address, ranks)
+
+    async def _a_dead_node(self) -> None:
+        """A new node is joining: wait (bounded) until Ray has marked a placed node dead. Ray
+        Train can restart its workers before the GCS has declared the lost node dead."""
+        timeout = tunable("membership_timeout_s")
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            alive = await self.pool.run(self.core._alive)
+            if set(self.core.membership.placement.holders) - alive:
+                return
+            await asyncio.sleep(0.5)  # Ray has no event for a node's death to wait on
+        log.warning("a new node joined but no placed node was declared dead within %.0f s", timeout)
+
+    async def answer(self, node: str, timeout: float) -> dict:
+        if not await self.signal.wait_for(self.core.membership.decided, timeout):
+            missing = sorted(set(range(self.core.world)) - set(self.core.membership.members))
+            raise CommitError(f"timed out after {timeout:.0f} s waiting for ranks {missing} to register")
+        return self.core.answer(node)
+
+    async def node_layout(self, node: str) -> dict:
+        with self.core.lock:
+            return self.core.membership.layout(node)
+
+    async def node_ready(self, info: dict) -> None:
+        self.core.node_ready(info)
+
+    async def node_failed(self, step: int, node: str, why: str) -> None:
+        self.core.node_failed(step, node, why)
+
+    async def node_skipped(self, step: int, node: str, why: str) -> None:
+        self.core.node_skipped(step, node, why)
+
+    async def wait_committed(self, step: int, timeout: float) -> int | None:
+        await self.signal.wait_for(lambda: self.core.resolved(step), timeout)
+        return self.core.newest()
+
+    async def restore_arrive(self, node: str, attempt: int, ranks: list[int]) -> None:
+        self.core.restore_arrive(attempt, ranks)
+
+    async def restore_plans(self, node: str, attempt: int) -> dict:
+        timeout = tunable("restore_timeout_s")
+        if not await self.signal.wait_for(lambda: self.core.rounds.all_arrived(attempt), timeout):
+            raise CommitError(f"restore: timed out after {timeout:.0f} s waiting for ranks "
+                              f"{self.core.rounds.missing(attempt)}")
+        async with self.planning.setdefault(attempt, asyncio.Lock()):  # one plan, made once
+            await self.pool.run(self.core.plan, attempt)
+        return await self.pool.run(self.core.plans_for, node, attempt)
+
+    async def restore_report(self, node: str, attempt: int, reports: dict) -> None:
+        self.core.restore_report(attempt, {int(r): (bool(ok), rep) for r, (ok, rep) in reports.items()})
+
+    async def restore_result(self, node: str, attempt: int) -> dict:
+        timeout = tunable("restore_timeout_s")
+        if not await self.signal.wait_for(lambda: self.core.rounds.all_done(attempt), timeout):
+            raise CommitError(f"restore: timed out waiting for ranks {self.core.rounds.missing(attempt, 'done')} "
+                              "to finish")
+        return self.core.restore_result(attempt)
+
+    async def spilled(self, step: int, ranks: list[int]) -> bool:
+        return await self.pool.run(self.core.spilled, step, ranks)
+
+    async def spill_now(self, step: int) -> None:
+        self.core.broadcast("spill_now", step)
+
+    async def wait_durable(self, step: int, timeout: float) -> int | None:
+        await self.signal.wait_for(lambda: (self.core.durable_step() or -1) >= step, timeout)
+        return self.core.durable_step()
+
+    async def status(self) -> dict:
+        return await self.pool.run(self.core.status)
+
+
+def coordinator_for(cfg: SnapshotConfig, world_size: int):
+    """The job's coordinator: the existing one, or a new one (rebuilt from the agents)."""
+    return Coordinator.options(
+        name=naming.coordinator(cfg.job), namespace=naming.NAMESPACE, lifetime="detached",
+        get_if_exists=True, num_cpus=0, max_restarts=-1, max_concurrency=100_000,
+    ).remote(cfg.to_dict(), world_size)
+
+
+# --- the agent ----------------------------------------------------------------------------------
+@ray.remote
+class SnapshotAgent:
+    """The Ray actor around ``AgentCore`` and ``NodeRelay``; see ``agent.py`` for the protocol."""
+
+    def __init__(self, config: dict, node_id: str):
+        logging.basicConfig(level=logging.INFO)
+        cfg = SnapshotConfig.from_dict(config)
+        self.core = AgentCore(config, node_id, job_secret(cfg.job), host=ray.util.get_node_ip_address())
+        self.signal = Signal()
+        self.core.changed = self.signal.notify
+        self.core.coordinator = self._coordinator
+        self.pool = _Pool(int(tunable("agent_threads")), "memsnap-agent")
+        self.relay = NodeRelay(self.core, self._call, self.signal)
+        if cfg.spill is not None:
+            from memsnap.spill import Spiller
+
+            self.core.spiller = Spiller(self.core, report=self.core.spilled)
+
+    # --- the coordinator, found again (and this node re-joined) when it was lost -----------------
+    def _coordinator(self):
+        try:
+            return ray.get_actor(naming.coordinator(self.core.cfg.job), namespace=naming.NAMESPACE)
+        except ValueError:
+            if self.core.world is None:
+                raise
+            log.warning("coordinator of job %s is gone; starting a new one", self.core.cfg.job)
+            return coordinator_for(self.core.cfg, self.core.world)
+
+    async def _call(self, method: str, *args, timeout: float):
+        for attempt in range(6):  # a restarting coordinator is waited for ~30 s in all
+            try:
+                handle = await self.pool.run(self._coordinator)
+                return await asyncio.wait_for(getattr(handle, method).remote(*args), timeout)
+            except LOST as exc:
+                log.warning("coordinator lost (%s); finding it again", type(exc).__name__)
+                await asyncio.sleep(min(0.5 * 2 ** attempt, 10.0))
+                if method != "join":
+                    await self.relay.rejoin()
+            except ray.exceptions.RayTaskError as exc:
+                raise (exc.cause if isinstance(getattr(exc, "cause", None), Exception) else exc) from None
+        handle = await self.pool.run(self._coordinator)
+        return await asyncio.wait_for(getattr(handle, method).remote(*args), timeout)
+
+    # --- for the node's ranks ---------------------------------------------------------------------
+    async def ping(self) -> str:
+        return self.core.node
+
+    async def address(self) -> dict:
+        """This agent's data-plane address (the coordinator finds spare agents with it)."""
+        return self.core.address
+
+    async def config(self) -> dict:
+        """The job configuration this agent was started with (a rank checks it matches its own)."""
+        return self.core.cfg.to_dict()
+
+    async def join(self, rank: int, world_size: int) -> dict:
+        nbytes = await self.relay.join(rank, world_size)
+        direct = self.core.cfg.transport == "tcp" and bool(tunable("direct_restore"))
+        if nbytes and not direct:  # the restore will land in an arena here: back it meanwhile
+            asyncio.ensure_future(self.pool.run(self.core.prepare, rank, nbytes))
+        return {"address": self.core.address}
+
+    async def members(self, timeout: float) -> dict:
+        answer = await self.relay.answer(timeout)
+        return {k: answer[k] for k in ("ranks", "peers", "why")}
+
+    async def begin(self, step: int, rank: int, nbytes: int) -> dict:
+        return await self.pool.run(self.core.begin, step, rank, nbytes)
+
+    async def captured(self, step: int, rank: int, manifest_json: str, local_ranks: list[int]) -> None:
+        return await self.pool.run(self.core.captured, step, rank, manifest_json, local_ranks)
+
+    async def wait(self, step: int, timeout: float) -> int | None:
+        return await self.relay.wait(step, timeout)
+
+    async def report_failed(self, step: int, why: str) -> None:
+        await self._call("node_failed", step, self.core.node, why, timeout=tunable("call_timeout_s"))
+
+    async def restore_plan(self, rank: int, attempt: int) -> dict:
+        return await self.relay.restore_plan(rank, attempt)
+
+    async def restore_done(self, rank: int, attempt: int, ok: bool, report: dict) -> dict:
+        return await self.relay.restore_done(rank, attempt, ok, report)
+
+    async def resume(self, step: int | None, gen: int) -> None:
+        return await self.pool.run(self.core.resume, step, gen)
+
+    async def local(self, step: int, rank: int) -> dict | None:
+        return await self.pool.run(self.core.local, step, rank)
+
+    async def manifest(self, step: int, rank: int, source: dict) -> str:
+        """``rank``'s manifest of ``step``: from this node, else from a holder of its owner."""
+        return await self.pool.run(self.core.manifest_for, step, rank, RankSource.from_wire(source))
+
+    async def recover(self, step: int, rank: int, source: dict) -> dict:
+        return await self.pool.run(self.core.recover, step, rank, RankSource.from_wire(source))
+
+    async def count(self, counter: str, n: int) -> None:
+        """Add ``n`` to one of the agent's counters (a rank reports what its restore repaired)."""
+        self.core.counters[counter] = self.core.counters.get(counter, 0) + n
+
+    async def request_spill(self, step: int) -> None:
+        await self._call("spill_now", step, timeout=tunable("call_timeout_s"))
+
+    async def wait_durable(self, step: int, timeout: float) -> int | None:
+        return await self._call("wait_durable", step, timeout, timeout=timeout + 30)
+
+    async def job_status(self) -> dict:
+        return await self._call("status", timeout=tunable("call_timeout_s") * 2)
+
+    # --- from the coordinator and the other agents ---------------------------------------------------
+    async def commit(self, notice: dict) -> None:
+        await self.pool.run(self.core.commit, CommitNotice.from_wire(notice))
+
+    async def abandon(self, step: int, why: str = "a node or holder failed before acknowledging",
+                      failed: bool = True) -> None:
+        await self.pool.run(self.core.abandon, step, why, failed)
+
+    async def layout_changed(self) -> None:
+        self.core.layout = None
+        self.relay.forget_answer()
+
+    async def spill_now(self, step: int) -> bool:
+        """Write committed ``step`` to durable storage now, unthrottled (preemption)."""
+        if self.core.spiller is None:
+            return False
+        self.core.spiller.request(step)
+        return True
+
+    async def hold_manifests(self, step: int, owner: str, info: dict, manifests: dict) -> None:
+        self.core.hold_manifests(step, owner, info, manifests)
+
+    async def held_manifests(self, step: int, owner: str) -> dict:
+        return self.core.held_manifests(step, owner)
+
+    async def committed_infos(self) -> dict:
+        return await self.pool.run(self.core.committed_infos)
+
+    async def rebuild_local(self, step: int, rank: int, source: dict, replace: bool = False) -> bool:
+        return await self.pool.run(self.core.rebuild_local, step, rank, RankSource.from_wire(source), replace)
+
+    async def rebuild(self, step: int, k: int, m: int, info: dict, addrs: dict, shard: int) -> int:
+        return await self.pool.run(self.core.rebuild, step, k, m, info, addrs, shard)
+
+    async def inventory(self) -> dict:
+        return await self.pool.run(self.core.inventory)
+
+    async def objstore_push(self, packed_keys: list, refs: list, checksums: list) -> list:
+        return await self.pool.run(self.core.transport.handle_push, packed_keys, refs, checksums)
+
+    async def objstore_fetch(self, packed_keys: list) -> list:
+        return await self.pool.run(self.core.transport.handle_fetch, packed_keys)
+
+    async def fault(self, what: str, *args):
+        """Fault injection for tests, refused unless the agent's process was started with
+        ``MEMSNAP_TESTING_HOOKS=1`` (see ``memsnap.testing``)."""
+        from memsnap import testing
+
+        return await self.pool.run(testing.inject, self.core, what, *args)
+
+    async def shutdown(self) -> None:
+        await self.pool.run(self.core.shutdown)
+        ray.actor.exit_actor()
+
+
+def agent_for(cfg: SnapshotConfig, node_id: str):
+    """The agent of ``cfg.job`` on ``node_id``: the existing one, or a new one pinned there.
+    The secret is not an argument: the agent reads it from Ray's key-value store."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return SnapshotAgent.options(
+        name=naming.agent(cfg.job, node_id), namespace=naming.NAMESPACE, lifetime="detached",
+        get_if_exists=True, num_cpus=0, max_concurrency=100_000, memory=cfg.memory_budget,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+    ).remote(cfg.to_dict(), node_id)
+
+
+find = find_agent

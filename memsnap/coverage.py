@@ -1,0 +1,75 @@
+"""Who can load what: the coverage map of the live agents, the collective restore decision,
+and how many more node losses each owner's bytes survive. Pure, no Ray.
+
+``inventories`` maps a live node to what its agent reports (``AgentCore.inventory``):
+``versions`` ``{step: {"state", "ranks"}}`` (its own ranks' arenas) and ``held``
+``{step: {owner: {shard: chunks}}}`` (what it holds for its peers).
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+from memsnap.records import CommitRecord
+
+
+def holders_with(record: CommitRecord, owner: str, inventories: Mapping[str, dict]) -> list[int]:
+    """The shard indices of ``owner`` whose holder is alive and holds every one of its stripes."""
+    need = record.stripes(owner)
+    out = []
+    for j, node in enumerate(record.holders(owner)):
+        held = inventories.get(node, {}).get("held", {}).get(record.step, {}).get(owner, {})
+        if held.get(j, 0) >= need:
+            out.append(j)
+    return out
+
+
+def has_local(inv: dict | None, step: int, rank: int) -> bool:
+    """Whether the agent that reported ``inv`` holds ``rank``'s committed bytes of ``step``."""
+    v = (inv or {}).get("versions", {}).get(step)
+    return v is not None and v["state"] == "committed" and rank in v["ranks"]
+
+
+def rank_tier(record: CommitRecord, rank: int, node: str, inventories: Mapping[str, dict],
+              local_copy: bool = True) -> str | None:
+    """How ``rank`` (now on ``node``) can load ``record``: ``"local"`` (its node's arena),
+    ``"copy"`` (it moved, and its old node still holds its whole copy: one read, no decode),
+    ``"peer"`` (``k`` shards per stripe from the holders), or None."""
+    owner = record.owner_of(rank)
+    if owner is None:
+        return None
+    if local_copy and has_local(inventories.get(node), record.step, rank):
+        return "local"
+    if local_copy and node in inventories and owner != node and has_local(inventories.get(owner), record.step, rank):
+        return "copy"
+    if node in inventories and len(holders_with(record, owner, inventories)) >= record.k:
+        return "peer"
+    return None
+
+
+def decide(records: Mapping[int, CommitRecord], members: Mapping[int, str], inventories: Mapping[str, dict],
+           durable_step: int | None, bad=frozenset(), local_copy: bool = True) -> dict:
+    """The plan every rank follows: ``{"step", "tier", "ranks": {rank: tier}}``: the newest
+    committed step every rank can load from RAM (``local`` or ``peer``), else the newest
+    spilled step for everyone (``durable``), else ``none``. ``local_copy=False`` (lean
+    mode): no rank loads from its own node; every rank reads its peers."""
+    for step in sorted(records, reverse=True):
+        if step in bad or (durable_step is not None and durable_step > step):
+            continue
+        tiers = {r: rank_tier(records[step], r, node, inventories, local_copy) for r, node in members.items()}
+        if all(tiers.values()):
+            return {"step": step, "tier": "ram", "ranks": tiers}
+    if durable_step is not None:
+        return {"step": durable_step, "tier": "durable", "ranks": {r: "durable" for r in members}}
+    return {"step": None, "tier": "none", "ranks": {r: "none" for r in members}}
+
+
+def owner_margin(record: CommitRecord, owner: str, members: Mapping[int, str], inventories: Mapping[str, dict],
+                 local_copy: bool = True) -> int:
+    """How many more node losses ``owner``'s bytes in ``record`` survive (-1: already lost).
+    The owner's own copy adds one (it must die too), except in lean mode (``local_copy=False``)."""
+    lost = record.k + record.m - len(holders_with(record, owner, inventories))
+    local = local_copy and all(has_local(inventories.get(members.get(r)), record.step, r)
+                               for r in record.ranks_of(owner))
+    if lost > record.m:
+        return 0 if local else -1
+    return record.m - lost + (1 if local else 0)

@@ -1,0 +1,132 @@
+"""A Snapshotter's options, in groups: frozen, validated when made, each message saying how to
+fix a bad value. Flat keywords (``k=2, spill="s3://..."``) are a shorthand for the same fields.
+
+    Snapshotter(job, rank, world,
+                protection=Protection(k=4, m=2),          # the erasure code and where pieces go
+                memory=Memory(budget=64 << 30, keep=2),   # each node agent's RAM
+                spill=Spill("s3://bucket/run", every=100),  # the durable tier
+                when=When(every_steps=1),                 # which steps are snapshotted
+                failures=Failures(on_error="raise"),      # what a failed snapshot does
+                wire=Wire(transport="tcp"))               # the data plane
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from memsnap.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Protection:
+    """``k`` data + ``m`` parity shards per stripe (``k=1``: replication) on other nodes of a
+    group of ``group_size`` (default ``k+m+1``). ``peers``: None decides from the job's node
+    count, True refuses to run without peers, False never uses them. ``local_copy=False``
+    (lean mode) keeps no copy of a node's own bytes: less RAM, ``m`` losses instead of ``m+1``."""
+
+    k: int = 2
+    m: int = 1
+    group_size: int | None = None
+    peers: bool | None = None
+    local_copy: bool = True
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Each node agent's RAM: at most ``budget`` bytes; ``keep`` committed versions held."""
+
+    budget: int = 4 << 30
+    keep: int = 2
+
+
+@dataclass(frozen=True)
+class Spill:
+    """The durable tier at ``uri`` (a path, ``file://``, ``s3://``, ``gs://``, ``hdfs://``), written
+    every ``every`` steps and/or ``every_seconds``, at most ``bytes_per_s`` per node."""
+
+    uri: str | None = None
+    every: int | None = None
+    every_seconds: float | None = None
+    bytes_per_s: int = 256 << 20
+
+
+@dataclass(frozen=True)
+class When:
+    """Which steps are snapshotted: every ``every_steps``, every ``every_seconds``, or ``auto``
+    (the Young/Daly interval from the measured cost and ``mtbf_hours``, one rank's MTBF)."""
+
+    every_steps: int | None = 1
+    every_seconds: float | None = None
+    auto: bool = False
+    mtbf_hours: float | None = None
+
+
+@dataclass(frozen=True)
+class Failures:
+    """``on_error``: ``"warn"`` (log, count, go on) or ``"raise"``; ``max_staleness_steps``:
+    raise when the newest committed step falls further behind; ``preemption``: react to
+    SIGTERM and Ray drains with a last snapshot, spilled within ``preemption_grace_s``."""
+
+    on_error: str = "warn"
+    max_staleness_steps: int | None = None
+    preemption: bool = True
+    preemption_grace_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.on_error not in ("warn", "raise"):
+            raise ConfigError(f"on_error={self.on_error!r}: use 'warn' (log, count and keep training) "
+                              "or 'raise' (a failed snapshot stops training)")
+
+
+@dataclass(frozen=True)
+class Wire:
+    """The data plane: ``transport`` ``"tcp"`` (direct, authenticated streams between agents)
+    or ``"objstore"`` (Ray's object store); ``chunk``: the shard size (None: about 4 MiB)."""
+
+    transport: str = "tcp"
+    chunk: int | None = None
+
+
+GROUPS = {"protection": Protection, "memory": Memory, "spill": Spill, "when": When, "failures": Failures,
+          "wire": Wire}
+
+# the flat shorthand: keyword -> (group, field)
+SHORTHAND = {
+    "k": ("protection", "k"), "m": ("protection", "m"), "group_size": ("protection", "group_size"),
+    "peers": ("protection", "peers"), "local_copy": ("protection", "local_copy"),
+    "memory_budget": ("memory", "budget"), "keep": ("memory", "keep"),
+    "spill_every": ("spill", "every"), "spill_every_seconds": ("spill", "every_seconds"),
+    "spill_bytes_per_s": ("spill", "bytes_per_s"),
+    "every_steps": ("when", "every_steps"), "every_seconds": ("when", "every_seconds"),
+    "auto": ("when", "auto"), "mtbf_hours": ("when", "mtbf_hours"),
+    "on_error": ("failures", "on_error"), "max_staleness_steps": ("failures", "max_staleness_steps"),
+    "preemption": ("failures", "preemption"), "preemption_grace_s": ("failures", "preemption_grace_s"),
+    "transport": ("wire", "transport"), "chunk": ("wire", "chunk"),
+}
+
+
+def resolve(groups: dict[str, Any], flat: dict[str, Any]) -> dict[str, Any]:
+    """Every group as an object, from the groups given and the flat shorthand (a group given
+    whole and a flat keyword of the same group is refused: say it once)."""
+    spill = groups.get("spill")
+    if isinstance(spill, str):  # spill="s3://..." is the shorthand for Spill(uri=...)
+        groups["spill"] = Spill(uri=spill)
+    unknown = sorted(set(flat) - set(SHORTHAND))
+    if unknown:
+        raise ConfigError(f"unknown option(s) {unknown}: the options are the groups {sorted(GROUPS)} "
+                          f"(memsnap.options) or their shorthand keywords {sorted(SHORTHAND)}")
+    fields_of: dict[str, dict[str, Any]] = {g: {} for g in GROUPS}
+    for key, value in flat.items():
+        group, name = SHORTHAND[key]
+        if groups.get(group) is not None and not (group == "spill" and isinstance(spill, str)):
+            raise ConfigError(f"{key}={value!r} and {group}={groups[group]!r} both given: set "
+                              f"{group}.{name} in the group, or drop the group and use keywords")
+        fields_of[group][name] = value
+    out = {}
+    for group, cls in GROUPS.items():
+        given = groups.get(group)
+        if given is not None and not isinstance(given, cls):
+            raise ConfigError(f"{group}={given!r}: pass a memsnap.options.{cls.__name__}")
+        base = given if given is not None else cls()
+        out[group] = cls(**{**{f.name: getattr(base, f.name) for f in fields(cls)}, **fields_of[group]})
+    return out

@@ -1,0 +1,195 @@
+"""The control plane's records: small, frozen, typed; plain dicts only at the Ray boundary.
+
+Sizes are independent of the tensor count: manifests stay with the agents that hold the
+bytes (the owner, and its holders), so the coordinator sees per node per step one
+``NodeReady`` of a few hundred bytes and answers each node with a ``CommitNotice``.
+
+    NodeReady     agent -> coordinator   phase one: a node's stream is acknowledged by its holders
+    CommitNotice  coordinator -> agents  phase two: step t is committed (keep these, spill or not)
+    CommitRecord  coordinator, inside    every node's NodeReady of one committed step
+    RankSource    coordinator -> a rank  where one rank's bytes of one step live (its restore plan)
+    RankPlan      coordinator -> a rank  the collective restore decision, this rank's part
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping
+
+from memsnap import encode
+
+
+@dataclass(frozen=True)
+class Region:
+    """One rank's bytes in its node's stream: ``nbytes`` bytes from stripe ``stripe_base`` on."""
+
+    rank: int
+    nbytes: int
+    stripe_base: int
+
+    def stripes(self, k: int, chunk: int) -> int:
+        return encode.Region(self.rank, self.nbytes, self.stripe_base, k, chunk).stripes
+
+
+@dataclass(frozen=True)
+class NodeReady:
+    """Phase one of a commit for one node: every chunk of its stream is acknowledged by
+    ``holders`` (shard ``j`` of every stripe on ``holders[j]``). ``digest``: xxh3 of the
+    manifests the owner sent its holders with the chunks."""
+
+    step: int
+    node: str
+    gen: int
+    chunk: int
+    regions: tuple[Region, ...]
+    holders: tuple[str, ...]
+    digest: str = ""
+
+    def stripes(self, k: int) -> int:
+        """How many stripes this node's stream has."""
+        return sum(r.stripes(k, self.chunk) for r in self.regions)
+
+    def region(self, rank: int) -> Region | None:
+        return next((r for r in self.regions if r.rank == rank), None)
+
+    def to_wire(self) -> dict:
+        return {"step": self.step, "node": self.node, "gen": self.gen, "chunk": self.chunk,
+                "regions": [[r.rank, r.nbytes, r.stripe_base] for r in self.regions],
+                "holders": list(self.holders), "digest": self.digest}
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> "NodeReady":
+        return cls(int(d["step"]), str(d["node"]), int(d["gen"]), int(d["chunk"]),
+                   tuple(Region(int(a), int(b), int(c)) for a, b, c in d["regions"]),
+                   tuple(d["holders"]), str(d.get("digest", "")))
+
+
+@dataclass(frozen=True)
+class CommitNotice:
+    """Phase two, to every agent: ``step`` is committed; agents keep ``keep`` and free the rest.
+    ``spill``: the coordinator asks for this step to be written to durable storage.
+    ``moved``: re-protection rebuilt shards of these owners on new holders."""
+
+    step: int
+    keep: tuple[int, ...]
+    spill: bool = False
+    moved: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def to_wire(self) -> dict:
+        return {"step": self.step, "keep": list(self.keep), "spill": self.spill,
+                "moved": {o: list(h) for o, h in self.moved.items()}}
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> "CommitNotice":
+        return cls(int(d["step"]), tuple(int(s) for s in d["keep"]), bool(d["spill"]),
+                   {o: tuple(h) for o, h in d.get("moved", {}).items()})
+
+
+@dataclass(frozen=True)
+class RankSource:
+    """Where ``region`` (one rank's bytes of ``step``) lives: shard ``j`` of each of its
+    stripes on ``holders[j]`` at ``addrs[j]`` (None: address unknown), the owner ``owner``.
+    ``copy``: the owner's address when its node still holds the whole committed copy and
+    the rank runs elsewhere now: every data shard is read there first (no decode)."""
+
+    step: int
+    k: int
+    m: int
+    owner: str
+    chunk: int
+    region: Region
+    holders: tuple[str, ...]
+    addrs: tuple[Any, ...]
+    copy: Any = None
+
+    @property
+    def rank(self) -> int:
+        return self.region.rank
+
+    @property
+    def nbytes(self) -> int:
+        return self.region.nbytes
+
+    def layout(self) -> encode.Region:
+        return encode.Region(self.region.rank, self.region.nbytes, self.region.stripe_base, self.k, self.chunk)
+
+    def to_wire(self) -> dict:
+        return {"step": self.step, "k": self.k, "m": self.m, "owner": self.owner, "chunk": self.chunk,
+                "region": [self.region.rank, self.region.nbytes, self.region.stripe_base],
+                "holders": list(self.holders), "addrs": list(self.addrs), "copy": self.copy}
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> "RankSource":
+        rank, nbytes, base = d["region"]
+        return cls(int(d["step"]), int(d["k"]), int(d["m"]), str(d["owner"]), int(d["chunk"]),
+                   Region(int(rank), int(nbytes), int(base)), tuple(d["holders"]), tuple(d["addrs"]),
+                   d.get("copy"))
+
+
+@dataclass(frozen=True)
+class CommitRecord:
+    """One committed step as the coordinator keeps it: every owner node's ``NodeReady``."""
+
+    step: int
+    k: int
+    m: int
+    nodes: Mapping[str, NodeReady]
+    time: float = 0.0
+    spill: bool = False
+
+    def owner_of(self, rank: int) -> str | None:
+        return self._owners().get(rank)
+
+    def _owners(self) -> dict[int, str]:
+        cached = self.__dict__.get("_owner_index")
+        if cached is None:
+            cached = {r.rank: n for n, info in self.nodes.items() for r in info.regions}
+            object.__setattr__(self, "_owner_index", cached)
+        return cached
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(self._owners())
+
+    def holders(self, owner: str) -> tuple[str, ...]:
+        return self.nodes[owner].holders
+
+    def ranks_of(self, owner: str) -> list[int]:
+        return [r.rank for r in self.nodes[owner].regions]
+
+    def stripes(self, owner: str) -> int:
+        return self.nodes[owner].stripes(self.k)
+
+    def source(self, rank: int, addrs: Mapping[str, Any]) -> RankSource:
+        owner = self._owners()[rank]
+        info = self.nodes[owner]
+        return RankSource(self.step, self.k, self.m, owner, info.chunk, info.region(rank),
+                          info.holders, tuple(addrs.get(h) for h in info.holders))
+
+    def with_holder(self, owner: str, j: int, node: str) -> "CommitRecord":
+        """This record after shard ``j`` of ``owner`` was rebuilt on ``node`` (re-protection)."""
+        info = self.nodes[owner]
+        holders = info.holders[:j] + (node,) + info.holders[j + 1:]
+        return replace(self, nodes={**self.nodes, owner: replace(info, holders=holders)})
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """One rank's part of the collective restore decision: load ``step`` through ``tier``
+    (``local``, ``copy``, ``peer``, ``durable`` or ``none``); ``plan``: the job's tier (``ram``,
+    ``durable``, ``none``). ``source``: where its bytes live, for a RAM tier."""
+
+    step: int | None
+    tier: str
+    plan: str
+    spill: str | None = None
+    source: RankSource | None = None
+
+    def to_wire(self) -> dict:
+        return {"step": self.step, "tier": self.tier, "plan": self.plan, "spill": self.spill,
+                "source": None if self.source is None else self.source.to_wire()}
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> "RankPlan":
+        src = d.get("source")
+        return cls(d["step"], d["tier"], d["plan"], d.get("spill"),
+                   None if src is None else RankSource.from_wire(src))

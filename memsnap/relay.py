@@ -1,0 +1,125 @@
+"""What a node's agent does for its ranks toward the coordinator: registration, the
+placement answer, waits for a commit, and the restore barriers, once per node.
+
+Every rank of a node calls its agent; the agent's event loop holds each call as a future
+(never a parked thread) and speaks to the coordinator for all of them at once
+(``waiting.Batch``: one call in flight, carrying every rank that arrived meanwhile), so the
+coordinator hears each barrier at most a few times per node, never once per rank. Commit
+waits are answered from the commit notices the agent receives; only one that outlives its
+deadline asks the coordinator.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+from memsnap.config import tunable
+from memsnap.errors import CommitError
+from memsnap.waiting import Batch, Signal
+
+log = logging.getLogger("memsnap.agent")
+
+
+@dataclass
+class _NodeRound:
+    """One restore attempt as this node sees it."""
+
+    arrivals: Batch
+    reports: Batch
+    plans: asyncio.Future | None = None
+    result: asyncio.Future | None = None
+    closed: bool = False
+    ranks: set[int] = field(default_factory=set)
+
+
+class NodeRelay:
+    """``core``: the node's ``AgentCore``; ``call(method, *args, timeout)``: an awaitable call
+    on the coordinator (found again, and the node re-joined, if it was lost)."""
+
+    def __init__(self, core, call, signal: Signal):
+        self.core, self.call, self.signal = core, call, signal
+        self.node = core.node
+        self._joins = Batch(self._send_joins)
+        self._answer: asyncio.Future | None = None
+        self.rounds: dict[int, _NodeRound] = {}
+
+    # --- registration and placement -------------------------------------------------------------
+    async def join(self, rank: int, world: int) -> int | None:
+        """Register ``rank`` (of ``world``) through this node; the bytes a restore of it will
+        fill here if this node is new to it (None otherwise)."""
+        self.core.joined(rank, world)
+        self._answer = None  # the node's ranks changed: ask for the placement again
+        hints = await self._joins.add(rank)
+        return hints.get(rank)
+
+    async def _send_joins(self, ranks: list[int]) -> dict:
+        return await self.call("join", self.node, self.core.address, sorted(set(ranks)),
+                               timeout=tunable("membership_timeout_s") + 30)
+
+    async def rejoin(self) -> None:
+        """A new coordinator: tell it every rank of this node again."""
+        ranks = sorted(self.core.ranks)
+        if ranks:
+            await self._send_joins(ranks)
+
+    async def answer(self, timeout: float) -> dict:
+        """The node's placement answer (its ranks, peers or not, its holders), asked once for
+        every rank of the node and kept until the node's ranks or the placement change."""
+        if self._answer is None or (self._answer.done() and self._answer.exception() is not None):
+            self._answer = asyncio.ensure_future(self.call("answer", self.node, timeout, timeout=timeout + 30))
+        answer = await asyncio.shield(self._answer)
+        self.core.placed(answer)
+        return answer
+
+    def forget_answer(self) -> None:
+        self._answer = None
+
+    # --- commit waits -------------------------------------------------------------------------------
+    async def wait(self, step: int, timeout: float) -> int | None:
+        """Until ``step`` (or a newer one) is committed, failed or skipped; the newest committed
+        step. ``timeout=0``: what this node knows now, without asking anyone."""
+        if await self.signal.wait_for(lambda: self.core.resolved(step), timeout) or timeout <= 0:
+            return self.core.newest
+        # a commit notice may have been lost on the way: the coordinator knows
+        return await self.call("wait_committed", step, 0.0, timeout=tunable("call_timeout_s"))
+
+    # --- restore barriers ---------------------------------------------------------------------------
+    def _round(self, attempt: int) -> _NodeRound:
+        rnd = self.rounds.get(attempt)
+        if rnd is None or (attempt == 0 and rnd.closed):
+            if attempt == 0:
+                self.rounds = {}
+            rnd = self.rounds[attempt] = _NodeRound(
+                Batch(lambda ranks: self.call("restore_arrive", self.node, attempt, sorted(set(ranks)),
+                                              timeout=tunable("call_timeout_s"))),
+                Batch(lambda reports: self.call("restore_report", self.node, attempt, dict(reports),
+                                                timeout=tunable("call_timeout_s"))))
+        return rnd
+
+    async def restore_plan(self, rank: int, attempt: int) -> dict:
+        """``rank``'s part of the collective plan of ``attempt`` (a barrier over every rank)."""
+        rnd = self._round(attempt)
+        rnd.ranks.add(rank)
+        await rnd.arrivals.add(rank)
+        if rnd.plans is None:
+            rnd.plans = asyncio.ensure_future(self.call("restore_plans", self.node, attempt,
+                                                        timeout=tunable("restore_timeout_s") + 30))
+        plans = await asyncio.shield(rnd.plans)
+        if rank not in plans:
+            raise CommitError(f"restore: the plan names no part for rank {rank} on node {self.node[:12]}; "
+                              "it registered on another node")
+        return plans[rank]
+
+    async def restore_done(self, rank: int, attempt: int, ok: bool, report: dict) -> dict:
+        """Report ``rank``'s load; the round's outcome, the same for every rank (a barrier)."""
+        rnd = self.rounds.get(attempt)
+        if rnd is None:
+            raise CommitError(f"restore_done(rank={rank}, attempt={attempt}) before its restore_plan")
+        await rnd.reports.add((rank, (ok, report)))
+        if rnd.result is None:
+            rnd.result = asyncio.ensure_future(self.call("restore_result", self.node, attempt,
+                                                         timeout=tunable("restore_timeout_s") + 30))
+        result = await asyncio.shield(rnd.result)
+        rnd.closed = True
+        return result

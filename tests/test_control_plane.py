@@ -1,0 +1,124 @@
+"""The control plane in the shapes real jobs run, on one loopback cluster of 5 nodes:
+many ranks per node, uneven ranks, one multi-GPU node alone, a spare node, a burst of saves.
+
+Ranks are threads of one process per node (``support.ranks.NodeRanks``). Every wait below
+has a deadline; none is a measure of speed.
+"""
+from __future__ import annotations
+
+import pytest
+import ray
+
+from memsnap import naming
+from memsnap.snapshotter import shutdown, start_spare
+from support.ranks import merged, start_node_ranks
+from support.runtime import cluster
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+OPTS = dict(memory_budget=64 << 20, on_error="raise")
+
+
+@pytest.fixture(scope="module")
+def c():
+    with cluster("control-plane", 5) as lc:
+        yield lc
+
+
+def run_job(job: str, layout: dict[int, list[int]], opts: dict = OPTS, steps=(0, 1)) -> tuple[list, dict]:
+    """Start the ranks, save ``steps`` on every rank, wait for the last to commit."""
+    actors = start_node_ranks(job, layout, opts)
+    saved = {}
+    for s in steps:
+        saved = merged(ray.get([a.train_and_save.remote(s) for a in actors], timeout=240))
+        assert all(ok for ok, _ in saved.values())
+    assert ray.get(actors[0].wait.remote(steps[-1]), timeout=180) == steps[-1]
+    return actors, {r: d for r, (_, d) in saved.items()}
+
+
+def finish(job: str, actors: list) -> None:
+    ray.get([a.close.remote() for a in actors], timeout=60)
+    for a in actors:
+        ray.kill(a, no_restart=True)
+    shutdown(job, timeout=30)
+
+
+def test_one_node_with_four_ranks_commits_at_once_on_local_ram(c):
+    """The first thing a user with one 8-GPU box tries, with the defaults (k=2, m=1)."""
+    actors, _ = run_job("cp-one-node", {1: [0, 1, 2, 3]})
+    st = ray.get(actors[0].status.remote(), timeout=60)
+    assert st["peers"] is False and st["committed_step"] == 1 and st["failed_snapshots"] == 0
+    assert st["protection"] == {"0": 0} or all(v == 0 for v in st["protection"].values())
+    finish("cp-one-node", actors)
+
+
+def test_eighty_ranks_on_four_nodes_save_commit_and_restore_at_once(c):
+    """More ranks than any actor's thread count: every barrier is futures, not threads."""
+    layout = {i: list(range(20 * (i - 1), 20 * i)) for i in range(1, 5)}
+    actors, saved = run_job("cp-eighty", layout, dict(OPTS, k=2, m=1))
+    ray.get([a.train_and_save.remote(2) for a in actors], timeout=240)  # moved on, not committed-waited
+    restored = merged(ray.get([a.restore.remote() for a in actors], timeout=300))
+    assert sorted(restored) == list(range(80))
+    assert {s for s, _, _ in restored.values()} == {2} or {s for s, _, _ in restored.values()} == {1}
+    st = ray.get(actors[0].status.remote(), timeout=60)
+    assert st["peers"] is True and st["failed_snapshots"] == 0
+    finish("cp-eighty", actors)
+
+
+def test_uneven_ranks_per_node_restore_bitwise_from_local_ram(c):
+    layout = {1: [0, 1, 2], 2: [3, 4], 3: [5, 6], 4: [7]}
+    actors, saved = run_job("cp-uneven", layout, dict(OPTS, k=2, m=1))
+    ray.get([a.train_and_save.remote(5) for a in actors], timeout=240)  # step 5 moves the live state on
+    ray.get(actors[0].wait.remote(5), timeout=180)
+    restored = merged(ray.get([a.restore.remote() for a in actors], timeout=300))
+    assert {r: (s, t) for r, (s, t, _) in restored.items()} == {r: (5, "local") for r in range(8)}
+    finish("cp-uneven", actors)
+
+
+def test_a_spare_node_lets_three_rank_nodes_run_with_peers_and_holds_chunks(c):
+    nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"] and "memsnap_node_4" in n["Resources"])
+    spare = start_spare("cp-spare", nodes[0], k=2, m=1, memory_budget=64 << 20)
+    actors, _ = run_job("cp-spare", {1: [0], 2: [1], 3: [2]}, dict(OPTS, k=2, m=1))
+    st = ray.get(actors[0].status.remote(), timeout=60)
+    assert st["peers"] is True
+    held = ray.get(spare.inventory.remote(), timeout=60)["held"]
+    assert held.get(1), f"the spare holds no chunk of step 1: {held}"
+    finish("cp-spare", actors)
+
+
+def test_a_burst_of_back_to_back_saves_commits_its_last_step_with_nothing_failed(c):
+    layout = {1: [0, 1], 2: [2, 3], 3: [4, 5], 4: [6, 7]}
+    actors = start_node_ranks("cp-burst", layout, dict(OPTS, k=2, m=1))
+    for s in range(30):  # no wait between saves: the pipeline coalesces, newest wins
+        ray.get([a.train_and_save.remote(s) for a in actors], timeout=240)
+    assert ray.get(actors[0].wait.remote(29), timeout=180) == 29
+    st = ray.get(actors[0].status.remote(), timeout=60)
+    counters = merged(ray.get([a.counters.remote() for a in actors], timeout=60))
+    assert st["failed_snapshots"] == 0 and all(c["failed_saves"] == 0 for c in counters.values())
+    assert st["committed_step"] == 29
+    finish("cp-burst", actors)
+
+
+def test_ranks_that_moved_between_live_nodes_read_their_old_nodes_copy(c):
+    """Ray Train restarts a worker group with ranks on other nodes: a rank whose old node is
+    alive reads its whole copy there (tier ``copy``), bitwise, with no decode."""
+    opts = dict(OPTS, k=2, m=1)
+    first, saved = run_job("cp-moved", {1: [0], 2: [1], 3: [2], 4: [3]}, opts)
+    ray.get([a.close.remote() for a in first], timeout=60)
+    for a in first:
+        ray.kill(a, no_restart=True)
+    again = start_node_ranks("cp-moved", {1: [1], 2: [0], 3: [2], 4: [3]}, opts)  # 0 and 1 swapped
+    restored = merged(ray.get([a.restore.remote() for a in again], timeout=300))
+    assert {r: (s, t) for r, (s, t, _) in restored.items()} == {0: (1, "copy"), 1: (1, "copy"),
+                                                                 2: (1, "local"), 3: (1, "local")}
+    assert {r: d for r, (_, _, d) in restored.items()} == saved
+    finish("cp-moved", again)
+
+
+def test_every_node_and_agent_address_is_loopback(c):
+    actors, _ = run_job("cp-loopback", {1: [0], 2: [1]}, steps=(0,))
+    assert {n["NodeManagerAddress"] for n in ray.nodes()} == {"127.0.0.1"}
+    for node in {ray.get(a.node.remote(), timeout=60) for a in actors}:
+        agent = ray.get_actor(naming.agent("cp-loopback", node), namespace=naming.NAMESPACE)
+        assert ray.get(agent.address.remote(), timeout=60)["host"] == "127.0.0.1"
+    finish("cp-loopback", actors)
