@@ -28,7 +28,7 @@ from ray import cloudpickle  # noqa: E402  (what Ray pickles call arguments with
 from memsnap.capture import plan  # noqa: E402
 from memsnap.config import SnapshotConfig  # noqa: E402
 from memsnap.coordinator import CoordinatorCore  # noqa: E402
-from memsnap.records import NodeReady, Region  # noqa: E402
+from memsnap.records import Inventory, NodeReady, Region  # noqa: E402
 from memsnap.stripes import choose_chunk  # noqa: E402
 
 RESULTS = HERE / "results" / "control_plane.md"
@@ -136,8 +136,8 @@ def inventories(nodes, regions, holders, chunk, step) -> dict:
         stripes = sum(r.stripes(K, chunk) for r in regions[owner])
         for j, h in enumerate(holders[owner]):
             held[h].setdefault(owner, {})[j] = stripes
-    return {n: {"versions": {step: {"state": "committed", "ranks": [r.rank for r in regions[n]]}},
-                "held": {step: held[n]}} for n in nodes}
+    return {n: Inventory(n, versions={step: ("committed", tuple(r.rank for r in regions[n]))},
+                         held={step: held[n]}) for n in nodes}
 
 
 # --- the previous protocol: manifests in every report, record and plan ------------------------------

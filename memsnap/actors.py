@@ -290,7 +290,7 @@ class SnapshotAgent:
         return await self.pool.run(self.core.rebuild, step, k, m, info, addrs, shard)
 
     async def inventory(self) -> dict:
-        return await self.pool.run(self.core.inventory)
+        return (await self.pool.run(self.core.inventory)).to_wire()
 
     async def objstore_push(self, packed_keys: list, refs: list, checksums: list) -> list:
         return await self.pool.run(self.core.transport.handle_push, packed_keys, refs, checksums)

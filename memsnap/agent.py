@@ -54,7 +54,7 @@ from memsnap.config import SnapshotConfig, tunable
 from memsnap.errors import CommitError, MemoryBudgetError
 from memsnap.directory import Directory
 from memsnap.manifest import Manifest
-from memsnap.records import CommitNotice, NodeReady, RankSource, Region
+from memsnap.records import CommitNotice, Inventory, NodeReady, RankSource, Region
 from memsnap.transport.base import make_transport
 
 log = logging.getLogger("memsnap.agent")
@@ -733,21 +733,19 @@ class AgentCore:
         return n
 
     # --- introspection -----------------------------------------------------------------------
-    def inventory(self) -> dict:
+    def inventory(self) -> Inventory:
+        """What this agent holds (the coordinator's coverage map) and what its RAM is used for."""
         with self.lock:
-            versions = {s: {"state": v.state, "ranks": sorted(v.manifests)} for s, v in self.versions.items()}
+            versions = {s: (v.state, tuple(sorted(v.manifests))) for s, v in self.versions.items()}
             arena_bytes = sum(a.nbytes for a in self.arenas.values() if a.resident)
             local_bytes = sum(v.sizes.get(r, 0) for v in self.versions.values()
                               if v.state == "committed" for r in v.manifests)
-            return {
-                "node": self.node, "address": self.address, "ranks": sorted(self.ranks), "gen": self.gen,
-                "versions": versions, "held": self.store.inventory(),
-                "records": sorted(self.committed), "counters": dict(self.counters),
-                "bytes": {"arena": arena_bytes, "local": local_bytes, "held": self.store.held_bytes(),
-                          "parity": sum(max(p.nbytes, 0) for p in self.parity.values()),
-                          "budget_used": self.budget.used, "budget": self.budget.budget},
-                "spill": None if self.spiller is None else self.spiller.status(),
-            }
+            return Inventory(
+                self.node, self.address, versions, self.store.inventory(), tuple(sorted(self.committed)),
+                {"arena": arena_bytes, "local": local_bytes, "held": self.store.held_bytes(),
+                 "parity": sum(max(p.nbytes, 0) for p in self.parity.values()),
+                 "budget_used": self.budget.used, "budget": self.budget.budget},
+                dict(self.counters), None if self.spiller is None else self.spiller.status())
 
     def _coordinator(self):
         """The job's coordinator (found again, or a new one, by the Ray face)."""

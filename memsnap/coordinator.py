@@ -36,7 +36,7 @@ from memsnap.commit import CommitLog
 from memsnap.config import SnapshotConfig, tunable
 from memsnap.directory import Directory
 from memsnap.membership import Membership
-from memsnap.records import CommitRecord, NodeReady, RankPlan
+from memsnap.records import CommitRecord, Inventory, NodeReady, RankPlan
 from memsnap.reprotect import Reprotector
 from memsnap.rounds import RestoreRounds
 
@@ -227,10 +227,11 @@ class CoordinatorCore:
         self.last_restore = {"tier": sorted(tiers)[0] if len(tiers) == 1 else ",".join(sorted(tiers)),
                              "step": rnd.plan["step"], "seconds": slowest.get("seconds", {})}
 
-    def inventories(self) -> dict[str, dict]:
+    def inventories(self) -> dict[str, Inventory]:
         with self.lock:
             nodes = self.membership.live_nodes()
-        return self.dir.call_all(nodes, "inventory", timeout=tunable("call_timeout_s"))
+        answers = self.dir.call_all(nodes, "inventory", timeout=tunable("call_timeout_s"))
+        return {node: Inventory.from_wire(wire) for node, wire in answers.items()}
 
     def _durable_step(self) -> int | None:
         if self.cfg.spill is None:
@@ -282,7 +283,7 @@ class CoordinatorCore:
                 "durable_step": log_.durable_step,
                 "last_restore": dict(self.last_restore),
                 "reprotect": self.reprotect.status(),
-                "agents": {n: inv["bytes"] | {"counters": inv["counters"], "spill": inv["spill"]}
+                "agents": {n: dict(inv.bytes) | {"counters": dict(inv.counters), "spill": inv.spill}
                            for n, inv in inventories.items()},
             }
 

@@ -1,35 +1,33 @@
 """Who can load what: the coverage map of the live agents, the collective restore decision,
 and how many more node losses each owner's bytes survive. Pure, no Ray.
 
-``inventories`` maps a live node to what its agent reports (``AgentCore.inventory``):
-``versions`` ``{step: {"state", "ranks"}}`` (its own ranks' arenas) and ``held``
-``{step: {owner: {shard: chunks}}}`` (what it holds for its peers).
+``inventories`` maps a live node to what its agent reports (``records.Inventory``): its own
+ranks' arenas by step and the chunks it holds for its peers.
 """
 from __future__ import annotations
 
 from typing import Mapping
 
-from memsnap.records import CommitRecord
+from memsnap.records import CommitRecord, Inventory
 
 
-def holders_with(record: CommitRecord, owner: str, inventories: Mapping[str, dict]) -> list[int]:
+def holders_with(record: CommitRecord, owner: str, inventories: Mapping[str, Inventory]) -> list[int]:
     """The shard indices of ``owner`` whose holder is alive and holds every one of its stripes."""
     need = record.stripes(owner)
     out = []
     for j, node in enumerate(record.holders(owner)):
-        held = inventories.get(node, {}).get("held", {}).get(record.step, {}).get(owner, {})
-        if held.get(j, 0) >= need:
+        inv = inventories.get(node)
+        if inv is not None and inv.held_shards(record.step, owner).get(j, 0) >= need:
             out.append(j)
     return out
 
 
-def has_local(inv: dict | None, step: int, rank: int) -> bool:
+def has_local(inv: Inventory | None, step: int, rank: int) -> bool:
     """Whether the agent that reported ``inv`` holds ``rank``'s committed bytes of ``step``."""
-    v = (inv or {}).get("versions", {}).get(step)
-    return v is not None and v["state"] == "committed" and rank in v["ranks"]
+    return inv is not None and inv.has_local(step, rank)
 
 
-def rank_tier(record: CommitRecord, rank: int, node: str, inventories: Mapping[str, dict],
+def rank_tier(record: CommitRecord, rank: int, node: str, inventories: Mapping[str, Inventory],
               local_copy: bool = True) -> str | None:
     """How ``rank`` (now on ``node``) can load ``record``: ``"local"`` (its node's arena),
     ``"copy"`` (it moved, and its old node still holds its whole copy: one read, no decode),
@@ -46,7 +44,7 @@ def rank_tier(record: CommitRecord, rank: int, node: str, inventories: Mapping[s
     return None
 
 
-def decide(records: Mapping[int, CommitRecord], members: Mapping[int, str], inventories: Mapping[str, dict],
+def decide(records: Mapping[int, CommitRecord], members: Mapping[int, str], inventories: Mapping[str, Inventory],
            durable_step: int | None, bad=frozenset(), local_copy: bool = True) -> dict:
     """The plan every rank follows: ``{"step", "tier", "ranks": {rank: tier}}``: the newest
     committed step every rank can load from RAM (``local`` or ``peer``), else the newest
@@ -63,7 +61,7 @@ def decide(records: Mapping[int, CommitRecord], members: Mapping[int, str], inve
     return {"step": None, "tier": "none", "ranks": {r: "none" for r in members}}
 
 
-def owner_margin(record: CommitRecord, owner: str, members: Mapping[int, str], inventories: Mapping[str, dict],
+def owner_margin(record: CommitRecord, owner: str, members: Mapping[int, str], inventories: Mapping[str, Inventory],
                  local_copy: bool = True) -> int:
     """How many more node losses ``owner``'s bytes in ``record`` survive (-1: already lost).
     The owner's own copy adds one (it must die too), except in lean mode (``local_copy=False``)."""

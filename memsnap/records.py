@@ -9,6 +9,7 @@ bytes (the owner, and its holders), so the coordinator sees per node per step on
     CommitRecord  coordinator, inside    every node's NodeReady of one committed step
     RankSource    coordinator -> a rank  where one rank's bytes of one step live (its restore plan)
     RankPlan      coordinator -> a rank  the collective restore decision, this rank's part
+    Inventory     agent -> coordinator   what an agent holds (the coverage map's input) and its RAM
 """
 from __future__ import annotations
 
@@ -193,3 +194,40 @@ class RankPlan:
         src = d.get("source")
         return cls(d["step"], d["tier"], d["plan"], d.get("spill"),
                    None if src is None else RankSource.from_wire(src))
+
+
+@dataclass(frozen=True)
+class Inventory:
+    """What one agent holds: ``versions`` ``{step: (state, ranks)}`` of its own ranks' arenas,
+    ``held`` ``{step: {owner: {shard: chunks}}}`` for its peers, ``committed`` the steps it
+    heard committed; ``bytes``, ``counters`` and ``spill`` for status reports."""
+
+    node: str
+    address: Any = None
+    versions: Mapping[int, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
+    held: Mapping[int, Mapping[str, Mapping[int, int]]] = field(default_factory=dict)
+    committed: tuple[int, ...] = ()
+    bytes: Mapping[str, int] = field(default_factory=dict)
+    counters: Mapping[str, int] = field(default_factory=dict)
+    spill: Mapping[str, Any] | None = None
+
+    def has_local(self, step: int, rank: int) -> bool:
+        """Whether this agent holds ``rank``'s committed bytes of ``step``."""
+        v = self.versions.get(step)
+        return v is not None and v[0] == "committed" and rank in v[1]
+
+    def held_shards(self, step: int, owner: str) -> Mapping[int, int]:
+        return self.held.get(step, {}).get(owner, {})
+
+    def to_wire(self) -> dict:
+        return {"node": self.node, "address": self.address,
+                "versions": {s: {"state": st, "ranks": list(r)} for s, (st, r) in self.versions.items()},
+                "held": self.held, "records": list(self.committed), "bytes": dict(self.bytes),
+                "counters": dict(self.counters), "spill": self.spill}
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> "Inventory":
+        return cls(str(d["node"]), d.get("address"),
+                   {int(s): (v["state"], tuple(v["ranks"])) for s, v in d.get("versions", {}).items()},
+                   {int(s): dict(h) for s, h in d.get("held", {}).items()}, tuple(d.get("records", ())),
+                   dict(d.get("bytes", {})), dict(d.get("counters", {})), d.get("spill"))

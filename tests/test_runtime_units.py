@@ -10,7 +10,7 @@ from memsnap.config import SnapshotConfig, tunable
 from memsnap.coordinator import spill_metadata
 from memsnap.coverage import decide, owner_margin
 from memsnap.errors import CommitError, ConfigError, MemoryBudgetError
-from memsnap.records import CommitNotice, CommitRecord, NodeReady, Region
+from memsnap.records import CommitNotice, CommitRecord, Inventory, NodeReady, Region
 
 SECRET = b"s" * 32
 
@@ -44,12 +44,12 @@ def record(step=5, k=2, m=1, nbytes=1000):
 
 
 def inventories(step, alive, local=True):
+    """What the agents of ``alive`` report: node ni holds its rank i and its share of its peers' shards."""
     out = {}
     for n in alive:
         i = int(n[1:])
         held = {f"n{o}": {j: 3 for j in range(3) if (o + 1 + j) % 4 == i} for o in range(4)}
-        out[n] = {"versions": {step: {"state": "committed", "ranks": [i]}} if local else {},
-                  "held": {step: held}}
+        out[n] = Inventory(n, versions={step: ("committed", (i,))} if local else {}, held={step: held})
     return out
 
 
@@ -60,10 +60,10 @@ def test_decide_prefers_local_then_peer_then_durable():
     assert plan == {"step": 5, "tier": "ram", "ranks": {0: "local", 1: "local", 2: "local", 3: "local"}}
     moved = {**members, 2: "n9"}  # rank 2 on a replacement node
     inv = inventories(5, ["n0", "n1", "n3"])
-    inv["n9"] = {"versions": {}, "held": {}}
+    inv["n9"] = Inventory("n9")
     assert decide(recs, moved, inv, None)["ranks"][2] == "peer"
     # three nodes lost: rank 0's holders n1, n2, n3 -> only n3 left < k
-    inv = {"n3": inventories(5, ["n3"])["n3"], "n7": {}, "n8": {}, "n9": {}}
+    inv = {"n3": inventories(5, ["n3"])["n3"], "n7": Inventory("n7"), "n8": Inventory("n8"), "n9": Inventory("n9")}
     gone = {0: "n7", 1: "n8", 2: "n9", 3: "n3"}
     assert decide(recs, gone, inv, durable_step=4) == {"step": 4, "tier": "durable",
                                                        "ranks": {r: "durable" for r in range(4)}}
@@ -74,7 +74,7 @@ def test_decide_prefers_local_then_peer_then_durable():
 def test_a_rank_that_moved_reads_its_old_nodes_copy_before_the_holders():
     recs = {5: record(5)}
     inv = inventories(5, ["n0", "n1", "n2", "n3"])
-    inv["n9"] = {"versions": {}, "held": {}}
+    inv["n9"] = Inventory("n9")
     moved = {0: "n1", 1: "n0", 2: "n9", 3: "n3"}  # 0 and 1 swapped nodes; 2 on a new node
     tiers = decide(recs, moved, inv, None)["ranks"]
     assert tiers == {0: "copy", 1: "copy", 2: "copy", 3: "local"}
@@ -157,7 +157,7 @@ def test_lean_decide_reads_every_rank_from_peers():
     # n0 and n1 lost (m+1 = 2 nodes): ranks 2 and 3 keep one holder of k=2 each; only the
     # local copies on n2 and n3 still have them, so lean mode falls back to durable
     inv = inventories(5, ["n2", "n3"])
-    inv |= {"n7": {}, "n8": {}}
+    inv |= {"n7": Inventory("n7"), "n8": Inventory("n8")}
     moved = {0: "n7", 1: "n8", 2: "n2", 3: "n3"}
     assert decide(recs, moved, inv, durable_step=4)["ranks"] == {0: "peer", 1: "peer", 2: "local", 3: "local"}
     assert decide(recs, moved, inv, durable_step=4, local_copy=False)["tier"] == "durable"
@@ -190,15 +190,15 @@ def test_lean_agent_frees_its_slot_on_commit_and_keeps_no_local_copy(lean, core)
         agent.arenas[(0, 0)].view(0, 4)[:] = b"step"
         agent.versions[1].state, agent.versions[1].manifests[0] = "ready", "{}"
         agent.commit(CommitNotice(1, (1,)))
-    assert core.local(1, 0) is not None and core.inventory()["bytes"]["local"] == 4096
+    assert core.local(1, 0) is not None and core.inventory().bytes["local"] == 4096
     assert bytes(core.arenas[(0, 0)].view(0, 4)) == b"step"
     inv = lean.inventory()
-    assert lean.local(1, 0) is None and inv["versions"] == {} and inv["bytes"]["local"] == 0
+    assert lean.local(1, 0) is None and inv.versions == {} and inv.bytes["local"] == 0
     # the staging arena keeps its file and mapping but gives its pages back until the next capture
-    assert inv["bytes"]["arena"] == 0 and inv["records"] == [1]
+    assert inv.bytes["arena"] == 0 and inv.committed == (1,)
     assert bytes(lean.arenas[(0, 0)].view(0, 4)) == bytes(4)
     assert lean.begin(2, 0, 4096)["slot"] == 0 and lean.begin(2, 1, 4096)["slot"] == 0
-    assert lean.inventory()["bytes"]["arena"] == 2 * 4096
+    assert lean.inventory().bytes["arena"] == 2 * 4096
     lean.versions[2].state = "sending"  # still being sent: the one slot is busy, step 3 is skipped
     told = []
     lean._tell, lean.pool = lambda *args: told.append(args), _Inline()
