@@ -170,7 +170,7 @@ class AgentCore:
     def _arena(self, rank: int, slot: int, nbytes: int, prefault: bool = True) -> Arena:
         arena = self.arenas.get((rank, slot))
         if arena is not None and arena.nbytes >= nbytes:
-            arena.resident = True  # (lean mode released it: the capture backs it again)
+            arena.ensure_backed()  # (lean mode released it: back it before the rank writes)
             return arena
         path = naming.arena_path(self.cfg.job, self.node, rank, slot, self._drop_arena(rank, slot))
         ready = self.prepared.pop(rank, None)
