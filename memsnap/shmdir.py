@@ -121,7 +121,7 @@ def holds_no_lock(dir_fd: int, name: str) -> bool:
 def sweep(path: str | None = None) -> list[str]:
     """Remove the arena files of owners that are gone (an agent killed by SIGKILL or the OOM
     killer leaves its arenas behind) and return their paths; a live agent's files stay.
-    Call it when an agent starts."""
+    Call it when an agent starts. An unsafe directory (``check_dir``) raises UnsafeShmError."""
     path = path or naming.arena_dir()
     try:
         fd = open_dir(path, create=False)

@@ -142,9 +142,14 @@ def test_a_symlinked_private_directory_is_refused(shm, tmp_path):
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir(mode=0o700)
     os.symlink(elsewhere, naming.arena_dir())
+    (elsewhere / os.path.basename(path())).write_bytes(b"not an arena of ours")
     with pytest.raises(UnsafeShmError, match="is a symlink"):
         Arena.create(path(), 4096)
-    assert list(elsewhere.iterdir()) == []
+    with pytest.raises(UnsafeShmError, match="is a symlink"):
+        shmdir.remove_job("t")  # a cleanup does not delete through it either
+    with pytest.raises(UnsafeShmError, match="is a symlink"):
+        sweep()
+    assert [p.name for p in elsewhere.iterdir()] == [os.path.basename(path())]
 
 
 def test_a_private_directory_with_loose_permissions_is_refused(shm):
