@@ -153,15 +153,19 @@ class Arena:
         whole anyway (a restore from peers), where it would only add a pass over the memory.
         """
         directory, size = os.path.dirname(path), max(nbytes, 1)
-        with shmdir.making(directory) as dir_fd:
-            fd = _new_file(dir_fd, path)
-            try:
-                _allocate(fd, size, directory, nbytes)
-                mm = mmap.mmap(fd, size)
-            except BaseException:
-                os.unlink(os.path.basename(path), dir_fd=dir_fd)
-                os.close(fd)
-                raise
+        try:
+            with shmdir.making(directory) as dir_fd:
+                fd = _new_file(dir_fd, path)
+                try:
+                    _allocate(fd, size, directory, nbytes)
+                    mm = mmap.mmap(fd, size)
+                except BaseException:
+                    os.unlink(os.path.basename(path), dir_fd=dir_fd)
+                    os.close(fd)
+                    raise
+        except BaseException:
+            shmdir.tidy(directory)  # leave no empty directory behind either
+            raise
         if prefault:
             touch(mm)
         return cls(path, nbytes, mm, owner=True, fd=fd)
