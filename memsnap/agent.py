@@ -47,6 +47,7 @@ import ray
 import xxhash
 
 from memsnap import encode, naming
+from memsnap import arena as arena_files
 from memsnap.arena import Arena, MemoryBudget, OwnedBuffer
 from memsnap.checksum import fill_checksums
 from memsnap.chunkstore import HeldChunks
@@ -90,6 +91,10 @@ class AgentCore:
                                         **self._transport_opts())
         self.store.own = self._serve_own
         self.address = self.transport.start(self.store)
+        swept = arena_files.sweep()  # arenas of agents killed by SIGKILL or the OOM killer
+        if swept:
+            log.warning("removed %d shared-memory file(s) of agents that are gone: %s", len(swept), swept[:4])
+        arena_files.check_capacity(self.cfg.memory_budget)
         self.codec = codec_for(self.cfg.k, self.cfg.m)
         self.lock = threading.RLock()
         self.send_lock = threading.Lock()
@@ -232,7 +237,7 @@ class AgentCore:
     def _arena(self, rank: int, slot: int, nbytes: int, prefault: bool = True) -> Arena:
         arena = self.arenas.get((rank, slot))
         if arena is not None and arena.nbytes >= nbytes:
-            arena.resident = True  # (lean mode released it: the capture backs it again)
+            arena.ensure_backed()  # (lean mode released it: back it before the rank writes)
             return arena
         path = naming.arena_path(self.cfg.job, self.node, rank, slot, self._drop_arena(rank, slot))
         ready = self.prepared.pop(rank, None)
@@ -244,7 +249,11 @@ class AgentCore:
                 ready.close(unlink=True)
                 self.budget.release(ready.nbytes)
             self.budget.charge(nbytes, f"the arena of rank {rank} (slot {slot})")
-            arena = Arena.create(path, nbytes, prefault)
+            try:
+                arena = Arena.create(path, nbytes, prefault)
+            except BaseException:  # (a full /dev/shm): the charge goes back with the refusal
+                self.budget.release(nbytes)
+                raise
         self.arenas[(rank, slot)] = arena
         return arena
 
@@ -656,7 +665,7 @@ class AgentCore:
             if self._newer_than(step) or (not replace and self._holds(step, rank)):
                 return False
             self.budget.charge(nbytes, f"the rebuilt local copy of rank {rank} (step {step})")
-        arena = None
+        arena, installed = None, False
         try:
             arena = Arena.create(naming.arena_path(self.cfg.job, self.node, rank, "rebuild", step), nbytes,
                                  prefault=False)
@@ -671,11 +680,12 @@ class AgentCore:
                         return False
                     v = self.versions[step] = Version(step, free[0], state="committed", gen=self.gen)
                 self._install(rank, v.slot, arena)
-                arena = None
+                installed = True
                 v.sizes[rank], v.manifests[rank] = nbytes, entry["manifest"]
         finally:
-            if arena is not None:  # not installed: give the memory back
-                arena.close(unlink=True)
+            if not installed:  # refused, failed, or not created at all: give the memory back
+                if arena is not None:
+                    arena.close(unlink=True)
                 self.budget.release(nbytes)
         self.counters["repaired_chunks"] += stats.get("repaired", 0)
         return True

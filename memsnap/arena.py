@@ -1,24 +1,34 @@
 """Agent-owned shared-memory arenas under /dev/shm, and the memory budget they count against.
 
-An ``Arena`` is one file under ``/dev/shm`` created by the agent with ``ftruncate`` and
-mapped with ``mmap``; every page is touched once at creation so that later copies into it
-run at memory speed. Training processes ``attach`` to it once and keep the mapping, so the
-bytes they capture live in memory the agent owns and survive the training process.
-(``multiprocessing.shared_memory`` is not used: its resource tracker unlinks a segment
-when an attaching process exits.)
+An ``Arena`` is one file in this user's private directory ``/dev/shm/memsnap-<uid>/``
+(mode 0700; ``memsnap.shmdir``) created by the agent, backed whole with ``posix_fallocate``
+(so a full /dev/shm is a ``MemoryBudgetError`` at creation, never a SIGBUS at first touch)
+and mapped with ``mmap``; every page is touched once at creation so that later copies into
+it run at memory speed. The agent keeps the file open under a ``flock`` for as long as it
+owns it, which tells a ``sweep`` the owner is alive. Training processes ``attach`` to it once
+and keep the mapping, so the bytes they capture live in memory the agent owns and survive
+the training process. (``multiprocessing.shared_memory`` is not used: its resource tracker
+unlinks a segment when an attaching process exits.)
 """
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
+import logging
 import mmap
 import os
 import threading
 
 import numpy as np
 
-from memsnap.errors import MemoryBudgetError
+from memsnap import naming, shmdir
+from memsnap.errors import MemoryBudgetError, MemsnapError, UnsafeShmError
 
 PAGE = mmap.PAGESIZE
+_NEW = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_NO_ROOM = (errno.ENOSPC, errno.ENOMEM, errno.EFBIG)
+log = logging.getLogger(__name__)
 
 
 def touch(buf) -> None:
@@ -27,42 +37,158 @@ def touch(buf) -> None:
     arr[::PAGE] = 0
 
 
+def _size(n: int) -> str:
+    unit, scale = ("GiB", 1 << 30) if n >= 1 << 30 else ("MiB", 1 << 20)
+    return f"{n} bytes ({n / scale:.1f} {unit})"
+
+
+def space(directory: str) -> tuple[int, int]:
+    """``(free, total)`` bytes of the filesystem holding ``directory``."""
+    st = os.statvfs(directory)
+    return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+
+
+def no_room(directory: str, nbytes: int, what: str = "an arena") -> str:
+    """Why ``nbytes`` do not fit in ``directory``'s tmpfs, and the settings that make them fit."""
+    free, total = space(directory)
+    return (f"{what} needs {_size(nbytes)} in {directory}, but its filesystem has only {_size(free)} "
+            f"free of {_size(total)}. Give it more room (docker run --shm-size=<size>; on KubeRay mount "
+            "an emptyDir {medium: Memory, sizeLimit: <size>} at /dev/shm), or lower memory_budget "
+            "(Snapshotter(memory_budget=...)) to what this filesystem can hold")
+
+
+def _allocate(fd: int, size: int, directory: str, nbytes: int) -> None:
+    """Back ``size`` bytes of ``fd`` now; MemoryBudgetError if the tmpfs has no room for them."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno in _NO_ROOM:
+            raise MemoryBudgetError(no_room(directory, nbytes)) from exc
+        raise
+
+
+def check_capacity(memory_budget: int, need: int | None = None) -> dict:
+    """Compare the free space of the arena filesystem with ``memory_budget``; call it once when
+    an agent starts. Less free space than the budget is logged as a warning, not refused: the
+    budget is a cap that snapshots rarely fill, and each arena is refused by itself, cleanly,
+    when it does not fit (``Arena.create``). Less than ``need`` (the bytes one snapshot of the
+    node needs, when the caller knows them) raises MemoryBudgetError. Returns what was compared."""
+    root = naming.shm_root()
+    free, total = space(root)
+    if need is not None and free < need:
+        raise MemoryBudgetError(no_room(root, need, "one snapshot of this node"))
+    if free < memory_budget:
+        log.warning("memsnap: %s has %s free of %s, less than memory_budget=%s; a snapshot larger than "
+                    "the free space will be refused (Ray's object store may share this space too). Give it "
+                    "more room (docker run --shm-size=<size>; KubeRay: an emptyDir {medium: Memory, "
+                    "sizeLimit: <size>} at /dev/shm) or lower memory_budget",
+                    root, _size(free), _size(total), _size(memory_budget))
+    return {"dir": root, "free": free, "total": total, "memory_budget": memory_budget}
+
+
+def sweep() -> list[str]:
+    """Remove this user's arena files whose agent is gone (killed, OOM) and return their
+    paths; a live agent's files stay. Call it when an agent starts (``shmdir.sweep``)."""
+    return shmdir.sweep()
+
+
+def _replace_stale(dir_fd: int, path: str, name: str) -> None:
+    """Unlink the file at ``name`` if it is ours and its owner is gone; refuse anything else
+    (a symlink is never followed, another user's file never reused)."""
+    try:
+        fd = os.open(name, shmdir.PROBE_FLAGS, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UnsafeShmError(f"arena {path} is a symlink; it is not followed: remove it") from None
+        raise
+    try:
+        shmdir.check_file(os.fstat(fd), path)
+    finally:
+        os.close(fd)
+    if not shmdir.holds_no_lock(dir_fd, name):
+        raise MemsnapError(f"arena {path} is held by a live process (another agent of the same job "
+                           "and node?); it is not replaced")
+    os.unlink(name, dir_fd=dir_fd)
+
+
+def _new_file(dir_fd: int, path: str) -> int:
+    """``path``'s new file (O_EXCL, O_NOFOLLOW, mode 0600), locked and checked; an old file of
+    ours whose owner is gone is replaced."""
+    name = os.path.basename(path)
+    try:
+        fd = os.open(name, _NEW, 0o600, dir_fd=dir_fd)
+    except FileExistsError:
+        _replace_stale(dir_fd, path, name)
+        fd = os.open(name, _NEW, 0o600, dir_fd=dir_fd)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        shmdir.check_file(os.fstat(fd), path)
+    except BaseException:
+        os.unlink(name, dir_fd=dir_fd)
+        os.close(fd)
+        raise
+    return fd
+
+
 class Arena:
     """One shared-memory file and its mapping. Create with ``create`` or ``attach``."""
 
-    def __init__(self, path: str, nbytes: int, mm: mmap.mmap, owner: bool):
+    def __init__(self, path: str, nbytes: int, mm: mmap.mmap, owner: bool, fd: int | None = None):
         self.path = path
         self.nbytes = nbytes
         self._mm = mm
+        self._fd = fd  # the owner's open, locked file: its lock says the owner is alive
         self.owner = owner
-        self.resident = True  # False after ``release`` until it is handed out again
+        self.resident = True  # False after ``release`` until ``ensure_backed``
 
     @classmethod
     def create(cls, path: str, nbytes: int, prefault: bool = True) -> "Arena":
-        """A new file of ``nbytes`` (replacing any old one at ``path``), mapped and touched.
+        """A new file of ``nbytes`` at ``path`` (a ``naming.arena_path``, in the private arena
+        directory, which is made if missing), backed whole, mapped and touched.
 
+        An old file at ``path`` whose owner is gone is replaced; a symlink, another user's
+        file or one a live process holds is refused (UnsafeShmError/MemsnapError). No room on
+        the tmpfs: MemoryBudgetError naming the fix, and no file is left behind.
         ``prefault=False`` skips the touch, for a destination that is about to be filled
         whole anyway (a restore from peers), where it would only add a pass over the memory.
         """
-        fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_TRUNC, 0o600)
+        directory, size = os.path.dirname(path), max(nbytes, 1)
         try:
-            os.ftruncate(fd, max(nbytes, 1))
-            mm = mmap.mmap(fd, max(nbytes, 1))
-        finally:
-            os.close(fd)
+            with shmdir.making(directory) as dir_fd:
+                fd = _new_file(dir_fd, path)
+                try:
+                    _allocate(fd, size, directory, nbytes)
+                    mm = mmap.mmap(fd, size)
+                except BaseException:
+                    os.unlink(os.path.basename(path), dir_fd=dir_fd)
+                    os.close(fd)
+                    raise
+        except BaseException:
+            shmdir.tidy(directory)  # leave no empty directory behind either
+            raise
         if prefault:
             touch(mm)
-        return cls(path, nbytes, mm, owner=True)
+        return cls(path, nbytes, mm, owner=True, fd=fd)
 
     @classmethod
     def attach(cls, path: str, nbytes: int) -> "Arena":
-        """Map an existing arena of at least ``nbytes`` (a training process does this once)."""
-        fd = os.open(path, os.O_RDWR)
+        """Map an existing arena of at least ``nbytes`` (a training process does this once): a
+        regular file of this user in the private arena directory; a symlink is not followed."""
+        dir_fd = shmdir.open_dir(os.path.dirname(path), create=False)
         try:
-            size = os.fstat(fd).st_size
-            if size < nbytes:
-                raise ValueError(f"arena {path} holds {size} bytes, {nbytes} were asked for")
-            mm = mmap.mmap(fd, size)
+            fd = os.open(os.path.basename(path), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise UnsafeShmError(f"arena {path} is a symlink; it is not followed") from None
+            raise
+        finally:
+            os.close(dir_fd)
+        try:
+            st = os.fstat(fd)
+            shmdir.check_file(st, path)
+            if st.st_size < nbytes:
+                raise ValueError(f"arena {path} holds {st.st_size} bytes, {nbytes} were asked for")
+            mm = mmap.mmap(fd, st.st_size)
         finally:
             os.close(fd)
         return cls(path, nbytes, mm, owner=False)
@@ -70,13 +196,33 @@ class Arena:
     def release(self) -> None:
         """Give the pages back to the kernel: a hole is punched in the shared-memory file
         (``MADV_REMOVE``), which keeps its size, and every mapping reads zeros until it is
-        written again. Lean mode does this once a snapshot's chunks are held by its peers."""
+        written again. Lean mode does this once a snapshot's chunks are held by its peers;
+        ``ensure_backed`` must run before the arena is written again."""
         with contextlib.suppress(ValueError, OSError):
             self._mm.madvise(mmap.MADV_REMOVE)
             self.resident = False
 
+    def ensure_backed(self) -> None:
+        """Back the pages ``release`` gave back again, before the arena is handed out to be
+        written (a write into a hole of a full tmpfs kills the writer with SIGBUS). No room:
+        MemoryBudgetError naming the fix, and the arena stays released. Owner only."""
+        if self.resident:
+            return
+        if self._fd is None:
+            raise ValueError(f"arena {self.path}: only the process that created it can back it again")
+        try:
+            _allocate(self._fd, len(self._mm), os.path.dirname(self.path), self.nbytes)
+        except MemoryBudgetError:
+            with contextlib.suppress(ValueError, OSError):
+                self._mm.madvise(mmap.MADV_REMOVE)  # what was backed before the failure
+            raise
+        self.resident = True
+
     def rename(self, path: str) -> None:
-        """Give the shared-memory file a new name; the mapping stays as it is."""
+        """Give the shared-memory file a new name in the same directory; the mapping (and the
+        owner's lock) stays as it is."""
+        if os.path.dirname(path) != os.path.dirname(self.path):
+            raise ValueError(f"arena {self.path} can only be renamed within its directory, not to {path}")
         os.replace(self.path, path)
         self.path = path
 
@@ -88,12 +234,19 @@ class Arena:
         return memoryview(self._mm)[offset:stop]
 
     def close(self, unlink: bool | None = None) -> None:
-        """Drop the mapping (left to the GC while views of it live); unlink if the owner asks."""
+        """Drop the mapping (left to the GC while views of it live) and the owner's lock;
+        unlink if the owner asks, and remove the private directory if that emptied it."""
         with contextlib.suppress(BufferError, ValueError):
             self._mm.close()
-        if self.owner if unlink is None else unlink:
+        unlink = self.owner if unlink is None else unlink
+        if unlink:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        if unlink:
+            shmdir.tidy(os.path.dirname(self.path))
 
 
 class MemoryBudget:

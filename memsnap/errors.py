@@ -61,6 +61,11 @@ class MemoryBudgetError(MemsnapError):
     """A snapshot does not fit the agent's memory budget."""
 
 
+class UnsafeShmError(MemsnapError, PermissionError):
+    """The arena directory or an arena file is not safely this user's (a symlink, another
+    owner, loose permissions, not a regular file)."""
+
+
 class TransportError(MemsnapError):
     """A chunk could not be moved between agents."""
 

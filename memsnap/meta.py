@@ -8,9 +8,13 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from memsnap.errors import ConfigError
+
+SECRET_WORDS = ("token", "key", "password", "passwd", "secret")  # in an option's name, any case
+REDACTED = "<redacted>"
+ARGV_ENV = "MEMSNAP_RECORD_ARGV"  # "redact" (default), "raw", or "off"
 
 
 def git_commit(cwd: str) -> dict[str, Any] | None:
@@ -58,6 +62,38 @@ def check_user(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
                           "convert tensors with .item() / .tolist()") from None
 
 
+def _secret(name: str) -> bool:
+    low = name.lower()
+    return any(word in low for word in SECRET_WORDS)
+
+
+def redact_argv(argv: Sequence[str]) -> list[str]:
+    """``argv`` with the values of options whose name looks like a secret (holds ``token``,
+    ``key``, ``password``, ``passwd`` or ``secret``) replaced by ``<redacted>``, in each form:
+    ``--api-token=v``, ``--api-token v`` and ``HF_TOKEN=v`` (or ``db.password=v``)."""
+    out: list[str] = []
+    hide = False
+    for arg in argv:
+        if hide and not arg.startswith("--"):  # the value of the option before
+            out.append(REDACTED)
+            hide = False
+            continue
+        name, eq, _ = arg.partition("=")
+        hide = bool(not eq and arg.startswith("-") and _secret(arg))
+        out.append(f"{name}={REDACTED}" if eq and _secret(name) else arg)
+    return out
+
+
+def record_argv(argv: Sequence[str] | None = None) -> list[str] | None:
+    """The command line a step records: redacted (``redact_argv``) unless the environment says
+    ``MEMSNAP_RECORD_ARGV=raw`` (as it is) or ``off`` (not at all: None)."""
+    argv = list(sys.argv if argv is None else argv)
+    mode = os.environ.get(ARGV_ENV, "redact").strip().lower() or "redact"
+    if mode not in ("redact", "raw", "off"):
+        raise ConfigError(f"{ARGV_ENV}={mode!r} is not one of redact (the default), raw, off")
+    return None if mode == "off" else argv if mode == "raw" else redact_argv(argv)
+
+
 def collect(step: int, world_size: int, state: Mapping[str, Any],
             user: Mapping[str, Any] | None = None, milestone: bool = False) -> dict[str, Any]:
     """Everything recorded about one step besides its tensors."""
@@ -70,7 +106,7 @@ def collect(step: int, world_size: int, state: Mapping[str, Any],
         "git": git_commit(os.getcwd()),
         "hostname": socket.gethostname(),
         "world_size": world_size,
-        "argv": list(sys.argv),
+        "argv": record_argv(),
         "has_optimizer": has_optimizer(state),
         "milestone": bool(milestone),
         "user": check_user(user),

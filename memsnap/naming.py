@@ -1,11 +1,12 @@
 """Names of everything a job creates: Ray actors, shared-memory files, KV keys."""
 from __future__ import annotations
 
-import glob
 import os
+import re
 
 NAMESPACE = "memsnap"
-SHM_DIR = "/dev/shm"
+SHM_DIR = "/dev/shm"  # the tmpfs arenas live on; MEMSNAP_SHM_DIR overrides it
+_ARENA_RE = re.compile(r"^memsnap-(?P<job>.+)-(?P<node>[^-/]+)-r(?P<rank>\d+)-s(?P<slot>[^-/]+)-g(?P<gen>\d+)$")
 
 
 def agent(job: str, node_id: str) -> str:
@@ -23,11 +24,22 @@ def secret_key(job: str) -> bytes:
     return f"memsnap:{job}:secret".encode()
 
 
+def shm_root() -> str:
+    """The memory-backed filesystem arenas are made on: ``$MEMSNAP_SHM_DIR``, else /dev/shm."""
+    return os.environ.get("MEMSNAP_SHM_DIR") or SHM_DIR
+
+
+def arena_dir() -> str:
+    """This user's private directory of arenas on ``shm_root()`` (``memsnap-<uid>``, mode 0700);
+    the agent and the ranks it serves run as the same user, so both name the same directory."""
+    return os.path.join(shm_root(), f"memsnap-{os.geteuid()}")
+
+
 def arena_path(job: str, node_id: str, rank: int, slot: int | str, gen: int) -> str:
     """The shared-memory file of ``rank``'s arena ``slot`` (``gen`` bumps when it is regrown or
     replaced; slot ``"prep"``/``"rebuild"``: an arena made for a restore or a rebuilt local
     copy, renamed to its slot when used)."""
-    return os.path.join(SHM_DIR, f"memsnap-{job}-{node_id[:12]}-r{rank}-s{slot}-g{gen}")
+    return os.path.join(arena_dir(), f"memsnap-{job}-{node_id[:12]}-r{rank}-s{slot}-g{gen}")
 
 
 def arena_gen(path: str) -> tuple[str, int]:
@@ -37,7 +49,37 @@ def arena_gen(path: str) -> tuple[str, int]:
     return base, int(gen)
 
 
+def parse_arena(name: str) -> dict | None:
+    """``job``, ``node`` (its first 12 characters), ``rank``, ``slot``, ``gen`` of an arena
+    file's base name, or None for any other name. A node id holds no ``-``, so a job's name
+    (which may) is everything before the last five fields."""
+    m = _ARENA_RE.match(name)
+    if m is None:
+        return None
+    out = m.groupdict()
+    out["rank"], out["gen"] = int(out["rank"]), int(out["gen"])
+    return out
+
+
+def is_arena_of(name: str, job: str, node_id: str | None = None) -> bool:
+    """Whether base name ``name`` is an arena file of exactly ``job`` (and ``node_id``)."""
+    parsed = parse_arena(name)
+    return parsed is not None and parsed["job"] == job and (
+        node_id is None or parsed["node"] == node_id[:12])
+
+
 def arena_files(job: str, node_id: str | None = None) -> list[str]:
-    """Every shared-memory file of ``job`` (on ``node_id`` only, if given) that exists now."""
-    node = "*" if node_id is None else node_id[:12]
-    return sorted(glob.glob(os.path.join(SHM_DIR, f"memsnap-{glob.escape(job)}-{node}-r*")))
+    """Every shared-memory file of exactly ``job`` (on ``node_id`` only, if given) that exists
+    now; job ``bar`` does not match job ``bar-runtime``'s files."""
+    from memsnap import shmdir  # (imports this module)
+
+    d = arena_dir()
+    try:
+        fd = shmdir.open_dir(d, create=False)  # never listed through a symlink or another's dir
+    except FileNotFoundError:
+        return []
+    try:
+        names = os.listdir(fd)
+    finally:
+        os.close(fd)
+    return sorted(os.path.join(d, n) for n in names if is_arena_of(n, job, node_id))

@@ -16,17 +16,21 @@ Call protocol of a save (the runtime's spill thread follows the same two calls):
     3. store.commit(step, world_size, metadata)      (one rank, e.g. rank 0)
     4. store.retain(policy)                           (optional, the committing rank)
 
-On a local filesystem every file is written as ``*.tmp``, fsynced, renamed and the directory
-fsynced; on object stores a file appears whole when its upload completes and ``COMMITTED``
+On a local filesystem every file is written under a temporary name of its own
+(``<name>.<pid>.<random>.tmp``, created ``O_EXCL|O_NOFOLLOW``: two writers never share one
+and a planted symlink is never followed), fsynced, renamed and the directory fsynced; on object stores a file appears whole when its upload completes and ``COMMITTED``
 is uploaded last. A crash at any point therefore leaves either the previous committed step
 or the new one, never a readable half.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import mmap
 import os
 import re
+import secrets
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -183,10 +187,11 @@ class Store:
     def _write(self, path: str, mv: memoryview, throttle: _Throttle, progress: Progress | None) -> str:
         try:
             if self.local:
-                return _write_local(path, mv, throttle, progress)
+                return _write_local(path, mv, throttle, progress)  # removes its own debris
             return _write_stream(self.fs, path, mv, throttle, progress)
         except OSError as exc:
-            self._discard(path)
+            if not self.local:
+                self._discard(path)
             raise StorageError(
                 f"writing {path} failed: {exc.strerror or exc}; nothing of this step is visible and "
                 f"earlier committed steps under {self.uri} are intact (free space or fix access, then "
@@ -194,11 +199,10 @@ class Store:
             ) from exc
 
     def _discard(self, path: str) -> None:
-        for p in (path, path + ".tmp"):
-            try:
-                self.fs.delete_file(p)
-            except (OSError, FileNotFoundError):
-                pass
+        try:
+            self.fs.delete_file(path)
+        except (OSError, FileNotFoundError):
+            pass
 
     # --- reading ---------------------------------------------------------------------------
     def steps(self) -> list[int]:
@@ -399,22 +403,47 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def tmp_name(path: str) -> str:
+    """A temporary name next to ``path`` that no other writer picks: pid and 64 random bits."""
+    return f"{path}.{os.getpid()}.{secrets.token_hex(8)}.tmp"
+
+
+def _open_tmp(path: str) -> tuple[str, int]:
+    """A new temporary file for ``path``: created exclusively, never through a symlink (a
+    name that exists already, planted or not, is passed over for another)."""
+    for _ in range(16):
+        tmp = tmp_name(path)
+        try:
+            return tmp, os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, f"no free temporary name next to {path}")
+
+
 def _write_local(path: str, mv: memoryview, throttle: _Throttle, progress: Progress | None) -> str:
-    tmp, h = path + ".tmp", xxhash.xxh3_64()
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    """Write ``mv`` to a temporary file of its own, fsync, rename to ``path``, fsync the
+    directory; on any failure nothing of this write is left (the temporary file, or ``path``
+    if it failed after the rename)."""
+    (tmp, fd), h, renamed = _open_tmp(path), xxhash.xxh3_64(), False
     try:
-        for start in range(0, mv.nbytes, IO_CHUNK):
-            part = mv[start:start + IO_CHUNK]
-            h.update(part)
-            _write_all(fd, part)
-            throttle.account(part.nbytes)
-            if progress:
-                progress(start + part.nbytes, mv.nbytes)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.rename(tmp, path)
-    _fsync_dir(os.path.dirname(path))
+        try:
+            for start in range(0, mv.nbytes, IO_CHUNK):
+                part = mv[start:start + IO_CHUNK]
+                h.update(part)
+                _write_all(fd, part)
+                throttle.account(part.nbytes)
+                if progress:
+                    progress(start + part.nbytes, mv.nbytes)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, path)
+        renamed = True
+        _fsync_dir(os.path.dirname(path))
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path if renamed else tmp)
+        raise
     return h.hexdigest()
 
 

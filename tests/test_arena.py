@@ -8,16 +8,18 @@ import uuid
 
 import pytest
 
+from memsnap import naming, shmdir
 from memsnap.arena import Arena, MemoryBudget, OwnedBuffer
-from memsnap.errors import MemoryBudgetError
+from memsnap.errors import MemoryBudgetError, UnsafeShmError
 
 
 @pytest.fixture
 def path():
-    p = f"/dev/shm/memsnap-test-{uuid.uuid4().hex[:8]}"
+    p = naming.arena_path(f"test-{uuid.uuid4().hex[:8]}", "n0", 0, 0, 0)
     yield p
     if os.path.exists(p):
         os.unlink(p)
+    shmdir.tidy()
 
 
 def test_attached_writes_are_seen_by_the_owner_and_survive_the_writer(path):
@@ -52,3 +54,20 @@ def test_budget_refuses_with_the_sizes_and_the_setting_to_change():
     budget.release(600)
     OwnedBuffer(budget, 1000, "parity").free()
     assert budget.used == 0
+
+
+def test_arenas_live_in_a_private_directory_of_this_user(path):
+    arena = Arena.create(path, 4096)
+    d = os.lstat(os.path.dirname(path))
+    f = os.lstat(path)
+    assert os.path.dirname(path) == naming.arena_dir() and os.path.basename(naming.arena_dir()).startswith("memsnap-")
+    assert (d.st_uid, d.st_mode & 0o7777) == (os.geteuid(), 0o700)
+    assert (f.st_uid, f.st_mode & 0o777) == (os.geteuid(), 0o600)
+    assert os.stat(path).st_blocks * 512 >= 4096  # backed at creation, not on first touch
+    arena.close()
+    assert not os.path.exists(path)
+
+
+def test_a_created_arena_is_refused_outside_the_private_directory():
+    with pytest.raises(UnsafeShmError, match="mode 1777"):
+        Arena.create(f"/dev/shm/memsnap-test-{uuid.uuid4().hex[:8]}", 4096)

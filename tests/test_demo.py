@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from memsnap import naming
+
 
 def _demo(tmp_path, *args: str, timeout: float = 600) -> dict:
     out = tmp_path / "demo"
@@ -38,7 +40,8 @@ def _check_report(r: dict, failures: int) -> None:
     assert r["disk_restore_seconds"] > 0 and r["disk_restore_step"] == r["steps"] - 1
     with open(r["plot"], "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
-    assert not [p for p in os.listdir("/dev/shm") if p.startswith("memsnap-demo-")]
+    left = os.listdir(naming.arena_dir()) if os.path.isdir(naming.arena_dir()) else []
+    assert not [p for p in left if p.startswith("memsnap-demo-")]
 
 
 @pytest.mark.ray

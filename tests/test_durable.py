@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import memsnap
-from memsnap import storage
+from memsnap import meta, storage
 from memsnap.errors import (ChecksumError, ConfigError, SnapshotNotFoundError, StorageError,
                             WeightsOnlyError)
 from memsnap.storage import Store
@@ -167,6 +167,35 @@ def test_metadata_recorded(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # outside any repository: recorded as None
     memsnap.save(str(tmp_path / "ckpt"), small_state(), 8)
     assert Store.open(str(tmp_path / "ckpt")).marker(8)["metadata"]["git"] is None
+
+
+ARGV = ["train.py", "--api-token=tok1", "--password", "pw2", "HF_TOKEN=hf3", "db.secret_key=k4",
+        "--lr", "0.1", "--keep-last", "3", "--use-key", "--verbose", "data=/x"]
+
+
+def test_argv_secrets_are_redacted_in_each_form(tmp_path, monkeypatch):
+    monkeypatch.delenv(meta.ARGV_ENV, raising=False)
+    monkeypatch.setattr(sys, "argv", ARGV)
+    memsnap.save(str(tmp_path), small_state(), 1)
+    raw = open(Store.open(str(tmp_path)).path(1, "COMMITTED")).read()
+    assert json.loads(raw)["metadata"]["argv"] == [
+        "train.py", "--api-token=<redacted>", "--password", "<redacted>", "HF_TOKEN=<redacted>",
+        "db.secret_key=<redacted>", "--lr", "0.1", "--keep-last", "3", "--use-key", "--verbose", "data=/x"]
+    assert not any(secret in raw for secret in ("tok1", "pw2", "hf3", "k4"))
+
+
+@pytest.mark.parametrize("mode, recorded", [("raw", ARGV), ("off", None), ("redact", meta.redact_argv(ARGV))])
+def test_argv_recording_can_be_raw_or_off(tmp_path, monkeypatch, mode, recorded):
+    monkeypatch.setenv(meta.ARGV_ENV, mode)
+    monkeypatch.setattr(sys, "argv", ARGV)
+    memsnap.save(str(tmp_path), small_state(), 1)
+    assert Store.open(str(tmp_path)).marker(1)["metadata"]["argv"] == recorded
+
+
+def test_argv_recording_mode_is_checked(monkeypatch):
+    monkeypatch.setenv(meta.ARGV_ENV, "plain")
+    with pytest.raises(ConfigError, match="MEMSNAP_RECORD_ARGV='plain'.*redact.*raw.*off"):
+        meta.record_argv(["x"])
 
 
 def test_bad_metadata_and_step_rejected(tmp_path):

@@ -7,6 +7,7 @@ import uuid
 
 import pytest
 
+from memsnap import naming
 from memsnap.agent import Version
 from memsnap.arena import Arena
 from memsnap.capture import capture
@@ -23,7 +24,7 @@ def fake_core(tmp_path):
 
     state = {"model": torch.nn.Linear(64, 64)}
     man, raw = capture(state)
-    arena = Arena.create(f"/dev/shm/memsnap-test-spill-{uuid.uuid4().hex[:8]}", man.nbytes)
+    arena = Arena.create(naming.arena_path(f"test-spill-{uuid.uuid4().hex[:8]}", "n0", 0, 0, 0), man.nbytes)
     arena.view(0, man.nbytes)[:] = raw
     core = types.SimpleNamespace(lock=threading.RLock(), arenas={(0, 0): arena},
                                  versions={7: Version(7, 0, "committed", {0: man.nbytes}, {0: man.to_json().decode()})})

@@ -195,3 +195,51 @@ def test_marker_is_json_with_ranks(tmp_path):
     assert all(r["bin_bytes"] == os.path.getsize(store.path(2, f"rank_{r['rank']:05d}.bin"))
                for r in doc["ranks"])
     assert not [f for f in os.listdir(store.path(2)) if f.endswith(".tmp")]
+
+
+def test_two_writers_of_one_rank_file_use_their_own_temporary_files(tmp_path, monkeypatch):
+    """A second writer of the same step and rank that runs while the first is mid-file (here:
+    re-entered from the first's second chunk) neither truncates nor renames the first's file."""
+    store = Store.open(str(tmp_path))
+    monkeypatch.setattr(storage, "IO_CHUNK", 1024)
+    real, seen = storage._write_all, []
+    (m1, buf1), (m2, buf2) = make_snapshot(1), make_snapshot(2)
+
+    def interleaved(fd, mv):
+        seen.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd, mv)
+        if len(seen) == 2:  # writer 1 is mid-file: writer 2 writes the same rank whole
+            store.write_rank(5, 0, m2, buf2)
+
+    monkeypatch.setattr(storage, "_write_all", interleaved)
+    record = store.write_rank(5, 0, m1, buf1)
+    temps = {os.path.basename(p) for p in seen}
+    assert all(t.startswith("rank_00000.") and t.endswith(".tmp") for t in temps)
+    assert len({t for t in temps if t.startswith("rank_00000.bin.")}) == 2  # one of its own each
+    store.commit(5, 1)
+    out = bytearray(m1.nbytes)
+    store.read_rank_into(5, 0, out)  # the last rename wins, whole and matching its checksum
+    assert out == buf1 and record.bin_bytes == m1.nbytes
+    assert sorted(os.listdir(store.path(5))) == ["COMMITTED", "rank_00000.bin", "rank_00000.json"]
+
+
+def test_a_symlink_at_a_temporary_name_is_not_followed(tmp_path, monkeypatch):
+    store = Store.open(str(tmp_path))
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    bin_path = store.path(3, "rank_00000.bin")
+    os.makedirs(store.path(3))
+    planted = bin_path + ".planted.tmp"
+    os.symlink(victim, planted)
+    names = iter([planted, bin_path + ".fresh.tmp"])
+    monkeypatch.setattr(storage, "tmp_name", lambda path: next(names) if path == bin_path else path + ".j.tmp")
+    m, buf = make_snapshot(3)
+    store.write_rank(3, 0, m, buf)
+    assert victim.read_bytes() == b"precious" and os.path.islink(planted)  # passed over, not followed
+    assert open(bin_path, "rb").read() == bytes(buf[: m.nbytes])
+    assert not os.path.exists(bin_path + ".fresh.tmp")
+
+
+def test_temporary_names_differ_per_write(tmp_path):
+    names = {storage.tmp_name(str(tmp_path / "rank_00000.bin")) for _ in range(100)}
+    assert len(names) == 100 and all(f".{os.getpid()}." in n for n in names)

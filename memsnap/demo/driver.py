@@ -263,17 +263,16 @@ def run_demo(opts: DemoOptions, *, progress: bool = True) -> dict:
 
 
 def _cleanup(job: str) -> None:
-    from memsnap import naming, snapshotter
+    from memsnap import shmdir, snapshotter
 
     try:
         snapshotter.shutdown(job, timeout=10)
     except Exception as exc:
         _say(f"agent shutdown: {exc}")
-    for path in naming.arena_files(job):
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
+    try:
+        shmdir.remove_job(job)
+    except OSError as exc:
+        _say(f"removing arenas: {exc}")
 
 
 def _report(opts, run, ref, t_end, disk_s, disk_step, out, total) -> dict:

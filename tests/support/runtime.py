@@ -12,7 +12,7 @@ import ray
 import torch
 import xxhash
 
-from memsnap import naming
+from memsnap import shmdir
 from memsnap.localcluster import LocalCluster, wait_for
 
 FEATURES = 256
@@ -156,9 +156,7 @@ def lose_nodes(c, node_ids: list[str]) -> None:
 
 def remove_arenas(job: str) -> None:
     """Unlink ``job``'s shared-memory files (those of killed nodes' agents stay behind otherwise)."""
-    for path in naming.arena_files(job):
-        with contextlib.suppress(OSError):
-            os.unlink(path)
+    shmdir.remove_job(job)
 
 
 @contextlib.contextmanager
