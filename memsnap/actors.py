@@ -264,7 +264,7 @@ class SnapshotAgent:
         await self.pool.run(self.core.abandon, step, why, failed)
 
     async def layout_changed(self) -> None:
-        self.core.layout = None
+        self.core.sender.layout = None
         self.relay.forget_answer()
 
     async def spill_now(self, step: int) -> bool:

@@ -201,7 +201,7 @@ def test_lean_agent_frees_its_slot_on_commit_and_keeps_no_local_copy(lean, core)
     assert lean.inventory().bytes["arena"] == 2 * 4096
     lean.versions[2].state = "sending"  # still being sent: the one slot is busy, step 3 is skipped
     told = []
-    lean._tell, lean.pool = lambda *args: told.append(args), _Inline()
+    lean.tell, lean.pool = lambda *args: told.append(args), _Inline()
     assert "every arena slot is busy" in lean.begin(3, 0, 4096)["skipped"]
     assert "skipped" in lean.begin(3, 1, 4096)  # every rank of the node skips the same step
     assert lean.counters["skipped_busy"] == 1 and lean.counters["failed_snapshots"] == 0
@@ -218,16 +218,16 @@ def test_lean_restore_takes_the_slot_back_from_steps_not_committed_here(lean):
     lean.versions[6].state = "ready"  # acknowledged, but its commit has not reached this agent
     lean.begin(7, 0, 4096)
     lean.versions[7].state = "queued"  # the rank died after capturing step 7
-    lean._clear_for_restore(6)
-    assert lean.versions == {} and lean._free_slot(6) == 0
+    lean.slots.clear_for_restore(6)
+    assert lean.versions == {} and lean.slots.free_slot(6) == 0
 
 
 def test_a_burst_of_saves_coalesces_newest_wins_and_nothing_counts_as_failed(core):
     """Saves faster than the pipeline: a capture that finds every slot taken replaces the
     older one still queued for the sender (or sent but not committed), never fails."""
     told = []
-    core._tell = lambda *args: told.append(args)
-    core._send = lambda v, ranks: None  # the sender is busy: captured versions stay queued
+    core.tell = lambda *args: told.append(args)
+    core.sender.send = lambda v, ranks: None  # the sender is busy: captured versions stay queued
     core.pool = _Inline()
     for step in (1, 2):
         core.begin(step, 0, 4096)

@@ -1,0 +1,199 @@
+"""Bytes back into this node, and this node's own bytes out to a rank that moved:
+
+- the manifests this node holds for the owners it protects (``hold_manifests``), and a
+  rank's manifest found here or at a holder of its owner (``manifest_for``);
+- a rank's bytes gathered from the holders into a local arena (``recover``: the objstore
+  restore; ``rebuild_local``: re-protection gives a restored node its local copy back);
+- a lost holder's shards recreated here (``rebuild``: re-protection);
+- this node's own committed data shards served from its arenas (``serve_own``), so a rank
+  that moved to another node reads its whole copy here with no decode.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import replace
+
+import ray
+import xxhash
+
+from memsnap import encode, naming
+from memsnap.arena import Arena
+from memsnap.config import tunable
+from memsnap.errors import CommitError
+from memsnap.records import NodeReady, RankSource
+from memsnap.slots import Version
+
+log = logging.getLogger("memsnap.agent")
+
+
+class Repair:
+    """``core``: the node's ``AgentCore`` (its lock, slots, transport, codec, store, directory)."""
+
+    def __init__(self, core):
+        self.core = core
+        self.held_meta: dict[tuple[int, str], tuple[NodeReady, dict[int, str]]] = {}  # (step, owner) ->
+        self.rebuild_lock = threading.Lock()
+
+    # --- manifests ---------------------------------------------------------------------------------
+    def hold_manifests(self, step: int, owner: str, info: dict, manifests: dict) -> None:
+        with self.core.lock:
+            self.held_meta[(step, owner)] = (NodeReady.from_wire(info), {int(r): m for r, m in manifests.items()})
+
+    def held_manifests(self, step: int, owner: str) -> dict[int, str]:
+        with self.core.lock:
+            meta = self.held_meta.get((step, owner))
+            return {} if meta is None else dict(meta[1])
+
+    def forget(self, keep) -> None:
+        """Drop what is held for steps ``keep(step)`` rejects. Call under the core's lock."""
+        for key in [key for key in self.held_meta if not keep(key[0])]:
+            del self.held_meta[key]
+
+    def moved(self, step: int, owner: str, holders: tuple[str, ...]) -> None:
+        meta = self.held_meta.get((step, owner))
+        if meta is not None:
+            self.held_meta[(step, owner)] = (replace(meta[0], holders=tuple(holders)), meta[1])
+
+    def manifest_for(self, step: int, rank: int, src: RankSource) -> str:
+        """``rank``'s manifest of ``step``: this node's own copy, or one held here for its owner,
+        or one read from the owner's node or another holder of its owner."""
+        core = self.core
+        with core.lock:
+            v = core.slots.versions.get(step)
+            if v is not None and v.state == "committed" and rank in v.manifests:
+                return v.manifests[rank]
+        held = self.held_manifests(step, src.owner).get(rank)
+        if held is not None:
+            return held
+        for node in [src.owner, *src.holders]:
+            handle = core.dir.agent(node) if node != core.node else None
+            if handle is None:
+                continue
+            try:
+                found = ray.get(handle.held_manifests.remote(step, src.owner) if node != src.owner
+                                else handle.local.remote(step, rank), timeout=tunable("call_timeout_s"))
+            except Exception as exc:
+                log.info("no manifest of rank %d from %s: %s", rank, node[:12], exc)
+                continue
+            man = (found or {}).get("manifest") if node == src.owner else (found or {}).get(rank)
+            if man is not None:
+                return man
+        raise CommitError(f"step {step}: no live agent holds rank {rank}'s manifest (owner {src.owner[:12]}, "
+                          f"holders {[h[:12] for h in src.holders]})")
+
+    # --- this node's own bytes, for a rank that moved ------------------------------------------------
+    def serve_own(self, key) -> tuple[memoryview, int] | None:
+        """Data shard ``key`` of this node's own committed stream, read from its arena."""
+        core = self.core
+        if key.owner != core.node or key.shard >= core.cfg.k:
+            return None
+        with core.lock:
+            v, info = core.slots.versions.get(key.step), core.infos.get(key.step)
+            if v is None or v.state != "committed" or info is None:
+                return None
+            for r in info.regions:
+                reg = encode.Region(r.rank, r.nbytes, r.stripe_base, core.cfg.k, info.chunk)
+                arena = core.slots.arenas.get((r.rank, v.slot))
+                if reg.stripe_base <= key.stripe < reg.stripe_base + reg.stripes and arena is not None:
+                    view = encode.shard_of(reg, arena.view(0, r.nbytes), key.stripe - reg.stripe_base, key.shard)
+                    return view, xxhash.xxh3_64_intdigest(view)
+        return None
+
+    # --- a rank's bytes into an arena here --------------------------------------------------------------
+    def recover(self, step: int, rank: int, src: RankSource) -> dict:
+        """Rebuild ``rank``'s bytes of ``step`` from the peers into a local arena (now a local copy)."""
+        from memsnap.restore import gather
+
+        core, slots = self.core, self.core.slots
+        manifest = self.manifest_for(step, rank, src)
+        slots.await_prepared(rank)
+        with core.lock:
+            slots.clear_for_restore(step)
+            v = slots.versions.get(step)
+            if v is None or v.state in ("failed", "freed"):
+                slot = slots.free_slot(step)
+                if slot is None:
+                    raise CommitError(f"node {core.node[:12]}: no arena slot is free for the restore of step {step}")
+                v = slots.versions[step] = Version(step, slot, state="restoring")
+            arena = slots.arena(rank, v.slot, src.nbytes, prefault=False)
+            v.sizes[rank] = src.nbytes
+        stats = gather(core, src, arena.view(0, src.nbytes))
+        with core.lock:
+            v.manifests[rank] = manifest
+            v.state = "committed"
+            slots.drop_if_lean(v, release=False)  # the rank reads the arena now; the next save reuses it
+        core.counters["repaired_chunks"] += stats.get("repaired", 0)
+        return {"path": arena.path, "nbytes": src.nbytes, "manifest": manifest, "stats": stats}
+
+    def rebuild_local(self, step: int, rank: int, src: RankSource, replace_corrupt: bool = False) -> bool:
+        """Re-protection: read ``rank``'s bytes of ``step`` back from the holders as this node's
+        local copy (``replace_corrupt``: over a copy found corrupt). True when it was installed.
+
+        The rank trains on meanwhile, so the bytes are gathered into an arena of their own and
+        installed only if the rank has not begun a newer step by then (its next commit leaves
+        a newer local copy anyway); the slots its saves use are never touched while gathering."""
+        with self.rebuild_lock:  # one at a time: a second request finds the first one's result
+            return self._rebuild_local(step, rank, src, replace_corrupt)
+
+    def _rebuild_local(self, step: int, rank: int, src: RankSource, replace_corrupt: bool) -> bool:
+        from memsnap.restore import gather
+
+        core, slots, nbytes = self.core, self.core.slots, src.nbytes
+
+        def pointless() -> bool:
+            return slots.newer_than(step) or (not replace_corrupt and slots.holds(step, rank))
+
+        with core.lock:
+            if pointless():
+                return False
+        manifest = self.manifest_for(step, rank, src)
+        with core.lock:
+            if pointless():
+                return False
+            core.budget.charge(nbytes, f"the rebuilt local copy of rank {rank} (step {step})")
+        arena, installed = None, False
+        try:
+            arena = Arena.create(naming.arena_path(core.cfg.job, core.node, rank, "rebuild", step), nbytes,
+                                 prefault=False)
+            stats = gather(core, src, arena.view(0, nbytes))
+            with core.lock:
+                v = slots.versions.get(step)
+                if slots.newer_than(step) or (v is not None and v.state != "committed"):
+                    return False
+                if v is None:
+                    free = slots.free_slots()
+                    if not free:
+                        return False
+                    v = slots.versions[step] = Version(step, free[0], state="committed", gen=core.gen)
+                slots.install(rank, v.slot, arena)
+                installed = True
+                v.sizes[rank], v.manifests[rank] = nbytes, manifest
+        finally:
+            if not installed:  # refused, failed, or not created at all: give the memory back
+                if arena is not None:
+                    arena.close(unlink=True)
+                core.budget.release(nbytes)
+        core.counters["repaired_chunks"] += stats.get("repaired", 0)
+        return True
+
+    # --- a lost holder's shards -----------------------------------------------------------------------
+    def rebuild(self, step: int, k: int, m: int, info: dict, addrs: dict, shard: int) -> int:
+        """Re-protection: recreate shard ``shard`` of every stripe of the owner ``info`` names
+        and hold it here, with the owner's manifests (read from another holder)."""
+        from memsnap.restore import rebuild_shard
+
+        core = self.core
+        ready = NodeReady.from_wire(info)
+        n = rebuild_shard(core, step, k, m, ready, addrs, shard)
+        manifests = {}
+        for node in ready.holders:
+            handle = core.dir.agent(node) if node != core.node else None
+            if handle is not None and not manifests:
+                try:
+                    manifests = ray.get(handle.held_manifests.remote(step, ready.node), timeout=tunable("call_timeout_s"))
+                except Exception as exc:
+                    log.info("no manifests of %s at %s: %s", ready.node[:12], node[:12], exc)
+        holders = ready.holders[:shard] + (core.node,) + ready.holders[shard + 1:]
+        self.hold_manifests(step, ready.node, replace(ready, holders=holders).to_wire(), manifests)
+        return n

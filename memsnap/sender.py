@@ -1,0 +1,166 @@
+"""Sending one snapshot of a node: tensor checksums, stripes, parity a batch at a time,
+shard ``j`` of every stripe pushed to holder ``j``, the ranks' manifests handed to the
+holders with the chunks, and the node's ``NodeReady`` report to the coordinator.
+
+One snapshot is sent at a time (one parity scratch buffer); the node's layout (its holders
+and their addresses) is cached until the placement changes or a send fails.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+
+import xxhash
+
+from memsnap import encode
+from memsnap.arena import OwnedBuffer
+from memsnap.checksum import fill_checksums
+from memsnap.config import tunable
+from memsnap.errors import CommitError
+from memsnap.manifest import Manifest
+from memsnap.records import NodeReady, Region
+from memsnap.slots import Version
+
+log = logging.getLogger("memsnap.agent")
+
+
+class Throughput:
+    """The send pipeline's measured rate over its last few snapshots (for the busy warning)."""
+
+    def __init__(self, window: int = 8):
+        self.sends: deque[tuple[int, float]] = deque(maxlen=window)
+
+    def add(self, nbytes: int, seconds: float) -> None:
+        self.sends.append((nbytes, max(seconds, 1e-6)))
+
+    def describe(self) -> tuple[str, str]:
+        if not self.sends:
+            return "nothing yet (no snapshot sent)", "? s"
+        nbytes = sum(b for b, _ in self.sends)
+        seconds = sum(s for _, s in self.sends)
+        return f"{nbytes / seconds / 2**20:.0f} MiB/s", f"{seconds / len(self.sends):.2f} s"
+
+
+class Sender:
+    """``core``: the node's ``AgentCore`` (its lock, slots, transport, codec, coordinator)."""
+
+    def __init__(self, core):
+        self.core = core
+        self.lock = threading.Lock()  # one snapshot is encoded and sent at a time
+        self.parity: OwnedBuffer | None = None
+        self.layout: dict | None = None  # this node's holders and addresses, until the placement changes
+        self.throughput = Throughput()
+
+    def send(self, v: Version, local_ranks: list[int]) -> None:
+        """Send ``v`` (queued: every local rank captured) and report it; never raises."""
+        core = self.core
+        try:
+            with self.lock:
+                with core.lock:
+                    if v.state != "queued":
+                        return  # replaced by a newer capture while it waited
+                    v.state = "sending"
+                t = time.monotonic()
+                info = self._encode_and_push(v, local_ranks)
+                self.throughput.add(sum(v.sizes[r] for r in local_ranks), time.monotonic() - t)
+        except Exception as exc:  # reported, never raised into the pool
+            log.warning("node %s: step %d not sent: %s", core.node[:12], v.step, exc)
+            with core.lock:
+                core.slots.fail(v, f"{type(exc).__name__}: {exc}")
+                self.layout = None  # a holder may be gone: ask for the layout again
+            core.tell("node_failed", v.step, core.node, v.error)
+            return
+        with core.lock:
+            if v.state != "sending":
+                return
+            v.state = "ready"
+            core.infos[v.step] = info
+            if not core.cfg.local_copy and core.cfg.spill is None:
+                core.slots.release(v)
+        core.call("node_ready", info.to_wire())
+
+    def _layout(self) -> dict:
+        layout = self.layout
+        if layout is None:
+            layout = self.layout = self.core.call("node_layout", self.core.node)
+        return layout
+
+    def _encode_and_push(self, v: Version, local_ranks: list[int]) -> NodeReady:
+        core, cfg = self.core, self.core.cfg
+        layout = self._layout()
+        sizes = {r: v.sizes[r] for r in local_ranks}
+        chunk = cfg.chunk or _choose_chunk(max(sizes.values(), default=0), cfg.k)
+        regs = encode.regions(sizes, cfg.k, chunk)
+        encs, digest = [], xxhash.xxh3_64()
+        for reg in regs:
+            data = core.slots.arenas[(reg.rank, v.slot)].view(0, reg.nbytes)
+            man = fill_checksums(Manifest.from_json(v.manifests[reg.rank]), data)
+            v.manifests[reg.rank] = man.to_json().decode()
+            digest.update(v.manifests[reg.rank].encode())
+            encs.append(encode.Encoded(reg, data))
+        info = NodeReady(v.step, core.node, v.gen, chunk, tuple(Region(r.rank, r.nbytes, r.stripe_base) for r in regs),
+                         tuple(layout["holders"]), digest.hexdigest())
+        if layout["holders"]:  # without peers the local copy (and the spill) is all there is
+            self._push_all(v.step, encs, layout["addrs"], chunk)
+            self._hand_manifests(info, {r: v.manifests[r] for r in local_ranks})
+        return info
+
+    def _hand_manifests(self, info: NodeReady, manifests: dict[int, str]) -> None:
+        """The ranks' manifests go to every holder with the chunks (a restore on another node
+        reads them there); a holder that does not take them fails the step like a lost push."""
+        got = self.core.dir.call_all(info.holders, "hold_manifests", info.step, self.core.node, info.to_wire(),
+                                     manifests, timeout=tunable("call_timeout_s"))
+        missing = sorted(set(info.holders) - set(got))
+        if missing:
+            raise CommitError(f"step {info.step}: holders {[h[:12] for h in missing]} did not take the manifests")
+
+    def _push_all(self, step: int, encs: list, addrs: list[dict], chunk: int) -> None:
+        """Data shards stream to their holders straight from the arenas while parity is encoded
+        a batch of stripes at a time into two halves of a small scratch buffer: a half is
+        reused once the pushes of the batch it held are acknowledged."""
+        core = self.core
+        k, m = core.cfg.k, core.cfg.m
+        timeout = tunable("push_timeout_s")
+
+        def push(j: int, items: list) -> None:
+            core.transport.push(addrs[j], items, timeout=timeout)
+            core.counters["pushed_bytes"] += sum(len(mv) for _, mv in items)
+
+        total = sum(enc.lay.stripes for enc in encs)
+        per = max(1, min(total, int(tunable("parity_window")) // max(1, m * chunk)))
+        with ThreadPoolExecutor(max_workers=k + 2 * m) as ex:
+            futures = [ex.submit(push, j, [it for enc in encs for it in enc.items(step, core.node, j)])
+                       for j in range(k)]
+            if m:
+                scratch = self._parity(min(2, -(-total // per)) * per * m * chunk)
+                halves: list[list] = [[], []]
+                for b, members in enumerate(encode.batches(encs, per)):
+                    for fut in halves[b % 2]:
+                        fut.result()  # raises at once if a push of this half failed
+                    half = scratch.view((b % 2) * per * m * chunk, len(members) * m * chunk)
+                    batch = encode.ParityBatch(members, m, chunk, half)
+                    batch.encode(core.codec)
+                    halves[b % 2] = [ex.submit(push, j, batch.items(step, core.node, j)) for j in range(k, k + m)]
+                futures += halves[0] + halves[1]
+            for fut in futures:
+                fut.result()
+
+    def _parity(self, nbytes: int) -> OwnedBuffer:
+        """The node's parity scratch (reused by every snapshot), grown when needed."""
+        if self.parity is None or self.parity.nbytes < nbytes:
+            if self.parity is not None:
+                self.parity.free()
+            self.parity = OwnedBuffer(self.core.budget, nbytes, "the parity scratch buffer")
+        return self.parity
+
+    def parity_bytes(self) -> int:
+        return 0 if self.parity is None else max(self.parity.nbytes, 0)
+
+
+def _choose_chunk(nbytes: int, k: int) -> int:
+    from memsnap.stripes import choose_chunk
+
+    return choose_chunk(nbytes, k, int(tunable("chunk_target")))
