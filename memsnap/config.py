@@ -28,6 +28,7 @@ TUNABLES: dict[str, float] = {
     "reprotect_defer_s": 20.0,      # re-protection waits this long at most for a restore to go first
     "direct_restore": 1,            # 1: a peer restore reads into the rank's tensors (TCP only);
                                     # 0: through the agent's arena, then copied (as the objstore does)
+    "store_step_window": 1 << 20,     # pushes for steps this far above the newest the store knows are refused
 }
 
 
