@@ -28,6 +28,15 @@ TUNABLES: dict[str, float] = {
     "reprotect_defer_s": 20.0,      # re-protection waits this long at most for a restore to go first
     "direct_restore": 1,            # 1: a peer restore reads into the rank's tensors (TCP only);
                                     # 0: through the agent's arena, then copied (as the objstore does)
+    # the TCP data plane's server side (memsnap/transport/server.py)
+    "tcp_handshake_timeout_s": 10.0,  # a new connection must finish the whole handshake by then
+    "tcp_max_unauthenticated": 64,    # connections still in their handshake; more are closed at once
+    "tcp_idle_timeout_s": 300.0,      # an authenticated connection with no new request for this long is closed
+    "tcp_frame_timeout_s": 60.0,      # a frame must arrive (or leave) whole this long after it began
+    "tcp_max_frame_bytes": 64 << 20,  # the largest payload accepted when the runtime passes no chunk bound
+    "tcp_accept_backoff_s": 1.0,      # longest pause before accept() is retried after EMFILE & co.
+    "tcp_refusal_log_s": 10.0,        # refused connections are logged as one line per this many seconds
+    "tcp_encrypt": 0,                 # 1: the TCP data plane encrypts (AES-256-GCM); every agent alike
     "store_step_window": 1 << 20,     # pushes for steps this far above the newest the store knows are refused
 }
 

@@ -99,8 +99,9 @@ class ChunkStore(Protocol):
       2. then either ``complete(key, checksum)`` once the bytes are in and verified,
          or ``discard(key)`` when they did not arrive whole (connection lost, bad checksum).
     and ``lookup(key)`` when a peer fetches a chunk. A client may push the same key again
-    (a retry on a fresh connection), so ``reserve`` of a key already held must replace it.
-    Calls come from several server threads at once.
+    (a retry on a fresh connection), so ``reserve`` of a key already held must replace it;
+    ``reserve`` may raise to refuse a chunk (the pusher is told why), e.g. one still being
+    received on another connection. Calls come from several server threads at once.
     """
 
     def reserve(self, key: ChunkKey, nbytes: int) -> memoryview:
@@ -163,8 +164,11 @@ class Transport(ABC):
 def make_transport(name: str, *, secret: bytes, host: str, **opts) -> Transport:
     """The transport called ``name`` ("tcp" or "objstore") for an agent on ``host``.
 
-    ``secret`` is the per-job key that authenticates TCP connections; ``host`` is the
-    address to bind (the runtime passes Ray's node IP).
+    ``secret`` is the per-job key from which every TCP connection's handshake and frame keys
+    derive; ``host`` is the address to bind (the runtime passes Ray's node IP). TCP options:
+    ``wire`` ("mac": every frame authenticated; "encrypt": also encrypted; default from the
+    ``tcp_encrypt`` tunable), ``max_chunk`` (the largest chunk a peer may send), ``port``,
+    ``window``.
     """
     if name == "tcp":
         from memsnap.transport.tcp import TcpTransport
