@@ -520,3 +520,11 @@ def test_encrypted_stream_round_trips_and_hides_the_payload(served):
     finally:
         client.close()
     assert bytes(out) == data
+
+
+def test_the_encrypt_tunable_picks_the_wire_mode(monkeypatch):
+    assert _client().mode == "mac"
+    monkeypatch.setenv("MEMSNAP_TCP_ENCRYPT", "1")
+    assert _client().mode == "encrypt"
+    with pytest.raises(ValueError, match="wire='plain'"):
+        _client(wire="plain")
