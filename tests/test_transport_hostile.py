@@ -69,7 +69,7 @@ def _closed_by_peer(sock: socket.socket, guard: float = 10.0) -> bool:
             pass
     except (ConnectionResetError, BrokenPipeError):
         pass
-    except socket.timeout:
+    except TimeoutError:
         return False
     return True
 
@@ -236,7 +236,7 @@ def test_vanishing_pusher_releases_its_reservation(served):
     sock, session = _authed(addr)
     with sock:
         n = 1 << 20
-        seq, tag = wire.send_head(sock, session.send, wire.PUSH, _key().pack(), n, 0, time.monotonic() + 10)
+        wire.send_head(sock, session.send, wire.PUSH, _key().pack(), n, 0, time.monotonic() + 10)
         wire.send_all(sock, os.urandom(n // 2), time.monotonic() + 10)  # half the chunk, then silence
         wait_for(lambda: store.pending() == 1, timeout=10, what="the chunk to be reserved")
         assert budget.used == n
@@ -488,7 +488,7 @@ def test_truncated_frame_is_dropped(served):
 
 @pytest.mark.parametrize("mode", ["mac", "encrypt"])
 def test_fetched_chunk_modified_in_transit_raises(served, mode):
-    store, _, addr = served(wire_mode=mode)
+    _, _, addr = served(wire_mode=mode)
     data = os.urandom(N)
     _push(addr, [(_key(), memoryview(data))], wire=mode)
     offset = wire.HEAD.size + 16 + 100  # a payload byte of the response

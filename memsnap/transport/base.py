@@ -153,7 +153,8 @@ class Transport(ABC):
 
         Returns one bool per item: False where the peer does not hold the chunk, its length
         differs from the buffer's, or its checksum fails (logged). Never raises for a missing
-        chunk; raises TransportError when the peer cannot be reached or times out.
+        chunk; raises TransportError when the peer cannot be reached or times out, or (TCP)
+        when an answer fails its authentication (the buffers may then be partly written).
         """
 
     @abstractmethod

@@ -72,7 +72,7 @@ def _wire_mode(wire_mode: str | None) -> str:
 class _Conn:
     """A client's authenticated stream: the socket, its session and scratch buffers."""
 
-    __slots__ = ("sock", "session", "scratch")
+    __slots__ = ("scratch", "session", "sock")
 
     def __init__(self, sock: socket.socket, session):
         self.sock, self.session, self.scratch = sock, session, wire.Scratch()
@@ -230,7 +230,7 @@ class TcpTransport(Transport):
 
     def _ack(self, conn: _Conn, key: ChunkKey, deadline: float, cursor, addr) -> None:
         cursor[0] = key
-        _, status, message, nbytes, _, _, _ = wire.read_head(conn.sock, conn.session.recv, wire.RESPONSES, 0, deadline)
+        _, status, message, _, _, _, _ = wire.read_head(conn.sock, conn.session.recv, wire.RESPONSES, 0, deadline)
         if status != wire.OK:
             conn.close()
             raise TransportError(f"push to {addr[0]}:{addr[1]}: the peer refused chunk {key}: "
