@@ -228,11 +228,11 @@ def test_trickling_holder_fails_a_fetch_within_its_deadline():
         client.close()
         t.join(timeout=10)
         listener.close()
-    assert 0 < sent[0] < total[0]  # the holder was still trickling when the fetch gave up
+    assert sent[0] < total[0]  # the holder was still trickling when the fetch gave up
 
 
 def test_vanishing_pusher_releases_its_reservation(served):
-    store, budget, addr = served(tcp_frame_timeout_s=0.5, tcp_idle_timeout_s=30)
+    store, budget, addr = served(tcp_frame_timeout_s=2, tcp_idle_timeout_s=30)
     sock, session = _authed(addr)
     with sock:
         n = 1 << 20
