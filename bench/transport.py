@@ -1,13 +1,15 @@
 """Data-plane throughput, side by side in one run: raw loopback socket vs memsnap's TCP
-transport vs the Ray object-store transport, each moving 256 MiB-1 GiB between two processes.
+transport with authenticated frames (``wire="mac"``) and with encrypted ones
+(``wire="encrypt"``), each moving 256 MiB-1 GiB between two processes; optionally the Ray
+object-store transport too.
 
-    python bench/transport.py [--sizes-mib 256 1024] [--repeats 3] [--out bench/results/transport.md]
+    python bench/transport.py [--sizes-mib 256 1024] [--rounds 5] [--objstore] [--out bench/results/transport.md]
 
 Every receiver writes into memory it allocated and touched before the clock starts (as the
 agent's arena does); every sender sends from a touched buffer. GiB/s = bytes / wall time
-from the first byte sent until the receiver acknowledged the last. Each repeat runs the raw
-socket and then the TCP transport back to back (so both see the same load), and the best
-of ``--repeats`` is reported (the machine is shared; the best run is the least disturbed).
+from the first byte sent until the receiver acknowledged the last. Each round runs the raw
+socket, then each TCP mode (push, then fetch) back to back, so all see the same load; the
+table reports the median of ``--rounds`` rounds (the machine is shared).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import multiprocessing as mp
 import os
 import platform
 import socket
+import statistics
 import sys
 import time
 
@@ -85,8 +88,11 @@ def _raw_round(sock: socket.socket, src: np.ndarray) -> float:
 
 
 # --- memsnap TCP transport -----------------------------------------------------------------
-def _tcp_server(conn, nbytes: int, chunk: int) -> None:
-    transport = make_transport("tcp", secret=SECRET, host="127.0.0.1")
+MODES = ("mac", "encrypt")
+
+
+def _tcp_server(conn, nbytes: int, chunk: int, mode: str) -> None:
+    transport = make_transport("tcp", secret=SECRET, host="127.0.0.1", wire=mode, max_chunk=chunk)
     conn.send(transport.start(ArenaStore(nbytes, chunk)))
     conn.recv()  # run until told to stop
     transport.close()
@@ -105,30 +111,34 @@ def _tcp_round(client, addr: dict, src: np.ndarray, back: np.ndarray, chunk: int
     return push, fetch
 
 
-def bench_raw_and_tcp(src: np.ndarray, chunk: int, repeats: int) -> tuple[float, float, float]:
-    """Best raw, TCP push and TCP fetch GiB/s; each repeat runs raw then TCP back to back."""
+def bench_raw_and_tcp(src: np.ndarray, chunk: int, rounds: int) -> dict[str, list[float]]:
+    """GiB/s of every round: ``raw``, and ``<mode>_push`` / ``<mode>_fetch`` per wire mode;
+    each round runs them all back to back."""
     ctx = mp.get_context("spawn")
     raw_pipe, raw_child = ctx.Pipe()
-    tcp_pipe, tcp_child = ctx.Pipe()
-    procs = [ctx.Process(target=_raw_receiver, args=(raw_child, len(src), repeats), daemon=True),
-             ctx.Process(target=_tcp_server, args=(tcp_child, len(src), chunk), daemon=True)]
+    pipes = {m: ctx.Pipe() for m in MODES}
+    procs = [ctx.Process(target=_raw_receiver, args=(raw_child, len(src), rounds), daemon=True)]
+    procs += [ctx.Process(target=_tcp_server, args=(pipes[m][1], len(src), chunk, m), daemon=True) for m in MODES]
     for proc in procs:
         proc.start()
-    client = make_transport("tcp", secret=SECRET, host="127.0.0.1")
+    clients = {m: make_transport("tcp", secret=SECRET, host="127.0.0.1", wire=m, max_chunk=chunk) for m in MODES}
+    out: dict[str, list[float]] = {"raw": [], **{f"{m}_{d}": [] for m in MODES for d in ("push", "fetch")}}
     try:
         sock = socket.create_connection(("127.0.0.1", raw_pipe.recv()), timeout=60)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        addr, back = tcp_pipe.recv(), np.ones(len(src) + chunk, np.uint8)
-        raw = push = fetch = 0.0
-        for r in range(repeats):
-            raw = max(raw, _raw_round(sock, src))
-            p, f = _tcp_round(client, addr, src, back, chunk, r)
-            push, fetch = max(push, p), max(fetch, f)
+        addrs, back = {m: pipes[m][0].recv() for m in MODES}, np.ones(len(src) + chunk, np.uint8)
+        for r in range(rounds):
+            out["raw"].append(_raw_round(sock, src))
+            for m in MODES:
+                p, f = _tcp_round(clients[m], addrs[m], src, back, chunk, r)
+                out[f"{m}_push"].append(p)
+                out[f"{m}_fetch"].append(f)
         sock.close()
-        return raw, push, fetch
+        return out
     finally:
-        client.close()
-        tcp_pipe.send("stop")
+        for m in MODES:
+            clients[m].close()
+            pipes[m][0].send("stop")
         for proc in procs:
             proc.join(timeout=60)
 
@@ -175,40 +185,42 @@ def _objstore_rounds(addr: dict, nbytes: int, chunk: int, repeats: int) -> tuple
     src = np.random.default_rng(1).integers(0, 255, nbytes, dtype=np.uint8)
     back = np.ones(nbytes + chunk, np.uint8)
     client = make_transport("objstore", secret=SECRET, host="127.0.0.1")
-    push = fetch = 0.0
+    push, fetch = [], []
     for r in range(repeats):
         items = _items(src, chunk, r)
         t0 = time.perf_counter()
         client.push(addr, items, timeout=600)
-        push = max(push, nbytes / GIB / (time.perf_counter() - t0))
+        push.append(nbytes / GIB / (time.perf_counter() - t0))
         outs = [(k, memoryview(back)[i * chunk:i * chunk + len(v)]) for i, (k, v) in enumerate(items)]
         t0 = time.perf_counter()
         ok = client.fetch(addr, outs, timeout=600)
-        fetch = max(fetch, nbytes / GIB / (time.perf_counter() - t0))
+        fetch.append(nbytes / GIB / (time.perf_counter() - t0))
         assert all(ok) and np.array_equal(back[:nbytes], src), "object-store round trip lost bytes"
-    return push, fetch
+    return statistics.median(push), statistics.median(fetch)
 
 
 # --- report --------------------------------------------------------------------------------
-def _table(rows: list[dict]) -> str:
-    head = ("| size | raw socket | memsnap TCP push | memsnap TCP fetch | Ray objstore push "
-            "| Ray objstore fetch | TCP push / raw | TCP push / objstore push |")
-    lines = [head, "|" + "---|" * 8]
+COLUMNS = [("raw", "raw socket"), ("mac_push", "MAC push"), ("mac_fetch", "MAC fetch"),
+           ("encrypt_push", "encrypted push"), ("encrypt_fetch", "encrypted fetch")]
+
+
+def _table(rows: list[dict], objstore: bool) -> str:
+    cols = COLUMNS + ([("obj_push", "Ray objstore push"), ("obj_fetch", "Ray objstore fetch")] if objstore else [])
+    head = ["size", *(c[1] for c in cols), "MAC push / raw", "MAC fetch / raw", "encrypted push / raw"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        lines.append(
-            f"| {r['mib']} MiB | {r['raw']:.2f} | {r['tcp_push']:.2f} | {r['tcp_fetch']:.2f} "
-            f"| {r['obj_push']:.2f} | {r['obj_fetch']:.2f} | {r['tcp_push'] / r['raw']:.2f}x "
-            f"| {r['tcp_push'] / r['obj_push']:.1f}x |")
+        cells = [f"{r['mib']} MiB", *(f"{r[c]:.2f}" for c, _ in cols),
+                 *(f"{r[c] / r['raw']:.2f}x" for c in ("mac_push", "mac_fetch", "encrypt_push"))]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def main(argv=None) -> None:
-    from tqdm import tqdm
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes-mib", type=int, nargs="+", default=[256, 1024])
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--chunk-mib", type=float, default=4.0, help="target shard size (choose_chunk)")
+    ap.add_argument("--objstore", action="store_true", help="also measure the Ray object-store transport")
     ap.add_argument("--out", default=None, help="append the markdown table to this file")
     args = ap.parse_args(argv)
     sizes = [s << 20 for s in args.sizes_mib]
@@ -216,18 +228,21 @@ def main(argv=None) -> None:
     def chunk_of(n: int) -> int:
         return choose_chunk(n, 1, int(args.chunk_mib * (1 << 20)))
 
-    rows = []
-    for nbytes in tqdm(sizes, desc="raw + TCP", unit="size"):
+    rows, load = [], os.getloadavg()[0]
+    for nbytes in sizes:
         src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
-        raw, tcp_push, tcp_fetch = bench_raw_and_tcp(src, chunk_of(nbytes), args.repeats)
-        rows.append({"mib": nbytes >> 20, "raw": raw, "tcp_push": tcp_push, "tcp_fetch": tcp_fetch})
-    obj = bench_objstore(sizes, chunk_of, args.repeats)
-    for r, nbytes in zip(rows, sizes):
-        r["obj_push"], r["obj_fetch"] = obj[nbytes]
-    table = _table(rows)
-    header = (f"GiB/s, best of {args.repeats}; chunks of {chunk_of(sizes[0])} B; {os.cpu_count()} CPUs; "
-              f"{platform.python_version()}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
-              f"load average {os.getloadavg()[0]:.1f} at the end")
+        runs = bench_raw_and_tcp(src, chunk_of(nbytes), args.rounds)
+        rows.append({"mib": nbytes >> 20, **{k: statistics.median(v) for k, v in runs.items()}})
+        print(nbytes >> 20, "MiB", {k: [round(x, 2) for x in v] for k, v in runs.items()}, flush=True)
+    if args.objstore:
+        obj = bench_objstore(sizes, chunk_of, args.rounds)
+        for r, nbytes in zip(rows, sizes):
+            r["obj_push"], r["obj_fetch"] = obj[nbytes]
+    table = _table(rows, args.objstore)
+    header = (f"GiB/s, median of {args.rounds} interleaved rounds; chunks of {chunk_of(sizes[0])} B; "
+              f"{os.cpu_count()} CPUs; {platform.python_version()}; "
+              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; load average {load:.1f} at the start, "
+              f"{os.getloadavg()[0]:.1f} at the end")
     print(header)
     print(table)
     if args.out:

@@ -53,14 +53,14 @@ from memsnap import arena as arena_files
 from memsnap import naming
 from memsnap.arena import MemoryBudget
 from memsnap.chunkstore import HeldChunks
-from memsnap.config import SnapshotConfig, tunable
+from memsnap.config import SnapshotConfig, tcp_options, tunable
 from memsnap.directory import Directory
 from memsnap.errors import CommitError, MemoryBudgetError
 from memsnap.records import CommitNotice, Inventory, NodeReady, RankSource
 from memsnap.repair import Repair
 from memsnap.sender import Sender
 from memsnap.slots import Slots, Version
-from memsnap.transport.base import make_transport
+from memsnap.transport import make_transport
 
 log = logging.getLogger("memsnap.agent")
 
@@ -106,7 +106,7 @@ class AgentCore:
     def _transport_opts(self) -> dict:
         if self.cfg.transport == "objstore":
             return {"actor_name": naming.agent(self.cfg.job, self.node), "namespace": naming.NAMESPACE}
-        return {}
+        return tcp_options(self.cfg)
 
     # --- 1. begin ----------------------------------------------------------------------------
     def begin(self, step: int, rank: int, nbytes: int) -> dict:
@@ -131,7 +131,8 @@ class AgentCore:
                 raise
             v.sizes[rank] = nbytes
             v.manifests.pop(rank, None)
-            return {"path": arena.path, "nbytes": nbytes, "slot": v.slot}
+        self.store.announce(step)  # holders accept pushes up to store_step_window above it
+        return {"path": arena.path, "nbytes": nbytes, "slot": v.slot}
 
     def _replaced(self, v: Version, was: str, step: int) -> None:
         """``step`` took ``v``'s slot: ``v`` is dropped here and, through the coordinator, on
@@ -195,6 +196,7 @@ class AgentCore:
     # --- 7. commit -------------------------------------------------------------------------------
     def commit(self, notice: CommitNotice) -> None:
         step, keep = notice.step, set(notice.keep)
+        self.store.announce(step)
         with self.lock:
             first = step not in self.committed  # (re-protection tells the agents of a commit again)
             self.committed[step] = notice

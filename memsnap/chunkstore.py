@@ -3,6 +3,10 @@
 ``HeldChunks`` implements the transport's ``ChunkStore`` protocol. Chunk buffers come from
 a pool of touched buffers of equal size, charged once against the agent's memory budget and
 reused after a version is freed, so receiving a snapshot never allocates fresh pages.
+Two bounds keep a peer from pinning the budget: a push for a step more than
+``store_step_window`` (a tunable) above the newest step the store knows is refused, and a
+second reservation of a chunk still being received is refused (the two never share a
+buffer). A discarded reservation (a chunk that did not arrive) goes back to the budget.
 """
 from __future__ import annotations
 
@@ -13,15 +17,22 @@ from typing import Callable
 import xxhash
 
 from memsnap.arena import MemoryBudget, touch
+from memsnap.config import tunable
 from memsnap.errors import MemoryBudgetError
 from memsnap.transport.base import ChunkKey
+
+
+class ChunkRefused(ValueError):
+    """A reservation the store will not make (a far-future step, a chunk already in flight)."""
 
 
 class HeldChunks:
     """Thread-safe ``ChunkStore``: key -> (buffer, xxh3-64 integer)."""
 
-    def __init__(self, budget: MemoryBudget):
+    def __init__(self, budget: MemoryBudget, step_window: int | None = None):
         self._budget = budget
+        self._window = int(tunable("store_step_window")) if step_window is None else step_window
+        self._newest: int | None = None  # the newest step seen (held, reserved or announced)
         self._lock = threading.Lock()
         self._free: dict[int, list[mmap.mmap]] = {}
         self._pending: dict[ChunkKey, mmap.mmap] = {}
@@ -32,13 +43,28 @@ class HeldChunks:
 
     # --- the ChunkStore protocol (called by the transport's server half) ------------------
     def reserve(self, key: ChunkKey, nbytes: int) -> memoryview:
+        """A buffer for ``key``; ChunkRefused when ``key`` is already being received or its step
+        is far above the newest step known, MemoryBudgetError when it does not fit."""
         with self._lock:
-            old = self._pending.pop(key, None)
-            if old is not None:
-                self._put_back(old)
+            self._admit(key)
             buf = self._take(nbytes, key)
             self._pending[key] = buf
+            self._newest = key.step if self._newest is None else max(self._newest, key.step)
         return memoryview(buf)[:nbytes]
+
+    def _admit(self, key: ChunkKey) -> None:
+        if key in self._pending:
+            raise ChunkRefused(f"chunk {key} is already being received (on another connection); "
+                               "retry once that transfer ends")
+        if self._newest is not None and key.step > self._newest + self._window:
+            raise ChunkRefused(f"chunk {key} is for step {key.step}, more than store_step_window="
+                               f"{self._window} steps above the newest step {self._newest} this node knows")
+
+    def announce(self, step: int) -> None:
+        """The agent began or committed ``step``: pushes up to ``store_step_window`` above it are
+        accepted from now on."""
+        with self._lock:
+            self._newest = step if self._newest is None else max(self._newest, step)
 
     def complete(self, key: ChunkKey, checksum: int) -> None:
         if self._stall is not None and key.step == self._stall[0]:
@@ -53,8 +79,8 @@ class HeldChunks:
     def discard(self, key: ChunkKey) -> None:
         with self._lock:
             buf = self._pending.pop(key, None)
-            if buf is not None:
-                self._put_back(buf)
+        if buf is not None:  # unmapped once the transport drops its view of it
+            self._budget.release(len(buf))
 
     def lookup(self, key: ChunkKey) -> tuple[memoryview, int] | None:
         """A held chunk and its checksum; else what ``own`` serves (the agent's own committed
@@ -93,6 +119,11 @@ class HeldChunks:
                 shards = out.setdefault(key.step, {}).setdefault(key.owner, {})
                 shards[key.shard] = shards.get(key.shard, 0) + 1
         return out
+
+    def pending(self) -> int:
+        """How many reservations are still being received."""
+        with self._lock:
+            return len(self._pending)
 
     def held_bytes(self) -> int:
         with self._lock:

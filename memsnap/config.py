@@ -9,6 +9,7 @@ from memsnap.errors import ConfigError
 
 _JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 TRANSPORTS = ("tcp", "objstore")
+WIRES = ("mac", "encrypt")
 
 # Internal tunables, one table. Override any of them with the environment variable
 # MEMSNAP_<NAME upper-cased>, e.g. MEMSNAP_CALL_TIMEOUT_S=60.
@@ -27,6 +28,16 @@ TUNABLES: dict[str, float] = {
     "reprotect_defer_s": 20.0,      # re-protection waits this long at most for a restore to go first
     "direct_restore": 1,            # 1: a peer restore reads into the rank's tensors (TCP only);
                                     # 0: through the agent's arena, then copied (as the objstore does)
+    # the TCP data plane's server side (memsnap/transport/server.py)
+    "tcp_handshake_timeout_s": 10.0,  # a new connection must finish the whole handshake by then
+    "tcp_max_unauthenticated": 64,    # connections still in their handshake; more are closed at once
+    "tcp_idle_timeout_s": 300.0,      # an authenticated connection with no new request for this long is closed
+    "tcp_frame_timeout_s": 60.0,      # a frame must arrive (or leave) whole this long after it began
+    "tcp_max_frame_bytes": 64 << 20,  # the largest payload accepted when the runtime passes no chunk bound
+    "tcp_accept_backoff_s": 1.0,      # longest pause before accept() is retried after EMFILE & co.
+    "tcp_refusal_log_s": 10.0,        # refused connections are logged as one line per this many seconds
+    "tcp_encrypt": 0,                 # 1: the TCP data plane encrypts (AES-256-GCM); every agent alike
+    "store_step_window": 1 << 20,     # pushes for steps this far above the newest the store knows are refused
 }
 
 
@@ -86,6 +97,7 @@ class SnapshotConfig:
     chunk: int | None = None
     local_copy: bool = True
     peers: bool | None = None
+    wire: str = "mac"
 
     def __post_init__(self) -> None:
         if not isinstance(self.job, str) or not _JOB_RE.match(self.job):
@@ -103,6 +115,9 @@ class SnapshotConfig:
         _positive("spill_bytes_per_s", self.spill_bytes_per_s)
         if self.transport not in TRANSPORTS:
             raise ConfigError(f"transport={self.transport!r}: use one of {TRANSPORTS}")
+        if self.wire not in WIRES:
+            raise ConfigError(f"wire={self.wire!r}: use 'mac' (every frame authenticated) or 'encrypt' (also "
+                              "encrypted, for networks others can read; pip install 'memsnap[encrypt]')")
         if self.chunk is not None and (not isinstance(self.chunk, int) or self.chunk < 64 or self.chunk % 64):
             raise ConfigError(f"chunk={self.chunk!r}: must be a positive multiple of 64 bytes (or None)")
         if not isinstance(self.local_copy, bool):
@@ -134,3 +149,12 @@ class SnapshotConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "SnapshotConfig":
         return cls(**d)
+
+
+def tcp_options(cfg: SnapshotConfig) -> dict:
+    """The TCP transport's options for a job: its wire mode, and its chunk size as the largest
+    frame a peer may send (when the job fixed one)."""
+    opts = {"wire": cfg.wire}
+    if cfg.chunk is not None:
+        opts["max_chunk"] = cfg.chunk
+    return opts

@@ -80,11 +80,14 @@ class Failures:
 
 @dataclass(frozen=True)
 class Wire:
-    """The data plane: ``transport`` ``"tcp"`` (direct, authenticated streams between agents)
-    or ``"objstore"`` (Ray's object store); ``chunk``: the shard size (None: about 4 MiB)."""
+    """The data plane: ``transport`` ``"tcp"`` (direct streams between agents, every frame
+    authenticated) or ``"objstore"`` (Ray's object store); ``mode`` ``"mac"`` or ``"encrypt"``
+    (TCP frames also encrypted, for networks others can read); ``chunk``: the shard size
+    (None: about 4 MiB)."""
 
     transport: str = "tcp"
     chunk: int | None = None
+    mode: str = "mac"
 
 
 GROUPS = {"protection": Protection, "memory": Memory, "spill": Spill, "when": When, "failures": Failures,
@@ -101,7 +104,7 @@ SHORTHAND = {
     "auto": ("when", "auto"), "mtbf_hours": ("when", "mtbf_hours"),
     "on_error": ("failures", "on_error"), "max_staleness_steps": ("failures", "max_staleness_steps"),
     "preemption": ("failures", "preemption"), "preemption_grace_s": ("failures", "preemption_grace_s"),
-    "transport": ("wire", "transport"), "chunk": ("wire", "chunk"),
+    "transport": ("wire", "transport"), "chunk": ("wire", "chunk"), "wire_mode": ("wire", "mode"),
 }
 
 

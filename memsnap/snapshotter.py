@@ -26,7 +26,7 @@ import ray
 
 from memsnap import actors, naming
 from memsnap.arena import Arena
-from memsnap.config import SnapshotConfig, tunable
+from memsnap.config import SnapshotConfig, tcp_options, tunable
 from memsnap.errors import ChecksumError, ConfigError, MemsnapError
 from memsnap.manifest import Manifest
 from memsnap.options import Failures, Memory, Protection, Spill, When, Wire, resolve
@@ -360,7 +360,8 @@ class Snapshotter:
             from memsnap.agent import codec_for
             from memsnap.transport import make_transport
 
-            client = make_transport("tcp", secret=self._secret, host=ray.util.get_node_ip_address())
+            client = make_transport("tcp", secret=self._secret, host=ray.util.get_node_ip_address(),
+                                    **tcp_options(self.config))
             self._receiver = receive.Peers(client, codec_for(self.config.k, self.config.m))
         try:
             stats = receive.into_state(self._receiver, source, manifest_json, state)
@@ -468,7 +469,7 @@ def job_config(job: str, opts: dict) -> SnapshotConfig:
     pro, mem, sp, wi = opts["protection"], opts["memory"], opts["spill"], opts["wire"]
     return SnapshotConfig(job, pro.k, pro.m, pro.group_size, mem.keep, mem.budget, sp.uri, sp.every,
                           sp.every_seconds, sp.bytes_per_s, wi.transport, wi.chunk,
-                          local_copy=pro.local_copy, peers=pro.peers)
+                          local_copy=pro.local_copy, peers=pro.peers, wire=wi.mode)
 
 
 def start_spare(job: str, node_id: str, **options: Any):

@@ -5,7 +5,7 @@ import pytest
 import xxhash
 
 from memsnap.arena import MemoryBudget
-from memsnap.chunkstore import HeldChunks
+from memsnap.chunkstore import ChunkRefused, HeldChunks
 from memsnap.errors import MemoryBudgetError
 from memsnap.transport.base import ChunkKey
 
@@ -53,3 +53,46 @@ def test_flip_byte_changes_the_bytes_not_the_checksum():
     store.flip_byte(key(), 3)
     mv, c = store.lookup(key())
     assert mv[3] == 0xFF and c == xxhash.xxh3_64_intdigest(b"\0" * 64)
+
+
+def test_second_reservation_of_a_chunk_in_flight_is_refused_and_shares_nothing():
+    budget = MemoryBudget(1 << 20)
+    store = HeldChunks(budget)
+    first = store.reserve(key(), 64)
+    with pytest.raises(ChunkRefused, match="already being received"):
+        store.reserve(key(), 64)
+    first[:] = b"a" * 64
+    store.complete(key(), 1)
+    again = store.reserve(key(), 64)  # a chunk held (not in flight) may be pushed again
+    assert bytes(store.lookup(key())[0][:64]) == b"a" * 64
+    again[:] = b"b" * 64
+    store.complete(key(), 2)
+    assert bytes(store.lookup(key())[0][:64]) == b"b" * 64
+
+
+def test_discarded_reservation_goes_back_to_the_budget():
+    budget = MemoryBudget(1 << 20)
+    store = HeldChunks(budget)
+    store.reserve(key(), 4096)
+    assert budget.used == 4096 and store.pending() == 1
+    store.discard(key())
+    assert budget.used == 0 and store.pending() == 0
+
+
+def test_far_future_steps_are_refused_until_announced():
+    store = HeldChunks(MemoryBudget(1 << 20), step_window=10)
+    store.put(key(step=100), b"x")
+    store.put(key(step=110), b"x")  # within the window of the newest step known
+    with pytest.raises(ChunkRefused, match="store_step_window=10"):
+        store.reserve(key(step=121), 1)
+    store.announce(120)
+    store.put(key(step=121), b"x")
+    assert [k.step for k in store.keys()] == [100, 110, 121]
+
+
+def test_the_step_window_is_a_tunable(monkeypatch):
+    monkeypatch.setenv("MEMSNAP_STORE_STEP_WINDOW", "3")
+    store = HeldChunks(MemoryBudget(1 << 20))
+    store.put(key(step=1), b"x")
+    with pytest.raises(ChunkRefused):
+        store.reserve(key(step=5), 1)

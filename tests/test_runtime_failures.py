@@ -16,7 +16,7 @@ import ray
 
 from memsnap import naming, testing
 from memsnap.errors import TransportError
-from memsnap.transport.base import ChunkKey, make_transport
+from memsnap.transport import ChunkKey, make_transport
 from support.runtime import (cluster, kill, lose_nodes, remove_arenas, restore_all, start_all,
                                   start_trainer, wait_for)
 

@@ -5,12 +5,13 @@ import logging
 import os
 import socket
 import threading
+import time
 
 import pytest
 
 from memsnap.errors import TransportError
 from memsnap.localcluster import wait_for
-from memsnap.transport import ChunkKey, auth, make_transport, tcp, wire
+from memsnap.transport import ChunkKey, auth, make_transport, wire
 
 SECRET = os.urandom(32)
 
@@ -35,7 +36,7 @@ class Store:
 
 @pytest.fixture
 def server(monkeypatch):
-    monkeypatch.setattr(tcp, "HANDSHAKE_TIMEOUT", 1.0)
+    monkeypatch.setenv("MEMSNAP_TCP_HANDSHAKE_TIMEOUT_S", "1.0")
     store = Store()
     t = make_transport("tcp", secret=SECRET, host="127.0.0.1")
     addr = t.start(store)
@@ -92,10 +93,10 @@ def test_wrong_secret_is_dropped_and_logged(server, caplog):
     caplog.set_level(logging.WARNING, logger="memsnap.transport")
     with socket.create_connection((addr["host"], addr["port"]), timeout=10) as sock:
         port = sock.getsockname()[1]
-        hello = wire.recv_exact(sock, len(auth.MAGIC) + auth.NONCE)
-        nonce = os.urandom(auth.NONCE)
-        bad = auth._mac(os.urandom(32), b"client", hello[len(auth.MAGIC):], nonce)
-        sock.sendall(auth.MAGIC + nonce + bad + _push_frame())
+        hello = wire.recv_exact(sock, len(auth.MAGIC) + 1 + auth.NONCE, _soon())
+        nonce, mode = os.urandom(auth.NONCE), hello[len(auth.MAGIC):len(auth.MAGIC) + 1]
+        bad = auth._mac(os.urandom(32), b"client", mode, hello[len(auth.MAGIC) + 1:], nonce)
+        sock.sendall(auth.MAGIC + mode + nonce + bad + _push_frame())
         assert _dropped(sock)
     wait_for(lambda: _logged_drop(caplog, port), timeout=10, what="the drop to be logged")
     assert any("proof" in r.getMessage() for r in caplog.records)
@@ -134,8 +135,8 @@ def test_client_refuses_a_server_without_the_secret():
     def impostor():
         conn, _ = listener.accept()
         with conn:
-            conn.sendall(auth.MAGIC + os.urandom(auth.NONCE))
-            wire.recv_exact(conn, len(auth.MAGIC) + auth.NONCE + auth.MAC)
+            conn.sendall(auth.MAGIC + b"\0" + os.urandom(auth.NONCE))
+            wire.recv_exact(conn, len(auth.MAGIC) + 1 + auth.NONCE + auth.MAC, _soon())
             conn.sendall(os.urandom(auth.MAC))
             conn.settimeout(5)
             try:
@@ -163,10 +164,10 @@ def test_the_secret_never_crosses_the_wire():
     sent = []
     with a, b:
         errors = []
-        server = threading.Thread(target=lambda: _catch(errors, auth.server_handshake, b, SECRET))
+        server = threading.Thread(target=lambda: _catch(errors, auth.server_handshake, b, SECRET, _soon()))
         server.start()
         wrapped = _Spy(a, sent)
-        auth.client_handshake(wrapped, SECRET)
+        auth.client_handshake(wrapped, SECRET, _soon())
         server.join(timeout=10)
     assert not errors
     assert SECRET not in b"".join(sent)
@@ -178,12 +179,20 @@ class _Spy:
     def __init__(self, sock, sent):
         self.sock, self.sent = sock, sent
 
-    def sendall(self, data):
-        self.sent.append(bytes(data))
-        self.sock.sendall(data)
+    def send(self, data):
+        n = self.sock.send(data)
+        self.sent.append(bytes(data[:n]))
+        return n
 
     def recv_into(self, *args):
         return self.sock.recv_into(*args)
+
+    def setsockopt(self, *args):
+        return self.sock.setsockopt(*args)
+
+
+def _soon() -> float:
+    return time.monotonic() + 10
 
 
 def _catch(errors, fn, *args):

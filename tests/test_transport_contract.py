@@ -51,15 +51,16 @@ class DictStore:
 
 # --- the TCP side --------------------------------------------------------------------------
 class TcpHarness:
-    def __init__(self):
+    def __init__(self, wire: str = "mac"):
+        self.wire = wire
         self.store = DictStore()
-        self.server = make_transport("tcp", secret=SECRET, host="127.0.0.1")
+        self.server = make_transport("tcp", secret=SECRET, host="127.0.0.1", wire=wire)
         self.addr = self.server.start(self.store)
         self.silent = socket.create_server(("127.0.0.1", 0))  # accepts, never answers
         self.accepted = []
         threading.Thread(target=self._accept_forever, daemon=True).start()
         self.hang_addr = {"transport": "tcp", "host": "127.0.0.1", "port": self.silent.getsockname()[1]}
-        gone = make_transport("tcp", secret=SECRET, host="127.0.0.1")
+        gone = make_transport("tcp", secret=SECRET, host="127.0.0.1", wire=wire)
         self.gone_addr = gone.start(DictStore())
         gone.close()
 
@@ -71,7 +72,8 @@ class TcpHarness:
                 return
 
     def client(self, small: bool = False):
-        return make_transport("tcp", secret=SECRET, host="127.0.0.1", **({"window": 2} if small else {}))
+        return make_transport("tcp", secret=SECRET, host="127.0.0.1", wire=self.wire,
+                              **({"window": 2} if small else {}))
 
     def corrupt(self, key):
         self.store.corrupt(key)
@@ -171,9 +173,12 @@ def cluster():
         yield c
 
 
-@pytest.fixture(scope="module", params=["tcp", pytest.param("objstore", marks=pytest.mark.ray)])
+@pytest.fixture(scope="module", params=["tcp", "tcp-encrypt", pytest.param("objstore", marks=pytest.mark.ray)])
 def harness(request):
-    h = TcpHarness() if request.param == "tcp" else ObjStoreHarness(request.getfixturevalue("cluster"))
+    if request.param == "objstore":
+        h = ObjStoreHarness(request.getfixturevalue("cluster"))
+    else:
+        h = TcpHarness("encrypt" if request.param == "tcp-encrypt" else "mac")
     try:
         yield h
     finally:

@@ -99,8 +99,9 @@ class ChunkStore(Protocol):
       2. then either ``complete(key, checksum)`` once the bytes are in and verified,
          or ``discard(key)`` when they did not arrive whole (connection lost, bad checksum).
     and ``lookup(key)`` when a peer fetches a chunk. A client may push the same key again
-    (a retry on a fresh connection), so ``reserve`` of a key already held must replace it.
-    Calls come from several server threads at once.
+    (a retry on a fresh connection), so ``reserve`` of a key already held must replace it;
+    ``reserve`` may raise to refuse a chunk (the pusher is told why), e.g. one still being
+    received on another connection. Calls come from several server threads at once.
     """
 
     def reserve(self, key: ChunkKey, nbytes: int) -> memoryview:
@@ -152,26 +153,10 @@ class Transport(ABC):
 
         Returns one bool per item: False where the peer does not hold the chunk, its length
         differs from the buffer's, or its checksum fails (logged). Never raises for a missing
-        chunk; raises TransportError when the peer cannot be reached or times out.
+        chunk; raises TransportError when the peer cannot be reached or times out, or (TCP)
+        when an answer fails its authentication (the buffers may then be partly written).
         """
 
     @abstractmethod
     def close(self) -> None:
         """Stop serving and drop every connection. Idempotent."""
-
-
-def make_transport(name: str, *, secret: bytes, host: str, **opts) -> Transport:
-    """The transport called ``name`` ("tcp" or "objstore") for an agent on ``host``.
-
-    ``secret`` is the per-job key that authenticates TCP connections; ``host`` is the
-    address to bind (the runtime passes Ray's node IP).
-    """
-    if name == "tcp":
-        from memsnap.transport.tcp import TcpTransport
-
-        return TcpTransport(secret=secret, host=host, **opts)
-    if name == "objstore":
-        from memsnap.transport.objstore import ObjStoreTransport
-
-        return ObjStoreTransport(**opts)
-    raise ValueError(f"transport {name!r} is unknown: use 'tcp' or 'objstore'")

@@ -1,57 +1,81 @@
-"""The TCP data plane's binary framing: fixed struct headers, raw chunk bytes, no pickle.
+"""The TCP data plane's framing: deadline-bound socket I/O and authenticated frames, no pickle.
 
 After the handshake (auth.py) a client sends requests and the server answers each one, in
-order, on the same connection:
+order, on the same connection. Every frame, both ways, is
 
-    request  = REQUEST header (op, key length, payload length, xxh3-64) + packed key + payload
-    response = RESPONSE header (status, message length, payload length, xxh3-64)
-               + utf-8 message + payload
+    HEAD (kind, name length, payload length, xxh3-64) + name + header tag (16)
+    [+ payload + body tag (16)]            when the payload length is not 0
 
-``PUSH`` carries a chunk as payload and is answered ``OK`` (stored) or ``FAILED`` (with a
-message). ``FETCH`` has no payload and is answered ``OK`` with the held chunk and the
-checksum recorded when it was stored, or ``MISSING``.
+``name`` is the packed chunk key of a request, the utf-8 message of a response. The tags
+are session.py's (keyed BLAKE3, or AES-GCM for the payload with ``wire="encrypt"``), per
+direction, over a sequence number both ends count. ``PUSH`` carries a chunk and its xxh3-64
+(the checksum the holder stores) and is answered ``OK`` or ``FAILED`` (with a message);
+``FETCH`` has no payload and is answered ``OK`` with the chunk and the checksum stored with
+it, or ``MISSING``. Every receive and send is bounded by a deadline for the whole frame,
+not per system call; a trickling peer cannot stretch it.
 """
 from __future__ import annotations
 
 import socket
 import struct
+import time
 
-REQUEST = struct.Struct("<BHQQ")   # op, key_len, nbytes, checksum
-RESPONSE = struct.Struct("<BHQQ")  # status, msg_len, nbytes, checksum
+from memsnap.transport.session import TAG, Direction, FrameError, body_tag, hash_pieces
+
+HEAD = struct.Struct("<BHQQ")  # kind (op or status), name length, payload length, xxh3-64
+REQUEST = RESPONSE = HEAD
 
 PUSH, FETCH = 1, 2
 OK, MISSING, FAILED = 0, 1, 2
+REQUESTS, RESPONSES = (PUSH, FETCH), (OK, MISSING, FAILED)
 
-PIECE = 4 << 20  # recv_into / sendall in pieces this large (>= 1 MiB keeps the syscall count low)
-MAX_CHUNK = 1 << 40  # a sanity bound on a header's payload length
+PIECE = 4 << 20  # recv_into / send in pieces this large (>= 1 MiB keeps the syscall count low)
+IOV = 256  # buffers per recvmsg_into call (well under the kernel's IOV_MAX of 1024)
 
 
 class ConnectionLost(ConnectionError):
     """The peer closed the connection in the middle of a frame."""
 
 
-def recv_into(sock: socket.socket, view: memoryview) -> None:
-    """Fill ``view`` from ``sock`` exactly, in large ``MSG_WAITALL`` pieces."""
+class FrameTimeout(TimeoutError):
+    """A frame did not arrive (or leave) whole before its deadline."""
+
+
+def _arm(sock: socket.socket, deadline: float, opt: int) -> None:
+    """Make the next blocking call on ``sock`` give up when ``deadline`` passes."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise FrameTimeout("the frame's deadline passed")
+    sock.setsockopt(socket.SOL_SOCKET, opt, struct.pack("ll", int(left), max(1, int((left % 1) * 1e6))))
+
+
+def recv_into(sock: socket.socket, view: memoryview, deadline: float) -> None:
+    """Fill ``view`` from ``sock`` exactly, in large ``MSG_WAITALL`` pieces, by ``deadline``."""
     got, total = 0, len(view)
     while got < total:
-        n = sock.recv_into(view[got:got + PIECE], min(PIECE, total - got), socket.MSG_WAITALL)
+        _arm(sock, deadline, socket.SO_RCVTIMEO)
+        try:
+            n = sock.recv_into(view[got:got + PIECE], min(PIECE, total - got), socket.MSG_WAITALL)
+        except BlockingIOError:
+            raise FrameTimeout(f"{got} of {total} bytes arrived before the deadline") from None
         if n == 0:
             raise ConnectionLost(f"peer closed the connection after {got} of {total} bytes")
         got += n
 
 
-IOV = 256  # buffers per recvmsg_into call (well under the kernel's IOV_MAX of 1024)
-
-
-def recv_parts(sock: socket.socket, parts: list[memoryview]) -> None:
+def recv_parts(sock: socket.socket, parts: list[memoryview], deadline: float) -> None:
     """Fill every view of ``parts`` in order from ``sock``: one scatter read (``recvmsg_into``)
     per up to ``IOV`` views, so a chunk spread over many small tensors costs few syscalls."""
     if len(parts) == 1:
-        return recv_into(sock, parts[0])
+        return recv_into(sock, parts[0], deadline)
     i, total, got = 0, sum(len(p) for p in parts), 0
     parts = [p for p in parts if len(p)]
     while i < len(parts):
-        n = sock.recvmsg_into(parts[i:i + IOV], 0, socket.MSG_WAITALL)[0]
+        _arm(sock, deadline, socket.SO_RCVTIMEO)
+        try:
+            n = sock.recvmsg_into(parts[i:i + IOV], 0, socket.MSG_WAITALL)[0]
+        except BlockingIOError:
+            raise FrameTimeout(f"{got} of {total} bytes arrived before the deadline") from None
         if n == 0:
             raise ConnectionLost(f"peer closed the connection after {got} of {total} bytes")
         got += n
@@ -64,55 +88,137 @@ def recv_parts(sock: socket.socket, parts: list[memoryview]) -> None:
                 n = 0
 
 
-def recv_exact(sock: socket.socket, n: int) -> bytes:
-    """``n`` bytes from ``sock`` (for headers, keys and messages)."""
+def recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
+    """``n`` bytes from ``sock`` by ``deadline`` (headers, keys, messages, tags)."""
     buf = bytearray(n)
-    recv_into(sock, memoryview(buf))
+    recv_into(sock, memoryview(buf), deadline)
     return bytes(buf)
 
 
-def drain(sock: socket.socket, n: int) -> None:
-    """Read and drop ``n`` bytes (a payload that has nowhere to go)."""
-    scratch = memoryview(bytearray(min(n, PIECE) or 1))
-    while n > 0:
-        step = min(n, len(scratch))
-        recv_into(sock, scratch[:step])
-        n -= step
+def send_all(sock: socket.socket, data, deadline: float) -> None:
+    """Send ``data`` (no copy: memoryview slices) by ``deadline``."""
+    view, at = memoryview(data).cast("B"), 0
+    while at < len(view):
+        _arm(sock, deadline, socket.SO_SNDTIMEO)
+        try:
+            at += sock.send(view[at:at + PIECE])
+        except BlockingIOError:
+            raise FrameTimeout(f"{at} of {len(view)} bytes left before the deadline") from None
 
 
-def send_payload(sock: socket.socket, view: memoryview) -> None:
-    """Send ``view`` without copying it: ``sendall`` of memoryview slices."""
-    for start in range(0, len(view), PIECE):
-        sock.sendall(view[start:start + PIECE])
+# --- frames ---------------------------------------------------------------------------------
+def send_head(sock, d: Direction, kind: int, name: bytes, nbytes: int, checksum: int,
+              deadline: float) -> tuple[bytes, bytes]:
+    """Send a frame's header; return its ``(sequence number, header tag)`` for the body."""
+    seq = d.next_seq()
+    head = HEAD.pack(kind, len(name), nbytes, checksum) + name
+    tag = d.head_tag(seq, head)
+    send_all(sock, head + tag, deadline)
+    return seq, tag
 
 
-def send_request(sock: socket.socket, op: int, key: bytes, payload: memoryview | None, checksum: int) -> None:
+def send_body(sock, d: Direction, seq: bytes, head_tag: bytes, payload: memoryview, deadline: float,
+              hasher=None, scratch: "Scratch | None" = None) -> None:
+    """Send a frame's payload and body tag; ``hasher`` is the MAC already fed the payload (or
+    None: it is fed here, piece by piece, as the payload goes out)."""
+    if d.aead is not None:
+        out = scratch.get(len(payload) + TAG)
+        d.aead.encrypt_into(d.nonce(seq), payload, head_tag, out)
+        return send_all(sock, out, deadline)
+    if hasher is None:
+        hasher = d.body_hasher()
+        for at in range(0, len(payload), PIECE):
+            send_all(sock, payload[at:at + PIECE], deadline)
+            hash_pieces([payload[at:at + PIECE]], hasher, False)
+    else:
+        send_all(sock, payload, deadline)
+    send_all(sock, body_tag(hasher, seq, head_tag), deadline)
+
+
+def send_frame(sock, d: Direction, kind: int, name: bytes, payload: memoryview | None, checksum: int,
+               deadline: float, scratch: "Scratch | None" = None) -> None:
     nbytes = 0 if payload is None else len(payload)
-    sock.sendall(REQUEST.pack(op, len(key), nbytes, checksum) + key)
+    seq, tag = send_head(sock, d, kind, name, nbytes, checksum, deadline)
     if nbytes:
-        send_payload(sock, payload)
+        send_body(sock, d, seq, tag, payload, deadline, scratch=scratch)
 
 
-def read_request(sock: socket.socket) -> tuple[int, bytes, int, int]:
-    """``(op, packed key, payload length, checksum)``; the payload is left on the socket."""
-    op, key_len, nbytes, checksum = REQUEST.unpack(recv_exact(sock, REQUEST.size))
-    if op not in (PUSH, FETCH) or nbytes > MAX_CHUNK:
-        raise ValueError(f"bad request header: op={op}, nbytes={nbytes}")
-    return op, recv_exact(sock, key_len), nbytes, checksum
+def read_head(sock, d: Direction, kinds: tuple, max_payload: int, deadline: float,
+              frame_s: float | None = None) -> tuple:
+    """``(seq, kind, name, nbytes, checksum, header tag, frame deadline)`` of the next frame,
+    authenticated; the payload is left on the socket. The first byte must arrive by
+    ``deadline``; the rest of the frame is due ``frame_s`` after it (None: by ``deadline``)."""
+    raw = bytearray(HEAD.size)
+    recv_into(sock, memoryview(raw)[:1], deadline)
+    if frame_s is not None:
+        deadline = time.monotonic() + frame_s
+    recv_into(sock, memoryview(raw)[1:], deadline)
+    kind, name_len, nbytes, checksum = HEAD.unpack(raw)
+    if kind not in kinds or nbytes > max_payload:
+        raise FrameError(f"bad frame header: kind={kind}, payload {nbytes} bytes (at most {max_payload})")
+    rest = recv_exact(sock, name_len + TAG, deadline)
+    seq = d.next_seq()
+    d.check_head(seq, bytes(raw) + rest[:name_len], rest[name_len:])
+    return seq, kind, rest[:name_len], nbytes, checksum, rest[name_len:], deadline
 
 
-def send_response(sock: socket.socket, status: int, message: str = "",
-                  payload: memoryview | None = None, checksum: int = 0) -> None:
-    msg = message.encode()[:0xFFFF]
-    nbytes = 0 if payload is None else len(payload)
-    sock.sendall(RESPONSE.pack(status, len(msg), nbytes, checksum) + msg)
-    if nbytes:
-        send_payload(sock, payload)
+def read_body(sock, d: Direction, seq: bytes, head_tag: bytes, parts: list[memoryview], deadline: float,
+              scratch: "Scratch | None" = None) -> bytes | None:
+    """Receive a payload into ``parts``. ``mac`` mode: returns the body tag, to be checked
+    (``session.check_body``) once the payload is hashed; ``encrypt``: decrypts and checks it
+    here, returns None."""
+    if d.aead is None:
+        recv_parts(sock, parts, deadline)
+        return recv_exact(sock, TAG, deadline)
+    nbytes = sum(len(p) for p in parts)
+    sealed = scratch.get(nbytes + TAG)
+    recv_into(sock, sealed, deadline)
+    _open(d, seq, head_tag, sealed, parts, scratch)
+    return None
 
 
-def read_response(sock: socket.socket) -> tuple[int, str, int, int]:
-    """``(status, message, payload length, checksum)``; the payload is left on the socket."""
-    status, msg_len, nbytes, checksum = RESPONSE.unpack(recv_exact(sock, RESPONSE.size))
-    if status not in (OK, MISSING, FAILED) or nbytes > MAX_CHUNK:
-        raise ValueError(f"bad response header: status={status}, nbytes={nbytes}")
-    return status, recv_exact(sock, msg_len).decode(errors="replace"), nbytes, checksum
+def _open(d: Direction, seq: bytes, head_tag: bytes, sealed: memoryview, parts, scratch) -> None:
+    from cryptography.exceptions import InvalidTag
+
+    nbytes = len(sealed) - TAG
+    out = parts[0] if len(parts) == 1 else scratch.get_plain(nbytes)
+    try:
+        d.aead.decrypt_into(d.nonce(seq), sealed, head_tag, out)
+    except InvalidTag:
+        raise FrameError("a frame's payload failed its authentication tag (modified in transit)") from None
+    if len(parts) > 1:
+        at = 0
+        for p in parts:
+            p[:] = out[at:at + len(p)]
+            at += len(p)
+
+
+def drain(sock, nbytes: int, deadline: float) -> None:
+    """Read and drop a frame's body: ``nbytes`` of payload and its tag (none when 0 bytes)."""
+    if not nbytes:
+        return
+    scratch = memoryview(bytearray(min(nbytes + TAG, PIECE)))
+    left = nbytes + TAG
+    while left > 0:
+        step = min(left, len(scratch))
+        recv_into(sock, scratch[:step], deadline)
+        left -= step
+
+
+class Scratch:
+    """Reused per-connection buffers for the ``encrypt`` mode (ciphertext, and plaintext
+    bound for a scattered destination)."""
+
+    def __init__(self):
+        self._sealed = bytearray()
+        self._plain = bytearray()
+
+    def get(self, n: int) -> memoryview:
+        if len(self._sealed) < n:
+            self._sealed = bytearray(n)
+        return memoryview(self._sealed)[:n]
+
+    def get_plain(self, n: int) -> memoryview:
+        if len(self._plain) < n:
+            self._plain = bytearray(n)
+        return memoryview(self._plain)[:n]
