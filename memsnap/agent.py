@@ -98,7 +98,9 @@ class AgentCore:
         self.changed = lambda: None  # wakes the relay's waiters (set by the Ray face)
         self.ranks: set[int] = set()
         self.world: int | None = None
-        self.abandoned: dict[int, str] = {}
+        self.abandoned: dict[int, str] = {}  # steps dropped here (failed anywhere, skipped, replaced)
+        self.skipped: set[int] = set()  # of those, the ones skipped or replaced under load: a rank that
+        # begins one skips it too (a failed step is still attempted: each rank's own error is its own)
         self.gen = 0
         self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="memsnap-agent")
         self.spiller = None
@@ -112,8 +114,8 @@ class AgentCore:
     def begin(self, step: int, rank: int, nbytes: int) -> dict:
         with self.lock:
             self.ranks.add(rank)
-            if step in self.abandoned:  # skipped or replaced on this node already: every rank skips it
-                return {"skipped": self.abandoned[step]}
+            if step in self.skipped:  # skipped or replaced under load: every rank of the job skips it
+                return {"skipped": self.abandoned.get(step, "skipped under load")}
             v = self.versions.get(step)
             if v is not None and v.state not in ("capturing", "failed"):
                 raise CommitError(f"step {step} is already {v.state} on node {self.node[:12]}; "
@@ -138,6 +140,7 @@ class AgentCore:
         """``step`` took ``v``'s slot: ``v`` is dropped here and, through the coordinator, on
         every node (not a failure: a newer snapshot replaces it). Called under the lock."""
         self.abandoned[v.step] = v.error  # a rank still capturing it drops its capture quietly
+        self.skipped.add(v.step)
         self.counters["superseded"] += 1
         self._busy_warning(f"step {v.step} ({was}) was replaced by step {step}")
         self.pool.submit(self.tell, "node_skipped", v.step, self.node, v.error)
@@ -148,6 +151,7 @@ class AgentCore:
         self.counters["skipped_busy"] += 1
         self._busy_warning(why)
         self.abandoned[step] = "skipped: the pipeline was busy"
+        self.skipped.add(step)
         self.pool.submit(self.tell, "node_skipped", step, self.node, why)
         return why
 
@@ -183,6 +187,8 @@ class AgentCore:
             v = self.versions.get(step)
             if step in self.abandoned:
                 log.info("step %d was abandoned (%s); its capture is dropped", step, self.abandoned[step])
+                if v is not None and v.state == "capturing":
+                    self.versions.pop(step)  # its slot is free again (each rank writes only its own arena)
                 return
             if v is None or v.state != "capturing" or rank not in v.sizes:
                 raise CommitError(f"captured(step={step}, rank={rank}) without a matching begin on "
@@ -283,8 +289,11 @@ class AgentCore:
         which is not a failure): forget it here."""
         with self.lock:
             self.abandoned[step] = why
+            if not failed:
+                self.skipped.add(step)
             for s in sorted(self.abandoned)[:-16]:
                 del self.abandoned[s]
+            self.skipped &= set(self.abandoned)
             v = self.versions.get(step)
             if v is not None and v.state != "committed":
                 if failed:
@@ -307,6 +316,7 @@ class AgentCore:
                 self.versions.pop(v.step)
             for s in [s for s in self.abandoned if s > last]:
                 del self.abandoned[s]
+            self.skipped &= set(self.abandoned)
             for s in [s for s in self.committed if s > last]:
                 del self.committed[s]
             self.newest = max(self.committed, default=None)

@@ -310,3 +310,16 @@ def test_a_job_name_reused_with_another_configuration_is_refused_naming_the_fiel
     check_same_job(SnapshotConfig("reused", k=2, m=1), running)  # the same: fine
     with pytest.raises(ConfigError, match=r"k=4 \(running: 2\), m=2 \(running: 1\).*memsnap.shutdown\('reused'\)"):
         check_same_job(SnapshotConfig("reused", k=4, m=2), running)
+
+
+def test_a_step_that_failed_elsewhere_is_still_attempted_here_but_a_skipped_one_is_not(core):
+    """A rank's own error is its own (each rank counts the failure it saw), while a step the
+    job skipped under load is skipped by every rank without capturing."""
+    core.pool = _Inline()
+    core.abandon(3, "node x: MemoryBudgetError", failed=True)  # another node's rank failed step 3
+    assert "slot" in core.begin(3, 0, 4096)  # this rank still tries (and may fail with its own error)
+    core.captured(3, 0, "{}", [0])  # the capture is dropped, and its slot given back
+    assert 3 not in core.versions
+    core.abandon(4, "node x: skipped, every arena slot is busy", failed=False)
+    assert "skipped" in core.begin(4, 0, 4096) and 4 not in core.versions
+    assert core.counters["failed_snapshots"] == 0
