@@ -16,6 +16,8 @@ from __future__ import annotations
 import socket
 import struct
 
+from memsnap.validate import wire_header
+
 REQUEST = struct.Struct("<BHQQ")   # op, key_len, nbytes, checksum
 RESPONSE = struct.Struct("<BHQQ")  # status, msg_len, nbytes, checksum
 
@@ -95,9 +97,8 @@ def send_request(sock: socket.socket, op: int, key: bytes, payload: memoryview |
 
 def read_request(sock: socket.socket) -> tuple[int, bytes, int, int]:
     """``(op, packed key, payload length, checksum)``; the payload is left on the socket."""
-    op, key_len, nbytes, checksum = REQUEST.unpack(recv_exact(sock, REQUEST.size))
-    if op not in (PUSH, FETCH) or nbytes > MAX_CHUNK:
-        raise ValueError(f"bad request header: op={op}, nbytes={nbytes}")
+    op, key_len, nbytes, checksum = wire_header(recv_exact(sock, REQUEST.size), REQUEST, (PUSH, FETCH),
+                                                MAX_CHUNK, "request")
     return op, recv_exact(sock, key_len), nbytes, checksum
 
 
@@ -112,7 +113,6 @@ def send_response(sock: socket.socket, status: int, message: str = "",
 
 def read_response(sock: socket.socket) -> tuple[int, str, int, int]:
     """``(status, message, payload length, checksum)``; the payload is left on the socket."""
-    status, msg_len, nbytes, checksum = RESPONSE.unpack(recv_exact(sock, RESPONSE.size))
-    if status not in (OK, MISSING, FAILED) or nbytes > MAX_CHUNK:
-        raise ValueError(f"bad response header: status={status}, nbytes={nbytes}")
+    status, msg_len, nbytes, checksum = wire_header(recv_exact(sock, RESPONSE.size), RESPONSE,
+                                                    (OK, MISSING, FAILED), MAX_CHUNK, "response")
     return status, recv_exact(sock, msg_len).decode(errors="replace"), nbytes, checksum
