@@ -26,7 +26,7 @@ from memsnap import tree, validate
 from memsnap.capture import RNG_KEY, byte_view, is_dtensor, is_stateful, local_tensor, tensor_view
 from memsnap.checksum import checksum
 from memsnap.dtypes import dtype_name, dtype_of
-from memsnap.errors import ChecksumError, SnapshotBufferError, StateMismatchError
+from memsnap.errors import ChecksumError, FormatError, SnapshotBufferError, StateMismatchError
 from memsnap.manifest import Manifest, TensorEntry
 
 
@@ -99,12 +99,25 @@ def _check_keys(path_kind: str, missing: list[str], extra: list[str]) -> None:
             f"({len(extra)} extra in all); pass strict=False to ignore them")
 
 
+def _group_sizes(sd: Any) -> list[int] | None:
+    """How many parameters each group of an optimizer state dict holds (None: malformed)."""
+    groups = sd.get("param_groups") if isinstance(sd, dict) and isinstance(sd.get("state"), dict) else None
+    if not isinstance(groups, list) or not all(
+            isinstance(g, dict) and isinstance(g.get("params"), list)
+            and all(isinstance(i, (int, str)) for i in g["params"]) for g in groups):
+        return None
+    return [len(g["params"]) for g in groups]
+
+
 def _check_param_groups(key: str, live: Any, saved: Any) -> None:
-    shape = lambda sd: [len(g["params"]) for g in sd["param_groups"]]  # noqa: E731
-    if shape(live) != shape(saved):
+    sizes = _group_sizes(saved)
+    if sizes is None:
+        raise FormatError(f"{key!r}: the snapshot's optimizer state dict has no well-formed 'state' and "
+                          "'param_groups' (lists of parameter ids); the manifest is damaged")
+    if _group_sizes(live) != sizes:
         raise StateMismatchError(
-            f"{key!r}: snapshot optimizer has parameter groups of sizes {shape(saved)}, live optimizer "
-            f"has {shape(live)}; build the optimizer over the same parameters before applying")
+            f"{key!r}: snapshot optimizer has parameter groups of sizes {sizes}, live optimizer "
+            f"has {_group_sizes(live)}; build the optimizer over the same parameters before applying")
 
 
 def _parse_placement(text: str) -> Any:
@@ -266,12 +279,19 @@ def _run(p: _ObjectPlan, src: _Source, state: Any, strict: bool) -> None:
         return live
 
     value = tree.decode(p.subtree, tensor_at, p.key)
-    if isinstance(p.obj, torch.nn.Module):
-        p.obj.load_state_dict(value, strict=strict)
-    elif is_stateful(p.obj):
-        p.obj.load_state_dict(value)
-    elif not isinstance(p.obj, torch.Tensor):
-        state[p.key] = value
+    if not is_stateful(p.obj):
+        if not isinstance(p.obj, torch.Tensor):
+            state[p.key] = value
+        return
+    try:
+        if isinstance(p.obj, torch.nn.Module):
+            p.obj.load_state_dict(value, strict=strict)
+        else:
+            p.obj.load_state_dict(value)
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, RuntimeError) as exc:
+        raise StateMismatchError(f"{p.key!r}: load_state_dict refused the snapshot's value "
+                                 f"({type(exc).__name__}: {exc}); the state is partly restored, "
+                                 "load it again from an intact snapshot") from exc
 
 
 def _top_level(manifest: Manifest) -> dict[str, Any]:
@@ -283,9 +303,15 @@ def _top_level(manifest: Manifest) -> dict[str, Any]:
 
 
 def _check_rng(saved: Any, manifest: Manifest) -> None:
-    index = tree.decode(saved, lambda i, p: i).get("torch")
+    value = tree.decode(saved, lambda i, p: manifest.tensors[i], RNG_KEY)  # entries stand in for tensors
+    try:
+        rng_state.check_state(value, lambda e: isinstance(e, TensorEntry) and e.dtype == "uint8"
+                              and len(e.shape) == 1)
+    except ValueError as exc:
+        raise FormatError(f"the snapshot's RNG state ({RNG_KEY!r}) {exc}; the manifest is damaged "
+                          "(pass rng=False to apply without restoring RNGs)") from None
     want = torch.get_rng_state().numel()
-    if not isinstance(index, int) or manifest.tensors[index].shape != (want,):
+    if value["torch"].shape != (want,):
         raise StateMismatchError(
             f"snapshot RNG state does not hold a torch CPU generator state of {want} bytes; "
             f"pass rng=False to apply without restoring RNGs")

@@ -70,9 +70,10 @@ def _count(where: str, v: Any, low: int = 0, high: int | None = None) -> int:
 
 
 def _ints(where: str, v: Any, low: int = 0) -> tuple[int, ...]:
+    """A shape-like list: at most ``MAX_NDIM`` integers in ``low``..2**63-1."""
     if not isinstance(v, (list, tuple)) or len(v) > MAX_NDIM:
         raise fail(where, f"must be a list of at most {MAX_NDIM} integers", v)
-    return tuple(_count(f"{where}[{i}]", d, low) for i, d in enumerate(v))
+    return tuple(_count(f"{where}[{i}]", d, low, (1 << 63) - 1) for i, d in enumerate(v))
 
 
 def _text(where: str, v: Any, limit: int = MAX_NAME, pattern: re.Pattern | None = None) -> str:
