@@ -15,7 +15,7 @@ from typing import Any
 from memsnap import validate
 
 FORMAT_VERSION = 1
-ALIGN = 64  # every tensor starts on a cache-line boundary of the buffer
+ALIGN = validate.ALIGN  # every tensor starts on a cache-line boundary of the buffer
 
 
 def align_up(n: int, align: int = ALIGN) -> int:

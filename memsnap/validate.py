@@ -16,10 +16,10 @@ from typing import Any, Collection
 from memsnap.errors import FormatError
 
 MAX_DEPTH = 100  # nesting of a skeleton; the decoder recurses, Python's limit is ~1000 frames
-MAX_NAME = 4096  # characters of a tensor path, dict key, dtype or device name
+MAX_NAME = 4096  # characters of a tensor path or of a skeleton dict key
 MAX_NDIM = 64
 MAX_WORLD = 1 << 20
-ALIGN = 64  # = manifest.ALIGN (not imported: manifest imports this module)
+ALIGN = 64  # every tensor starts on a cache-line boundary of the buffer (manifest.ALIGN)
 
 # Bytes per element of every dtype a manifest may name (memsnap.dtypes builds its table from this).
 ITEMSIZE = {
@@ -35,11 +35,12 @@ _DEVICE = re.compile(r"^(cpu|cuda|mps|xpu|meta|hpu|mtia|xla|privateuseone|ipu|la
 _ENTRY_KEYS = frozenset({"path", "dtype", "shape", "offset", "nbytes", "checksum", "device", "alias_of",
                          "global_shape", "global_offset", "placements", "mesh_shape"})
 _DAMAGED = "the file is damaged or was not written by memsnap; load another step or copy"
+_UNSHOWN = object()
 
 
-def fail(where: str, problem: str, value: Any = None) -> FormatError:
+def fail(where: str, problem: str, value: Any = _UNSHOWN) -> FormatError:
     """A ``FormatError`` for ``where`` (a file, field or path) saying what is wrong with ``value``."""
-    shown = "" if value is None else f" (got {_short(value)})"
+    shown = "" if value is _UNSHOWN else f" (got {_short(value)})"
     return FormatError(f"{where}: {problem}{shown}; {_DAMAGED}")
 
 
@@ -214,6 +215,8 @@ def skeleton(tree: Any, n_tensors: int, what: str = "tree") -> None:
             raise fail(path, f"skeleton is nested deeper than {MAX_DEPTH} levels")
         if node is None or isinstance(node, (bool, int, float, str)):
             continue
+        if not isinstance(node, (list, dict)):
+            raise fail(path, "is not a JSON value", type(node).__name__)
         if as_key and (isinstance(node, list) or _tag(node) not in _KEY_TAGS):
             raise fail(path, "a dict key must decode to a hashable value", node)
         if isinstance(node, list):
@@ -325,7 +328,7 @@ def marker(doc: Any, step: int, where: str = "COMMITTED") -> dict:
     ranks = doc.get("ranks")
     if not isinstance(ranks, list) or len(ranks) != world:
         raise fail(f"{where} ranks", f"must list world_size={world} rank records",
-                   None if not isinstance(ranks, list) else f"{len(ranks)} records")
+                   f"{len(ranks)} records" if isinstance(ranks, list) else ranks)
     for r, rec in enumerate(ranks):
         _rank_record(f"{where} ranks[{r}]", rec, r)
     return doc
