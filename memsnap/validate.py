@@ -97,6 +97,20 @@ def numel(shape: tuple[int, ...]) -> int:
     return n
 
 
+def nesting(where: str, value: Any) -> None:
+    """Free-form JSON (metadata) nests at most ``MAX_DEPTH`` levels, so printing it cannot recurse
+    too deep."""
+    stack = [(value, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise fail(where, f"is nested deeper than {MAX_DEPTH} levels")
+        if isinstance(node, dict):
+            stack.extend((v, depth + 1) for v in node.values())
+        elif isinstance(node, list):
+            stack.extend((v, depth + 1) for v in node)
+
+
 # --- manifests -------------------------------------------------------------------------------
 def manifest_doc(doc: Any, what: str = "manifest") -> None:
     """The decoded JSON of a manifest has the fields ``Manifest.from_json`` builds from."""
@@ -108,6 +122,7 @@ def manifest_doc(doc: Any, what: str = "manifest") -> None:
     _count(f"{what} nbytes", doc.get("nbytes"))
     if not isinstance(doc.get("meta", {}), dict):
         raise fail(f"{what} meta", "must be a JSON object", doc.get("meta"))
+    nesting(f"{what} meta", doc.get("meta", {}))
     if not isinstance(doc.get("tensors"), list):
         raise fail(f"{what} tensors", "must be a list", doc.get("tensors"))
     if "tree" not in doc:
@@ -325,6 +340,7 @@ def marker(doc: Any, step: int, where: str = "COMMITTED") -> dict:
     world = _count(f"{where} world_size", doc.get("world_size"), 1, MAX_WORLD)
     if not isinstance(doc.get("metadata", {}), dict):
         raise fail(f"{where} metadata", "must be a JSON object", doc.get("metadata"))
+    nesting(f"{where} metadata", doc.get("metadata", {}))
     ranks = doc.get("ranks")
     if not isinstance(ranks, list) or len(ranks) != world:
         raise fail(f"{where} ranks", f"must list world_size={world} rank records",

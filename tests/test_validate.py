@@ -634,3 +634,15 @@ def test_ranks_agree_to_fall_back_when_one_manifest_is_malformed(tmp_path):
                 p.wait(timeout=10)
     assert [p.returncode for p in procs] == [0, 0], outs
     assert all("loaded 1 1" in o for o in outs), outs  # both fell back to step 1, with one warning
+
+
+def test_deep_marker_metadata_is_refused(ckpt, capsys):
+    deep = {}
+    for _ in range(500):
+        deep = {"x": deep}
+    try:
+        with_marker(ckpt, dict(ckpt["marker"], metadata=deep))
+        assert main(["inspect", ckpt["root"]]) == 2
+        assert "metadata: is nested deeper than 100 levels" in capsys.readouterr().err
+    finally:
+        restore(ckpt)
