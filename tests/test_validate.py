@@ -646,3 +646,22 @@ def test_deep_marker_metadata_is_refused(ckpt, capsys):
         assert "metadata: is nested deeper than 100 levels" in capsys.readouterr().err
     finally:
         restore(ckpt)
+
+
+def nested(levels: int):
+    """``levels`` lists and tuples nested around a number."""
+    value = 1
+    for i in range(levels):
+        value = [value] if i % 2 else (value,)
+    return value
+
+
+def test_capture_refuses_what_load_would_refuse():
+    """The deepest skeleton capture writes is the deepest a load accepts: no unloadable saves."""
+    from memsnap.errors import UnsupportedStateError
+
+    ok = {"x": nested(validate.MAX_DEPTH - 1)}  # the number sits MAX_DEPTH levels below the root
+    man, _ = capture(ok, rng=False)
+    assert Manifest.from_json(man.to_json()).tree == man.tree
+    with pytest.raises(UnsupportedStateError, match="nested deeper than 100"):
+        capture({"x": [ok["x"]]}, rng=False)
