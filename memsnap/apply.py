@@ -377,10 +377,15 @@ def apply(state: Mapping[str, Any], manifest: Manifest, buf: Any, *, rng: bool =
           verify: bool = True, strict: bool = True) -> None:
     """Put the snapshot ``manifest`` + ``buf`` back into ``state``; validate everything first."""
     pl = plan(state, manifest, rng=rng, strict=strict)
-    mv = byte_view(buf, manifest.nbytes, writable=False)
     if verify:
-        verify_checksums(manifest, mv)
-    finish(pl, _Source(manifest, mv, pl.meshes), state)
+        verify_checksums(manifest, byte_view(buf, manifest.nbytes, writable=False))
+    apply_plan(state, pl, buf)
+
+
+def apply_plan(state: Mapping[str, Any], pl: Plan, buf: Any) -> None:
+    """Carry out ``pl`` (from ``plan``) with the snapshot bytes ``buf``."""
+    mv = byte_view(buf, pl.manifest.nbytes, writable=False)
+    finish(pl, _Source(pl.manifest, mv, pl.meshes), state)
 
 
 def apply_received(state: Mapping[str, Any], pl: Plan, received: dict[int, torch.Tensor],

@@ -3,10 +3,11 @@
 ``save`` captures the state (``capture.capture``), writes this rank's files through
 ``storage.Store`` and, after a barrier, rank 0 commits the step and applies retention.
 ``load`` picks the step (the newest committed when ``step`` is None), reads and verifies this
-rank's bytes (whole-file xxh3 against the commit marker), and applies them with
-``apply.apply``; a checkpoint saved by a different number of ranks goes through
-``reshard``. With ``step=None`` a damaged step is skipped, with a warning, for the one
-before it; under ``torch.distributed`` the ranks agree on the step before anything is applied.
+rank's bytes (whole-file xxh3 against the commit marker), checks the manifest against the live
+state (``apply.plan``) and applies them (``apply.apply_plan``); a checkpoint saved by a
+different number of ranks goes through ``reshard``. With ``step=None`` a damaged or malformed
+step is skipped, with a warning, for the one before it; under ``torch.distributed`` the ranks
+agree on the step (and on raising) before anything is applied.
 """
 from __future__ import annotations
 
@@ -16,11 +17,11 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from memsnap import apply as applying
 from memsnap import meta, reshard
-from memsnap.apply import apply
 from memsnap.capture import capture, plan
-from memsnap.errors import (ChecksumError, ConfigError, MemsnapError, SnapshotNotFoundError, StateMismatchError,
-                            WeightsOnlyError)
+from memsnap.errors import (ChecksumError, ConfigError, MemsnapError, SnapshotNotFoundError,
+                            StateMismatchError, WeightsOnlyError)
 from memsnap.manifest import Manifest
 from memsnap.storage import MARKER, Progress, Retention, Store
 
@@ -198,15 +199,16 @@ def load(uri: str, state: Mapping[str, Any], step: int | None = None, *, rank: i
     store = Store.open(uri, endpoint)
     last_error: Exception | None = None
     for s in _candidates(store, step):
-        try:
+        try:  # bytes verified on read; the plan refuses a malformed or mismatched manifest
             manifest, buf, marker = read_step(store, s, rank, world, state, progress)
+            pl = applying.plan(state, manifest, rng=rng, strict=strict)
             error = None
         except Exception as exc:  # every rank reaches the agreement below, also the failing one
             error = exc
         worst = _agree(_outcome(error), world)
         if worst == _OK:
             _warn_weights_only(marker, manifest, s, uri)
-            apply(state, manifest, buf, rng=rng, verify=False, strict=strict)  # bytes verified on read
+            applying.apply_plan(state, pl, buf)
             return s
         if worst == _FATAL or step is not None:
             raise error or _failed_elsewhere(s, uri, worst)

@@ -489,14 +489,19 @@ def test_damaged_newest_marker_falls_back_and_cli_says_so(ckpt, capsys, damage):
         restore(ckpt)
 
 
-def test_wrong_type_in_rank_manifest_falls_back(ckpt):
-    doc = copy.deepcopy(ckpt["manifest"])
-    doc["tensors"][5]["shape"] = "big"
+@pytest.mark.parametrize("where, value, match", [
+    (("tensors", 5, "shape"), "big", r"rank_00000.json tensors\[5\] shape: must be a list"),
+    (("tree", "__rng__", "python"), [3, [1, 2], None], r"RNG state .* does not restore"),
+    (("tree", "optim", "param_groups"), {"params": [0]}, r"'optim'.*'param_groups'"),
+])
+def test_malformed_rank_manifest_falls_back(ckpt, where, value, match):
+    doc = mutate(ckpt["manifest"], where, "set", value)
     try:
         forge_manifest(ckpt["root"], 2, 0, doc)
-        with pytest.warns(UserWarning, match=r"tensors\[5\].*shape.*falling back"):
+        with pytest.warns(UserWarning, match=match + ".*falling back"):
             assert memsnap.load(ckpt["root"], ckpt["live"]) == 1
-        with pytest.raises(FormatError, match=r"rank_00000.json tensors\[5\] shape: must be a list"):
+        assert same(tensors_of(ckpt["live"]), ckpt["want"][1])
+        with pytest.raises(FormatError, match=match):
             memsnap.load(ckpt["root"], ckpt["live"], step=2)
     finally:
         restore(ckpt)
