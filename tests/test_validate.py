@@ -31,7 +31,9 @@ from memsnap.transport import wire
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 FAST_DISK = settings(FAST, max_examples=40)  # each example loads a checkpoint and runs the CLI
 SLOW = settings(max_examples=5000, deadline=None, suppress_health_check=list(HealthCheck))
-SLOW_DISK = settings(SLOW, max_examples=1000)
+SLOW_APPLY = settings(SLOW, max_examples=3000)  # each example applies a 1,000-tensor state
+SLOW_DISK = settings(SLOW, max_examples=1000)  # each example loads a checkpoint and runs the CLI
+LONG = pytest.mark.timeout(1800)
 
 
 # --- a real state: a small Llama-like model after one AdamW step ---------------------------------
@@ -229,7 +231,8 @@ def test_mutated_manifest_bytes(real, data):
 
 
 @pytest.mark.slow
-@SLOW
+@LONG
+@SLOW_APPLY
 @given(st.data())
 def test_mutated_manifests_many(real, data):
     kind = data.draw(st.sampled_from(["json", "tree", "layout", "bytes"]))
@@ -452,6 +455,7 @@ def test_mutated_rank_manifests_on_disk(ckpt, data):
 
 
 @pytest.mark.slow
+@LONG
 @SLOW_DISK
 @given(st.data())
 def test_mutated_markers_and_manifests_many(ckpt, data):
