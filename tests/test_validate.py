@@ -28,8 +28,8 @@ from memsnap.manifest import Manifest
 from memsnap.storage import Store
 from memsnap.transport import wire
 
-FAST = settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
-FAST_DISK = settings(FAST, max_examples=40)  # each example loads a checkpoint and runs the CLI
+FAST = settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+FAST_DISK = settings(FAST, max_examples=15)  # each example loads a checkpoint and runs the CLI
 SLOW = settings(max_examples=5000, deadline=None, suppress_health_check=list(HealthCheck))
 SLOW_APPLY = settings(SLOW, max_examples=3000)  # each example applies a 1,000-tensor state
 SLOW_DISK = settings(SLOW, max_examples=1000)  # each example loads a checkpoint and runs the CLI
