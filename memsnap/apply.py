@@ -1,8 +1,9 @@
 """Apply: a Manifest plus its bytes -> back into the live objects, in place, all or nothing.
 
-Sequence: (1) check the buffer, then match the snapshot against the live state (top-level
-keys, every tensor's path, dtype and shape, optimizer parameter groups: ``plan``) and raise
-``StateMismatchError`` before anything is touched; (2) with ``verify``, check every checksum;
+Sequence: (1) validate the manifest (``memsnap.validate``: ``FormatError``), match the
+snapshot against the live state (top-level keys, every tensor's path, dtype and shape,
+optimizer parameter groups: ``plan``; ``StateMismatchError``) and check the buffer, all
+before anything is touched; (2) with ``verify``, check every checksum;
 (3) copy the bytes into the live tensors (same device, same dtype; a DTensor's local shard)
 and call each object's ``load_state_dict``; plain values are written back into ``state``;
 (4) restore RNGs. ``memsnap.receive`` runs (1) (``plan``), receives the bytes into the tensors
@@ -21,11 +22,11 @@ from typing import Any, Mapping, MutableMapping
 import torch
 
 from memsnap import rng as rng_state
-from memsnap import tree
+from memsnap import tree, validate
 from memsnap.capture import RNG_KEY, byte_view, is_dtensor, is_stateful, local_tensor, tensor_view
 from memsnap.checksum import checksum
 from memsnap.dtypes import dtype_name, dtype_of
-from memsnap.errors import ChecksumError, SnapshotBufferError, StateMismatchError
+from memsnap.errors import ChecksumError, FormatError, SnapshotBufferError, StateMismatchError
 from memsnap.manifest import Manifest, TensorEntry
 
 
@@ -39,18 +40,6 @@ def verify_checksums(manifest: Manifest, mv: memoryview) -> None:
             raise ChecksumError(
                 f"tensor {t.path!r} (bytes {t.offset}..{t.offset + t.nbytes}) hashes to {got} but the "
                 f"manifest records {t.checksum}; the snapshot copy is corrupt, restore from another copy")
-
-
-def _check_layout(manifest: Manifest) -> None:
-    for t in manifest.tensors:
-        numel = 1
-        for d in t.shape:
-            numel *= d
-        want = 0 if t.alias_of else numel * dtype_of(t.dtype).itemsize
-        if t.nbytes != want or t.offset + t.nbytes > manifest.nbytes:
-            raise SnapshotBufferError(
-                f"manifest entry {t.path!r} claims {t.nbytes} bytes at offset {t.offset} but "
-                f"{t.dtype}{list(t.shape)} needs {want} within {manifest.nbytes}; the manifest is damaged")
 
 
 def _live_tensors(value: Any, key: str) -> dict[str, torch.Tensor]:
@@ -110,12 +99,25 @@ def _check_keys(path_kind: str, missing: list[str], extra: list[str]) -> None:
             f"({len(extra)} extra in all); pass strict=False to ignore them")
 
 
+def _group_sizes(sd: Any) -> list[int] | None:
+    """How many parameters each group of an optimizer state dict holds (None: malformed)."""
+    groups = sd.get("param_groups") if isinstance(sd, dict) and isinstance(sd.get("state"), dict) else None
+    if not isinstance(groups, list) or not all(
+            isinstance(g, dict) and isinstance(g.get("params"), list)
+            and all(isinstance(i, (int, str)) for i in g["params"]) for g in groups):
+        return None
+    return [len(g["params"]) for g in groups]
+
+
 def _check_param_groups(key: str, live: Any, saved: Any) -> None:
-    shape = lambda sd: [len(g["params"]) for g in sd["param_groups"]]  # noqa: E731
-    if shape(live) != shape(saved):
+    sizes = _group_sizes(saved)
+    if sizes is None:
+        raise FormatError(f"{key!r}: the snapshot's optimizer state dict has no well-formed 'state' and "
+                          "'param_groups' (lists of parameter ids); the manifest is damaged")
+    if _group_sizes(live) != sizes:
         raise StateMismatchError(
-            f"{key!r}: snapshot optimizer has parameter groups of sizes {shape(saved)}, live optimizer "
-            f"has {shape(live)}; build the optimizer over the same parameters before applying")
+            f"{key!r}: snapshot optimizer has parameter groups of sizes {sizes}, live optimizer "
+            f"has {_group_sizes(live)}; build the optimizer over the same parameters before applying")
 
 
 def _parse_placement(text: str) -> Any:
@@ -185,13 +187,21 @@ def _as_sharded(entry: TensorEntry, local: torch.Tensor, meshes: list[Any]) -> t
                               stride=torch.empty(shape, device="meta").stride())
 
 
+def _check_span(e: TensorEntry, size: int, dst: torch.Tensor) -> None:
+    """Defence in depth before the raw copy (``plan`` validated the layout already)."""
+    if not (0 <= e.offset and e.offset + e.nbytes <= size and dst.numel() * dst.element_size() == e.nbytes):
+        raise SnapshotBufferError(
+            f"refusing to copy {e.path!r}: {e.nbytes} bytes at offset {e.offset} of a {size}-byte buffer "
+            f"into a {dst.numel() * dst.element_size()}-byte tensor; the manifest does not match its buffer")
+
+
 class _Source:
     """Typed views of the snapshot bytes, following aliases to the entry that holds them."""
 
     def __init__(self, manifest: Manifest, mv: memoryview, meshes: list[Any]):
         self.manifest, self.meshes = manifest, meshes
         self.index = {t.path: i for i, t in enumerate(manifest.tensors)}
-        self.base, self.address = None, 0
+        self.base, self.address, self.size = None, 0, mv.nbytes
         if manifest.nbytes:
             with warnings.catch_warnings():  # read-only snapshot bytes are only ever read
                 warnings.simplefilter("ignore", UserWarning)
@@ -204,6 +214,7 @@ class _Source:
         e = self.manifest.tensors[self.holder(i)]
         if dst.device.type == "cpu" and dst.is_contiguous() and not (dst.is_conj() or dst.is_neg()) \
                 and e.nbytes:
+            _check_span(e, self.size, dst)
             ctypes.memmove(dst.data_ptr(), self.address + e.offset, e.nbytes)  # one plain memcpy
         else:
             dst.copy_(self.view(i))
@@ -268,12 +279,19 @@ def _run(p: _ObjectPlan, src: _Source, state: Any, strict: bool) -> None:
         return live
 
     value = tree.decode(p.subtree, tensor_at, p.key)
-    if isinstance(p.obj, torch.nn.Module):
-        p.obj.load_state_dict(value, strict=strict)
-    elif is_stateful(p.obj):
-        p.obj.load_state_dict(value)
-    elif not isinstance(p.obj, torch.Tensor):
-        state[p.key] = value
+    if not is_stateful(p.obj):
+        if not isinstance(p.obj, torch.Tensor):
+            state[p.key] = value
+        return
+    try:
+        if isinstance(p.obj, torch.nn.Module):
+            p.obj.load_state_dict(value, strict=strict)
+        else:
+            p.obj.load_state_dict(value)
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, RuntimeError) as exc:
+        raise StateMismatchError(f"{p.key!r}: load_state_dict refused the snapshot's value "
+                                 f"({type(exc).__name__}: {exc}); the state is partly restored, "
+                                 "load it again from an intact snapshot") from exc
 
 
 def _top_level(manifest: Manifest) -> dict[str, Any]:
@@ -285,9 +303,15 @@ def _top_level(manifest: Manifest) -> dict[str, Any]:
 
 
 def _check_rng(saved: Any, manifest: Manifest) -> None:
-    index = tree.decode(saved, lambda i, p: i).get("torch")
+    value = tree.decode(saved, lambda i, p: manifest.tensors[i], RNG_KEY)  # entries stand in for tensors
+    try:
+        rng_state.check_state(value, lambda e: isinstance(e, TensorEntry) and e.dtype == "uint8"
+                              and len(e.shape) == 1)
+    except ValueError as exc:
+        raise FormatError(f"the snapshot's RNG state ({RNG_KEY!r}) {exc}; the manifest is damaged "
+                          "(pass rng=False to apply without restoring RNGs)") from None
     want = torch.get_rng_state().numel()
-    if not isinstance(index, int) or manifest.tensors[index].shape != (want,):
+    if value["torch"].shape != (want,):
         raise StateMismatchError(
             f"snapshot RNG state does not hold a torch CPU generator state of {want} bytes; "
             f"pass rng=False to apply without restoring RNGs")
@@ -319,8 +343,9 @@ class Plan:
 def plan(state: Mapping[str, Any], manifest: Manifest, *, rng: bool = True, strict: bool = True) -> Plan:
     """Match the snapshot against the live state; raise ``StateMismatchError`` on any mismatch.
 
-    Nothing is touched: everything that can be refused is refused here."""
-    _check_layout(manifest)
+    Nothing is touched: everything that can be refused is refused here (a malformed manifest
+    with ``FormatError``)."""
+    validate.manifest(manifest)
     saved = dict(_top_level(manifest))
     saved_rng = saved.pop(RNG_KEY, None)
     if strict:
@@ -351,11 +376,16 @@ def finish(pl: Plan, src: _Source, state: Any) -> None:
 def apply(state: Mapping[str, Any], manifest: Manifest, buf: Any, *, rng: bool = True,
           verify: bool = True, strict: bool = True) -> None:
     """Put the snapshot ``manifest`` + ``buf`` back into ``state``; validate everything first."""
-    mv = byte_view(buf, manifest.nbytes, writable=False)
     pl = plan(state, manifest, rng=rng, strict=strict)
     if verify:
-        verify_checksums(manifest, mv)
-    finish(pl, _Source(manifest, mv, pl.meshes), state)
+        verify_checksums(manifest, byte_view(buf, manifest.nbytes, writable=False))
+    apply_plan(state, pl, buf)
+
+
+def apply_plan(state: Mapping[str, Any], pl: Plan, buf: Any) -> None:
+    """Carry out ``pl`` (from ``plan``) with the snapshot bytes ``buf``."""
+    mv = byte_view(buf, pl.manifest.nbytes, writable=False)
+    finish(pl, _Source(pl.manifest, mv, pl.meshes), state)
 
 
 def apply_received(state: Mapping[str, Any], pl: Plan, received: dict[int, torch.Tensor],

@@ -5,7 +5,8 @@ import argparse
 import sys
 
 from memsnap import __version__, commands
-from memsnap.errors import MemsnapError
+from memsnap.commands._common import DAMAGED
+from memsnap.errors import ChecksumError, FormatError, MemsnapError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,10 +20,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one command; errors memsnap raises on purpose print as one line, exit code 1."""
+    """Run one command; errors memsnap raises on purpose print as one line, exit code 1, or 2
+    when the checkpoint is damaged (a malformed file or a checksum mismatch)."""
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
+    except (ChecksumError, FormatError) as exc:
+        print(f"memsnap {args.command}: damaged checkpoint: {exc}", file=sys.stderr)
+        return DAMAGED
     except MemsnapError as exc:
         print(f"memsnap {args.command}: error: {exc}", file=sys.stderr)
         return 1

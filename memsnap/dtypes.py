@@ -4,14 +4,12 @@ from __future__ import annotations
 import torch
 
 from memsnap.errors import StateMismatchError
+from memsnap.validate import ITEMSIZE
 
 # Sub-byte and quantized dtypes have no plain byte layout a snapshot could copy; the rest of
-# torch's dtypes (including bfloat16 and every float8 this torch has) are listed here.
-_NAMES = (
-    "bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
-    "float16", "bfloat16", "float32", "float64", "complex32", "complex64", "complex128",
-    "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
-)
+# torch's dtypes (including bfloat16 and every float8 this torch has) are listed in
+# validate.ITEMSIZE (kept free of torch for the manifest parser).
+_NAMES = tuple(ITEMSIZE)
 
 BY_NAME: dict[str, torch.dtype] = {n: getattr(torch, n) for n in _NAMES if hasattr(torch, n)}
 NAME_OF: dict[torch.dtype, str] = {d: n for n, d in BY_NAME.items()}

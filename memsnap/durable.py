@@ -3,10 +3,11 @@
 ``save`` captures the state (``capture.capture``), writes this rank's files through
 ``storage.Store`` and, after a barrier, rank 0 commits the step and applies retention.
 ``load`` picks the step (the newest committed when ``step`` is None), reads and verifies this
-rank's bytes (whole-file xxh3 against the commit marker), and applies them with
-``apply.apply``; a checkpoint saved by a different number of ranks goes through
-``reshard``. With ``step=None`` a damaged step is skipped, with a warning, for the one
-before it; under ``torch.distributed`` the ranks agree on the step before anything is applied.
+rank's bytes (whole-file xxh3 against the commit marker), checks the manifest against the live
+state (``apply.plan``) and applies them (``apply.apply_plan``); a checkpoint saved by a
+different number of ranks goes through ``reshard``. With ``step=None`` a damaged or malformed
+step is skipped, with a warning, for the one before it; under ``torch.distributed`` the ranks
+agree on the step (and on raising) before anything is applied.
 """
 from __future__ import annotations
 
@@ -16,11 +17,11 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from memsnap import apply as applying
 from memsnap import meta, reshard
-from memsnap.apply import apply
 from memsnap.capture import capture, plan
-from memsnap.errors import (ChecksumError, ConfigError, SnapshotNotFoundError, StateMismatchError,
-                            StorageError, WeightsOnlyError)
+from memsnap.errors import (ChecksumError, ConfigError, MemsnapError, SnapshotNotFoundError,
+                            StateMismatchError, WeightsOnlyError)
 from memsnap.manifest import Manifest
 from memsnap.storage import MARKER, Progress, Retention, Store
 
@@ -133,13 +134,32 @@ def save(uri: str, state: Mapping[str, Any], step: int, metadata: Mapping[str, A
     sync()
 
 
-def _all_ok(ok: bool, world: int) -> bool:
+_OK, _DAMAGED, _FATAL = 0, 1, 2  # how a step fared on one rank; ranks agree on the worst
+
+
+def _outcome(error: BaseException | None) -> int:
+    """_OK, _DAMAGED (a bad or unreadable step: try the previous one) or _FATAL (the live state
+    does not fit, bad arguments, or an unexpected failure: no older step would fare better)."""
+    if error is None:
+        return _OK
+    if isinstance(error, (ConfigError, StateMismatchError)):
+        return _FATAL
+    return _DAMAGED if isinstance(error, (MemsnapError, OSError, ValueError)) else _FATAL
+
+
+def _agree(outcome: int, world: int) -> int:
+    """The worst outcome over all ranks (every rank calls this once per candidate step)."""
     dist = _dist()
     if dist is None or world == 1:
-        return ok
-    flag = torch.tensor([int(ok)])
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
+        return outcome
+    flag = torch.tensor([outcome])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return int(flag.item())
+
+
+def _failed_elsewhere(step: int, uri: str, worst: int) -> MemsnapError:
+    cls = ChecksumError if worst == _DAMAGED else MemsnapError
+    return cls(f"step {step} under {uri} failed to load on another rank (its log says why)")
 
 
 def read_step(store: Store, step: int, rank: int, world: int, state: Mapping[str, Any],
@@ -179,22 +199,22 @@ def load(uri: str, state: Mapping[str, Any], step: int | None = None, *, rank: i
     store = Store.open(uri, endpoint)
     last_error: Exception | None = None
     for s in _candidates(store, step):
-        try:
+        try:  # bytes verified on read; the plan refuses a malformed or mismatched manifest
             manifest, buf, marker = read_step(store, s, rank, world, state, progress)
+            pl = applying.plan(state, manifest, rng=rng, strict=strict)
             error = None
-        except (ChecksumError, StorageError, OSError, ValueError) as exc:
-            error = exc  # every rank reaches the agreement below, also the failing one
-        if not _all_ok(error is None, world):
-            fatal = isinstance(error, (ConfigError, StateMismatchError))
-            if step is not None or fatal:
-                raise error or ChecksumError(f"step {s} under {uri} failed to load on another rank")
-            last_error = error or last_error
-            warnings.warn(f"step {s} under {uri} cannot be loaded ({error or 'damaged on another rank'}); "
-                          "falling back to the previous committed step", stacklevel=2)
-            continue
-        _warn_weights_only(marker, manifest, s, uri)
-        apply(state, manifest, buf, rng=rng, verify=False, strict=strict)  # bytes verified on read
-        return s
+        except Exception as exc:  # every rank reaches the agreement below, also the failing one
+            error = exc
+        worst = _agree(_outcome(error), world)
+        if worst == _OK:
+            _warn_weights_only(marker, manifest, s, uri)
+            applying.apply_plan(state, pl, buf)
+            return s
+        if worst == _FATAL or step is not None:
+            raise error or _failed_elsewhere(s, uri, worst)
+        last_error = error or last_error
+        warnings.warn(f"step {s} under {uri} cannot be loaded ({error or 'damaged on another rank'}); "
+                      "falling back to the previous committed step", stacklevel=2)
     raise SnapshotNotFoundError(f"no intact committed step under {uri}; the last error was: {last_error}")
 
 

@@ -52,6 +52,10 @@ class StorageError(MemsnapError, OSError):
     """Durable storage refused a write or read (full disk, permissions, network)."""
 
 
+class FormatError(MemsnapError, ValueError):
+    """A manifest, skeleton, commit marker or wire header is malformed (damaged or forged)."""
+
+
 class WeightsOnlyError(MemsnapError, ValueError):
     """A save holds model weights but no optimizer state and was not asked to."""
 

@@ -12,8 +12,10 @@ import json
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from memsnap import validate
+
 FORMAT_VERSION = 1
-ALIGN = 64  # every tensor starts on a cache-line boundary of the buffer
+ALIGN = validate.ALIGN  # every tensor starts on a cache-line boundary of the buffer
 
 
 def compact_json(value: Any) -> str:
@@ -97,19 +99,18 @@ class Manifest:
         return f'{head[:-1]},"tensors":{tensors},"tree":{compact_json(self.tree)}}}'.encode()
 
     @classmethod
-    def from_json(cls, raw: bytes | str) -> "Manifest":
-        doc = json.loads(raw)
-        if doc.get("version") != FORMAT_VERSION:
-            raise ValueError(
-                f"manifest format version {doc.get('version')!r} is not supported "
-                f"(this memsnap reads version {FORMAT_VERSION})"
-            )
-        return cls(
+    def from_json(cls, raw: bytes | str, what: str = "manifest") -> "Manifest":
+        """Parse and validate (``memsnap.validate``): ``FormatError`` names what is malformed."""
+        doc = validate.parse_json(raw, what)
+        validate.manifest_doc(doc, what)
+        man = cls(
             tensors=[TensorEntry.from_dict(t) for t in doc["tensors"]],
             tree=doc["tree"],
-            nbytes=int(doc["nbytes"]),
+            nbytes=doc["nbytes"],
             meta=doc.get("meta", {}),
         )
+        validate.manifest(man, what)
+        return man
 
     def with_checksums(self, checksums: list[str | None]) -> "Manifest":
         return replace(self, tensors=[replace(t, checksum=c) for t, c in zip(self.tensors, checksums)],

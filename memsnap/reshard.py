@@ -19,7 +19,7 @@ import torch
 from memsnap.capture import plan
 from memsnap.checksum import checksum
 from memsnap.dtypes import dtype_of
-from memsnap.errors import ChecksumError, StateMismatchError
+from memsnap.errors import ChecksumError, FormatError, StateMismatchError
 from memsnap.manifest import Manifest, TensorEntry, align_up
 from memsnap.storage import Store, rank_name
 
@@ -49,9 +49,17 @@ class _Reader:
     def __init__(self, store: Store, step: int, saved: list[Manifest]):
         self.store, self.step, self.saved = store, step, saved
 
+    def entry(self, rank: int, path: str) -> TensorEntry:
+        try:
+            return self.saved[rank].entry(path)
+        except KeyError:
+            raise FormatError(f"{self.store.path(self.step, rank_name(rank, 'json'))} has no tensor "
+                              f"{path!r} although rank 0's manifest does; the step is damaged, load "
+                              "another step") from None
+
     def holder(self, rank: int, path: str) -> TensorEntry:
-        e = self.saved[rank].entry(path)
-        return self.saved[rank].entry(e.alias_of) if e.alias_of else e
+        e = self.entry(rank, path)
+        return self.entry(rank, e.alias_of) if e.alias_of else e
 
     def tensor(self, rank: int, path: str) -> torch.Tensor:
         e = self.holder(rank, path)
@@ -92,9 +100,10 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def _fill_sharded(dst: torch.Tensor, e: TensorEntry, reader: _Reader) -> None:
-    if tuple(e.global_shape) != tuple(reader.saved[0].entry(e.path).global_shape or ()):
+    saved_shape = tuple(reader.entry(0, e.path).global_shape or ())
+    if tuple(e.global_shape) != saved_shape:
         raise StateMismatchError(f"{e.path!r}: live global shape {list(e.global_shape)} differs from the "
-                                 f"checkpoint's {list(reader.saved[0].entry(e.path).global_shape or ())}")
+                                 f"checkpoint's {list(saved_shape)}")
     want, covered, seen = _box(e), 0, set()
     for rank in range(len(reader.saved)):
         src_box = _box(reader.holder(rank, e.path))

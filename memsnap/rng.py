@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -20,9 +20,9 @@ def _numpy_state() -> dict[str, Any]:
             "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
 
 
-def _set_numpy_state(s: dict[str, Any]) -> None:
+def _set_numpy_state(s: dict[str, Any], gen: Any = np.random) -> None:
     keys = np.asarray(s["keys"], dtype=np.uint32)
-    np.random.set_state((s["name"], keys, s["pos"], s["has_gauss"], s["cached_gaussian"]))
+    gen.set_state((s["name"], keys, s["pos"], s["has_gauss"], s["cached_gaussian"]))
 
 
 def _cuda_states() -> list[torch.Tensor]:
@@ -49,6 +49,22 @@ def _set_cuda_states(states: list[torch.Tensor]) -> None:
             f"restoring the first {min(have, len(states))}", RuntimeWarning, stacklevel=3)
     for i, s in enumerate(states[:have]):
         torch.cuda.set_rng_state(s.cpu(), i)
+
+
+def check_state(state: Any, is_byte_tensor: Callable[[Any], bool]) -> None:
+    """Raise ``ValueError`` if ``set_state(state)`` would fail, touching no generator: the
+    Python and NumPy states are tried on scratch generators, tensors by ``is_byte_tensor``."""
+    if not isinstance(state, dict) or not {"python", "numpy", "torch"} <= state.keys():
+        raise ValueError("is not a dict of python, numpy and torch states")
+    try:
+        random.Random().setstate(state["python"])
+        _set_numpy_state(state["numpy"], np.random.RandomState())
+    except (TypeError, ValueError, OverflowError, KeyError, IndexError) as exc:
+        raise ValueError(f"does not restore: {type(exc).__name__}: {exc}") from None
+    cuda = state.get("cuda") or []
+    if not is_byte_tensor(state["torch"]) or not isinstance(cuda, list) \
+            or not all(is_byte_tensor(s) for s in cuda):
+        raise ValueError("holds a torch or CUDA generator state that is not a 1-d uint8 tensor")
 
 
 def set_state(state: dict[str, Any]) -> None:

@@ -38,7 +38,8 @@ from typing import Callable
 import pyarrow.fs as pafs
 import xxhash
 
-from memsnap.errors import ChecksumError, SnapshotNotFoundError, StorageError
+from memsnap import validate
+from memsnap.errors import ChecksumError, FormatError, SnapshotNotFoundError, StorageError
 from memsnap.manifest import Manifest
 
 MARKER = "COMMITTED"
@@ -233,7 +234,8 @@ class Store:
         return steps[-1]
 
     def marker(self, step: int) -> dict:
-        """The parsed ``COMMITTED`` of ``step``; SnapshotNotFoundError if it is not committed."""
+        """The parsed, validated ``COMMITTED`` of ``step``; SnapshotNotFoundError if it is not
+        committed, FormatError if it is malformed."""
         path = self.path(step, MARKER)
         try:
             raw = self._read_small(path)
@@ -241,13 +243,11 @@ class Store:
             have = self.steps()
             raise SnapshotNotFoundError(f"step {step} is not committed under {self.uri} "
                                         f"(committed steps: {have[-10:] or 'none'})") from None
-        try:
-            return json.loads(raw)
-        except ValueError as exc:
-            raise ChecksumError(f"{path} is not valid JSON ({exc}); the step is damaged") from exc
+        return validate.marker(validate.parse_json(raw, path), step, path)
 
     def manifest(self, step: int, rank: int, marker: dict | None = None) -> Manifest:
-        """Rank ``rank``'s manifest of ``step``, checked against the marker's checksum."""
+        """Rank ``rank``'s manifest of ``step``, checked against the marker's checksum and size
+        and validated (``FormatError``)."""
         marker = marker or self.marker(step)
         rec = self._record(marker, rank)
         path = self.path(step, rank_name(rank, "json"))
@@ -256,7 +256,12 @@ class Store:
             raise ChecksumError(f"{path} is corrupted: {len(raw)} bytes, xxh3 "
                                 f"{xxhash.xxh3_64_hexdigest(raw)}; COMMITTED recorded "
                                 f"{rec['json_bytes']} bytes, xxh3 {rec['json_xxh3']}")
-        return Manifest.from_json(raw)
+        manifest = Manifest.from_json(raw, path)
+        if manifest.nbytes != rec["bin_bytes"]:
+            raise FormatError(f"{path}: describes a {manifest.nbytes}-byte buffer but COMMITTED records "
+                              f"{rec['bin_bytes']} bytes for its data file; the step is damaged, load "
+                              "another step or copy")
+        return manifest
 
     def _record(self, marker: dict, rank: int) -> dict:
         ranks = marker["ranks"]
@@ -374,7 +379,7 @@ class Store:
     def _is_milestone(self, step: int) -> bool:
         try:
             return bool(self.marker(step).get("metadata", {}).get("milestone"))
-        except (ChecksumError, SnapshotNotFoundError):
+        except (ChecksumError, FormatError, SnapshotNotFoundError):
             return False
 
 

@@ -28,6 +28,7 @@ import torch
 
 from memsnap.dtypes import dtype_name, dtype_of
 from memsnap.errors import UnsupportedStateError
+from memsnap.validate import MAX_DEPTH
 
 OnTensor = Callable[[torch.Tensor, str], int]
 TensorAt = Callable[[int, str], Any]
@@ -57,12 +58,13 @@ def _encode_float(x: float) -> Any:
     return {"__float__": "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")}
 
 
-def _encode_dict(d: dict, on_tensor: OnTensor, path: str) -> Any:
+def _encode_dict(d: dict, on_tensor: OnTensor, path: str, depth: int) -> Any:
     plain = all(type(k) is str for k in d) and not (len(d) == 1 and next(iter(d)) in TAGS)
     if plain:
-        return {k: encode(v, on_tensor, child_path(path, k)) for k, v in d.items()}
+        return {k: encode(v, on_tensor, child_path(path, k), depth + 1) for k, v in d.items()}
     return {"__dict__": [
-        [encode(k, on_tensor, path), encode(v, on_tensor, child_path(path, k))] for k, v in d.items()
+        [encode(k, on_tensor, path, depth + 1), encode(v, on_tensor, child_path(path, k), depth + 1)]
+        for k, v in d.items()
     ]}
 
 
@@ -74,8 +76,13 @@ def _encode_numpy(x: Any) -> Any:
     return {"__npscalar__": [x.dtype.str, _b64(x.tobytes())]}
 
 
-def encode(value: Any, on_tensor: OnTensor, path: str = "") -> Any:
-    """The tagged JSON skeleton of ``value``; each tensor goes to ``on_tensor(t, path)``."""
+def encode(value: Any, on_tensor: OnTensor, path: str = "", depth: int = 0) -> Any:
+    """The tagged JSON skeleton of ``value``; each tensor goes to ``on_tensor(t, path)``.
+    Containers nest at most ``validate.MAX_DEPTH`` deep (what a load accepts)."""
+    if depth > MAX_DEPTH:
+        raise UnsupportedStateError(
+            f"value at {path or '<root>'!r} is nested deeper than {MAX_DEPTH} containers, more than "
+            "a snapshot can be loaded back with; flatten the state")
     if value is None or type(value) is bool or type(value) is str:
         return value
     if isinstance(value, torch.Tensor):
@@ -89,17 +96,17 @@ def encode(value: Any, on_tensor: OnTensor, path: str = "") -> Any:
     if isinstance(value, float):
         return _encode_float(float(value))
     if isinstance(value, dict):
-        return _encode_dict(value, on_tensor, path)
-    return _encode_other(value, on_tensor, path)
+        return _encode_dict(value, on_tensor, path, depth)
+    return _encode_other(value, on_tensor, path, depth)
 
 
-def _encode_other(value: Any, on_tensor: OnTensor, path: str) -> Any:
+def _encode_other(value: Any, on_tensor: OnTensor, path: str, depth: int) -> Any:
     if isinstance(value, torch.Size):
         return {"__size__": list(value)}
     if isinstance(value, tuple):
-        return {"__tuple__": [encode(v, on_tensor, child_path(path, i)) for i, v in enumerate(value)]}
+        return {"__tuple__": [encode(v, on_tensor, child_path(path, i), depth + 1) for i, v in enumerate(value)]}
     if isinstance(value, list):
-        return [encode(v, on_tensor, child_path(path, i)) for i, v in enumerate(value)]
+        return [encode(v, on_tensor, child_path(path, i), depth + 1) for i, v in enumerate(value)]
     if isinstance(value, (bytes, bytearray)):
         return {"__bytes__": _b64(bytes(value))}
     if isinstance(value, torch.dtype):

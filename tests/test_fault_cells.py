@@ -4,7 +4,6 @@ Both run the real code (``CoordinatorCore`` + ``rebuild_state`` over real ``Agen
 the agent's spill thread in a process that dies half way through a file)."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 

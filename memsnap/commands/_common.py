@@ -9,6 +9,7 @@ from memsnap.errors import ConfigError
 from memsnap.manifest import Manifest
 from memsnap.storage import Store
 
+DAMAGED = 2  # exit code of a command that found the checkpoint damaged or malformed
 _STEP_TAIL = re.compile(r"^(?:step_)?(\d+)$")
 
 

@@ -1,19 +1,29 @@
-"""``memsnap ls URI``: the committed steps of a checkpoint root, one line each."""
+"""``memsnap ls URI``: the committed steps of a checkpoint root, one line each.
+
+A step whose commit marker is malformed is listed as DAMAGED (reason on stderr), exit code 2.
+"""
 from __future__ import annotations
 
 import argparse
+import sys
 
-from memsnap.commands._common import add_location, human, table
+from memsnap.commands._common import DAMAGED, add_location, human, table
+from memsnap.errors import FormatError
 from memsnap.storage import Store
+
+
+def _loss(md: dict) -> str:
+    loss = md.get("user", {}).get("loss") if isinstance(md.get("user"), dict) else None
+    return f"{loss:.6g}" if isinstance(loss, (int, float)) and not isinstance(loss, bool) else ""
 
 
 def _row(step: int, marker: dict) -> list:
     md = marker.get("metadata", {})
-    loss = md.get("user", {}).get("loss")
-    git = (md.get("git") or {}).get("commit", "")[:10]
+    git = md.get("git") if isinstance(md.get("git"), dict) else {}
+    commit = git.get("commit") if isinstance(git.get("commit"), str) else ""
     return [step, md.get("time_utc", "?"), marker["world_size"],
             human(sum(r["bin_bytes"] for r in marker["ranks"])),
-            "" if loss is None else f"{loss:.6g}", "yes" if md.get("milestone") else "", git]
+            _loss(md), "yes" if md.get("milestone") else "", commit[:10]]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -22,9 +32,16 @@ def run(args: argparse.Namespace) -> int:
     if not steps:
         print(f"no committed steps under {args.location}")
         return 0
-    rows = [_row(s, store.marker(s)) for s in steps]
+    rows, damaged = [], 0
+    for s in steps:
+        try:
+            rows.append(_row(s, store.marker(s)))
+        except FormatError as exc:
+            damaged += 1
+            rows.append([s, "DAMAGED", "", "", "", "", ""])
+            print(f"memsnap ls: damaged checkpoint: {exc}", file=sys.stderr)
     print(table(["STEP", "SAVED (UTC)", "RANKS", "SIZE", "LOSS", "MILESTONE", "GIT"], rows))
-    return 0
+    return DAMAGED if damaged else 0
 
 
 def register(subparsers) -> argparse.ArgumentParser:

@@ -8,7 +8,7 @@ import numpy as np
 from memsnap.apply import verify_checksums
 from memsnap.commands._common import add_location, human, open_step, split_location
 from memsnap.durable import progress_bar
-from memsnap.errors import ChecksumError
+from memsnap.errors import ChecksumError, FormatError
 from memsnap.storage import Store
 
 
@@ -38,12 +38,18 @@ def run(args: argparse.Namespace) -> int:
     if args.all:
         uri, _ = split_location(args.location)
         store = Store.open(uri, args.endpoint)
-        steps = [(s, store.marker(s)) for s in store.steps()]
+        steps = store.steps()
     else:
-        store, step, marker = open_step(args)
-        steps = [(step, marker)]
+        store, step, _ = open_step(args)
+        steps = [step]
     bad = 0
-    for step, marker in steps:
+    for step in steps:
+        try:
+            marker = store.marker(step)
+        except FormatError as exc:
+            bad += 1
+            print(f"step {step}: DAMAGED\n  {exc}")
+            continue
         problems = verify_step(store, step, marker)
         size = human(sum(r["bin_bytes"] for r in marker["ranks"]))
         if problems:

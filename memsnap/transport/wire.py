@@ -20,7 +20,9 @@ import socket
 import struct
 import time
 
+from memsnap.errors import FormatError
 from memsnap.transport.session import TAG, Direction, FrameError, body_tag, hash_pieces
+from memsnap.validate import wire_header
 
 HEAD = struct.Struct("<BHQQ")  # kind (op or status), name length, payload length, xxh3-64
 REQUEST = RESPONSE = HEAD
@@ -153,9 +155,10 @@ def read_head(sock, d: Direction, kinds: tuple, max_payload: int, deadline: floa
     if frame_s is not None:
         deadline = time.monotonic() + frame_s
     recv_into(sock, memoryview(raw)[1:], deadline)
-    kind, name_len, nbytes, checksum = HEAD.unpack(raw)
-    if kind not in kinds or nbytes > max_payload:
-        raise FrameError(f"bad frame header: kind={kind}, payload {nbytes} bytes (at most {max_payload})")
+    try:
+        kind, name_len, nbytes, checksum = wire_header(bytes(raw), HEAD, kinds, max_payload, "frame")
+    except FormatError as exc:  # the connection cannot go on: close it
+        raise FrameError(str(exc)) from None
     rest = recv_exact(sock, name_len + TAG, deadline)
     seq = d.next_seq()
     d.check_head(seq, bytes(raw) + rest[:name_len], rest[name_len:])
