@@ -3,12 +3,23 @@
 The data path, one module per stage:
 
     capture.py / rng.py / sampler.py    state -> manifest.py + flat bytes (the state layer)
-    codec.py (+ native/)                bytes -> Reed-Solomon chunks
+    validate.py                         every manifest, skeleton, marker and frame header checked
+    arena.py / shmdir.py                the agent's shared memory the ranks capture into
+    codec.py (+ native/) / encode.py    bytes -> stripes -> Reed-Solomon chunks
     stripes.py / placement.py           which bytes go to which node
-    transport/                          chunks between agents (TCP, Ray object store)
-    agent.py / coordinator.py           RAM holding and the two-phase commit
-    durable.py                          memsnap's on-disk / object-store format (spill)
-    restore.py / snapshotter.py         the user-facing save/restore
+    transport/                          chunks between agents (authenticated TCP, Ray object store)
+    chunkstore.py                       the chunks an agent holds for its peers
+    slots.py / sender.py / repair.py    an agent's versions, its sends, its repairs (agent.py composes)
+    durable.py / storage.py / spill.py  memsnap's on-disk / object-store format, and the spill
+    restore.py / receive.py             bytes back from the peers, straight into the live tensors
+
+The control plane (ranks -> their node's agent -> the coordinator, once per node):
+
+    snapshotter.py / options.py         the user-facing save / restore / status, and its options
+    relay.py                            a node's ranks' calls toward the coordinator
+    coordinator.py                      membership.py, commit.py, rounds.py, reprotect.py, coverage.py
+    records.py                          the typed records they exchange
+    actors.py                           both Ray faces (asyncio actors)
 """
 from __future__ import annotations
 
