@@ -12,6 +12,8 @@ A step directory without ``COMMITTED`` does not exist for readers.
 Call protocol of a save (the runtime's spill thread follows the same two calls)::
 
     1. store.write_rank(step, rank, manifest, buf)   (all ranks) -> RankRecord
+       (or store.write_rank_stream(step, rank, stream): the bytes as they are produced,
+       e.g. straight from the tensors by ``stream.TensorStream``, as ``memsnap.save`` does)
     2. the caller's barrier: every rank's write_rank has returned
     3. store.commit(step, world_size, metadata)      (one rank, e.g. rank 0)
     4. store.retain(policy)                           (optional, the committing rank)
