@@ -155,3 +155,15 @@ def test_save_writes_from_the_tensors_and_loads_bitwise_verified(tmp_path):
     bin_path.write_bytes(bytes(data))
     with pytest.raises(ChecksumError):
         memsnap.load(str(tmp_path), {"model": fresh, "optim": fresh_optim}, step=3)
+
+
+@pytest.mark.gpu
+def test_cuda_tensors_are_copied_to_the_host_one_at_a_time_and_give_the_capture_bytes():
+    state = {"values": {"w": torch.randn(300, 70, device="cuda"),
+                        "t": torch.randn(40, 30, device="cuda").t(),
+                        "b": torch.randn(9, device="cuda").to(torch.bfloat16)}}
+    stream = stream_of(state)
+    written = b"".join(bytes(p) for p in stream)
+    manifest, buf = capture(state, checksums=True)
+    assert written == bytes(buf)
+    assert [e.checksum for e in stream.manifest().tensors] == [e.checksum for e in manifest.tensors]
