@@ -3,7 +3,12 @@
 Save side (the stall the training loop sees):
     memcpy            ctypes.memmove of every tensor into a preallocated, touched buffer (ceiling)
     capture           memsnap.capture.capture into the same preallocated buffer (plan reused)
-    memsnap.save      capture + checksums + write + fsync + commit marker
+    memsnap.save      per-tensor and whole-file xxh3 + write straight from the tensors + fsync +
+                      manifest + commit marker
+    ... no writeback  the same with storage.WRITEBACK = 0 (no sync_file_range hints: all the
+                      writing back is left to the closing fsync)
+    staged            capture into a touched buffer + fill_checksums + Store.write_rank + commit:
+                      the staging path ``save`` took before (the runtime's spill still writes so)
     torch.save        torch.save of the state dicts + fsync
     dcp.save          torch.distributed.checkpoint.save (no process group) + its own fsyncs
 
@@ -14,13 +19,15 @@ Load side, warm page cache and cold (posix_fadvise(DONTNEED) on every file, chec
     dcp.load          torch.distributed.checkpoint.load in place + set_state_dict
 
 Every configuration runs once per round, rounds interleaved so machine noise hits all alike;
-the best round is reported (and the median).
+the best round and the median are reported, and the ratios of both.
 
-    python bench/state.py [--gib 1.0] [--rounds 3] [--dir DIR] [--out bench/results/state.md]
+    python bench/state.py [--gib 1.0] [--width 4096] [--rounds 3] [--saves-only] [--dir DIR]
+                          [--out bench/results/state.md]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import os
 import shutil
@@ -34,14 +41,15 @@ from pathlib import Path
 import torch
 
 import memsnap
-from memsnap.capture import capture, plan
+from memsnap import storage
+from memsnap.capture import capture, fill_checksums, plan
 
 
-def build(gib: float) -> dict:
-    """Linear(4096, 4096) layers + AdamW moments: ~3 x params bytes of state."""
-    layers = max(1, round(gib * 2**30 / 3 / (4096 * 4097 * 4)))
+def build(gib: float, width: int = 4096) -> dict:
+    """Linear(width, width) layers + AdamW moments: ~3 x params bytes of state."""
+    layers = max(1, round(gib * 2**30 / 3 / (width * (width + 1) * 4)))
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(4096, 4096) for _ in range(layers)])
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for p in model.parameters():
         p.grad = torch.randn_like(p) * 1e-3
@@ -128,8 +136,27 @@ class Bench:
         memsnap.save(self.path("memsnap"), self.state, self.step, progress=False)
         return time.perf_counter() - t
 
+    def t_memsnap_save_nowb(self) -> float:
+        saved, storage.WRITEBACK = storage.WRITEBACK, 0
+        try:
+            return self.t_memsnap_save()
+        finally:
+            storage.WRITEBACK = saved
+
+    def t_staged_save(self) -> float:
+        shutil.rmtree(self.path("staged"), ignore_errors=True)
+        self.step += 1
+        t = time.perf_counter()
+        store = storage.Store.open(self.path("staged"))
+        manifest, buf = capture(self.state, out=self.buf, manifest=self.manifest)
+        store.write_rank(self.step, 0, fill_checksums(manifest, buf), buf)
+        store.commit(self.step, 1, {})
+        return time.perf_counter() - t
+
     def t_torch_save(self) -> float:
         sd = {k: v.state_dict() for k, v in self.state.items()}
+        with contextlib.suppress(FileNotFoundError):  # untimed, as the other saves' rmtree: the
+            os.unlink(self.path("torch.pt"))  # results before 2026-11-30 timed truncating it
         t = time.perf_counter()
         with open(self.path("torch.pt"), "wb") as f:
             torch.save(sd, f)
@@ -177,19 +204,21 @@ class Bench:
 
 
 SAVES = [("memcpy (ceiling)", "memcpy"), ("memsnap capture", "capture"),
-         ("memsnap.save (+fsync)", "memsnap_save"), ("torch.save (+fsync)", "torch_save"),
+         ("memsnap.save (+fsync)", "memsnap_save"), ("memsnap.save, no writeback (+fsync)", "memsnap_save_nowb"),
+         ("staged: capture + write_rank (+fsync)", "staged_save"), ("torch.save (+fsync)", "torch_save"),
          ("dcp.save (+fsync)", "dcp_save")]
+SAVE_LABELS = {label for label, _ in SAVES}
 LOADS = [("memsnap.load", "memsnap_load", "memsnap"), ("torch.load(weights_only)", "torch_load", "torch.pt"),
          ("dcp.load", "dcp_load", "dcp")]
 
 
-def run(b: Bench, rounds: int) -> tuple[dict, list[float]]:
+def run(b: Bench, rounds: int, saves_only: bool = False) -> tuple[dict, list[float]]:
     times: dict[str, list[float]] = {}
     residue = []
     for r in range(rounds):
         for label, name in SAVES:
             times.setdefault(label, []).append(getattr(b, "t_" + name)())
-        for label, name, path in LOADS:
+        for label, name, path in ([] if saves_only else LOADS):
             times.setdefault(label + " warm", []).append(getattr(b, "t_" + name)())
             residue.append(drop_cache(b.path(path)))
             times.setdefault(label + " cold", []).append(getattr(b, "t_" + name)())
@@ -197,45 +226,60 @@ def run(b: Bench, rounds: int) -> tuple[dict, list[float]]:
     return times, residue
 
 
-def report(times: dict, nbytes: int, residue: list[float], args) -> str:
+def reference(label: str) -> str | None:
+    """The row a row's ratio is taken against (None: no ratio)."""
+    if label == "memsnap capture":
+        return "memcpy (ceiling)"
+    if label.startswith("memsnap.load"):
+        return "torch.load(weights_only)" + label[len("memsnap.load"):]
+    if label in SAVE_LABELS and label not in ("memcpy (ceiling)", "torch.save (+fsync)"):
+        return "torch.save (+fsync)"
+    return None
+
+
+def report(times: dict, nbytes: int, residue: list[float], args, load_start: float) -> str:
     gib = nbytes / 2**30
     best = {k: min(v) for k, v in times.items()}
+    median = {k: statistics.median(v) for k, v in times.items()}
     lines = [f"# State save/load: {gib:.2f} GiB model + AdamW state", "",
-             f"torch {torch.__version__}, {os.cpu_count()} CPUs, {args.rounds} interleaved rounds, "
-             f"directory {args.dir or tempfile.gettempdir()}; load average at start "
-             f"{os.getloadavg()[0]:.1f} (the machine is shared).", "",
-             "| operation | best s | median s | GiB/s (best) | vs memcpy / torch |",
-             "| --- | ---: | ---: | ---: | ---: |"]
-    for label, v in times.items():
-        ref = best["memcpy (ceiling)"] if label in ("memsnap capture",) else None
-        if label.startswith("memsnap.save"):
-            ref = best["torch.save (+fsync)"]
-        if label.startswith("memsnap.load"):
-            ref = best["torch.load(weights_only)" + label[len("memsnap.load"):]]
-        ratio = "" if ref is None else f"{ref / best[label]:.2f}x"
-        lines.append(f"| {label} | {best[label]:.3f} | {statistics.median(v):.3f} | "
-                     f"{gib / best[label]:.2f} | {ratio} |")
+             f"torch {torch.__version__}, {os.cpu_count()} CPUs, Linear({args.width}, {args.width}) layers, "
+             f"{args.rounds} interleaved rounds, directory {args.dir or tempfile.gettempdir()}; load "
+             f"average {load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end (the machine "
+             "is shared).", "",
+             "| operation | best s | median s | GiB/s (median) | ratio (best) | ratio (median) |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for label in times:
+        ref = reference(label)
+        ratios = ("", "") if ref is None or ref not in best else (
+            f"{best[ref] / best[label]:.2f}x", f"{median[ref] / median[label]:.2f}x")
+        lines.append(f"| {label} | {best[label]:.3f} | {median[label]:.3f} | "
+                     f"{gib / median[label]:.2f} | {ratios[0]} | {ratios[1]} |")
     cold = max(residue) if residue else -1
-    lines += ["", "Ratios: capture is memcpy-time / capture-time (>= 0.8 is the target); memsnap.save "
-              "and memsnap.load are torch-time / memsnap-time (>= 1 means memsnap is not slower).",
-              f"Cold runs: after posix_fadvise(DONTNEED), at most {cold:.1%} of a file stayed resident "
-              "(fincore)." if cold >= 0 else "Cold runs: fincore unavailable, residency not checked."]
+    lines += ["", "Ratios: capture is memcpy-time / capture-time (>= 0.8 is the target); every other save "
+              "and memsnap.load are torch-time / its time (>= 1 means it is not slower than torch)."]
+    if not args.saves_only:
+        lines.append(f"Cold runs: after posix_fadvise(DONTNEED), at most {cold:.1%} of a file stayed "
+                     "resident (fincore)." if cold >= 0 else
+                     "Cold runs: fincore unavailable, residency not checked.")
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--gib", type=float, default=1.0)
+    ap.add_argument("--width", type=int, default=4096, help="the Linear layers' width (smaller: more tensors)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--saves-only", action="store_true", help="skip the load side")
     ap.add_argument("--dir", default=None, help="where the files go (default: a temporary directory)")
     ap.add_argument("--out", default=None, help="write the markdown table here too")
     args = ap.parse_args()
-    state = build(args.gib)
+    load_start = os.getloadavg()[0]
+    state = build(args.gib, args.width)
     root = tempfile.mkdtemp(prefix="memsnap-bench-", dir=args.dir)
     try:
         b = Bench(state, root)
-        times, residue = run(b, args.rounds)
-        text = report(times, b.nbytes, residue, args)
+        times, residue = run(b, args.rounds, args.saves_only)
+        text = report(times, b.nbytes, residue, args, load_start)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(text)

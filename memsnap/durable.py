@@ -1,16 +1,19 @@
 """The public ``memsnap.save`` / ``memsnap.load``: whole training state <-> a durable step.
 
-``save`` captures the state (``capture.capture``), writes this rank's files through
-``storage.Store`` and, after a barrier, rank 0 commits the step and applies retention.
-``load`` picks the step (the newest committed when ``step`` is None), reads and verifies this
-rank's bytes (whole-file xxh3 against the commit marker), checks the manifest against the live
-state (``apply.plan``) and applies them (``apply.apply_plan``); a checkpoint saved by a
-different number of ranks goes through ``reshard``. With ``step=None`` a damaged or malformed
-step is skipped, with a warning, for the one before it; under ``torch.distributed`` the ranks
-agree on the step (and on raising) before anything is applied.
+``save`` lays the state out (``capture.plan_sources``), writes this rank's files through
+``storage.Store`` straight from the tensors (``stream.TensorStream``: no staging copy, each
+byte read once for both checksums and the write) and, after a barrier, rank 0 commits the
+step and applies retention. ``load`` picks the step (the newest committed when ``step`` is
+None), reads and verifies this rank's bytes (whole-file xxh3 against the commit marker),
+checks the manifest against the live state (``apply.plan``) and applies them
+(``apply.apply_plan``); a checkpoint saved by a different number of ranks goes through
+``reshard``. With ``step=None`` a damaged or malformed step is skipped, with a warning, for
+the one before it; under ``torch.distributed`` the ranks agree on the step (and on raising)
+before anything is applied.
 """
 from __future__ import annotations
 
+import os
 import threading
 import warnings
 from typing import Any, Callable, Mapping
@@ -19,11 +22,12 @@ import torch
 
 from memsnap import apply as applying
 from memsnap import meta, reshard
-from memsnap.capture import capture, plan
+from memsnap.capture import plan_sources
 from memsnap.errors import (ChecksumError, ConfigError, MemsnapError, SnapshotNotFoundError,
                             StateMismatchError, WeightsOnlyError)
 from memsnap.manifest import Manifest
 from memsnap.storage import MARKER, Progress, Retention, Store
+from memsnap.stream import TensorStream
 
 BAR_MIN_BYTES = 256 << 20  # a progress bar for transfers likely to take a second or more
 
@@ -42,21 +46,32 @@ def progress_bar(desc: str, total: int, enabled: bool | None = None) -> tuple[Pr
     return update, bar.close
 
 
-_ARENA_LOCK = threading.Lock()
-_ARENA: list[torch.Tensor] = []  # one staging buffer per process, touched once and reused
-
-
-def _arena(nbytes: int) -> Any:
-    """The process's staging buffer for saves, grown (never shrunk) to ``nbytes``."""
-    if not _ARENA or _ARENA[0].numel() < nbytes:
-        _ARENA[:] = [torch.zeros(max(nbytes, 1), dtype=torch.uint8)]
-    return _ARENA[0].numpy()[:nbytes]
-
-
 def release_buffer() -> None:
-    """Free the staging buffer ``save`` keeps for reuse (it is re-made by the next save)."""
-    with _ARENA_LOCK:
-        _ARENA.clear()
+    """Kept for compatibility: ``save`` writes straight from the tensors and keeps no staging
+    buffer any more, so there is nothing to free."""
+
+
+def _background(fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
+    """Start ``fn(*args)`` on a thread; return a function that waits for and returns its result
+    (or raises its exception)."""
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["value"] = fn(*args)
+        except BaseException as exc:  # handed to the caller by result()
+            out["error"] = exc
+
+    thread = threading.Thread(target=run, name="memsnap-save-meta", daemon=True)
+    thread.start()
+
+    def result() -> Any:
+        thread.join()
+        if "error" in out:
+            raise out["error"]
+        return out["value"]
+
+    return result
 
 
 def _dist() -> Any | None:
@@ -112,22 +127,24 @@ def save(uri: str, state: Mapping[str, Any], step: int, metadata: Mapping[str, A
     _check_save(state, step, weights_only)
     rank, world = _rank_world(rank, world_size)
     sync = _barrier(world, barrier)
-    info = meta.collect(step, world, state, metadata, milestone)
+    info = meta.collect(step, world, state, metadata, milestone, git=False)
     policy = Retention(keep_last, milestone_every) if keep_last is not None else None
     store = Store.open(uri, endpoint)
     if store.fs.get_file_info(store.path(step, MARKER)).is_file:
         raise ConfigError(f"step {step} is already committed under {uri}; save under a new step "
                           "(committed steps are never overwritten)")
-    with _ARENA_LOCK:
-        manifest, buf = capture(state, out=_arena(plan(state).nbytes), checksums=True)
-        manifest.meta.update(step=step, rank=rank, world_size=world)
-        update, close = progress_bar(f"save step {step}", manifest.nbytes, progress)
-        try:
-            store.write_rank(step, rank, manifest, buf, throttle_bps=throttle_bps, progress=update)
-        finally:
-            close()
+    git = _background(meta.git_commit, os.getcwd()) if rank == 0 else None  # runs during the write
+    layout, sources = plan_sources(state)
+    layout.meta.update(step=step, rank=rank, world_size=world)
+    update, close = progress_bar(f"save step {step}", layout.nbytes, progress)
+    try:  # one pass over the tensors' memory: both checksums and the write (see stream.py)
+        store.write_rank_stream(step, rank, TensorStream(layout, sources), throttle_bps=throttle_bps,
+                                progress=update)
+    finally:
+        close()
     sync()
     if rank == 0:
+        info["git"] = git()
         store.commit(step, world, info)
         if policy is not None:
             store.retain(policy)

@@ -95,15 +95,17 @@ def record_argv(argv: Sequence[str] | None = None) -> list[str] | None:
 
 
 def collect(step: int, world_size: int, state: Mapping[str, Any],
-            user: Mapping[str, Any] | None = None, milestone: bool = False) -> dict[str, Any]:
-    """Everything recorded about one step besides its tensors."""
+            user: Mapping[str, Any] | None = None, milestone: bool = False, *,
+            git: bool = True) -> dict[str, Any]:
+    """Everything recorded about one step besides its tensors (``git=False``: leave ``"git"``
+    None, for a caller that runs ``git_commit`` itself, e.g. alongside the data write)."""
     now = time.time()
     return {
         "step": step,
         "wall_time": now,
         "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
         "versions": versions(),
-        "git": git_commit(os.getcwd()),
+        "git": git_commit(os.getcwd()) if git else None,
         "hostname": socket.gethostname(),
         "world_size": world_size,
         "argv": record_argv(),

@@ -12,6 +12,8 @@ A step directory without ``COMMITTED`` does not exist for readers.
 Call protocol of a save (the runtime's spill thread follows the same two calls)::
 
     1. store.write_rank(step, rank, manifest, buf)   (all ranks) -> RankRecord
+       (or store.write_rank_stream(step, rank, stream): the bytes as they are produced,
+       e.g. straight from the tensors by ``stream.TensorStream``, as ``memsnap.save`` does)
     2. the caller's barrier: every rank's write_rank has returned
     3. store.commit(step, world_size, metadata)      (one rank, e.g. rank 0)
     4. store.retain(policy)                           (optional, the committing rank)
@@ -25,6 +27,7 @@ or the new one, never a readable half.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import json
 import mmap
@@ -33,7 +36,7 @@ import re
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable, Iterator, Protocol
 
 import pyarrow.fs as pafs
 import xxhash
@@ -44,9 +47,25 @@ from memsnap.manifest import Manifest
 
 MARKER = "COMMITTED"
 IO_CHUNK = 16 << 20  # every read and write is one sequential call of this size
+WRITEBACK = 32 << 20  # a local data file's pages are handed to the disk every this many bytes (0: off)
 _STEP_RE = re.compile(r"^step_(\d{12})$")
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
+
+
+class RankStream(Protocol):
+    """A rank's data file produced piece by piece instead of from one buffer.
+
+    Iterating yields the file's bytes in order (``nbytes`` in all, as buffers); once the
+    iteration is complete, ``manifest()`` is the rank's manifest with every tensor's checksum.
+    ``stream.TensorStream`` is the one that reads straight from the tensors.
+    """
+
+    nbytes: int
+
+    def __iter__(self) -> Iterator[memoryview]: ...
+
+    def manifest(self) -> Manifest: ...
 
 
 def step_name(step: int) -> str:
@@ -156,11 +175,25 @@ class Store:
         mv = mv[: manifest.nbytes]
         self.fs.create_dir(self.path(step), recursive=True)
         bin_path = self.path(step, rank_name(rank, "bin"))
-        digest = self._write(bin_path, mv, _Throttle(throttle_bps), progress)
-        meta = dict(manifest.meta, data_file={"bytes": mv.nbytes, "xxh3": digest})
+        digest = self._write(bin_path, slices(mv), mv.nbytes, _Throttle(throttle_bps), progress)
+        return self._write_manifest(step, rank, manifest, digest)
+
+    def write_rank_stream(self, step: int, rank: int, stream: RankStream, *,
+                          throttle_bps: float | None = None, progress: Progress | None = None) -> RankRecord:
+        """(all ranks) Like ``write_rank``, with the data file written piece by piece as
+        ``stream`` yields it (no staging buffer), and the manifest (with the per-tensor
+        checksums the stream computed on the way) written after it."""
+        self.fs.create_dir(self.path(step), recursive=True)
+        bin_path = self.path(step, rank_name(rank, "bin"))
+        digest = self._write(bin_path, iter(stream), stream.nbytes, _Throttle(throttle_bps), progress)
+        return self._write_manifest(step, rank, stream.manifest(), digest)
+
+    def _write_manifest(self, step: int, rank: int, manifest: Manifest, digest: str) -> RankRecord:
+        """Write the rank's manifest, recording its data file's size and ``digest``."""
+        meta = dict(manifest.meta, data_file={"bytes": manifest.nbytes, "xxh3": digest})
         raw = Manifest(manifest.tensors, manifest.tree, manifest.nbytes, meta).to_json()
-        self._write(self.path(step, rank_name(rank, "json")), memoryview(raw), _Throttle(None), None)
-        return RankRecord(rank, mv.nbytes, digest, len(raw), xxhash.xxh3_64_hexdigest(raw))
+        self._write(self.path(step, rank_name(rank, "json")), [memoryview(raw)], len(raw), _Throttle(None), None)
+        return RankRecord(rank, manifest.nbytes, digest, len(raw), xxhash.xxh3_64_hexdigest(raw))
 
     def commit(self, step: int, world_size: int, metadata: dict | None = None) -> dict:
         """(one rank, after every rank's write_rank) Make ``step`` visible by writing its marker."""
@@ -168,7 +201,7 @@ class Store:
         doc = {"format": "memsnap", "version": 1, "step": step, "world_size": world_size,
                "metadata": metadata or {}, "ranks": ranks}
         raw = json.dumps(doc, indent=1, allow_nan=False).encode()
-        self._write(self.path(step, MARKER), memoryview(raw), _Throttle(None), None)
+        self._write(self.path(step, MARKER), [memoryview(raw)], len(raw), _Throttle(None), None)
         return doc
 
     def _rank_record(self, step: int, rank: int) -> RankRecord:
@@ -185,14 +218,18 @@ class Store:
                                f"has {size} bytes, its manifest says {data['bytes']}")
         return RankRecord(rank, data["bytes"], data["xxh3"], len(raw), xxhash.xxh3_64_hexdigest(raw))
 
-    def _write(self, path: str, mv: memoryview, throttle: _Throttle, progress: Progress | None) -> str:
+    def _write(self, path: str, parts: Iterable[memoryview], nbytes: int, throttle: _Throttle,
+               progress: Progress | None) -> str:
+        """Write ``parts`` (``nbytes`` in all) as ``path``; return the whole file's xxh3."""
         try:
             if self.local:
-                return _write_local(path, mv, throttle, progress)  # removes its own debris
-            return _write_stream(self.fs, path, mv, throttle, progress)
-        except OSError as exc:
-            if not self.local:
+                return _write_local(path, parts, nbytes, throttle, progress)  # removes its own debris
+            return _write_stream(self.fs, path, parts, nbytes, throttle, progress)
+        except BaseException as exc:
+            if not self.local:  # closing the stream on the way out uploaded what there was
                 self._discard(path)
+            if not isinstance(exc, OSError):
+                raise
             raise StorageError(
                 f"writing {path} failed: {exc.strerror or exc}; nothing of this step is visible and "
                 f"earlier committed steps under {self.uri} are intact (free space or fix access, then "
@@ -425,20 +462,77 @@ def _open_tmp(path: str) -> tuple[str, int]:
     raise FileExistsError(errno.EEXIST, f"no free temporary name next to {path}")
 
 
-def _write_local(path: str, mv: memoryview, throttle: _Throttle, progress: Progress | None) -> str:
-    """Write ``mv`` to a temporary file of its own, fsync, rename to ``path``, fsync the
+def slices(mv: memoryview) -> Iterator[memoryview]:
+    """``mv`` in ``IO_CHUNK`` slices: the pieces a buffer is written in."""
+    for start in range(0, mv.nbytes, IO_CHUNK):
+        yield mv[start:start + IO_CHUNK]
+
+
+def _copy_out(parts: Iterable[memoryview], nbytes: int, sink: Callable[[memoryview], None],
+              throttle: _Throttle, progress: Progress | None) -> str:
+    """Hash each of ``parts`` (while it is still in cache) and hand it to ``sink``; return the
+    xxh3 of them all. Raises ValueError if they do not add up to ``nbytes``."""
+    h, done = xxhash.xxh3_64(), 0
+    for part in parts:
+        part = memoryview(part).cast("B")
+        h.update(part)
+        sink(part)
+        done += part.nbytes
+        throttle.account(part.nbytes)
+        if progress:
+            progress(done, nbytes)
+    if done != nbytes:
+        raise ValueError(f"the data came to {done} bytes, {nbytes} were announced")
+    return h.hexdigest()
+
+
+def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    """Linux's ``sync_file_range(2)`` through ctypes (the GIL is released while it runs), or
+    None where there is none."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SYNC_FILE_RANGE = _sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2  # start writing the range's dirty pages, do not wait for them
+
+
+class _Writeback:
+    """Starts the disk writing a file's pages every ``WRITEBACK`` bytes, while later pieces
+    are still being hashed and copied, so the closing fsync has little left to wait for.
+    Only a hint to the kernel: durability comes from that fsync, which also reports any
+    error (so a failed hint is ignored)."""
+
+    def __init__(self, fd: int):
+        self.fd, self.done, self.started = fd, 0, 0
+
+    def account(self, n: int) -> None:
+        self.done += n
+        if WRITEBACK and _SYNC_FILE_RANGE and self.done - self.started >= WRITEBACK:
+            _SYNC_FILE_RANGE(self.fd, self.started, self.done - self.started, _SYNC_FILE_RANGE_WRITE)
+            self.started = self.done
+
+
+def _write_local(path: str, parts: Iterable[memoryview], nbytes: int, throttle: _Throttle,
+                 progress: Progress | None) -> str:
+    """Write ``parts`` to a temporary file of its own, fsync, rename to ``path``, fsync the
     directory; on any failure nothing of this write is left (the temporary file, or ``path``
     if it failed after the rename)."""
-    (tmp, fd), h, renamed = _open_tmp(path), xxhash.xxh3_64(), False
+    (tmp, fd), renamed = _open_tmp(path), False
     try:
         try:
-            for start in range(0, mv.nbytes, IO_CHUNK):
-                part = mv[start:start + IO_CHUNK]
-                h.update(part)
+            writeback = _Writeback(fd)
+
+            def sink(part: memoryview) -> None:
                 _write_all(fd, part)
-                throttle.account(part.nbytes)
-                if progress:
-                    progress(start + part.nbytes, mv.nbytes)
+                writeback.account(part.nbytes)
+
+            digest = _copy_out(parts, nbytes, sink, throttle, progress)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -449,18 +543,10 @@ def _write_local(path: str, mv: memoryview, throttle: _Throttle, progress: Progr
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path if renamed else tmp)
         raise
-    return h.hexdigest()
+    return digest
 
 
-def _write_stream(fs: pafs.FileSystem, path: str, mv: memoryview, throttle: _Throttle,
-                  progress: Progress | None) -> str:
-    h = xxhash.xxh3_64()
+def _write_stream(fs: pafs.FileSystem, path: str, parts: Iterable[memoryview], nbytes: int,
+                  throttle: _Throttle, progress: Progress | None) -> str:
     with fs.open_output_stream(path) as out:
-        for start in range(0, mv.nbytes, IO_CHUNK):
-            part = mv[start:start + IO_CHUNK]
-            h.update(part)
-            out.write(part)
-            throttle.account(part.nbytes)
-            if progress:
-                progress(start + part.nbytes, mv.nbytes)
-    return h.hexdigest()
+        return _copy_out(parts, nbytes, out.write, throttle, progress)
