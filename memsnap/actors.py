@@ -211,6 +211,10 @@ class SnapshotAgent:
         answer = await self.relay.answer(timeout)
         return {k: answer[k] for k in ("ranks", "peers", "why")}
 
+    async def ready_slots(self, rank: int, nbytes: int) -> int:
+        """Back ``rank``'s arena slots for ``nbytes`` now, ahead of its first saves."""
+        return await self.pool.run(self.core.ready_slots, rank, nbytes)
+
     async def begin(self, step: int, rank: int, nbytes: int) -> dict:
         return await self.pool.run(self.core.begin, step, rank, nbytes)
 

@@ -338,6 +338,11 @@ class AgentCore:
     def prepare(self, rank: int, nbytes: int) -> bool:
         return self.slots.prepare(rank, nbytes)
 
+    def ready_slots(self, rank: int, nbytes: int) -> int:
+        with self.lock:
+            self.ranks.add(rank)
+        return self.slots.ready_slots(rank, nbytes)
+
     def recover(self, step: int, rank: int, src: RankSource) -> dict:
         return self.repair.recover(step, rank, src)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -154,6 +155,38 @@ class Slots:
         with self.lock:
             self.prepared[rank] = arena
         return True
+
+    def ready_slots(self, rank: int, nbytes: int) -> int:
+        """Create and back every slot of ``rank`` that has no arena yet, for ``nbytes`` each, now:
+        off the training thread (a rank asks when it restores, before its first save), so the
+        first ``keep+1`` snapshots cost what later ones do instead of touching fresh pages on the
+        way of a save. Returns how many were made; stops (logged) at the memory budget."""
+        made, started = 0, time.monotonic()
+        for slot in range(self.cfg.slots):
+            with self.lock:
+                if (rank, slot) in self.arenas:
+                    continue
+                try:
+                    self.budget.charge(nbytes, f"the arena of rank {rank} (slot {slot}), made ahead")
+                except MemoryBudgetError as exc:
+                    log.info("not making the remaining arena slots of rank %d ahead: %s", rank, exc)
+                    break
+            try:
+                arena = Arena.create(naming.arena_path(self.cfg.job, self.node, rank, slot, 0), nbytes)
+            except BaseException:
+                self.budget.release(nbytes)
+                raise
+            with self.lock:
+                if (rank, slot) in self.arenas:  # a save made it meanwhile: keep that one
+                    arena.close(unlink=True)
+                    self.budget.release(nbytes)
+                    continue
+                self.arenas[(rank, slot)] = arena
+                made += 1
+        if made:
+            log.info("rank %d: %d arena slot(s) of %.1f MiB made and backed ahead of its saves in %.2f s",
+                     rank, made, nbytes / 2**20, time.monotonic() - started)
+        return made
 
     def await_prepared(self, rank: int, timeout: float = 60.0) -> None:
         with self.lock:

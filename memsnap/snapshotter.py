@@ -300,10 +300,19 @@ class Snapshotter:
             if result["ok"]:
                 self._dirty = False
                 _get(self._agent.resume.remote(plan.step, result["gen"]))
+                self._ready_slots(state)
                 seconds["total"] = time.perf_counter() - t0
                 return self._restored(plan, tier, seconds)
         raise error if error is not None else MemsnapError(f"restore failed on ranks {sorted(result['failed'])}: "
                                                 f"{result['failed']}")
+
+    def _ready_slots(self, state) -> None:
+        """Have the agent make and back this rank's arena slots now, in the background, so that
+        the first saves do not pay for fresh pages (the layout is planned here once anyway)."""
+        try:
+            self._agent.ready_slots.remote(self.rank, self._plan.plan(state)[0].nbytes)
+        except Exception as exc:  # only a head start: the first saves make what is missing
+            log.info("rank %d: arena slots not made ahead: %s", self.rank, exc)
 
     def _restored(self, plan: RankPlan, tier: str, seconds: dict) -> int | None:
         self.last_restore = {"tier": tier, "step": plan.step, "seconds": seconds}

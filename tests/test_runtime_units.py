@@ -323,3 +323,15 @@ def test_a_step_that_failed_elsewhere_is_still_attempted_here_but_a_skipped_one_
     core.abandon(4, "node x: skipped, every arena slot is busy", failed=False)
     assert "skipped" in core.begin(4, 0, 4096) and 4 not in core.versions
     assert core.counters["failed_snapshots"] == 0
+
+
+def test_every_slot_of_a_rank_is_made_and_backed_ahead_of_its_first_saves(core):
+    """The first keep+1 saves then find their arenas ready instead of touching fresh pages."""
+    assert core.ready_slots(0, 4096) == 3 and core.budget.used == 3 * 4096  # keep=2: three slots
+    ahead = {slot: core.arenas[(0, slot)] for slot in range(3)}
+    for step in (1, 2, 3):
+        info = core.begin(step, 0, 4096)
+        assert core.arenas[(0, info["slot"])] is ahead[info["slot"]] and info["path"] == ahead[info["slot"]].path
+        core.versions[step].state = "committed"
+    assert core.budget.used == 3 * 4096 and core.ready_slots(0, 4096) == 0  # nothing made twice
+    assert core.ready_slots(1, 600 << 10) == 1  # a 1 MiB budget: one more slot fits, then it stops
