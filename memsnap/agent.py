@@ -50,7 +50,7 @@ from concurrent.futures import ThreadPoolExecutor
 import ray
 
 from memsnap import arena as arena_files
-from memsnap import naming
+from memsnap import metrics, naming
 from memsnap.arena import MemoryBudget
 from memsnap.chunkstore import HeldChunks
 from memsnap.config import SnapshotConfig, tcp_options, tunable
@@ -131,6 +131,8 @@ class AgentCore:
                 raise
             v.sizes[rank] = nbytes
             v.manifests.pop(rank, None)
+            self.counters["newest_begun"] = max(step, self.counters.get("newest_begun", -1))
+        metrics.begun(self.cfg.job, self.node, step, self.newest)
         self.store.announce(step)  # holders accept pushes up to store_step_window above it
         return {"path": arena.path, "nbytes": nbytes, "slot": v.slot}
 
@@ -191,6 +193,7 @@ class AgentCore:
             if not set(local_ranks) <= set(v.manifests):
                 return
             v.state = "queued"
+        metrics.captured(self.cfg.job, step)
         self.pool.submit(self.sender.send, v, sorted(local_ranks))  # 4-6: sender.py
 
     # --- 7. commit -------------------------------------------------------------------------------
@@ -222,6 +225,8 @@ class AgentCore:
             self._forget_meta(lambda s: s in keep or s > step)
         self.store.drop(lambda key: key.step in keep or key.step > step)
         self.changed()
+        if first:
+            metrics.committed_here(self.cfg.job, self.node, step, self.counters.get("newest_begun"))
         if self.spiller is not None and first:
             self.spiller.committed(step, notice.spill)
 

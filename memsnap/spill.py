@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 
+from memsnap import metrics
 from memsnap.config import tunable
 from memsnap.manifest import Manifest
 
@@ -101,12 +102,14 @@ class Spiller:
         if self._store is None:
             self._store = Store.open(self.cfg.spill)
         ranks = sorted(v.manifests)
+        t = time.monotonic()
         bps = None if step in self.urgent else self.cfg.spill_bytes_per_s / max(1, len(ranks))
         for rank in ranks:
             man = Manifest.from_json(v.manifests[rank])
             view = self.core.arenas[(rank, v.slot)].view(0, v.sizes[rank])
             self._store.write_rank(step, rank, man, view, throttle_bps=bps)
             self.state["bytes"] += v.sizes[rank]
+        metrics.spilled(self.cfg.job, self.core.node, time.monotonic() - t)
         self.report(step, ranks)
         self.state["spilled_step"] = step
         self.urgent.discard(step)
