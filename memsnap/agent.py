@@ -112,6 +112,8 @@ class AgentCore:
     def begin(self, step: int, rank: int, nbytes: int) -> dict:
         with self.lock:
             self.ranks.add(rank)
+            self.counters["newest_begun"] = max(step, self.counters.get("newest_begun", -1))  # (metrics: lag)
+            metrics.begun(self.cfg.job, self.node, step, self.newest)
             if step in self.abandoned:  # skipped or replaced on this node already: every rank skips it
                 return {"skipped": self.abandoned[step]}
             v = self.versions.get(step)
@@ -131,8 +133,6 @@ class AgentCore:
                 raise
             v.sizes[rank] = nbytes
             v.manifests.pop(rank, None)
-            self.counters["newest_begun"] = max(step, self.counters.get("newest_begun", -1))
-        metrics.begun(self.cfg.job, self.node, step, self.newest)
         self.store.announce(step)  # holders accept pushes up to store_step_window above it
         return {"path": arena.path, "nbytes": nbytes, "slot": v.slot}
 
@@ -307,6 +307,7 @@ class AgentCore:
         log.info("node %s resumes from step %s in restore generation %d (was %d)", self.node[:12], step, gen, self.gen)
         with self.lock:
             self.gen = max(self.gen, gen)
+            self.counters["newest_begun"] = min(self.counters.get("newest_begun", -1), last)  # (metrics: lag)
             for v in [v for v in self.versions.values() if v.step > last and v.state != "committed"]:
                 self.slots.fail(v, f"the job resumed from step {step}")
                 self.versions.pop(v.step)
