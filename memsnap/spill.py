@@ -109,7 +109,7 @@ class Spiller:
             view = self.core.arenas[(rank, v.slot)].view(0, v.sizes[rank])
             self._store.write_rank(step, rank, man, view, throttle_bps=bps)
             self.state["bytes"] += v.sizes[rank]
-        metrics.spilled(self.cfg.job, self.core.node, time.monotonic() - t)
         self.report(step, ranks)
+        metrics.spilled(self.cfg.job, getattr(self.core, "node", "unknown"), time.monotonic() - t)
         self.state["spilled_step"] = step
         self.urgent.discard(step)
