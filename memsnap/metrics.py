@@ -48,6 +48,7 @@ DEFINITIONS: dict[str, tuple[str, tuple[str, ...], str]] = {
 _lock = threading.Lock()
 _made: dict[str, object] = {}
 _off = False
+_step_recorded: dict[tuple[str, str], float] = {}  # (job, node) -> when its training step was recorded
 _captured: OrderedDict = OrderedDict()  # (job, step) -> monotonic time its node's last rank captured
 
 
@@ -95,8 +96,13 @@ def record(name: str, value: float, **tags: str) -> None:
 
 
 # --- the rank (Snapshotter) -----------------------------------------------------------------------
-def training_step(job: str, node: str, step: int) -> None:
-    """A rank of ``node`` called ``save(step)`` (snapshotted or not)."""
+def training_step(job: str, node: str, step: int, every_s: float = 0.0) -> None:
+    """A rank of ``node`` called ``save(step)``. ``every_s``: record at most that often (a step
+    the policy does not snapshot must stay cheap; Ray reports every few seconds anyway)."""
+    now = time.monotonic()
+    if every_s and now - _step_recorded.get((job, node), -every_s) < every_s:
+        return
+    _step_recorded[(job, node)] = now
     record("memsnap_training_step", step, job=job, node=node)
 
 

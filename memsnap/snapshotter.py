@@ -163,12 +163,13 @@ class Snapshotter:
     def save(self, step: int, state: Mapping[str, Any]) -> bool:
         """After finishing ``step``: snapshot ``state`` if the policy says so. Returns whether a
         snapshot was captured; the rest (encode, send, commit, spill) runs in the background."""
-        metrics.training_step(self.config.job, self.node, step)
         if self._watcher is not None and self._watcher.preempted:
             self._final_save(step, state)
         if not self._policy.due(step):
             self.counters["skipped_saves"] += 1
+            metrics.training_step(self.config.job, self.node, step, every_s=1.0)
             return False
+        metrics.training_step(self.config.job, self.node, step)
         t = time.perf_counter()
         try:
             captured = self._save(step, state)

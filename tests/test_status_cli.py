@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import io
+import json
 
 import pytest
 
@@ -136,3 +137,37 @@ def test_metrics_fall_back_to_no_ops_when_ray_metrics_are_unavailable(monkeypatc
     assert metrics._off is True
     metrics.job_status("j", coordinator_status())  # every helper is now a no-op
     assert metrics._made == {}
+
+
+def test_a_step_the_policy_skips_records_the_training_step_at_most_once_a_second(monkeypatch):
+    seen = []
+    monkeypatch.setattr(metrics, "record", lambda name, value, **tags: seen.append((name, value)))
+    monkeypatch.setattr(metrics, "_step_recorded", {})
+    clock = iter([100.0, 100.5, 101.2, 101.3])
+    monkeypatch.setattr(metrics.time, "monotonic", lambda: next(clock))
+    for step in (1, 2, 3):
+        metrics.training_step("j", "n", step, every_s=1.0)
+    metrics.training_step("j", "n", 4)  # a snapshotted step is always recorded
+    assert seen == [("memsnap_training_step", 1), ("memsnap_training_step", 3), ("memsnap_training_step", 4)]
+
+
+def test_watch_prints_one_json_object_per_refresh_until_interrupted(monkeypatch, capsys):
+    answers = iter([coordinator_status() | {"committed_step": 7}, coordinator_status() | {"committed_step": 8}])
+    monkeypatch.setattr(status, "fetch", lambda handle, job, timeout: status.summary(job, next(answers)))
+    sleeps = []
+
+    def sleep(seconds):
+        sleeps.append(seconds)
+        if len(sleeps) == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(status.time, "sleep", sleep)
+    monkeypatch.setattr(status, "connect", lambda args: None)
+    args = build_parser().parse_args(["status", "job-x", "--watch", "--json", "--interval", "0.5"])
+    import ray
+
+    monkeypatch.setattr(ray, "get_actor", lambda name, namespace: object())
+    assert args.func(args) == 0
+    out = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(o["job"], o["committed_step"]) for o in out] == [("job-x", 7), ("job-x", 8)]
+    assert sleeps == [0.5, 0.5]
