@@ -113,7 +113,7 @@ class AgentCore:
         with self.lock:
             self.ranks.add(rank)
             self.counters["newest_begun"] = max(step, self.counters.get("newest_begun", -1))  # (metrics: lag)
-            metrics.begun(self.cfg.job, self.node, step, self.newest)
+            metrics.begun(self.cfg.job, self.node, self.counters["newest_begun"], self.newest)
             if step in self.abandoned:  # skipped or replaced on this node already: every rank skips it
                 return {"skipped": self.abandoned[step]}
             v = self.versions.get(step)

@@ -116,7 +116,7 @@ def restored(job: str, node: str, tier: str, seconds: float) -> None:
 
 # --- the agent ------------------------------------------------------------------------------------
 def begun(job: str, node: str, step: int, committed: int | None) -> None:
-    """A rank of ``node`` began snapshot ``step``; ``committed``: the newest step committed."""
+    """``step``: the newest snapshot a rank of ``node`` began; ``committed``: the newest committed."""
     record("memsnap_commit_lag_steps", step - (-1 if committed is None else committed), job=job, node=node)
 
 

@@ -171,3 +171,20 @@ def test_watch_prints_one_json_object_per_refresh_until_interrupted(monkeypatch,
     out = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [(o["job"], o["committed_step"]) for o in out] == [("job-x", 7), ("job-x", 8)]
     assert sleeps == [0.5, 0.5]
+
+
+def test_a_coordinator_that_does_not_answer_is_one_error_naming_the_job(monkeypatch):
+    import ray
+
+    class Handle:
+        class status:  # noqa: N801 (an actor method's shape)
+            @staticmethod
+            def remote():
+                return "ref"
+
+    def get(ref, timeout):
+        raise ray.exceptions.GetTimeoutError("no answer")
+
+    monkeypatch.setattr(ray, "get", get)
+    with pytest.raises(Exception, match="coordinator of job 'job-x' did not answer within 5 s"):
+        status.fetch(Handle, "job-x", 5.0)

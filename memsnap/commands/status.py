@@ -9,6 +9,7 @@ import time
 from memsnap import metrics, naming
 from memsnap.commands._cluster import add_address, connect, jobs, not_found
 from memsnap.commands._common import human, table
+from memsnap.errors import CommitError
 
 CLEAR = "\033[H\033[2J"
 
@@ -97,9 +98,15 @@ def render(s: dict, now: float | None = None) -> str:
 
 
 def fetch(handle, job: str, timeout: float) -> dict:
+    """The job's summary from its coordinator; a coordinator that does not answer is a
+    ``CommitError`` naming the job and the timeout."""
     import ray
 
-    return summary(job, ray.get(handle.status.remote(), timeout=timeout))
+    try:
+        return summary(job, ray.get(handle.status.remote(), timeout=timeout))
+    except (ray.exceptions.RayError, TimeoutError) as exc:
+        raise CommitError(f"the coordinator of job {job!r} did not answer within {timeout:.0f} s "
+                          f"({type(exc).__name__}); is the job restarting? try again, or --timeout") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -118,7 +125,14 @@ def run(args: argparse.Namespace) -> int:
 
 def _show(handle, args: argparse.Namespace) -> int:
     while True:
-        s = fetch(handle, args.job, args.timeout)
+        try:
+            s = fetch(handle, args.job, args.timeout)
+        except CommitError as exc:
+            if not args.watch:
+                raise
+            print(f"memsnap status: {exc}", file=sys.stderr, flush=True)  # --watch goes on
+            time.sleep(args.interval)
+            continue
         if args.json:
             print(json.dumps(s, sort_keys=True), flush=True)
         else:
