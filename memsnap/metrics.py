@@ -27,8 +27,8 @@ DEFINITIONS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "memsnap_protection_level": ("gauge", ("job", "group"),
                                  "Further node losses a group's newest committed step survives from RAM"),
     "memsnap_bytes": ("gauge", ("job", "node", "tier"),
-                      "Snapshot bytes per tier: local (own committed copy), peer (chunks held for peers "
-                      "and parity), durable (bytes this node spilled so far)"),
+                      ("Snapshot bytes per tier: local (own committed copy), peer (chunks held for peers "
+                       "and parity), durable (bytes this node spilled so far)")),
     "memsnap_memory_used_bytes": ("gauge", ("job", "node"), "Bytes charged against the node's memory_budget"),
     "memsnap_memory_budget_bytes": ("gauge", ("job", "node"), "The node's memory_budget"),
     "memsnap_capture_seconds": ("histogram", ("job", "node"), "save(): capturing a rank's state into the arena"),

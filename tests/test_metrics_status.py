@@ -16,7 +16,6 @@ import urllib.request
 
 import pytest
 import ray
-
 from support.runtime import cluster, restore_all, start_all, wait_for
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -74,7 +73,11 @@ def by_node(samples, name: str, **labels) -> dict[str, float]:
 
 def until(check, what: str, timeout: float = 90):
     """Scrape until ``check(samples)`` holds; the last samples."""
-    return wait_for(lambda: (lambda s: s if check(s) else None)(scrape()), timeout=timeout, what=what)
+    def holds():
+        samples = scrape()
+        return samples if check(samples) else None
+
+    return wait_for(holds, timeout=timeout, what=what)
 
 
 def status(job) -> dict:
@@ -85,7 +88,7 @@ def cli(job, *argv: str, stdin=subprocess.DEVNULL) -> subprocess.CompletedProces
     env = dict(os.environ)
     env.pop("RAY_ADDRESS", None)
     return subprocess.run([sys.executable, "-m", "memsnap.cli", *argv, "--address", job["cluster"].address],
-                          env=env, stdin=stdin, capture_output=True, text=True, timeout=180)
+                          env=env, stdin=stdin, capture_output=True, text=True, timeout=180, check=False)
 
 
 def test_saves_restore_and_a_failure_show_in_the_metrics(job):

@@ -177,7 +177,7 @@ def test_a_coordinator_that_does_not_answer_is_one_error_naming_the_job(monkeypa
     import ray
 
     class Handle:
-        class status:  # noqa: N801 (an actor method's shape)
+        class status:  # (an actor method's shape)
             @staticmethod
             def remote():
                 return "ref"

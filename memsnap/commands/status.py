@@ -82,13 +82,15 @@ def render(s: dict, now: float | None = None) -> str:
     protection = s.get("protection") or {}
     prot = ", ".join(f"group {g}: {lvl}{' (UNPROTECTED)' if lvl <= 0 else ''}"
                      for g, lvl in sorted(protection.items())) or "- (nothing committed or not placed yet)"
+    head = (f"job {s['job']}: committed step {_dash(s.get('committed_step'))}{_ago(s.get('last_commit_time'), now)}, "
+            f"lag {_dash(s.get('lag_steps'))} step(s) behind snapshot {_dash(s.get('newest_begun'))}, "
+            f"durable step {_dash(s.get('durable_step'))}")
+    counts = (f"snapshots: {s.get('failed_snapshots', 0)} failed, {s.get('skipped_snapshots', 0)} skipped busy; "
+              f"peers {'on' if s.get('peers') else 'off'}, restore generation {s.get('generation', 0)}")
     lines = [
-        f"job {s['job']}: committed step {_dash(s.get('committed_step'))}{_ago(s.get('last_commit_time'), now)}, "
-        f"lag {_dash(s.get('lag_steps'))} step(s) behind snapshot {_dash(s.get('newest_begun'))}, "
-        f"durable step {_dash(s.get('durable_step'))}",
+        head,
         f"protection (further node losses survived): {prot}",
-        f"snapshots: {s.get('failed_snapshots', 0)} failed, {s.get('skipped_snapshots', 0)} skipped busy; "
-        f"peers {'on' if s.get('peers') else 'off'}, restore generation {s.get('generation', 0)}",
+        counts,
         _restore_line(s.get("last_restore") or {}),
         _reprotect_line(s.get("reprotect") or {}),
         "",
