@@ -71,13 +71,20 @@ def by_node(samples, name: str, **labels) -> dict[str, float]:
     return out
 
 
-def until(check, what: str, timeout: float = 90):
-    """Scrape until ``check(samples)`` holds; the last samples."""
+def settle(what: str, checks: dict, timeout: float = 90) -> None:
+    """Scrape until every check holds (Ray exports each process's metrics every second, each
+    on its own clock); on timeout, fail naming the checks that did not."""
+    failing: list[str] = []
+
     def holds():
         samples = scrape()
-        return samples if check(samples) else None
+        failing[:] = [name for name, check in checks.items() if not check(samples)]
+        return not failing
 
-    return wait_for(holds, timeout=timeout, what=what)
+    try:
+        wait_for(holds, timeout=timeout, what=what)
+    except TimeoutError:
+        pytest.fail(f"{what}: still wrong after {timeout:.0f} s: {failing}")
 
 
 def status(job) -> dict:
@@ -103,33 +110,43 @@ def test_saves_restore_and_a_failure_show_in_the_metrics(job):
     wait_for(lambda: status(job)["failed_snapshots"] >= 1, timeout=60, what="step 4's failure to reach the coordinator")
     wait_for(lambda: status(job)["durable_step"] == 3, timeout=60, what="step 3 to be spilled")
 
-    s = until(lambda s: values(s, "ray_memsnap_committed_step", job=JOB) == [3.0]
-              and values(s, "ray_memsnap_durable_step", job=JOB) == [3.0], "the committed and durable step")
-    assert by_node(s, "ray_memsnap_training_step") == {n: 4.0 if i == 0 else 3.0 for i, n in enumerate(nodes)}
-    assert by_node(s, "ray_memsnap_capture_seconds_count") == {n: 4.0 for n in nodes}
-    assert by_node(s, "ray_memsnap_send_seconds_count") == {n: 4.0 for n in nodes}
-    assert by_node(s, "ray_memsnap_restore_seconds_count", tier="local") == {n: 1.0 for n in nodes}
-    assert by_node(s, "ray_memsnap_snapshots_failed_total") == {nodes[0]: 1.0}
-    assert all(v >= 1 for v in by_node(s, "ray_memsnap_spill_seconds_count").values())
+    settle("the metrics of the saves, the restore and the failure", {
+        "committed step": lambda s: values(s, "ray_memsnap_committed_step", job=JOB) == [3.0],
+        "durable step": lambda s: values(s, "ray_memsnap_durable_step", job=JOB) == [3.0],
+        "training step": lambda s: by_node(s, "ray_memsnap_training_step") == {
+            n: 4.0 if i == 0 else 3.0 for i, n in enumerate(nodes)},
+        "captures": lambda s: by_node(s, "ray_memsnap_capture_seconds_count") == {n: 4.0 for n in nodes},
+        "sends": lambda s: by_node(s, "ray_memsnap_send_seconds_count") == {n: 4.0 for n in nodes},
+        "restores": lambda s: by_node(s, "ray_memsnap_restore_seconds_count", tier="local") == {
+            n: 1.0 for n in nodes},
+        "failures": lambda s: by_node(s, "ray_memsnap_snapshots_failed_total") == {nodes[0]: 1.0},
+        "spills": lambda s: len(by_node(s, "ray_memsnap_spill_seconds_count")) == 3,
+    })
 
     st = status(job)
-    s = until(lambda s: {lab["group"]: v for n, lab, v in s if n == "ray_memsnap_protection_level"}
-              == {g: float(p) for g, p in st["protection"].items()}, "the protection level per group")
     assert st["protection"] and all(p >= 1 for p in st["protection"].values())
-    for tier, expect in (("local", lambda a: a["local"]), ("peer", lambda a: a["held"] + a["parity"])):
-        got = by_node(s, "ray_memsnap_bytes", tier=tier)
-        assert got == {n: float(expect(a)) for n, a in st["agents"].items()} and all(got.values()), tier
-    assert all(v > 0 for v in by_node(s, "ray_memsnap_bytes", tier="durable").values())
-    assert by_node(s, "ray_memsnap_memory_budget_bytes") == {n: float(256 << 20) for n in nodes}
-    assert values(s, "ray_memsnap_reprotect_running", job=JOB) == [0.0]
+    settle("the coordinator's gauges", {
+        "protection": lambda s: {lab["group"]: v for n, lab, v in s if n == "ray_memsnap_protection_level"}
+        == {g: float(p) for g, p in st["protection"].items()},
+        "local bytes": lambda s: by_node(s, "ray_memsnap_bytes", tier="local") == {
+            n: float(a["local"]) for n, a in st["agents"].items()},
+        "peer bytes": lambda s: by_node(s, "ray_memsnap_bytes", tier="peer") == {
+            n: float(a["held"] + a["parity"]) for n, a in st["agents"].items()},
+        "durable bytes": lambda s: by_node(s, "ray_memsnap_bytes", tier="durable") == {
+            n: float(a["spill"]["bytes"]) for n, a in st["agents"].items()},
+        "budget": lambda s: by_node(s, "ray_memsnap_memory_budget_bytes") == {n: float(256 << 20) for n in nodes},
+        "re-protection idle": lambda s: values(s, "ray_memsnap_reprotect_running", job=JOB) == [0.0],
+    })
+    assert all(a["local"] > 0 and a["held"] > 0 and a["spill"]["bytes"] > 0 for a in st["agents"].values())
 
 
 def test_commit_lag_counts_the_snapshots_begun_since_the_last_commit(job):
-    s = until(lambda s: len(by_node(s, "ray_memsnap_commit_seconds_count")) == 3, "commit times from every node")
-    lag = by_node(s, "ray_memsnap_commit_lag_steps")
-    assert lag[job["nodes"][0]] == 1.0  # began step 4, which failed: 3 is the newest committed
-    assert lag[job["nodes"][1]] == lag[job["nodes"][2]] == 0.0
-    assert all(v >= 3 for v in by_node(s, "ray_memsnap_commit_seconds_count").values())
+    nodes = job["nodes"]
+    settle("the commit lag and commit times", {
+        # node 0 began step 4, which failed: step 3 is the newest committed
+        "lag": lambda s: by_node(s, "ray_memsnap_commit_lag_steps") == {nodes[0]: 1.0, nodes[1]: 0.0, nodes[2]: 0.0},
+        "commit times": lambda s: by_node(s, "ray_memsnap_commit_seconds_count") == {n: 4.0 for n in nodes},
+    })
 
 
 def test_status_json_and_table_from_the_running_job(job):
