@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import ray
 
-from memsnap import naming
+from memsnap import metrics, naming
 from memsnap.agent import AgentCore
 from memsnap.config import SnapshotConfig, tunable
 from memsnap.coordinator import CoordinatorCore, rebuild_state
@@ -56,6 +56,7 @@ class Coordinator:
         self.pool = _Pool(8, "memsnap-coordinator")
         self.planning: dict[int, asyncio.Lock] = {}
         rebuild_state(self.core)
+        metrics.refresh_every(tunable("metrics_interval_s"), self.core.cfg.job, self.core.status)
 
     async def config(self) -> dict:
         return {"config": self.core.cfg.to_dict(), "world_size": self.core.world}

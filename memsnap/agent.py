@@ -50,7 +50,7 @@ from concurrent.futures import ThreadPoolExecutor
 import ray
 
 from memsnap import arena as arena_files
-from memsnap import naming
+from memsnap import metrics, naming
 from memsnap.arena import MemoryBudget
 from memsnap.chunkstore import HeldChunks
 from memsnap.config import SnapshotConfig, tcp_options, tunable
@@ -114,6 +114,8 @@ class AgentCore:
     def begin(self, step: int, rank: int, nbytes: int) -> dict:
         with self.lock:
             self.ranks.add(rank)
+            self.counters["newest_begun"] = max(step, self.counters.get("newest_begun", -1))  # (metrics: lag)
+            metrics.begun(self.cfg.job, self.node, self.counters["newest_begun"], self.newest)
             if step in self.skipped:  # skipped or replaced under load: every rank of the job skips it
                 return {"skipped": self.abandoned.get(step, "skipped under load")}
             v = self.versions.get(step)
@@ -197,6 +199,7 @@ class AgentCore:
             if not set(local_ranks) <= set(v.manifests):
                 return
             v.state = "queued"
+        metrics.captured(self.cfg.job, step)
         self.pool.submit(self.sender.send, v, sorted(local_ranks))  # 4-6: sender.py
 
     # --- 7. commit -------------------------------------------------------------------------------
@@ -228,6 +231,8 @@ class AgentCore:
             self._forget_meta(lambda s: s in keep or s > step)
         self.store.drop(lambda key: key.step in keep or key.step > step)
         self.changed()
+        if first:
+            metrics.committed_here(self.cfg.job, self.node, step, self.counters.get("newest_begun"))
         if self.spiller is not None and first:
             self.spiller.committed(step, notice.spill)
 
@@ -311,6 +316,7 @@ class AgentCore:
         log.info("node %s resumes from step %s in restore generation %d (was %d)", self.node[:12], step, gen, self.gen)
         with self.lock:
             self.gen = max(self.gen, gen)
+            self.counters["newest_begun"] = min(self.counters.get("newest_begun", -1), last)  # (metrics: lag)
             for v in [v for v in self.versions.values() if v.step > last and v.state != "committed"]:
                 self.slots.fail(v, f"the job resumed from step {step}")
                 self.versions.pop(v.step)

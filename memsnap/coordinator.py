@@ -31,7 +31,7 @@ import queue
 import threading
 import time
 
-from memsnap import coverage
+from memsnap import coverage, metrics
 from memsnap.commit import CommitLog
 from memsnap.config import SnapshotConfig, tunable
 from memsnap.directory import Directory
@@ -104,6 +104,7 @@ class CoordinatorCore:
                 return
             notice = self.log.notice(record)
             self.changed()
+        metrics.committed(self.cfg.job, record.step)
         self.broadcast("commit", notice.to_wire())
 
     def node_failed(self, step: int, node: str, why: str) -> None:
@@ -111,6 +112,7 @@ class CoordinatorCore:
             news = self.log.fail(step, f"node {node[:12]}: {why}")
             self.changed()
         if news:
+            metrics.failed(self.cfg.job, node)
             log.warning("step %d failed on node %s: %s", step, node[:12], why)
             self.broadcast("abandon", step, why, True)
 
@@ -121,6 +123,7 @@ class CoordinatorCore:
             news = self.log.skip(step, f"node {node[:12]}: {why}")
             self.changed()
         if news:
+            metrics.skipped(self.cfg.job, node)
             log.info("step %d skipped: node %s: %s", step, node[:12], why)
             self.broadcast("abandon", step, why, False)
 

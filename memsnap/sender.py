@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import xxhash
 
-from memsnap import encode
+from memsnap import encode, metrics
 from memsnap.arena import OwnedBuffer
 from memsnap.checksum import fill_checksums
 from memsnap.config import tunable
@@ -66,6 +66,7 @@ class Sender:
                 t = time.monotonic()
                 info = self._encode_and_push(v, local_ranks)
                 self.throughput.add(sum(v.sizes[r] for r in local_ranks), time.monotonic() - t)
+                metrics.sent(core.cfg.job, core.node, time.monotonic() - t)
         except Exception as exc:  # reported, never raised into the pool
             log.warning("node %s: step %d not sent: %s", core.node[:12], v.step, exc)
             with core.lock:

@@ -24,7 +24,7 @@ from typing import Any, Mapping
 
 import ray
 
-from memsnap import actors, naming
+from memsnap import actors, metrics, naming
 from memsnap.arena import Arena
 from memsnap.config import SnapshotConfig, tcp_options, tunable
 from memsnap.errors import ChecksumError, ConfigError, MemsnapError
@@ -167,7 +167,9 @@ class Snapshotter:
             self._final_save(step, state)
         if not self._policy.due(step):
             self.counters["skipped_saves"] += 1
+            metrics.training_step(self.config.job, self.node, step, every_s=1.0)
             return False
+        metrics.training_step(self.config.job, self.node, step)
         t = time.perf_counter()
         try:
             captured = self._save(step, state)
@@ -185,6 +187,7 @@ class Snapshotter:
             self._check_staleness(step)
             return False
         self._policy.taken(step, time.perf_counter() - t)
+        metrics.capture_took(self.config.job, self.node, time.perf_counter() - t)
         self.counters["saves"] += 1
         self._check_staleness(step)
         return True
@@ -317,6 +320,7 @@ class Snapshotter:
     def _restored(self, plan: RankPlan, tier: str, seconds: dict) -> int | None:
         self.last_restore = {"tier": tier, "step": plan.step, "seconds": seconds}
         self.last_plan = plan
+        metrics.restored(self.config.job, self.node, tier, seconds.get("total", 0.0))
         resumed = -1 if plan.step is None else plan.step
         self._policy.resume(resumed)
         if self._guard is not None:

@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 
+from memsnap import metrics
 from memsnap.config import tunable
 from memsnap.manifest import Manifest
 
@@ -101,6 +102,7 @@ class Spiller:
         if self._store is None:
             self._store = Store.open(self.cfg.spill)
         ranks = sorted(v.manifests)
+        t = time.monotonic()
         bps = None if step in self.urgent else self.cfg.spill_bytes_per_s / max(1, len(ranks))
         for rank in ranks:
             man = Manifest.from_json(v.manifests[rank])
@@ -108,5 +110,6 @@ class Spiller:
             self._store.write_rank(step, rank, man, view, throttle_bps=bps)
             self.state["bytes"] += v.sizes[rank]
         self.report(step, ranks)
+        metrics.spilled(self.cfg.job, getattr(self.core, "node", "unknown"), time.monotonic() - t)
         self.state["spilled_step"] = step
         self.urgent.discard(step)

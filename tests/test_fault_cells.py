@@ -122,12 +122,13 @@ man, raw = capture(state)
 arena = Arena.create(naming.arena_path("spill-kill", "e" * 56, 0, 0, 0), man.nbytes)
 arena.view(0, man.nbytes)[:] = raw
 original = Store._write
-def dying(self, path, mv, throttle, progress):  # the agent dies half way through the data file
+def dying(self, path, *args):  # the agent dies half way through the data file
     def halfway(done, total):
         if done >= total // 2:
             arena.close(unlink=True)
             os._exit(9)
-    return original(self, path, mv, throttle, halfway if path.endswith(".bin") else progress)
+    *rest, progress = args  # (the progress callback is _write's last argument)
+    return original(self, path, *rest, halfway if path.endswith(".bin") else progress)
 Store._write = dying
 core = types.SimpleNamespace(lock=threading.RLock(), arenas={{(0, 0): arena}},
                              versions={{2: Version(2, 0, "committed", {{0: man.nbytes}}, {{0: man.to_json().decode()}})}},

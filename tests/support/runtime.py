@@ -160,11 +160,12 @@ def remove_arenas(job: str) -> None:
 
 
 @contextlib.contextmanager
-def cluster(job: str, nodes: int):
-    """A loopback cluster of ``nodes`` for one test module; torn down (and /dev/shm cleaned) after."""
+def cluster(job: str, nodes: int, system_config: dict | None = None):
+    """A loopback cluster of ``nodes`` for one test module; torn down (and /dev/shm cleaned) after.
+    ``system_config``: Ray system config keys for the head (e.g. a short metrics report interval)."""
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: workers import support.*
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
-    c = LocalCluster(nodes=nodes, cpus_per_node=1, object_store_mb=96)
+    c = LocalCluster(nodes=nodes, cpus_per_node=1, object_store_mb=96, system_config=system_config)
     try:
         yield c
     finally:
