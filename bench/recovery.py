@@ -37,7 +37,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 import ray  # noqa: E402
 import torch  # noqa: E402
 
-from memsnap import naming  # noqa: E402
+from memsnap import naming, shmdir  # noqa: E402
 from memsnap.localcluster import LocalCluster, wait_for  # noqa: E402
 
 MIB = 1 << 20
@@ -150,7 +150,7 @@ def peer_vs_durable(mib: int, spill: str) -> dict:
 
             with contextlib.suppress(Exception):
                 shutdown(JOB, timeout=30)
-            for p in naming.arena_files(JOB):
+            for p in shmdir.arena_files(JOB):
                 with contextlib.suppress(OSError):
                     os.unlink(p)
     return out
@@ -324,7 +324,7 @@ def _ram_of(job: str, k: int, m: int, mib: int, local_copy: bool) -> dict:
             shutdown(job, timeout=30)
         for r in ranks:
             ray.kill(r)
-        for p in naming.arena_files(job):
+        for p in shmdir.arena_files(job):
             with contextlib.suppress(OSError):
                 os.unlink(p)
 

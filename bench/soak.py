@@ -28,7 +28,7 @@ import psutil  # noqa: E402
 import ray  # noqa: E402
 import torch  # noqa: E402
 
-from memsnap import naming  # noqa: E402
+from memsnap import shmdir  # noqa: E402
 from memsnap.localcluster import LocalCluster  # noqa: E402
 
 JOB = "bench-soak"
@@ -83,7 +83,7 @@ def sample(procs: dict[str, list[psutil.Process]]) -> dict[str, float]:
         row[f"{kind}_rss_mib"] = rss / 2**20
         row[f"{kind}_fds"] = fds
         row[f"{kind}_threads"] = threads
-    files = naming.arena_files(JOB)
+    files = shmdir.arena_files(JOB)
     row["shm_files"] = len(files)
     row["shm_mib"] = sum(os.path.getsize(f) for f in files) / 2**20
     return row

@@ -49,7 +49,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import ray
 
-from memsnap import arena as arena_files
+from memsnap import arena as arenas
 from memsnap import metrics, naming
 from memsnap.arena import MemoryBudget
 from memsnap.chunkstore import HeldChunks
@@ -85,10 +85,10 @@ class AgentCore:
         self.store.own = self.repair.serve_own
         self.transport = make_transport(self.cfg.transport, secret=secret, host=host, **self._transport_opts())
         self.address = self.transport.start(self.store)
-        swept = arena_files.sweep()  # arenas of agents killed by SIGKILL or the OOM killer
+        swept = arenas.sweep()  # arenas of agents killed by SIGKILL or the OOM killer
         if swept:
             log.warning("removed %d shared-memory file(s) of agents that are gone: %s", len(swept), swept[:4])
-        arena_files.check_capacity(self.cfg.memory_budget)
+        arenas.check_capacity(self.cfg.memory_budget)
         self.codec = codec_for(self.cfg.k, self.cfg.m)
         self.committed: dict[int, CommitNotice] = {}  # the commit notices of the steps kept
         self.newest: int | None = None  # the newest committed step this node heard of

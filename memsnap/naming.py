@@ -66,20 +66,3 @@ def is_arena_of(name: str, job: str, node_id: str | None = None) -> bool:
     parsed = parse_arena(name)
     return parsed is not None and parsed["job"] == job and (
         node_id is None or parsed["node"] == node_id[:12])
-
-
-def arena_files(job: str, node_id: str | None = None) -> list[str]:
-    """Every shared-memory file of exactly ``job`` (on ``node_id`` only, if given) that exists
-    now; job ``bar`` does not match job ``bar-runtime``'s files."""
-    from memsnap import shmdir  # (imports this module)
-
-    d = arena_dir()
-    try:
-        fd = shmdir.open_dir(d, create=False)  # never listed through a symlink or another's dir
-    except FileNotFoundError:
-        return []
-    try:
-        names = os.listdir(fd)
-    finally:
-        os.close(fd)
-    return sorted(os.path.join(d, n) for n in names if is_arena_of(n, job, node_id))

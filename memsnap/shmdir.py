@@ -163,9 +163,24 @@ def remove_job(job: str) -> list[str]:
     """Unlink every arena file of ``job``, live or not (a test or the demo cleaning up after
     its agents were shut down or killed), then ``tidy``; returns the paths removed."""
     removed = []
-    for path in naming.arena_files(job):
+    for path in arena_files(job):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
             removed.append(path)
     tidy()
     return removed
+
+
+def arena_files(job: str, node_id: str | None = None) -> list[str]:
+    """Every shared-memory file of exactly ``job`` (on ``node_id`` only, if given) that exists
+    now; job ``bar`` does not match job ``bar-runtime``'s files."""
+    d = naming.arena_dir()
+    try:
+        fd = open_dir(d, create=False)  # never listed through a symlink or another's dir
+    except FileNotFoundError:
+        return []
+    try:
+        names = os.listdir(fd)
+    finally:
+        os.close(fd)
+    return sorted(os.path.join(d, n) for n in names if naming.is_arena_of(n, job, node_id))

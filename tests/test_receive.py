@@ -14,7 +14,9 @@ from memsnap.arena import MemoryBudget
 from memsnap.capture import capture
 from memsnap.chunkstore import HeldChunks
 from memsnap.errors import StateMismatchError
+from memsnap.config import SnapshotConfig
 from memsnap.landing import Spans
+from memsnap.manifest import Manifest
 from memsnap.records import RankSource, Region
 from memsnap.stripes import choose_chunk
 from memsnap.transport import ChunkKey, make_transport
@@ -170,6 +172,7 @@ def _snapshotter(plans: list[dict], fail_with: Exception, monkeypatch):
 
     snap = object.__new__(snapshotter.Snapshotter)
     snap.rank, snap._direct, snap._dirty, snap._receiver = 0, True, False, object()
+    snap.config, snap.node = SnapshotConfig("stub-job"), "n" * 56
     snap._ask = _Agent(plans)
 
     def failing(peers, source, manifest, state):
@@ -195,7 +198,9 @@ def test_a_restore_that_failed_mid_write_never_starts_fresh_on_mixed_state(monke
 
 def test_a_refused_restore_touched_nothing_and_may_start_fresh(monkeypatch):
     snap = _snapshotter([PEER, NONE], StateMismatchError("'model/w': snapshot has float32[4]"), monkeypatch)
-    snap._agent = type("Agent", (), {"resume": type("M", (), {"remote": staticmethod(lambda *a: None)})})()
+    snap._agent = type("Agent", (), {name: type("M", (), {"remote": staticmethod(lambda *a: None)})
+                                     for name in ("resume", "ready_slots")})()
+    snap._plan = type("Plan", (), {"plan": lambda self, state: (Manifest([], {}, 0), [])})()
     monkeypatch.setattr("memsnap.snapshotter._get", lambda ref, timeout=None: None)
     snap._policy = type("P", (), {"resume": lambda self, s: None})()
     snap._guard = None

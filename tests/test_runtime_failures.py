@@ -14,7 +14,7 @@ import socket
 import pytest
 import ray
 
-from memsnap import naming, testing
+from memsnap import naming, shmdir, testing
 from memsnap.errors import TransportError
 from memsnap.transport import ChunkKey, make_transport
 from support.runtime import (cluster, kill, lose_nodes, remove_arenas, restore_all, start_all,
@@ -224,7 +224,7 @@ def test_objstore_transport_and_a_corrupt_local_copy_rebuilt_from_peers(job):
         st = ray.get(trainers[0].status.remote(), timeout=60)
         assert st["bytes"]["peer"] > 0 and st["failed_snapshots"] == 0
         node1 = ray.get(trainers[1].node.remote())
-        _flip(next(p for p in naming.arena_files(other, node1) if "-r1-s0-" in p), 4096)
+        _flip(next(p for p in shmdir.arena_files(other, node1) if "-r1-s0-" in p), 4096)
         results = restore_all(trainers)
         assert [r[0] for r in results] == [1] * 4 and [r[1] for r in results] == digests
         assert results[1][2]["tier"] == "peer" and results[0][2]["tier"] == "local"
@@ -255,13 +255,13 @@ def test_m_node_losses_at_once_are_restored_from_ram(job):
             c.add_node()  # resources memsnap_node_8, memsnap_node_9
             trainers[r] = start_trainer(other, r, 4, 8 + i, opts, seed=80 + r)
         node3 = ray.get(trainers[3].node.remote())
-        path = next(p for p in naming.arena_files(other, node3) if "-r3-s0-" in p)
+        path = next(p for p in shmdir.arena_files(other, node3) if "-r3-s0-" in p)
         good = _flip(path, 4096)
         results = restore_all(trainers)
         assert [r[0] for r in results] == [1] * 4 and [r[1] for r in results] == digests
         assert [r[2]["tier"] for r in results] == ["local", "peer", "peer", "peer"]
         # the agent installs the rebuilt copy as a new file of that slot
-        wait_for(lambda: any(_byte(p, 4096) == good for p in naming.arena_files(other, node3) if "-r3-s0-g1" in p),
+        wait_for(lambda: any(_byte(p, 4096) == good for p in shmdir.arena_files(other, node3) if "-r3-s0-g1" in p),
                  timeout=60, what="rank 3's local copy rebuilt")
         assert not os.path.exists(path)
     finally:

@@ -276,10 +276,10 @@ def test_arena_files_match_the_job_exactly(shm):
     arenas = [Arena.create(path(job, node), 4096)
               for job, node in [("bar", "n1"), ("bar", "n2"), ("bar-runtime", "n1"), ("foo-bar", "n1")]]
     try:
-        assert naming.arena_files("bar") == [path("bar", "n1"), path("bar", "n2")]
-        assert naming.arena_files("bar", "n2") == [path("bar", "n2")]
-        assert naming.arena_files("bar-runtime") == [path("bar-runtime", "n1")]
-        assert naming.arena_files("ba") == [] and naming.arena_files("runtime") == []
+        assert shmdir.arena_files("bar") == [path("bar", "n1"), path("bar", "n2")]
+        assert shmdir.arena_files("bar", "n2") == [path("bar", "n2")]
+        assert shmdir.arena_files("bar-runtime") == [path("bar-runtime", "n1")]
+        assert shmdir.arena_files("ba") == [] and shmdir.arena_files("runtime") == []
         assert naming.parse_arena(os.path.basename(path("bar-runtime", "n1"))) == {
             "job": "bar-runtime", "node": "n1", "rank": 0, "slot": "0", "gen": 0}
         assert shmdir.remove_job("bar") == [path("bar", "n1"), path("bar", "n2")]
