@@ -48,7 +48,7 @@ def server(monkeypatch):
 
 def _push_frame() -> bytes:
     key = ChunkKey(1, "intruder", 0, 0).pack()
-    return wire.REQUEST.pack(wire.PUSH, len(key), 4, 0) + key + b"evil"
+    return wire.REQUEST.pack(wire.PUSH, len(key), 4, 0, 1) + key + b"evil"
 
 
 def _dropped(sock: socket.socket) -> bool:

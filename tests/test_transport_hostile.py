@@ -468,7 +468,7 @@ def test_reordered_frames_are_rejected(served):
 
 def test_injected_frame_is_rejected(served):
     store, _, addr = served()
-    forged = wire.HEAD.pack(wire.PUSH, len(_key(stripe=7).pack()), 4, 0) + _key(stripe=7).pack() + bytes(16) \
+    forged = wire.HEAD.pack(wire.PUSH, len(_key(stripe=7).pack()), 4, 0, 1) + _key(stripe=7).pack() + bytes(16) \
         + b"evil" + bytes(16)
     relay = Relay(addr["port"], c2s=Edit(HANDSHAKE, HANDSHAKE + 1, lambda seg: forged + seg))
     with pytest.raises(TransportError):
