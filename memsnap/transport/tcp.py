@@ -5,9 +5,9 @@ Every connection passes the handshake (auth.py) and then carries only authentica
 per-direction keys, so a frame injected, replayed, reordered, truncated or modified on the
 path is rejected and the connection closed; ``wire="encrypt"`` also encrypts the payloads.
 Client: one pooled stream per peer and caller thread, chunks sent as memoryview slices with
-up to ``window`` chunks unacknowledged, so the stream never waits for a round trip; the MAC
-and xxh3-64 of the next chunk pushed are computed (in one pass) on a helper thread while the
-socket copies the current one. Fetched chunks land with ``recv_into`` straight in the
+up to ``window`` chunks unacknowledged, so the stream never waits for a round trip; the
+payload MAC (GMAC pieces, under a payload counter taken then) and xxh3-64 of the next chunk
+pushed are computed in one pass on a helper thread while the socket copies the current one. Fetched chunks land with ``recv_into`` straight in the
 caller's buffers and are checked there (tag, and the xxh3-64 the holder stored).
 
 Timeouts: a client call has one deadline; it bounds the connect, the handshake and every
