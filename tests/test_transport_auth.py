@@ -159,6 +159,44 @@ def test_client_refuses_a_server_without_the_secret():
     assert b"secret payload" not in b"".join(received)
 
 
+def test_agents_of_another_protocol_version_are_refused_by_name(server, caplog):
+    """A version-2 agent (keyed BLAKE3 payload tags, no payload counter) and this one refuse
+    each other at the handshake, saying why, before any frame is exchanged."""
+    _, addr = server
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def old_server():
+        conn, _ = listener.accept()
+        with conn:
+            conn.sendall(b"MEMSNAP2" + b"\0" + os.urandom(auth.NONCE))
+            conn.settimeout(5)
+            try:
+                conn.recv(4096)
+            except OSError:
+                pass
+
+    thread = threading.Thread(target=old_server, daemon=True)
+    thread.start()
+    client = make_transport("tcp", secret=SECRET, host="127.0.0.1")
+    try:
+        with pytest.raises(TransportError, match="server speaks data-plane protocol MEMSNAP2, this agent MEMSNAP3"):
+            client.push({"host": "127.0.0.1", "port": listener.getsockname()[1]},
+                        [(ChunkKey(1, "x", 0, 0), memoryview(b"x"))], timeout=10)
+    finally:
+        client.close()
+        thread.join(timeout=10)
+        listener.close()
+    caplog.set_level(logging.WARNING, logger="memsnap.transport")
+    with socket.create_connection((addr["host"], addr["port"]), timeout=10) as sock:  # an old client
+        port = sock.getsockname()[1]
+        wire.recv_exact(sock, len(auth.MAGIC) + 1 + auth.NONCE, _soon())
+        sock.sendall(b"MEMSNAP2" + b"\0" + os.urandom(auth.NONCE + auth.MAC))
+        assert _dropped(sock)
+    wait_for(lambda: _logged_drop(caplog, port), timeout=10, what="the drop to be logged")
+    assert any("client speaks data-plane protocol MEMSNAP2, this agent MEMSNAP3" in r.getMessage()
+               for r in caplog.records)
+
+
 def test_the_secret_never_crosses_the_wire():
     a, b = socket.socketpair()
     sent = []
