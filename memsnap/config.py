@@ -118,7 +118,7 @@ class SnapshotConfig:
             raise ConfigError(f"transport={self.transport!r}: use one of {TRANSPORTS}")
         if self.wire not in WIRES:
             raise ConfigError(f"wire={self.wire!r}: use 'mac' (every frame authenticated) or 'encrypt' (also "
-                              "encrypted, for networks others can read; pip install 'memsnap[encrypt]')")
+                              "encrypted, for networks others can read)")
         if self.chunk is not None and (not isinstance(self.chunk, int) or self.chunk < 64 or self.chunk % 64):
             raise ConfigError(f"chunk={self.chunk!r}: must be a positive multiple of 64 bytes (or None)")
         if not isinstance(self.local_copy, bool):

@@ -363,14 +363,16 @@ def _rank_record(where: str, rec: Any, rank: int) -> None:
 
 # --- wire headers ---------------------------------------------------------------------------------
 def wire_header(raw: bytes, layout: struct.Struct, kinds: Collection[int], max_payload: int,
-                what: str) -> tuple[int, int, int, int]:
-    """``(kind, text length, payload length, checksum)`` of a data-plane header, checked."""
+                what: str) -> tuple[int, ...]:
+    """The fields of a data-plane header, checked: ``(kind, text length, payload length, ...)``
+    and whatever the layout carries after them."""
     if len(raw) != layout.size:
         raise FormatError(f"bad {what} header: {len(raw)} bytes, expected {layout.size}; "
                           "the peer does not speak this memsnap's data-plane protocol")
-    kind, text_len, nbytes, checksum = layout.unpack(raw)
+    fields = layout.unpack(raw)
+    kind, nbytes = fields[0], fields[2]
     if kind not in kinds or nbytes > max_payload:
         raise FormatError(f"bad {what} header: kind={kind} (known: {sorted(kinds)}), payload "
                           f"{nbytes} bytes (limit {max_payload}); the peer is not a compatible "
                           "memsnap agent or the stream lost its framing; reconnect")
-    return kind, text_len, nbytes, checksum
+    return fields

@@ -48,7 +48,7 @@ def server(monkeypatch):
 
 def _push_frame() -> bytes:
     key = ChunkKey(1, "intruder", 0, 0).pack()
-    return wire.REQUEST.pack(wire.PUSH, len(key), 4, 0) + key + b"evil"
+    return wire.REQUEST.pack(wire.PUSH, len(key), 4, 0, 1) + key + b"evil"
 
 
 def _dropped(sock: socket.socket) -> bool:
@@ -157,6 +157,44 @@ def test_client_refuses_a_server_without_the_secret():
         thread.join(timeout=10)
         listener.close()
     assert b"secret payload" not in b"".join(received)
+
+
+def test_agents_of_another_protocol_version_are_refused_by_name(server, caplog):
+    """A version-2 agent (keyed BLAKE3 payload tags, no payload counter) and this one refuse
+    each other at the handshake, saying why, before any frame is exchanged."""
+    _, addr = server
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def old_server():
+        conn, _ = listener.accept()
+        with conn:
+            conn.sendall(b"MEMSNAP2" + b"\0" + os.urandom(auth.NONCE))
+            conn.settimeout(5)
+            try:
+                conn.recv(4096)
+            except OSError:
+                pass
+
+    thread = threading.Thread(target=old_server, daemon=True)
+    thread.start()
+    client = make_transport("tcp", secret=SECRET, host="127.0.0.1")
+    try:
+        with pytest.raises(TransportError, match="server speaks data-plane protocol MEMSNAP2, this agent MEMSNAP3"):
+            client.push({"host": "127.0.0.1", "port": listener.getsockname()[1]},
+                        [(ChunkKey(1, "x", 0, 0), memoryview(b"x"))], timeout=10)
+    finally:
+        client.close()
+        thread.join(timeout=10)
+        listener.close()
+    caplog.set_level(logging.WARNING, logger="memsnap.transport")
+    with socket.create_connection((addr["host"], addr["port"]), timeout=10) as sock:  # an old client
+        port = sock.getsockname()[1]
+        wire.recv_exact(sock, len(auth.MAGIC) + 1 + auth.NONCE, _soon())
+        sock.sendall(b"MEMSNAP2" + b"\0" + os.urandom(auth.NONCE + auth.MAC))
+        assert _dropped(sock)
+    wait_for(lambda: _logged_drop(caplog, port), timeout=10, what="the drop to be logged")
+    assert any("client speaks data-plane protocol MEMSNAP2, this agent MEMSNAP3" in r.getMessage()
+               for r in caplog.records)
 
 
 def test_the_secret_never_crosses_the_wire():

@@ -409,11 +409,13 @@ def _through(relay: Relay, items, **opts) -> None:
         relay.close()
 
 
-@pytest.mark.parametrize("where", ["header", "payload", "tag"])
+@pytest.mark.parametrize("where", ["header", "checksum", "counter", "payload", "tag"])
 def test_modified_push_frame_is_rejected(served, where):
     store, budget, addr = served()
     head = wire.HEAD.size + len(_key().pack())
-    offset = {"header": 3, "payload": head + 16 + 100, "tag": _frame_len(_key()) - 1}[where]
+    # the stored checksum (offset 11) is covered by the header tag alone; the payload counter (19) by both
+    offset = {"header": 3, "checksum": 11, "counter": 19, "payload": head + 16 + 100,
+              "tag": _frame_len(_key()) - 1}[where]
     relay = Relay(addr["port"], c2s=Edit(HANDSHAKE + offset, HANDSHAKE + offset + 1, _flip(0)))
     with pytest.raises(TransportError):
         _through(relay, [(_key(), memoryview(os.urandom(N)))])
@@ -468,7 +470,7 @@ def test_reordered_frames_are_rejected(served):
 
 def test_injected_frame_is_rejected(served):
     store, _, addr = served()
-    forged = wire.HEAD.pack(wire.PUSH, len(_key(stripe=7).pack()), 4, 0) + _key(stripe=7).pack() + bytes(16) \
+    forged = wire.HEAD.pack(wire.PUSH, len(_key(stripe=7).pack()), 4, 0, 1) + _key(stripe=7).pack() + bytes(16) \
         + b"evil" + bytes(16)
     relay = Relay(addr["port"], c2s=Edit(HANDSHAKE, HANDSHAKE + 1, lambda seg: forged + seg))
     with pytest.raises(TransportError):

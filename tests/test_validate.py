@@ -525,7 +525,8 @@ def read_header(raw: bytes, kinds: tuple) -> None:
     try:
         b.sendall(raw + bytes(0xFFFF + 64))
         try:
-            wire.read_head(a, Direction(os.urandom(32), None), kinds, MAX_FRAME, time.monotonic() + 10)
+            wire.read_head(a, Direction(os.urandom(32), os.urandom(32), None), kinds, MAX_FRAME,
+                           time.monotonic() + 10)
         except MemsnapError:
             pass
     finally:
@@ -547,7 +548,7 @@ def test_arbitrary_wire_headers_many(raw, kinds):
 
 
 @pytest.mark.parametrize("fields, match", [
-    ((3, 4, 10, 0), "kind=3"), ((wire.PUSH, 4, MAX_FRAME + 1, 0), "payload"),
+    ((3, 4, 10, 0, 0), "kind=3"), ((wire.PUSH, 4, MAX_FRAME + 1, 0, 1), "payload"),
 ])
 def test_bad_frame_header_is_named(fields, match):
     raw = wire.HEAD.pack(*fields)
@@ -560,14 +561,13 @@ def test_bad_frame_header_is_named(fields, match):
 def test_good_frame_header_reads_back():
     from memsnap.transport.session import Direction
 
-    key = os.urandom(32)
+    keys = (os.urandom(32), os.urandom(32), None)
     a, b = socket.socketpair()
     with a, b:
         deadline = time.monotonic() + 10
-        wire.send_frame(b, Direction(key, None), wire.PUSH, b"key", memoryview(b"payload"), 7, deadline)
-        _, kind, name, nbytes, checksum, _, _ = wire.read_head(a, Direction(key, None), wire.REQUESTS, MAX_FRAME,
-                                                               deadline)
-        assert (kind, name, nbytes, checksum) == (wire.PUSH, b"key", 7, 7)
+        wire.send_frame(b, Direction(*keys), wire.PUSH, b"key", memoryview(b"payload"), 7, deadline)
+        head = wire.read_head(a, Direction(*keys), wire.REQUESTS, MAX_FRAME, deadline)
+        assert (head.kind, head.name, head.nbytes, head.checksum) == (wire.PUSH, b"key", 7, 7)
 
 
 # --- all ranks agree when one rank's manifest is malformed ---------------------------------------------

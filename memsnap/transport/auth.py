@@ -20,7 +20,7 @@ from memsnap.errors import AuthenticationError
 from memsnap.transport import wire
 from memsnap.transport.session import MODES, Session
 
-MAGIC = b"MEMSNAP2"
+MAGIC = b"MEMSNAP3"  # protocol version 3: a payload counter in every frame header, GMAC payload tags
 NONCE = 32
 MAC = 32
 
@@ -37,6 +37,16 @@ def check_secret(secret: bytes) -> bytes:
 
 def _mac(secret: bytes, role: bytes, mode: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
     return hmac.new(secret, role + mode + server_nonce + client_nonce, hashlib.sha256).digest()
+
+
+def _check_magic(raw: bytes, who: str) -> None:
+    """AuthenticationError unless ``raw`` opens with this protocol version's magic."""
+    if raw[:len(MAGIC)] == MAGIC:
+        return
+    if raw[:len(MAGIC) - 1] == MAGIC[:-1]:
+        raise AuthenticationError(f"{who} speaks data-plane protocol {raw[:len(MAGIC)].decode(errors='replace')}, "
+                                  f"this agent {MAGIC.decode()}: run the same memsnap version on every agent of the job")
+    raise AuthenticationError(f"{who} did not speak the memsnap data-plane protocol ({MAGIC.decode()})")
 
 
 def _mode_byte(mode: str) -> bytes:
@@ -64,8 +74,7 @@ def server_handshake(sock: socket.socket, secret: bytes, deadline: float, mode: 
     server_nonce, mb = os.urandom(NONCE), _mode_byte(mode)
     wire.send_all(sock, MAGIC + mb + server_nonce, deadline)
     hello = _recv(sock, len(MAGIC) + 1 + NONCE + MAC, deadline)
-    if hello[:len(MAGIC)] != MAGIC:
-        raise AuthenticationError("client did not speak the memsnap data-plane protocol (version 2)")
+    _check_magic(hello, "client")
     their_mb = hello[len(MAGIC):len(MAGIC) + 1]
     theirs = _mode_of(their_mb, "client")
     client_nonce, proof = hello[len(MAGIC) + 1:len(MAGIC) + 1 + NONCE], hello[len(MAGIC) + 1 + NONCE:]
@@ -80,8 +89,7 @@ def server_handshake(sock: socket.socket, secret: bytes, deadline: float, mode: 
 def client_handshake(sock: socket.socket, secret: bytes, deadline: float, mode: str = "mac") -> Session:
     """Authenticate to the server on ``sock`` by ``deadline`` and check that it knows the secret too."""
     hello = _recv(sock, len(MAGIC) + 1 + NONCE, deadline)
-    if hello[:len(MAGIC)] != MAGIC:
-        raise AuthenticationError("server did not speak the memsnap data-plane protocol (version 2)")
+    _check_magic(hello, "server")
     theirs = _mode_of(hello[len(MAGIC):len(MAGIC) + 1], "server")
     if theirs != mode:
         raise AuthenticationError(f"server uses wire={theirs!r}, this client wire={mode!r}: "

@@ -24,7 +24,7 @@ from memsnap.config import tunable
 from memsnap.errors import AuthenticationError
 from memsnap.transport import auth, wire
 from memsnap.transport.base import ChunkKey, ChunkStore, byte_view
-from memsnap.transport.session import FrameError, Session, check_body, hash_pieces
+from memsnap.transport.session import FrameError, Session, verify_body
 
 log = logging.getLogger("memsnap.transport")
 
@@ -198,29 +198,30 @@ class Stream:
     def _read_one(self) -> tuple:
         """The next request as a job for the responder; raises to close the connection."""
         idle = time.monotonic() + self.limits.idle_s
-        seq, op, raw, nbytes, checksum, htag, deadline = wire.read_head(
-            self.sock, self.session.recv, wire.REQUESTS, self.limits.max_payload, idle, self.limits.frame_s)
+        head = wire.read_head(self.sock, self.session.recv, wire.REQUESTS, self.limits.max_payload, idle,
+                              self.limits.frame_s)
         try:
-            key = ChunkKey.unpack(raw)
+            key = ChunkKey.unpack(head.name)
         except ValueError as exc:
             raise FrameError(f"bad chunk key: {exc}") from None
-        if op == wire.FETCH:
-            if nbytes:
-                raise FrameError(f"a fetch of {key} carries {nbytes} bytes of payload")
+        if head.kind == wire.FETCH:
+            if head.nbytes:
+                raise FrameError(f"a fetch of {key} carries {head.nbytes} bytes of payload")
             return ("fetch", key)
         try:
-            dest = self._reserve(key, nbytes)
+            dest = self._reserve(key, head.nbytes)
         except Exception as exc:
-            wire.drain(self.sock, nbytes, deadline)
+            wire.drain(self.sock, head.nbytes, head.deadline)
             return ("fail", f"{type(exc).__name__}: {exc}")
-        if not nbytes:
-            return ("push", key, dest, checksum, seq, htag, None)
+        if not head.nbytes:
+            return ("push", key, dest, head, None)
         try:
-            tag = wire.read_body(self.sock, self.session.recv, seq, htag, [dest], deadline, self.rscratch)
+            tag = wire.read_body(self.sock, self.session.recv, head.seq, head.tag, [dest], head.deadline,
+                                 self.rscratch)
         except BaseException:
             self.store.discard(key)
             raise
-        return ("push", key, dest, checksum, seq, htag, tag)
+        return ("push", key, dest, head, tag)
 
     def _reserve(self, key: ChunkKey, nbytes: int) -> memoryview:
         dest = byte_view(self.store.reserve(key, nbytes))
@@ -260,14 +261,12 @@ class Stream:
         if job[0] == "fetch":
             held = self.store.lookup(job[1])
             return (wire.MISSING, "", None, 0) if held is None else (wire.OK, "", byte_view(held[0]), held[1])
-        _, key, dest, checksum, seq, htag, tag = job
+        _, key, dest, head, tag = job
         if tag is not None:  # mac mode: the payload's tag, checked now that it landed
-            hasher = self.session.recv.body_hasher()
-            hash_pieces([dest], hasher, False)
             try:
-                check_body(hasher, seq, htag, tag)
+                verify_body(self.session.recv, head.counter, head.seq, head.tag, [dest], tag, False)
             except FrameError:
                 self.store.discard(key)
                 raise
-        self.store.complete(key, checksum)
+        self.store.complete(key, head.checksum)
         return wire.OK, "", None, 0

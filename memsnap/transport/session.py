@@ -1,15 +1,20 @@
 """Per-connection frame protection: direction keys from the handshake, sequence numbers, MACs, AEAD.
 
 After the handshake both ends hold the same two ``Direction`` objects, one per direction of
-the stream, each with its own key derived (BLAKE3 ``derive_key``) from the job secret, both
-handshake nonces and the wire mode. Every frame sent in a direction takes the next sequence
-number of that direction; nothing of it travels, both ends count. A frame is protected by
+the stream, each with its own keys derived (BLAKE3 ``derive_key``) from the job secret, both
+handshake nonces, the wire mode and the key's purpose. Every frame sent in a direction takes
+the next sequence number of that direction; nothing of it travels, both ends count. A frame
+is protected by
 
 - a header tag: keyed BLAKE3 over (sequence number, header bytes), 16 bytes, checked before
   the receiver acts on the header (reserves a buffer for it);
-- a body tag over the payload: ``mac`` mode, keyed BLAKE3 over (payload, sequence number,
-  header tag); ``encrypt`` mode, the payload is AES-256-GCM ciphertext whose tag covers the
-  same, under a second key.
+- a body tag over the payload. ``mac`` mode: the payload is cut into ``MAC_PIECE``-byte pieces,
+  each authenticated with GMAC (AES-256-GCM with the piece as associated data) under the
+  nonce (payload counter, piece index); the body tag is keyed BLAKE3 over (sequence number,
+  header tag, piece count, piece tags). The payload counter is taken from a per-direction
+  counter when the payload is sealed, so no two payloads share a nonce whatever order they
+  are sealed in, and travels in the header (covered by the header tag). ``encrypt`` mode:
+  the payload is AES-256-GCM ciphertext whose tag covers the same, under another key.
 
 A replayed, reordered, dropped, truncated or modified frame therefore fails a tag.
 """
@@ -17,17 +22,25 @@ from __future__ import annotations
 
 import hmac
 import struct
+import threading
 
 import blake3
 import xxhash
 
 from memsnap.errors import TransportError
 
+try:
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+except ImportError as exc:  # a hard dependency: say so rather than fail later
+    raise ImportError("memsnap's data plane needs the cryptography package (>= 45, for AES-GCM): "
+                      "pip install 'cryptography>=45'") from exc
+
 TAG = 16
 MODES = ("mac", "encrypt")
-HASH_PIECE = 256 << 10  # hash the MAC and the xxh3 of a chunk in pieces this large, both per piece,
-                        # so the second hash reads the piece from cache (one pass over memory)
+MAC_PIECE = 256 << 10  # the payload MAC's piece: GMAC and xxh3 of each in turn read it from cache
+MAX_PIECES = 1 << 32  # the piece index is 4 bytes of the nonce
 _SEQ = struct.Struct("<Q")
+_NONCE = struct.Struct("<QI")  # payload counter, piece index: GMAC's 12-byte nonce
 
 
 class FrameError(TransportError):
@@ -42,22 +55,27 @@ def derive(secret: bytes, mode: str, server_nonce: bytes, client_nonce: bytes, p
 
 
 class Direction:
-    """One direction of one connection: its keys and its frame counter."""
+    """One direction of one connection: its keys, its frame counter and its payload counter."""
 
-    def __init__(self, mac_key: bytes, enc_key: bytes | None):
+    def __init__(self, mac_key: bytes, gmac_key: bytes | None, enc_key: bytes | None):
         self.mac_key = mac_key
         self.seq = 0
-        self.aead = None
-        if enc_key is not None:
-            from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-
-            self.aead = AESGCM(enc_key)
+        self.gmac = AESGCM(gmac_key) if gmac_key is not None else None
+        self.aead = AESGCM(enc_key) if enc_key is not None else None
+        self._payloads = 0
+        self._lock = threading.Lock()
 
     def next_seq(self) -> bytes:
         """This frame's sequence number (packed) and advance the counter."""
         seq = _SEQ.pack(self.seq)
         self.seq += 1
         return seq
+
+    def next_payload(self) -> int:
+        """A payload counter never handed out before in this direction (from 1; 0 means none)."""
+        with self._lock:
+            self._payloads += 1
+            return self._payloads
 
     def head_tag(self, seq: bytes, head: bytes) -> bytes:
         return blake3.blake3(b"H" + seq + head, key=self.mac_key).digest(TAG)
@@ -66,38 +84,86 @@ class Direction:
         if not hmac.compare_digest(self.head_tag(seq, head), tag):
             raise FrameError("a frame header failed its authentication tag (injected, replayed or modified)")
 
-    def body_hasher(self) -> "blake3.blake3":
-        return blake3.blake3(key=self.mac_key)
+    def piece_tag(self, counter: int, index: int, piece) -> bytes:
+        """GMAC of one payload piece under the nonce (payload counter, piece index)."""
+        return self.gmac.encrypt(_NONCE.pack(counter, index), b"", piece)
 
     def nonce(self, seq: bytes) -> bytes:
         return seq + b"\0\0\0\0"
 
 
-def body_tag(hasher, seq: bytes, head_tag: bytes) -> bytes:
-    """Finish a payload MAC ``hasher`` (already fed the payload) for frame ``seq``."""
-    hasher.update(b"B" + seq + head_tag)
-    return hasher.digest(TAG)
+def body_tag(d: Direction, seq: bytes, head_tag: bytes, piece_tags: list[bytes]) -> bytes:
+    """The body tag of frame ``seq``: keyed BLAKE3 over its header tag and its piece tags, in order."""
+    h = blake3.blake3(b"B" + seq + head_tag + _SEQ.pack(len(piece_tags)), key=d.mac_key)
+    h.update(b"".join(piece_tags))
+    return h.digest(TAG)
 
 
-def check_body(hasher, seq: bytes, head_tag: bytes, tag: bytes) -> None:
-    if not hmac.compare_digest(body_tag(hasher, seq, head_tag), tag):
+def check_body(d: Direction, seq: bytes, head_tag: bytes, piece_tags: list[bytes], tag: bytes) -> None:
+    if not hmac.compare_digest(body_tag(d, seq, head_tag, piece_tags), tag):
         raise FrameError("a frame's payload failed its authentication tag (modified in transit)")
 
 
-def hash_pieces(parts, hasher, with_xxh3: bool) -> int:
-    """Feed every view of ``parts`` to the MAC ``hasher`` and, with ``with_xxh3``, return the
-    xxh3-64 of the same bytes, both per cache-sized piece (else 0)."""
-    if not with_xxh3:
-        for part in parts:
-            hasher.update(part)
-        return 0
-    x = xxhash.xxh3_64()
+def pieces(parts):
+    """The bytes of the views ``parts``, in order, as ``MAC_PIECE``-byte pieces (the last shorter):
+    a view where a piece lies within one part, a scratch copy where it straddles parts (valid
+    until the next piece is taken)."""
+    scratch, fill = None, 0
     for part in parts:
-        for at in range(0, len(part), HASH_PIECE):
-            piece = part[at:at + HASH_PIECE]
-            hasher.update(piece)
+        at = 0
+        if fill:  # finish the piece begun in the previous part
+            at = min(MAC_PIECE - fill, len(part))
+            scratch[fill:fill + at] = part[:at]
+            fill += at
+            if fill < MAC_PIECE:
+                continue
+            yield scratch
+            fill = 0
+        while len(part) - at >= MAC_PIECE:
+            yield part[at:at + MAC_PIECE]
+            at += MAC_PIECE
+        if at < len(part):
+            scratch = scratch if scratch is not None else memoryview(bytearray(MAC_PIECE))
+            fill = len(part) - at
+            scratch[:fill] = part[at:]
+    if fill:
+        yield scratch[:fill]
+
+
+def mac_pieces(d: Direction, counter: int, parts, with_xxh3: bool, first: int = 0) -> tuple[list[bytes], int]:
+    """The GMAC tag of every piece of ``parts`` (pieces ``first``, ``first + 1``, ... of the
+    payload) under payload ``counter`` and, with ``with_xxh3``, the xxh3-64 of the same bytes
+    (else 0): one pass, each piece read from cache."""
+    if counter < 1:
+        raise FrameError(f"a frame with a payload carries payload counter {counter} (must be >= 1)")
+    if first * MAC_PIECE + sum(len(p) for p in parts) > MAX_PIECES * MAC_PIECE:
+        raise FrameError(f"a payload over {MAX_PIECES} pieces overflows the nonce's 4-byte piece index")
+    tags, x = [], xxhash.xxh3_64() if with_xxh3 else None
+    for index, piece in enumerate(pieces(parts), first):
+        tags.append(d.piece_tag(counter, index, piece))
+        if x is not None:
             x.update(piece)
-    return x.intdigest()
+    return tags, x.intdigest() if x is not None else 0
+
+
+def _direction(secret: bytes, mode: str, server_nonce: bytes, client_nonce: bytes, name: str) -> Direction:
+    """Direction ``name`` ("c2s" or "s2c"): its header MAC key, and its payload GMAC key
+    (``mac`` mode) or AEAD key (``encrypt``), each derived for its own purpose."""
+    def key(purpose: str) -> bytes:
+        return derive(secret, mode, server_nonce, client_nonce, f"{name} {purpose}")
+
+    if mode == "mac":
+        return Direction(key("mac"), key("payload gmac"), None)
+    return Direction(key("mac"), None, key("aead"))
+
+
+def verify_body(d: Direction, counter: int, seq: bytes, head_tag: bytes, parts, tag: bytes,
+                with_xxh3: bool) -> int:
+    """Check the payload that landed in ``parts`` against its body ``tag`` (FrameError if it
+    fails); return its xxh3-64, computed in the same pass, with ``with_xxh3`` (else 0)."""
+    piece_tags, checksum = mac_pieces(d, counter, parts, with_xxh3)
+    check_body(d, seq, head_tag, piece_tags, tag)
+    return checksum
 
 
 class Session:
@@ -107,10 +173,7 @@ class Session:
         if mode not in MODES:
             raise ValueError(f"wire={mode!r}: use one of {MODES}")
         self.mode = mode
-        dirs = {}
-        for name in ("c2s", "s2c"):
-            enc = derive(secret, mode, server_nonce, client_nonce, name + " aead") if mode == "encrypt" else None
-            dirs[name] = Direction(derive(secret, mode, server_nonce, client_nonce, name + " mac"), enc)
+        dirs = {name: _direction(secret, mode, server_nonce, client_nonce, name) for name in ("c2s", "s2c")}
         self.send = dirs["s2c"] if is_server else dirs["c2s"]
         self.recv = dirs["c2s"] if is_server else dirs["s2c"]
 

@@ -5,9 +5,9 @@ Every connection passes the handshake (auth.py) and then carries only authentica
 per-direction keys, so a frame injected, replayed, reordered, truncated or modified on the
 path is rejected and the connection closed; ``wire="encrypt"`` also encrypts the payloads.
 Client: one pooled stream per peer and caller thread, chunks sent as memoryview slices with
-up to ``window`` chunks unacknowledged, so the stream never waits for a round trip; the MAC
-and xxh3-64 of the next chunk pushed are computed (in one pass) on a helper thread while the
-socket copies the current one. Fetched chunks land with ``recv_into`` straight in the
+up to ``window`` chunks unacknowledged, so the stream never waits for a round trip; the
+payload MAC (GMAC pieces, under a payload counter taken then) and xxh3-64 of the next chunk
+pushed are computed in one pass on a helper thread while the socket copies the current one. Fetched chunks land with ``recv_into`` straight in the
 caller's buffers and are checked there (tag, and the xxh3-64 the holder stored).
 
 Timeouts: a client call has one deadline; it bounds the connect, the handshake and every
@@ -31,7 +31,7 @@ from memsnap.errors import AuthenticationError, TransportError
 from memsnap.transport import auth, wire
 from memsnap.transport.base import ChunkKey, ChunkStore, Transport, byte_view, dest_parts
 from memsnap.transport.server import Server
-from memsnap.transport.session import MODES, FrameError, check_body, hash_pieces
+from memsnap.transport.session import AESGCM, MODES, FrameError, mac_pieces, verify_body
 
 log = logging.getLogger("memsnap.transport")
 
@@ -58,14 +58,9 @@ def _wire_mode(wire_mode: str | None) -> str:
     mode = wire_mode or ("encrypt" if tunable("tcp_encrypt") else "mac")
     if mode not in MODES:
         raise ValueError(f"wire={wire_mode!r}: use 'mac' (authenticated frames) or 'encrypt' (also encrypted)")
-    if mode == "encrypt":
-        try:
-            from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-        except ImportError:
-            AESGCM = None
-        if not hasattr(AESGCM, "decrypt_into"):
-            raise ValueError("wire='encrypt' needs the cryptography package (with AESGCM.decrypt_into): "
-                             "pip install 'memsnap[encrypt]'")
+    if mode == "encrypt" and not hasattr(AESGCM, "decrypt_into"):
+        raise ValueError("wire='encrypt' needs cryptography >= 45 (AESGCM.encrypt_into, decrypt_into): "
+                         "pip install 'cryptography>=45'")
     return mode
 
 
@@ -203,11 +198,14 @@ class TcpTransport(Transport):
 
     # -- push ------------------------------------------------------------------------------
     def _seal(self, conn: _Conn, view: memoryview) -> tuple:
-        """``(MAC fed the payload or None, xxh3-64)`` of one chunk to push, in one pass."""
-        if conn.session.encrypted:
-            return None, xxhash.xxh3_64_intdigest(view)
-        hasher = conn.session.send.body_hasher()
-        return hasher, hash_pieces([view], hasher, True)
+        """``(payload counter, GMAC piece tags, xxh3-64)`` of one chunk to push, in one pass
+        (encrypt mode: ``(0, None, xxh3-64)``). The counter is taken here, whatever order the
+        chunks are sealed in, so no two payloads share a nonce."""
+        if conn.session.encrypted or not len(view):
+            return 0, None, xxhash.xxh3_64_intdigest(view)
+        d = conn.session.send
+        counter = d.next_payload()
+        return (counter, *mac_pieces(d, counter, [view], True))
 
     def _push_on(self, conn: _Conn, items, deadline: float, cursor, addr) -> None:
         pending: collections.deque[ChunkKey] = collections.deque()
@@ -215,13 +213,14 @@ class TcpTransport(Transport):
         nxt = self._hashing(self._seal, conn, views[0], size=len(views[0]))
         for i, (key, _) in enumerate(items):
             cursor[0] = key
-            hasher, checksum = nxt.result()
+            counter, piece_tags, checksum = nxt.result()
             if i + 1 < len(views):  # hash the next chunk while this one is sent
                 nxt = self._hashing(self._seal, conn, views[i + 1], size=len(views[i + 1]))
             d = conn.session.send
-            seq, tag = wire.send_head(conn.sock, d, wire.PUSH, key.pack(), len(views[i]), checksum, deadline)
+            seq, tag = wire.send_head(conn.sock, d, wire.PUSH, key.pack(), len(views[i]), checksum, deadline,
+                                      counter)
             if len(views[i]):
-                wire.send_body(conn.sock, d, seq, tag, views[i], deadline, hasher, conn.scratch)
+                wire.send_body(conn.sock, d, seq, tag, views[i], deadline, counter, piece_tags, conn.scratch)
             pending.append(key)
             if len(pending) >= self.window:
                 self._ack(conn, pending.popleft(), deadline, cursor, addr)
@@ -230,11 +229,11 @@ class TcpTransport(Transport):
 
     def _ack(self, conn: _Conn, key: ChunkKey, deadline: float, cursor, addr) -> None:
         cursor[0] = key
-        _, status, message, _, _, _, _ = wire.read_head(conn.sock, conn.session.recv, wire.RESPONSES, 0, deadline)
-        if status != wire.OK:
+        head = wire.read_head(conn.sock, conn.session.recv, wire.RESPONSES, 0, deadline)
+        if head.kind != wire.OK:
             conn.close()
             raise TransportError(f"push to {addr[0]}:{addr[1]}: the peer refused chunk {key}: "
-                                 f"{message.decode(errors='replace')}")
+                                 f"{head.name.decode(errors='replace')}")
 
     # -- fetch -----------------------------------------------------------------------------
     def _fetch_on(self, conn: _Conn, items, deadline: float, cursor, addr) -> list[bool]:
@@ -253,36 +252,36 @@ class TcpTransport(Transport):
         """Read one fetch answer into the views ``dest``; the future says whether it is there and
         intact (and raises FrameError when the frame was tampered with)."""
         d = conn.session.recv
-        seq, status, message, nbytes, checksum, htag, _ = wire.read_head(
-            conn.sock, d, wire.RESPONSES, self.max_chunk, deadline)
+        head = wire.read_head(conn.sock, d, wire.RESPONSES, self.max_chunk, deadline)
         missing: Future = Future()
         missing.set_result(False)
-        if status != wire.OK:
-            if status == wire.FAILED:
+        if head.kind != wire.OK:
+            if head.kind == wire.FAILED:
                 log.warning("fetch from %s:%s: chunk %s failed: %s", addr[0], addr[1], key,
-                            message.decode(errors="replace"))
+                            head.name.decode(errors="replace"))
             return missing
         size = sum(len(p) for p in dest)
-        if nbytes != size:
-            wire.drain(conn.sock, nbytes, deadline)  # (and its tag)
-            log.warning("fetch from %s:%s: chunk %s is %d bytes, the buffer %d", addr[0], addr[1], key, nbytes, size)
+        if head.nbytes != size:
+            wire.drain(conn.sock, head.nbytes, deadline)  # (and its tag)
+            log.warning("fetch from %s:%s: chunk %s is %d bytes, the buffer %d", addr[0], addr[1], key,
+                        head.nbytes, size)
             return missing
-        if not nbytes:
-            return self._hashing(_verify, None, dest, checksum, key, addr, size=0)
-        tag = wire.read_body(conn.sock, d, seq, htag, dest, deadline, conn.scratch)
-        opened = (d.body_hasher(), seq, htag, tag) if tag is not None else None
-        return self._hashing(_verify, opened, dest, checksum, key, addr, size=size, inline_below=self.fetch_inline_below)
+        if not size:
+            return self._hashing(_verify, None, dest, head.checksum, key, addr, size=0)
+        tag = wire.read_body(conn.sock, d, head.seq, head.tag, dest, deadline, conn.scratch)
+        opened = (d, head, tag) if tag is not None else None
+        return self._hashing(_verify, opened, dest, head.checksum, key, addr, size=size,
+                             inline_below=self.fetch_inline_below)
 
 
 def _verify(opened, dest: list[memoryview], checksum: int, key: ChunkKey, addr) -> bool:
     """Whether a fetched chunk matches the checksum the holder stored; with ``opened`` (mac
-    mode: the MAC, sequence number, header tag and body tag) first its tag, in the same pass."""
+    mode: the direction, frame header and body tag) first its tag, in the same pass."""
     if opened is None:
         got = _xxh3(dest)
     else:
-        hasher, seq, htag, tag = opened
-        got = hash_pieces(dest, hasher, True)
-        check_body(hasher, seq, htag, tag)
+        d, head, tag = opened
+        got = verify_body(d, head.counter, head.seq, head.tag, dest, tag, True)
     if got == checksum:
         return True
     log.warning("fetch from %s:%s: chunk %s fails its checksum (the held copy is corrupt); treated as missing",

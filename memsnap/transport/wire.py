@@ -3,12 +3,15 @@
 After the handshake (auth.py) a client sends requests and the server answers each one, in
 order, on the same connection. Every frame, both ways, is
 
-    HEAD (kind, name length, payload length, xxh3-64) + name + header tag (16)
+    HEAD (kind, name length, payload length, xxh3-64, payload counter) + name + header tag (16)
     [+ payload + body tag (16)]            when the payload length is not 0
 
 ``name`` is the packed chunk key of a request, the utf-8 message of a response. The tags
-are session.py's (keyed BLAKE3, or AES-GCM for the payload with ``wire="encrypt"``), per
-direction, over a sequence number both ends count. ``PUSH`` carries a chunk and its xxh3-64
+are session.py's, per direction, over a sequence number both ends count: keyed BLAKE3 over
+the header; over the payload, GMAC per 256 KiB piece bound into one keyed BLAKE3 body tag
+(``wire="mac"``) or AES-256-GCM (``wire="encrypt"``). The payload counter is the GMAC
+nonce's first half, unique per payload and direction (0 when there is no payload, and in
+``encrypt`` mode, whose nonce is the sequence number). ``PUSH`` carries a chunk and its xxh3-64
 (the checksum the holder stores) and is answered ``OK`` or ``FAILED`` (with a message);
 ``FETCH`` has no payload and is answered ``OK`` with the chunk and the checksum stored with
 it, or ``MISSING``. Every receive and send is bounded by a deadline for the whole frame,
@@ -19,12 +22,13 @@ from __future__ import annotations
 import socket
 import struct
 import time
+from typing import NamedTuple
 
 from memsnap.errors import FormatError
-from memsnap.transport.session import TAG, Direction, FrameError, body_tag, hash_pieces
+from memsnap.transport.session import MAC_PIECE, TAG, Direction, FrameError, body_tag, mac_pieces
 from memsnap.validate import wire_header
 
-HEAD = struct.Struct("<BHQQ")  # kind (op or status), name length, payload length, xxh3-64
+HEAD = struct.Struct("<BHQQQ")  # kind (op or status), name length, payload length, xxh3-64, payload counter
 REQUEST = RESPONSE = HEAD
 
 PUSH, FETCH = 1, 2
@@ -109,66 +113,81 @@ def send_all(sock: socket.socket, data, deadline: float) -> None:
 
 
 # --- frames ---------------------------------------------------------------------------------
+class Head(NamedTuple):
+    """A received, authenticated frame header (its payload is still on the socket)."""
+
+    seq: bytes
+    kind: int
+    name: bytes
+    nbytes: int
+    checksum: int
+    counter: int  # the payload's GMAC counter (mac mode)
+    tag: bytes
+    deadline: float  # when the rest of the frame is due
+
+
 def send_head(sock, d: Direction, kind: int, name: bytes, nbytes: int, checksum: int,
-              deadline: float) -> tuple[bytes, bytes]:
+              deadline: float, counter: int = 0) -> tuple[bytes, bytes]:
     """Send a frame's header; return its ``(sequence number, header tag)`` for the body."""
     seq = d.next_seq()
-    head = HEAD.pack(kind, len(name), nbytes, checksum) + name
+    head = HEAD.pack(kind, len(name), nbytes, checksum, counter) + name
     tag = d.head_tag(seq, head)
     send_all(sock, head + tag, deadline)
     return seq, tag
 
 
 def send_body(sock, d: Direction, seq: bytes, head_tag: bytes, payload: memoryview, deadline: float,
-              hasher=None, scratch: "Scratch | None" = None) -> None:
-    """Send a frame's payload and body tag; ``hasher`` is the MAC already fed the payload (or
-    None: it is fed here, piece by piece, as the payload goes out)."""
+              counter: int = 0, piece_tags: list[bytes] | None = None, scratch: "Scratch | None" = None) -> None:
+    """Send a frame's payload and body tag; ``piece_tags`` are the payload's GMAC tags under
+    ``counter`` (mac mode), or None: they are computed here as the payload goes out."""
     if d.aead is not None:
         out = scratch.get(len(payload) + TAG)
         d.aead.encrypt_into(d.nonce(seq), payload, head_tag, out)
         return send_all(sock, out, deadline)
-    if hasher is None:
-        hasher = d.body_hasher()
-        for at in range(0, len(payload), PIECE):
+    if piece_tags is None:
+        piece_tags = []
+        for at in range(0, len(payload), PIECE):  # PIECE is a multiple of MAC_PIECE
             send_all(sock, payload[at:at + PIECE], deadline)
-            hash_pieces([payload[at:at + PIECE]], hasher, False)
+            piece_tags += mac_pieces(d, counter, [payload[at:at + PIECE]], False, at // MAC_PIECE)[0]
     else:
         send_all(sock, payload, deadline)
-    send_all(sock, body_tag(hasher, seq, head_tag), deadline)
+    send_all(sock, body_tag(d, seq, head_tag, piece_tags), deadline)
 
 
 def send_frame(sock, d: Direction, kind: int, name: bytes, payload: memoryview | None, checksum: int,
                deadline: float, scratch: "Scratch | None" = None) -> None:
+    """Send a whole frame; a payload in mac mode takes the direction's next payload counter."""
     nbytes = 0 if payload is None else len(payload)
-    seq, tag = send_head(sock, d, kind, name, nbytes, checksum, deadline)
+    counter = d.next_payload() if nbytes and d.gmac is not None else 0
+    seq, tag = send_head(sock, d, kind, name, nbytes, checksum, deadline, counter)
     if nbytes:
-        send_body(sock, d, seq, tag, payload, deadline, scratch=scratch)
+        send_body(sock, d, seq, tag, payload, deadline, counter, scratch=scratch)
 
 
 def read_head(sock, d: Direction, kinds: tuple, max_payload: int, deadline: float,
-              frame_s: float | None = None) -> tuple:
-    """``(seq, kind, name, nbytes, checksum, header tag, frame deadline)`` of the next frame,
-    authenticated; the payload is left on the socket. The first byte must arrive by
-    ``deadline``; the rest of the frame is due ``frame_s`` after it (None: by ``deadline``)."""
+              frame_s: float | None = None) -> Head:
+    """The next frame's header, authenticated; the payload is left on the socket. The first
+    byte must arrive by ``deadline``; the rest of the frame is due ``frame_s`` after it (None:
+    by ``deadline``)."""
     raw = bytearray(HEAD.size)
     recv_into(sock, memoryview(raw)[:1], deadline)
     if frame_s is not None:
         deadline = time.monotonic() + frame_s
     recv_into(sock, memoryview(raw)[1:], deadline)
     try:
-        kind, name_len, nbytes, checksum = wire_header(bytes(raw), HEAD, kinds, max_payload, "frame")
+        kind, name_len, nbytes, checksum, counter = wire_header(bytes(raw), HEAD, kinds, max_payload, "frame")
     except FormatError as exc:  # the connection cannot go on: close it
         raise FrameError(str(exc)) from None
     rest = recv_exact(sock, name_len + TAG, deadline)
     seq = d.next_seq()
     d.check_head(seq, bytes(raw) + rest[:name_len], rest[name_len:])
-    return seq, kind, rest[:name_len], nbytes, checksum, rest[name_len:], deadline
+    return Head(seq, kind, rest[:name_len], nbytes, checksum, counter, rest[name_len:], deadline)
 
 
 def read_body(sock, d: Direction, seq: bytes, head_tag: bytes, parts: list[memoryview], deadline: float,
               scratch: "Scratch | None" = None) -> bytes | None:
     """Receive a payload into ``parts``. ``mac`` mode: returns the body tag, to be checked
-    (``session.check_body``) once the payload is hashed; ``encrypt``: decrypts and checks it
+    (``session.verify_body``) once the payload landed; ``encrypt``: decrypts and checks it
     here, returns None."""
     if d.aead is None:
         recv_parts(sock, parts, deadline)
