@@ -231,7 +231,7 @@ def test_mutated_manifest_bytes(real, data):
     parse_and_apply(data.draw(byte_flip(real["raw"])), real)
 
 
-@pytest.mark.slow
+@pytest.mark.thorough
 @LONG
 @SLOW_APPLY
 @given(st.data())
@@ -278,7 +278,7 @@ def test_random_skeletons(skel):
     decode_total(skel)
 
 
-@pytest.mark.slow
+@pytest.mark.thorough
 @SLOW
 @given(json_trees())
 def test_random_skeletons_many(skel):
@@ -455,7 +455,7 @@ def test_mutated_rank_manifests_on_disk(ckpt, data):
     check_rank_manifest(ckpt, doc)
 
 
-@pytest.mark.slow
+@pytest.mark.thorough
 @LONG
 @SLOW_DISK
 @given(st.data())
@@ -540,7 +540,7 @@ def test_arbitrary_wire_headers(raw, kinds):
     read_header(raw, kinds)
 
 
-@pytest.mark.slow
+@pytest.mark.thorough
 @SLOW
 @given(st.binary(min_size=wire.HEAD.size, max_size=wire.HEAD.size), st.sampled_from([wire.REQUESTS, wire.RESPONSES]))
 def test_arbitrary_wire_headers_many(raw, kinds):
