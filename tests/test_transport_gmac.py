@@ -16,6 +16,7 @@ from memsnap.transport import ChunkKey, make_transport, wire
 from memsnap.transport.base import Scatter
 from memsnap.transport.session import MAC_PIECE, FrameError, Session, pieces, verify_body
 from memsnap.transport.tcp import TcpTransport, _Conn
+from support.sockets import Collect
 
 SECRET = os.urandom(32)
 P = MAC_PIECE
@@ -91,23 +92,9 @@ def _counters(stream: bytes) -> list[int]:
     return out
 
 
-class _Collect:
-    """A socket stand-in that keeps what is sent."""
-
-    def __init__(self):
-        self.data = bytearray()
-
-    def send(self, data) -> int:
-        self.data += data
-        return len(data)
-
-    def setsockopt(self, *args) -> None:
-        pass
-
-
 def test_consecutive_frames_carry_distinct_payload_counters():
     client, _ = _pair()
-    out = _Collect()
+    out = Collect()
     for n in (5, 0, P + 1, 7):
         payload = memoryview(os.urandom(n)) if n else None
         wire.send_frame(out, client.send, wire.PUSH, b"k", payload, 0, _deadline())
@@ -116,7 +103,7 @@ def test_consecutive_frames_carry_distinct_payload_counters():
 
 def test_chunks_sealed_out_of_order_on_two_threads_never_share_a_nonce():
     client, server = _pair()
-    conn = _Conn(_Collect(), client)
+    conn = _Conn(Collect(), client)
     transport = TcpTransport(secret=SECRET, host="127.0.0.1", wire="mac")
     chunks = [memoryview(os.urandom(1000 + i)) for i in range(64)]
     with ThreadPoolExecutor(2) as pool:
@@ -142,7 +129,7 @@ def _send_sealed(sock, session: Session, chunks, sealed) -> None:
 
 def test_a_payload_frame_without_a_counter_is_rejected():
     client, server = _pair()
-    out = _Collect()
+    out = Collect()
     data = memoryview(os.urandom(100))
     seq, tag = wire.send_head(out, client.send, wire.PUSH, b"k", len(data), 0, _deadline(), 0)
     with pytest.raises(FrameError, match="payload counter 0"):

@@ -19,6 +19,7 @@ from memsnap.chunkstore import HeldChunks
 from memsnap.errors import TransportError
 from memsnap.localcluster import wait_for
 from memsnap.transport import ChunkKey, auth, make_transport, wire
+from support.sockets import Collect
 
 SECRET = os.urandom(32)
 HELLO = len(auth.MAGIC) + 1 + auth.NONCE + auth.MAC  # the client's handshake bytes
@@ -184,20 +185,6 @@ def test_handshake_trickled_one_byte_at_a_time_is_cut_at_its_deadline(served):
     assert sent[0] < HELLO  # cut off before the trickled hello was complete
 
 
-class _Collect:
-    """A socket stand-in that keeps what is sent (to build a frame and trickle it later)."""
-
-    def __init__(self):
-        self.data = bytearray()
-
-    def send(self, data) -> int:
-        self.data += data
-        return len(data)
-
-    def setsockopt(self, *args) -> None:
-        pass
-
-
 def test_trickling_holder_fails_a_fetch_within_its_deadline():
     listener = socket.create_server(("127.0.0.1", 0))
     stop, sent, total = threading.Event(), [0], [0]
@@ -208,7 +195,7 @@ def test_trickling_holder_fails_a_fetch_within_its_deadline():
         with conn:
             session = auth.server_handshake(conn, SECRET, time.monotonic() + 10)
             wire.read_head(conn, session.recv, wire.REQUESTS, 0, time.monotonic() + 10)
-            frame = _Collect()
+            frame = Collect()
             wire.send_frame(frame, session.send, wire.OK, b"", memoryview(payload),
                             xxhash.xxh3_64_intdigest(payload), time.monotonic() + 10)
             total[0] = len(frame.data)
