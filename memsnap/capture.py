@@ -243,6 +243,15 @@ def byte_view(buf: Any, nbytes: int, *, writable: bool) -> memoryview:
     return mv[:nbytes]
 
 
+def tensor_bytes(t: torch.Tensor, nbytes: int | None = None) -> memoryview:
+    """The first ``nbytes`` (default: all) bytes of contiguous CPU tensor ``t``'s memory,
+    writable, without a copy (any dtype, bfloat16 included); the caller keeps ``t`` alive."""
+    n = t.numel() * t.element_size() if nbytes is None else nbytes
+    if n == 0:
+        return memoryview(bytearray())
+    return memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")
+
+
 def tensor_view(base: torch.Tensor, entry: TensorEntry, dtype: torch.dtype) -> torch.Tensor:
     """The slice of the uint8 tensor ``base`` that holds ``entry``, typed and shaped."""
     return base[entry.offset:entry.offset + entry.nbytes].view(dtype).view(entry.shape)

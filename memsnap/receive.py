@@ -14,13 +14,12 @@ per-tensor checksums of the tensors it covers.
 """
 from __future__ import annotations
 
-import ctypes
 from typing import Any, Mapping
 
 import torch
 
 from memsnap import apply as applying
-from memsnap.capture import local_tensor
+from memsnap.capture import local_tensor, tensor_bytes
 from memsnap.checksum import checksum
 from memsnap.dtypes import dtype_of
 from memsnap.errors import ChecksumError, SnapshotBufferError
@@ -35,12 +34,6 @@ class Peers:
 
     def __init__(self, transport, codec):
         self.transport, self.codec = transport, codec
-
-
-def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, writable, no copy (any dtype, bfloat16 included)."""
-    n = t.numel() * t.element_size()
-    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
 
 
 def _in_place(t: torch.Tensor | None) -> bool:

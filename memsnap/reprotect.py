@@ -8,6 +8,8 @@ from __future__ import annotations
 import logging
 import threading
 
+import ray
+
 from memsnap import coverage
 from memsnap.config import tunable
 from memsnap.records import CommitRecord
@@ -88,8 +90,6 @@ class Reprotector:
         handle = core.dir.agent(new)
         info = record.nodes[owner]
         try:
-            import ray
-
             n = ray.get(handle.rebuild.remote(record.step, record.k, record.m, info.to_wire(),
                                               {h: addrs.get(h) for h in info.holders}, j),
                         timeout=tunable("push_timeout_s"))
@@ -125,8 +125,6 @@ class Reprotector:
             self._local_copy(node, step, rank, record.source(rank, addrs))
 
     def _local_copy(self, node: str, step: int, rank: int, source) -> None:
-        import ray
-
         try:
             ok = ray.get(self.core.dir.agent(node).rebuild_local.remote(step, rank, source.to_wire()),
                          timeout=tunable("push_timeout_s"))

@@ -15,12 +15,13 @@ is dropped, since a writer may hold on to a piece until it closes its file.
 """
 from __future__ import annotations
 
-import ctypes
 from typing import Iterator
 
 import torch
 import xxhash
 
+from memsnap.capture import tensor_bytes
+from memsnap.checksum import checksum
 from memsnap.manifest import Manifest
 
 PIECE = 2 << 20  # hashed twice and written while it is still in the CPU's cache
@@ -33,14 +34,6 @@ def host_tensor(src: torch.Tensor) -> torch.Tensor:
     if src.device.type == "cpu" and src.is_contiguous() and not (src.is_conj() or src.is_neg()):
         return src
     return src.detach().to("cpu").resolve_conj().resolve_neg().contiguous()
-
-
-def raw_bytes(t: torch.Tensor, nbytes: int) -> memoryview:
-    """The first ``nbytes`` bytes of contiguous CPU tensor ``t``'s memory, without a copy (the
-    caller keeps ``t`` alive while the view is used)."""
-    if nbytes == 0:
-        return memoryview(b"")
-    return memoryview((ctypes.c_ubyte * nbytes).from_address(t.data_ptr())).cast("B")
 
 
 class _Blocks:
@@ -108,10 +101,10 @@ class TensorStream:
     def _tensor(self, blocks: _Blocks, host: torch.Tensor, nbytes: int):
         """Yield one tensor's bytes (gathered when small, its own memory when large); return
         their xxh3."""
-        data = raw_bytes(host, nbytes)
+        data = tensor_bytes(host, nbytes)
         if nbytes < self._small:
             yield from blocks.add(data, nbytes)
-            return xxhash.xxh3_64_hexdigest(data)
+            return checksum(data)
         yield from blocks.flush()
         h = xxhash.xxh3_64()
         for start in range(0, nbytes, self._piece):
