@@ -105,8 +105,8 @@ def test_address_defaults_to_ray_address_then_auto(monkeypatch):
     args = build_parser().parse_args(["status", "j"])
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     assert _cluster.address(args) == "auto"
-    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
-    assert _cluster.address(args) == "10.0.0.1:6379"
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")
+    assert _cluster.address(args) == "127.0.0.1:6379"
     assert _cluster.address(build_parser().parse_args(["jobs", "--address", "127.0.0.1:1"])) == "127.0.0.1:1"
 
 

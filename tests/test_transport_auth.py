@@ -127,35 +127,52 @@ def test_right_secret_is_accepted(server):
     assert list(store.held) == [ChunkKey(1, "x", 0, 0)]
 
 
-def test_client_refuses_a_server_without_the_secret():
-    """Mutual: a server that cannot prove the secret gets nothing pushed to it."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    received = []
+def _drain(conn) -> list[bytes]:
+    """Everything ``conn`` receives until the peer closes it or 5 s pass in silence."""
+    got = []
+    conn.settimeout(5)
+    try:
+        while chunk := conn.recv(4096):
+            got.append(chunk)
+    except OSError:
+        pass
+    return got
 
-    def impostor():
+
+def _push_to(serve, payload: bytes, *, match: str) -> None:
+    """Push ``payload`` to a fake server that runs ``serve(conn)`` on the one connection it
+    accepts; the push must fail with a TransportError matching ``match``."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def accept_one():
         conn, _ = listener.accept()
         with conn:
-            conn.sendall(auth.MAGIC + b"\0" + os.urandom(auth.NONCE))
-            wire.recv_exact(conn, len(auth.MAGIC) + 1 + auth.NONCE + auth.MAC, _soon())
-            conn.sendall(os.urandom(auth.MAC))
-            conn.settimeout(5)
-            try:
-                while chunk := conn.recv(4096):
-                    received.append(chunk)
-            except OSError:
-                pass
+            serve(conn)
 
-    thread = threading.Thread(target=impostor, daemon=True)
+    thread = threading.Thread(target=accept_one, daemon=True)
     thread.start()
     client = make_transport("tcp", secret=SECRET, host="127.0.0.1")
     try:
-        with pytest.raises(TransportError, match="server's proof"):
+        with pytest.raises(TransportError, match=match):
             client.push({"host": "127.0.0.1", "port": listener.getsockname()[1]},
-                        [(ChunkKey(1, "x", 0, 0), memoryview(b"secret payload"))], timeout=10)
+                        [(ChunkKey(1, "x", 0, 0), memoryview(payload))], timeout=10)
     finally:
         client.close()
         thread.join(timeout=10)
         listener.close()
+
+
+def test_client_refuses_a_server_without_the_secret():
+    """Mutual: a server that cannot prove the secret gets nothing pushed to it."""
+    received = []
+
+    def impostor(conn):
+        conn.sendall(auth.MAGIC + b"\0" + os.urandom(auth.NONCE))
+        wire.recv_exact(conn, len(auth.MAGIC) + 1 + auth.NONCE + auth.MAC, _soon())
+        conn.sendall(os.urandom(auth.MAC))
+        received.extend(_drain(conn))
+
+    _push_to(impostor, b"secret payload", match="server's proof")
     assert b"secret payload" not in b"".join(received)
 
 
@@ -163,29 +180,12 @@ def test_agents_of_another_protocol_version_are_refused_by_name(server, caplog):
     """A version-2 agent (keyed BLAKE3 payload tags, no payload counter) and this one refuse
     each other at the handshake, saying why, before any frame is exchanged."""
     _, addr = server
-    listener = socket.create_server(("127.0.0.1", 0))
 
-    def old_server():
-        conn, _ = listener.accept()
-        with conn:
-            conn.sendall(b"MEMSNAP2" + b"\0" + os.urandom(auth.NONCE))
-            conn.settimeout(5)
-            try:
-                conn.recv(4096)
-            except OSError:
-                pass
+    def old_server(conn):
+        conn.sendall(b"MEMSNAP2" + b"\0" + os.urandom(auth.NONCE))
+        _drain(conn)
 
-    thread = threading.Thread(target=old_server, daemon=True)
-    thread.start()
-    client = make_transport("tcp", secret=SECRET, host="127.0.0.1")
-    try:
-        with pytest.raises(TransportError, match="server speaks data-plane protocol MEMSNAP2, this agent MEMSNAP3"):
-            client.push({"host": "127.0.0.1", "port": listener.getsockname()[1]},
-                        [(ChunkKey(1, "x", 0, 0), memoryview(b"x"))], timeout=10)
-    finally:
-        client.close()
-        thread.join(timeout=10)
-        listener.close()
+    _push_to(old_server, b"x", match="server speaks data-plane protocol MEMSNAP2, this agent MEMSNAP3")
     caplog.set_level(logging.WARNING, logger="memsnap.transport")
     with socket.create_connection((addr["host"], addr["port"]), timeout=10) as sock:  # an old client
         port = sock.getsockname()[1]
