@@ -367,10 +367,18 @@ def plan(state: Mapping[str, Any], manifest: Manifest, *, rng: bool = True, stri
 
 def finish(pl: Plan, src: _Source, state: Any) -> None:
     """Write the snapshot's values from ``src`` into ``state`` as ``pl`` decided."""
+    saved_rng = None
+    if pl.rng and pl.saved_rng is not None:
+        saved_rng = tree.decode(pl.saved_rng, lambda i, p: src.new_tensor(i), RNG_KEY)
+        try:
+            rng_state.check_generator_bytes(saved_rng)
+        except ValueError as exc:
+            raise FormatError(f"the snapshot's RNG state ({RNG_KEY!r}) {exc}; the snapshot is damaged "
+                              "(pass rng=False to apply without restoring RNGs)") from None
     for p in pl.objects:
         _run(p, src, state, pl.strict)
-    if pl.rng and pl.saved_rng is not None:
-        rng_state.set_state(tree.decode(pl.saved_rng, lambda i, p: src.new_tensor(i), RNG_KEY))
+    if saved_rng is not None:
+        rng_state.set_state(saved_rng)
 
 
 def apply(state: Mapping[str, Any], manifest: Manifest, buf: Any, *, rng: bool = True,

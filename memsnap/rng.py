@@ -67,6 +67,15 @@ def check_state(state: Any, is_byte_tensor: Callable[[Any], bool]) -> None:
         raise ValueError("holds a torch or CUDA generator state that is not a 1-d uint8 tensor")
 
 
+def check_generator_bytes(state: dict[str, Any]) -> None:
+    """Raise ``ValueError`` if the torch CPU generator state in ``state`` (already shape-checked
+    by ``check_state``) holds bytes torch refuses; tried on a scratch generator."""
+    try:
+        torch.Generator().set_state(state["torch"].cpu().contiguous())
+    except RuntimeError as exc:
+        raise ValueError(f"holds a torch CPU generator state torch refuses: {exc}") from None
+
+
 def set_state(state: dict[str, Any]) -> None:
     """Put every generator back to ``state`` (from ``get_state``, possibly via a snapshot)."""
     random.setstate(state["python"])

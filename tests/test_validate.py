@@ -349,6 +349,20 @@ def test_negative_offset_is_refused_not_copied(tmp_path):
     assert "refused:" in proc.stdout and "offset: must be an integer >= 0" in proc.stdout
 
 
+def test_a_generator_state_torch_refuses_is_a_format_error_and_nothing_is_written():
+    w = torch.arange(8, dtype=torch.float32)
+    man, buf = capture({"w": w.clone()}, checksums=False)
+    torch_state = next(e for e in man.tensors if e.path == "__rng__/torch")
+    raw = bytearray(memoryview(buf).cast("B"))
+    raw[torch_state.offset:torch_state.offset + torch_state.nbytes] = bytes(torch_state.nbytes)
+    live = {"w": torch.zeros(8)}
+    before = torch.get_rng_state()
+    with pytest.raises(FormatError, match="generator state torch refuses"):
+        apply(live, man, raw, verify=False)
+    assert torch.equal(live["w"], torch.zeros(8)), "the live state was written before the refusal"
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 def test_copy_refuses_a_span_outside_the_buffer():
     from memsnap.apply import _Source
 
