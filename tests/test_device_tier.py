@@ -34,9 +34,10 @@ WAIT_S = 120  # a bound on every wait for a child's answer
 class Rank:
     """A rank process; ``answer()`` is its one JSON line; ``kill()`` SIGKILLs it."""
 
-    def __init__(self, *args: str):
+    def __init__(self, *args: str, device: str = "cpu"):
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), HERE,
-                                                           os.environ.get("PYTHONPATH", "")]))
+                                                           os.environ.get("PYTHONPATH", "")]),
+                   MEMSNAP_TEST_DEVICE=device)
         self.proc = subprocess.Popen([sys.executable, "-m", "support.device_rank", *args], env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True)
@@ -52,6 +53,21 @@ class Rank:
         self.proc.send_signal(signal.SIGKILL)
         self.proc.communicate(timeout=WAIT_S)
         return self.proc.returncode
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def any_agent(request):
+    """The agent's side on the CPU backend and (with a GPU) on CUDA: ``(tier, device id)``."""
+    prefix = f"memsnap-devtest{os.getpid()}"
+    kind = request.param
+    tier = AgentTier(pick_backend(kind), budget=64 << 20, prefix=f"{prefix}-x")
+    if kind == "cuda":
+        from memsnap.device.cuda import device_uuid
+
+        yield tier, device_uuid(0)
+    else:
+        yield tier, "cpu"
+    tier.close()
 
 
 @pytest.fixture
@@ -70,36 +86,43 @@ def _maps(pid: int, path: str) -> bool:
         return path in f.read()
 
 
-def test_crashed_rank_loses_nothing_that_reached_the_buffer(agent, tmp_path):
-    handle = agent.begin(rank=0, device="cpu", step=7, nbytes=1 << 20)
-    rank = Rank("capture", handle.to_json(), "3", "2")
+def test_crashed_rank_loses_nothing_that_reached_the_buffer(any_agent, tmp_path):
+    agent, dev = any_agent
+    kind = agent.backend.name
+    handle = agent.begin(rank=0, device=dev, step=7, nbytes=1 << 20)
+    rank = Rank("capture", handle.to_json(), "3", "2", device=kind)
     got = rank.answer()
     assert got["opens"] == 1
-    assert _maps(rank.proc.pid, handle.token)  # the rank maps the agent's buffer ...
-    agent.captured(0, "cpu", 7, got["manifest"])
+    if kind == "cpu":
+        assert _maps(rank.proc.pid, handle.token)  # the rank maps the agent's buffer ...
+    agent.captured(0, dev, 7, got["manifest"])
     assert rank.kill() == -signal.SIGKILL  # ... and dies holding it
-    assert agent.holds(0, "cpu") == 7
+    assert agent.holds(0, dev) == 7
 
     # restore of the crashed rank from the agent's buffer (tier "device"), in a new process
-    manifest_json, same = agent.source(0, "cpu", 7)
+    manifest_json, same = agent.source(0, dev, 7)
     assert same == handle
     path = tmp_path / "manifest.json"
     path.write_text(manifest_json)
-    again = Rank("restore", same.to_json(), str(path))
+    again = Rank("restore", same.to_json(), str(path), device=kind)
     back = again.answer()
     again.kill()
     assert back["digest"] == got["digest"]
 
-    # the agent drains into its host arena from its own process: the same bytes, and they apply
-    host = Arena.create(os.path.join(naming.arena_dir(), f"memsnap-devtest{os.getpid()}-host"), 1 << 20)
+    # the agent drains into its (pinned) host arena from its own process: the same bytes, and
+    # their checksums are the ones the dead rank computed
+    host = Arena.create(os.path.join(naming.arena_dir(), f"memsnap-devtest{os.getpid()}-host"), 1 << 20,
+                        pin=True)
     try:
-        manifest = agent.drain(0, "cpu", host.view())
+        manifest = agent.drain(0, dev, host.view())
+        n = manifest.nbytes
         assert manifest.to_json() == Manifest.from_json(got["manifest"]).to_json()
-        assert host.view()[:manifest.nbytes] == agent._slots[(0, "cpu")].buffer.host_view()[:manifest.nbytes]
-        apply.verify_checksums(manifest, host.view()[:manifest.nbytes])
+        on_device = agent._slots[(0, dev)].buffer.tensor[:n].cpu().numpy().tobytes()
+        assert bytes(host.view()[:n]) == on_device
+        apply.verify_checksums(manifest, host.view()[:n])
     finally:
         host.close()
-    assert agent.holds(0, "cpu") == 7  # drained, still held for a device restore
+    assert agent.holds(0, dev) == 7  # drained, still held for a device restore
 
 
 def test_a_rank_killed_mid_capture_leaves_no_device_copy(agent):
@@ -138,16 +161,37 @@ def test_rank_opens_each_buffer_once_and_captures_in_process(agent):
     from memsnap import capture as cap
 
     state = {"w": torch.arange(1000, dtype=torch.float32), "b": torch.ones(3, dtype=torch.bfloat16)}
-    for _ in range(3):
+    done = []
+    for step in range(3):
         manifest, sources = cap.plan_sources(state, rng=False)
-        assert tier.capture(handle, manifest, sources)
+        assert tier.capture(handle, manifest, sources, on_done=lambda s=step: done.append(s))
         tier.wait()
-    assert tier.opens == 1
+        tier.wait()  # on_done runs once
+    assert tier.opens == 1 and done == [0, 1, 2]
     buf = agent._slots[(0, "cpu")].buffer.host_view()
     expected = memoryview(bytearray(manifest.nbytes))
     cap.copy_into(manifest, sources, expected)
     assert buf[:manifest.nbytes] == expected  # padding included: zeros
     tier.close()
+
+
+def test_the_optimizer_step_waits_for_the_capture(agent):
+    from memsnap import capture as cap
+
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tier = RankTier(CpuBackend())
+    tier.attach([opt])
+    handle = agent.begin(rank=0, device="cpu", step=0, nbytes=1 << 12)
+    manifest, sources = cap.plan_sources({"model": model}, rng=False)
+    done = []
+    assert tier.capture(handle, manifest, sources, on_done=lambda: done.append(True))
+    assert tier.pending() and not done
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()  # the pre-hook waited for the copies and reported them
+    assert done == [True] and not tier.pending()
+    tier.close()
+    assert not opt._optimizer_step_pre_hooks
 
 
 def test_refused_open_falls_back_and_says_why(agent, caplog):

@@ -168,6 +168,8 @@ class RankTier:
         self._open: dict[str, DeviceBuffer] = {}  # token -> mapping, kept for the process's life
         self._streams: dict[str, Any] = {}
         self._event: tuple[Any, Any] | None = None
+        self._on_done: Any = None
+        self._hooks: list = []
         self.refused: str | None = None  # why the tier cannot run here (then: side-stream D2H)
         self.opens = 0  # handles opened (once per buffer, never per snapshot)
 
@@ -183,9 +185,18 @@ class RankTier:
         self._open[handle.token] = buf
         return buf
 
-    def capture(self, handle: BufferHandle, manifest: Manifest, sources: list[torch.Tensor]) -> bool:
+    def attach(self, optimizers) -> None:
+        """Make each optimizer's step wait for the copies in flight (a step pre-hook), so a
+        snapshot holds exactly the state of the step it was taken at."""
+        for opt in optimizers:
+            self._hooks.append(opt.register_step_pre_hook(lambda *_: self.wait()))
+
+    def capture(self, handle: BufferHandle, manifest: Manifest, sources: list[torch.Tensor],
+                on_done: Any = None) -> bool:
         """Enqueue the copies of ``sources`` (laid out by ``manifest``) into the buffer and
-        return True; False, with ``refused`` saying why, when this process cannot open it."""
+        return True; ``on_done()`` runs once they are done (in ``wait``: tell the agent
+        ``captured`` there). False, with ``refused`` saying why, when this process cannot
+        open the buffer: the caller takes the side-stream D2H path then."""
         self.wait()
         if manifest.nbytes > handle.nbytes:
             raise DeviceError(f"the snapshot needs {manifest.nbytes} bytes but the device buffer holds "
@@ -208,14 +219,22 @@ class RankTier:
                 if align_up(end) > end:  # padding: zeros, never stale bytes
                     stream.copy(base[end:align_up(end)], _zeros(align_up(end) - end, base.device))
             self._event = (stream, stream.record())
+        self._on_done = on_done
         return True
 
+    def pending(self) -> bool:
+        return self._event is not None
+
     def wait(self) -> None:
-        """Block until the last capture's copies are done (the optimizer pre-hook calls it)."""
+        """Block until the last capture's copies are done (the optimizer pre-hook calls it),
+        then run its ``on_done`` once."""
         if self._event is not None:
             stream, event = self._event
             self._event = None
             stream.wait(event)
+            done, self._on_done = self._on_done, None
+            if done is not None:
+                done()
 
     def restore(self, state: Mapping[str, Any], manifest_json: str, handle: BufferHandle, *,
                 verify: bool = True, rng: bool = True) -> Manifest:
@@ -235,6 +254,9 @@ class RankTier:
 
     def close(self) -> None:
         self.wait()
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
         for buf in self._open.values():
             buf.close()
         self._open.clear()

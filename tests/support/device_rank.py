@@ -1,5 +1,6 @@
 """A rank process for the device-tier tests: ``python -m support.device_rank <command>``.
 
+The state lives on ``$MEMSNAP_TEST_DEVICE`` (default ``cpu``; ``cuda`` for the GPU test).
 It speaks JSON lines on stdin/stdout (nothing is pickled) and, after answering, keeps its
 mapping of the agent's buffer open until it is killed or its stdin closes, like a training
 process that crashes while holding the mapping.
@@ -11,6 +12,7 @@ process that crashes while holding the mapping.
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import torch
@@ -22,18 +24,20 @@ from memsnap.device.backend import BufferHandle
 from memsnap.device.tier import RankTier
 
 FEATURES = 64
+DEVICE = os.environ.get("MEMSNAP_TEST_DEVICE", "cpu")
 
 
 def make_state(seed: int) -> dict:
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(FEATURES, 96), torch.nn.ReLU(), torch.nn.Linear(96, FEATURES))
+    model = torch.nn.Sequential(torch.nn.Linear(FEATURES, 96), torch.nn.ReLU(),
+                                torch.nn.Linear(96, FEATURES)).to(DEVICE)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
     return {"model": model, "optim": optim}
 
 
 def train(state: dict, steps: int) -> None:
     for _ in range(steps):
-        x = torch.randn(8, FEATURES)
+        x = torch.randn(8, FEATURES).to(DEVICE)
         loss = (state["model"](x) - x).pow(2).mean()
         state["optim"].zero_grad()
         loss.backward()
@@ -45,10 +49,10 @@ def digest(state: dict) -> str:
     are bitwise equal."""
     h = xxhash.xxh3_64()
     for t in state["model"].state_dict().values():
-        h.update(t.detach().contiguous().numpy().tobytes())
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
     for per_param in state["optim"].state_dict()["state"].values():
         for v in per_param.values():
-            h.update(v.contiguous().numpy().tobytes() if torch.is_tensor(v) else repr(v).encode())
+            h.update(v.cpu().contiguous().numpy().tobytes() if torch.is_tensor(v) else repr(v).encode())
     h.update(torch.get_rng_state().numpy().tobytes())
     return h.hexdigest()
 
