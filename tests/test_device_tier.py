@@ -253,3 +253,23 @@ def test_cpu_only_install_never_imports_cupy():
                          env=dict(os.environ, PYTHONPATH=os.path.dirname(HERE)))
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_device_option_is_opt_in_and_validated():
+    from memsnap.errors import ConfigError
+    from memsnap.options import Device, resolve
+    from memsnap.snapshotter import job_config
+
+    assert resolve({}, {})["device"] == Device(buffer=False) and not Device().on
+    opts = resolve({}, {"device_buffer": 8 << 30, "device_backend": "cuda"})
+    assert opts["device"] == Device(buffer=8 << 30, backend="cuda") and opts["device"].on
+    cfg = job_config("j", opts)
+    assert (cfg.device_buffer, cfg.device_backend) == (8 << 30, "cuda")
+    assert type(cfg).from_dict(cfg.to_dict()) == cfg
+    for bad in (0, -1, 1.5, "yes"):
+        with pytest.raises(ConfigError, match="device_buffer="):
+            Device(buffer=bad)
+    with pytest.raises(ConfigError, match="'auto', 'cuda' or 'cpu'"):
+        resolve({}, {"device_backend": "rocm"})
+    with pytest.raises(ConfigError, match="both given"):
+        resolve({"device": Device(buffer=True)}, {"device_buffer": 1 << 30})
