@@ -273,3 +273,16 @@ def test_device_option_is_opt_in_and_validated():
         resolve({}, {"device_backend": "rocm"})
     with pytest.raises(ConfigError, match="both given"):
         resolve({"device": Device(buffer=True)}, {"device_buffer": 1 << 30})
+
+
+def test_auto_without_a_device_leaves_the_tier_off_and_says_why():
+    from memsnap.device.runtime import RankDevice, resolve_kind
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU-only path")
+    assert resolve_kind("auto") == "none" and resolve_kind("cpu") == "cpu"
+    side = RankDevice(agent=None, rank=0, kind="auto", optimizers=[], get=None)
+    assert "no CUDA device" in side.refused
+    assert side.save(0, None, [torch.zeros(1)], [0]) is False  # the host path takes it, no agent call
+    assert side.restore(0, {}) is False
+    side.close()

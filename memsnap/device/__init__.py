@@ -15,17 +15,12 @@ __all__ = ["Backend", "BufferHandle", "CopyStream", "DeviceBuffer", "DeviceError
 
 
 def backend(kind: str = "auto", **kwargs) -> Backend:
-    """A backend by name: ``"cpu"``, ``"cuda"``, or ``"auto"`` (cuda when torch sees a device
-    and CuPy imports, else cpu)."""
+    """A backend by name: ``"cpu"``, ``"cuda"`` (needs CuPy: DeviceError naming the fix
+    without it), or ``"auto"`` (cuda when torch sees a device, else cpu)."""
     if kind == "auto":
         import torch
 
         kind = "cuda" if torch.cuda.is_available() else "cpu"
-        if kind == "cuda":
-            try:
-                import cupy  # noqa: F401
-            except ImportError:
-                kind = "cpu"
     if kind == "cpu":
         from memsnap.device.cpu import CpuBackend
 

@@ -58,7 +58,7 @@ class _Interface:
 
     def __init__(self, ptr: int, nbytes: int):
         self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
-                                         "version": 3, "strides": None, "stream": None}
+                                         "version": 3, "strides": None}
 
 
 class CudaBuffer(DeviceBuffer):

@@ -19,6 +19,7 @@ Call sequence of one snapshot with ``device_buffer`` on (the host path's ``begin
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from typing import Any, Callable
 
@@ -28,18 +29,30 @@ from memsnap.device import backend as make_backend
 from memsnap.device import visibility
 from memsnap.device.backend import BufferHandle
 from memsnap.device.tier import AgentTier, RankTier
-from memsnap.errors import DeviceError
+from memsnap.errors import DeviceError, MemoryBudgetError
 
 log = logging.getLogger("memsnap")
 UNBOUNDED = 1 << 62  # device_buffer=True: bounded by the device's memory, not by a budget
+
+
+def resolve_kind(kind: str) -> str:
+    """``auto``: ``cuda`` when this process sees a CUDA device, else ``none`` (no device, so
+    nothing for the tier to do); ``cuda`` and ``cpu`` as asked."""
+    if kind == "auto":
+        return "cuda" if torch.cuda.is_available() else "none"
+    return kind
 
 
 class AgentDevice:
     """(agent) The node's device buffers, and the drain into the host arenas."""
 
     def __init__(self, core: Any, kind: str, buffer: bool | int):
-        if kind != "cpu":
+        if kind != "cpu":  # before CUDA starts in this process: see every GPU of the node
             log.info("memsnap: device tier: %s", visibility.see_node_gpus())
+        kind = resolve_kind(kind)
+        if kind == "none":
+            raise DeviceError(f"node {core.node[:12]}: the agent sees no CUDA device (CUDA_VISIBLE_DEVICES="
+                              f"{os.environ.get(visibility.VISIBLE)!r}); the device tier is off here")
         budget = UNBOUNDED if buffer is True else int(buffer)
         self.core = core
         self.tier = AgentTier(make_backend(kind), budget, prefix=f"memsnap-{core.cfg.job}-{core.node[:12]}")
@@ -97,9 +110,23 @@ class RankDevice:
 
     def __init__(self, agent: Any, rank: int, kind: str, optimizers, get: Callable):
         self.agent, self.rank, self._get = agent, rank, get
-        self.tier = RankTier(make_backend(kind))
-        self.kind = self.tier.backend.name
+        self.tier: RankTier | None = None
+        self.refused: str | None = None
+        self.kind = resolve_kind(kind)
+        if self.kind == "none":
+            self.refused = "this process sees no CUDA device: nothing to put in a device buffer"
+            return
+        try:
+            self.tier = RankTier(make_backend(self.kind))
+        except DeviceError as exc:  # e.g. CuPy missing
+            self._refuse(str(exc))
+            return
         self.tier.attach(optimizers)
+
+    def _refuse(self, why: str) -> None:
+        if self.refused is None:
+            log.warning("rank %d: device tier off, side-stream D2H capture instead: %s", self.rank, why)
+        self.refused = why
 
     def device_of(self, sources: list[torch.Tensor]) -> str | None:
         """The device the capture goes to, or None when this state does not take the device
@@ -115,12 +142,19 @@ class RankDevice:
         """Capture ``step`` through the device tier; False when it cannot take it (the agent is
         still draining, CUDA IPC refused here, state on several devices): the caller captures
         into the host arena instead."""
-        if self.tier.refused is not None:
+        if self.refused is not None or self.tier.refused is not None:
             return False
         device = self.device_of(sources)
         if device is None:
             return False
-        got = self._get(self.agent.device_begin.remote(step, self.rank, device, layout.nbytes))
+        try:
+            got = self._get(self.agent.device_begin.remote(step, self.rank, device, layout.nbytes))
+        except DeviceError as exc:  # the agent sees no GPU, or cannot share memory: off for good
+            self._refuse(f"the agent refused: {exc}")
+            return False
+        except MemoryBudgetError as exc:  # does not fit the device budget: this step goes the host way
+            log.warning("rank %d: step %d not captured on the device: %s", self.rank, step, exc)
+            return False
         if got is None:
             return False
         manifest_json = layout.to_json().decode()
@@ -132,6 +166,8 @@ class RankDevice:
 
     def restore(self, step: int, state) -> bool:
         """Load ``step`` from the agent's device buffer; False when it does not hold it."""
+        if self.tier is None:
+            return False
         got = self._get(self.agent.device_source.remote(self.rank, step))
         if got is None:
             return False
@@ -144,7 +180,9 @@ class RankDevice:
         return True
 
     def wait(self) -> None:
-        self.tier.wait()
+        if self.tier is not None:
+            self.tier.wait()
 
     def close(self) -> None:
-        self.tier.close()
+        if self.tier is not None:
+            self.tier.close()

@@ -247,8 +247,12 @@ class RankTier:
         host = buf.host_view()
         if verify and host is not None:
             apply_mod.verify_checksums(manifest, host[:manifest.nbytes])
-        received = {i: tensor_view(buf.tensor, e, dtype_of(e.dtype)) for i, e in enumerate(manifest.tensors)
-                    if e.alias_of is None and e.nbytes}
+        received = {}
+        for i, e in enumerate(manifest.tensors):
+            if e.alias_of is None and e.nbytes:
+                view = tensor_view(buf.tensor, e, dtype_of(e.dtype))
+                # a tensor captured from host memory (RNG states, CPU extras) comes back on the host
+                received[i] = view.cpu() if view.is_cuda and e.device == "cpu" else view
         apply_mod.apply_received(state, plan, received, set(received))
         return manifest
 
