@@ -260,36 +260,40 @@ def d2d(notes: list) -> list[tuple]:
     from memsnap.device.tier import RankTier
 
     agent = Agent()
-    rows = []
+    rows, handle, tier = [], None, None
     try:
-        handle = agent.ask(op="begin", step=0, nbytes=16 * GiB)["handle"]
-        tier = RankTier(pick_backend("cuda"))
-        for i, size in enumerate((GiB, 4 * GiB, 16 * GiB)):
+        try:
+            handle = BufferHandle.from_json(agent.ask(op="begin", step=0, nbytes=16 * GiB)["handle"])
+            tier = RankTier(pick_backend("cuda"))
+        except Exception as exc:  # cudaMalloc/cudaIpcGetMemHandle refused in the agent, or no CuPy here
+            notes.append(f"device buffer not shared by the agent ({exc}); D2D below is into a local allocation")
+        for size in (GiB, 4 * GiB, 16 * GiB):
             src = torch.empty(size, dtype=torch.uint8, device="cuda")
             src[: 1 << 20].random_(0, 255)
             manifest, sources = cap.plan_sources({"x": src}, rng=False)
-            h = BufferHandle.from_json(handle)
-            if not tier.capture(h, manifest, sources):
-                notes.append(f"CUDA IPC refused: {tier.refused}. D2D below is into a local allocation")
-                dst = torch.empty(size, dtype=torch.uint8, device="cuda")
-                seconds = _timed(lambda: dst.copy_(src, non_blocking=True))
-                rows.append((size, seconds, "local allocation (IPC refused)"))
-                del dst, src
-                continue
-            tier.wait()
-
-            def once():
-                tier.capture(h, manifest, sources)
+            if tier is not None and tier.capture(handle, manifest, sources):
                 tier.wait()
 
-            seconds = _timed(once)
-            same = torch.equal(tier.buffer(h).tensor[: 1 << 20], src[: 1 << 20])
-            rows.append((size, seconds, f"agent's buffer over CUDA IPC; bytes {'match' if same else 'DIFFER'}; "
-                         f"handle opened {tier.opens}x"))
+                def once():
+                    tier.capture(handle, manifest, sources)
+                    tier.wait()
+
+                seconds = _timed(once)
+                same = torch.equal(tier.buffer(handle).tensor[: 1 << 20], src[: 1 << 20])
+                rows.append((size, seconds, f"agent's buffer over CUDA IPC; bytes {'match' if same else 'DIFFER'}; "
+                             f"handle opened {tier.opens}x"))
+            else:
+                if tier is not None and tier.refused and not any("IPC refused" in n for n in notes):
+                    notes.append(f"CUDA IPC refused: {tier.refused}. D2D below is into a local allocation")
+                dst = torch.empty(size, dtype=torch.uint8, device="cuda")
+                seconds = _timed(lambda: dst.copy_(src, non_blocking=True))
+                rows.append((size, seconds, "a local allocation (no shared device buffer)"))
+                del dst
             del src, sources
             torch.cuda.empty_cache()
-        tier.close()  # unmapped before the agent frees the buffer
     finally:
+        if tier is not None:
+            tier.close()  # unmapped before the agent frees the buffer
         agent.close()
     return rows
 
