@@ -242,25 +242,24 @@ class Snapshotter:
             step, self.rank, manifest_json, local))
 
     # --- the device tier (opt-in; memsnap.device.runtime) ----------------------------------------
+    def _device_side(self):
+        if self._device is None:
+            from memsnap.device.runtime import RankDevice
+
+            self._device = RankDevice(self._agent, self.rank, self.options["device"].backend,
+                                      self._optimizers, _get)
+        return self._device
+
     def _save_device(self, step, layout, sources, local) -> bool:
         """Capture through the agent's device buffer; False: take the host path for this step."""
-        if self._device is None:
-            from memsnap.device.runtime import RankDevice
-
-            self._device = RankDevice(self._agent, self.rank, self.options["device"].backend,
-                                      self._optimizers, _get)
-        return self._device.save(step, layout, sources, local)
+        return self._device_side().save(step, layout, sources, local)
 
     def _restore_device(self, step: int, state, seconds: dict) -> bool:
+        """Load ``step`` from the agent's device buffer; False: it does not hold it."""
         if not self.options["device"].on:
             return False
-        if self._device is None:
-            from memsnap.device.runtime import RankDevice
-
-            self._device = RankDevice(self._agent, self.rank, self.options["device"].backend,
-                                      self._optimizers, _get)
         t = time.perf_counter()
-        done = self._device.restore(step, state)
+        done = self._device_side().restore(step, state)
         seconds["apply"] = time.perf_counter() - t
         return done
 
