@@ -48,9 +48,11 @@ def inject(core, what: str, *args):
         return DataPlaneStall.on(core).hold(seconds)
     elif what == "data_plane_stall":
         return DataPlaneStall.on(core).status()
+    elif what == "end_data_plane_stall":
+        return DataPlaneStall.on(core).end()
     else:
         raise ConfigError(f"unknown fault {what!r}: use flip_chunk, stall_receiving, stalled, "
-                          "stall_data_plane or data_plane_stall")
+                          "stall_data_plane, data_plane_stall or end_data_plane_stall")
     return None
 
 
@@ -84,6 +86,12 @@ class DataPlaneStall:
             raise ConfigError(f"stall_data_plane: seconds={seconds!r} is not a number of seconds in (0, 86400)")
         with self.lock:
             self.until = max(self.until, time.monotonic() + seconds)
+        return self.status()
+
+    def end(self) -> dict:
+        """End the stall now (held calls go on within a quarter of a second)."""
+        with self.lock:
+            self.until = 0.0
         return self.status()
 
     def status(self) -> dict:
@@ -124,3 +132,8 @@ def stall_data_plane(agent, seconds: float, timeout: float = 60) -> dict:
 def data_plane_stall(agent, timeout: float = 60) -> dict:
     """``{"remaining_s": seconds left of the stall, "held_calls": calls it held so far}``."""
     return ray.get(agent.fault.remote("data_plane_stall"), timeout=timeout)
+
+
+def end_data_plane_stall(agent, timeout: float = 60) -> dict:
+    """End a stall of ``agent``'s data plane now."""
+    return ray.get(agent.fault.remote("end_data_plane_stall"), timeout=timeout)

@@ -151,6 +151,9 @@ class Recorder:
     def stall(self, node, seconds):
         return self._do("stall", node, seconds)
 
+    def end_stall(self, node, early):
+        return self._do("end_stall", node, early)
+
     def fill_disk(self, node, path, limit):
         return dict(self._do("fill_disk", node, path, limit), path=f"{path}/filler")
 
@@ -332,3 +335,16 @@ def test_cli_prints_a_timeline_from_a_log(tmp_path, capsys):
 
 def test_the_package_exports_the_names_the_benchmarks_use():
     assert {"Fault", "Schedule", "Injector", "read_log", "KINDS"} <= set(chaos.__all__)
+
+
+def test_a_stall_ends_on_its_own_or_is_ended_at_stop():
+    rec = Recorder()
+    with Injector(Schedule.fixed([Fault("stall", target=A, at_s=0, duration_s=0.1)]), backend=rec) as inj:
+        assert inj.wait(30)
+    assert [(e.phase, e.ok) for e in inj.events] == [("fault", True), ("end", True)]
+    assert rec.calls == [("stall", A, 0.1), ("end_stall", A, False)]  # ended by the agent: only read
+    rec = Recorder()
+    inj = Injector(Schedule.fixed([Fault("stall", target=B, at_s=0, duration_s=3600)]), backend=rec).start()
+    assert inj.wait(30, ended=False) and not inj.wait(0.1)
+    inj.stop()
+    assert rec.calls == [("stall", B, 3600.0), ("end_stall", B, True)] and inj.events[-1].phase == "end"

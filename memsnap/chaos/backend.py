@@ -99,6 +99,13 @@ class RayBackend:
 
         return dict(testing.stall_data_plane(self._agent(node, "stall"), seconds), seconds=seconds)
 
+    def end_stall(self, node: Node, early: bool) -> dict:
+        """The stall's end: ended now (``early``, at ``stop()``), else read (the agent ended it)."""
+        from memsnap import testing
+
+        agent = self._agent(node, "stall")
+        return testing.end_data_plane_stall(agent) if early else testing.data_plane_stall(agent)
+
     def fill_disk(self, node: Node, path: str | None, limit_bytes: int | None) -> dict:
         directory = path or self._spill_dir(node)
         return on_node(node, "fill", directory, limit_bytes, timeout=None if limit_bytes is None else CALL_TIMEOUT_S)

@@ -4,7 +4,7 @@ Call protocol: ``Injector(schedule, cluster=... | address=..., log=path)``; ``st
 ``with``) starts the clock and a daemon thread that lands each fault when it is due (``at_s``
 seconds after ``start()``, or once the job's step reaches ``at_step``); ``wait(timeout)``
 returns once every fault has landed and ended; ``stop()`` ends the thread and undoes what is
-still in place (filler files), then closes the log. ``events`` holds one ``Event`` per fault
+still in place (filler files, stalls), then closes the log. ``events`` holds one ``Event`` per fault
 landed and one per fault ended, in order; the log is the same, as JSON lines (``read_log``).
 """
 from __future__ import annotations
@@ -103,7 +103,7 @@ class Injector:
         self._log_path, self._log = log, None
         self._rng = random.Random(schedule.seed)
         self._pending = list(range(len(schedule.faults)))
-        self._undo: list[tuple[float, int, object]] = []  # (due, fault index, callable -> detail)
+        self._undo: list[tuple[float, int, object]] = []  # (due, fault index, undo(early) -> (node, detail))
         self._step: int | None = None
         self._step_poll_s = step_poll_s
         self._stepped = any(f.at_step is not None for f in schedule.faults)
@@ -112,6 +112,7 @@ class Injector:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._done = threading.Event()
+        self._landed = threading.Event()
         self._thread: threading.Thread | None = None
         self._t0: float | None = None
 
@@ -136,7 +137,7 @@ class Injector:
         if self._thread is not None:
             self._thread.join(timeout)
         for due, i, undo in sorted(self._undo, key=lambda u: u[0]):
-            self._end(i, undo)
+            self._end(i, undo, early=True)
         self._undo.clear()
         if self._log is not None:
             self._write({"type": "stop", "time": time.time(), "landed": sum(e.phase == "fault" for e in self.events),
@@ -145,9 +146,10 @@ class Injector:
             self._log = None
         return self.events
 
-    def wait(self, timeout: float) -> bool:
-        """Whether every fault landed, and every one with a duration ended, within ``timeout`` s."""
-        return self._done.wait(timeout)
+    def wait(self, timeout: float, *, ended: bool = True) -> bool:
+        """Whether every fault landed (and with ``ended``, every one with a duration ended)
+        within ``timeout`` seconds."""
+        return (self._done if ended else self._landed).wait(timeout)
 
     def observe_step(self, step: int) -> None:
         """The training loop reached ``step``: faults ``at_step <= step`` land now."""
@@ -187,7 +189,9 @@ class Injector:
                 self._land(i)
             for u in [u for u in self._undo if u[0] <= self.elapsed]:
                 self._undo.remove(u)
-                self._end(u[1], u[2])
+                self._end(u[1], u[2], early=False)
+            if not self._pending:
+                self._landed.set()
             if not self._pending and all(u[0] == float("inf") for u in self._undo):
                 self._done.set()  # (fills without a duration stay until stop())
                 if not self._undo:
@@ -244,20 +248,22 @@ class Injector:
             return b.kill_node(node)
         if f.kind == "kill_process":
             return b.kill_process(node, f.process, self._rng)
-        if f.kind == "stall":
-            return b.stall(node, f.duration_s)
+        if f.kind == "stall":  # the agent ends it itself; the undo records the end (or ends it at stop())
+            detail = b.stall(node, f.duration_s)
+            self._undo.append((self.elapsed + f.duration_s, i, lambda early: (node.id, b.end_stall(node, early))))
+            return detail
         if f.kind == "preempt":
             return b.preempt(node, f.how, f.duration_s, f.process)
         detail = b.fill_disk(node, f.path, f.limit_bytes)
         due = float("inf") if f.duration_s is None else self.elapsed + f.duration_s
-        self._undo.append((due, i, lambda: (node.id, b.unfill(node, detail["path"]))))
+        self._undo.append((due, i, lambda early: (node.id, b.unfill(node, detail["path"]))))
         return detail
 
-    def _end(self, i: int, undo) -> None:
+    def _end(self, i: int, undo, early: bool) -> None:
         f = self.schedule.faults[i]
         target, detail, error = None, {}, None
         try:
-            target, detail = undo()
+            target, detail = undo(early)
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
             log.warning("fault %d (%s) could not be undone: %s", i, f.kind, error)
