@@ -242,8 +242,11 @@ def test_a_real_cluster_is_refused_without_confirmation_naming_the_flag():
 
 def test_read_log_refuses_a_file_that_is_not_a_chaos_log(tmp_path):
     p = tmp_path / "x.jsonl"
-    p.write_text(json.dumps({"type": "event"}) + "\n")
-    with pytest.raises(Exception):
+    p.write_text(json.dumps({"type": "event", "kind": "kill_node"}) + "\n")
+    with pytest.raises(ConfigError, match="x.jsonl:1: not a memsnap.chaos log record"):
+        read_log(str(p))
+    p.write_text("{not json\n")
+    with pytest.raises(ConfigError, match="x.jsonl:1"):
         read_log(str(p))
     p.write_text("")
     with pytest.raises(ConfigError, match="no start record"):

@@ -112,6 +112,14 @@ def test_kill_process_at_a_step_kills_one_training_process_on_its_node(job):
     assert ray.get(job["trainers"][0].node.remote(), timeout=30) == job["nodes"][0]  # the others live on
 
 
+def notice(watched, what: str) -> dict:
+    def seen():
+        got = ray.get(watched.notice.remote(), timeout=30)
+        return got if got["reason"] else None
+
+    return wait_for(seen, timeout=90, what=what)
+
+
 def test_preempt_sends_sigterm_that_memsnap_preempt_detects(job):
     watched = Watched.options(resources={"memsnap_node_3": 0.01}).remote(True)
     assert ray.get(watched.notice.remote(), timeout=120)["signals"], "the watcher runs in the actor's main thread"
@@ -119,8 +127,7 @@ def test_preempt_sends_sigterm_that_memsnap_preempt_detects(job):
     (ev,) = inj.stop()
     pid = ray.get(watched.notice.remote(), timeout=30)["pid"]
     assert ev.ok and ev.detail["sigterm"]["pids"] == [pid] and "drain" not in ev.detail, ev
-    got = wait_for(lambda: (lambda n: n if n["reason"] else None)(ray.get(watched.notice.remote(), timeout=30)),
-                   timeout=60, what="the watcher to see the SIGTERM")
+    got = notice(watched, "the watcher to see the SIGTERM")
     assert got["reason"] == "signal SIGTERM"
 
 
@@ -130,8 +137,7 @@ def test_preempt_drains_the_node_the_way_memsnap_preempt_polls_for(job):
     inj = inject(job, Fault("preempt", target=job["nodes"][2][:10], at_s=0, how="drain", duration_s=45))
     (ev,) = inj.stop()
     assert ev.ok and ev.detail["drain"]["accepted"] and "sigterm" not in ev.detail, ev
-    got = wait_for(lambda: (lambda n: n if n["reason"] else None)(ray.get(watched.notice.remote(), timeout=30)),
-                   timeout=60, what="the watcher to see the drain")
+    got = notice(watched, "the watcher to see the drain")
     assert got["reason"] == f"Ray is draining node {job['nodes'][2]}" and 0 < got["left"] <= 45
 
 

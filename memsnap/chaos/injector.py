@@ -64,12 +64,17 @@ def read_log(path: str) -> Timeline:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            rec = json.loads(line)
-            kind = rec.pop("type", None)
+            try:
+                rec = json.loads(line)
+                kind = rec.pop("type", None)
+                if kind == "event":
+                    events.append(Event(**rec))
+            except (ValueError, TypeError, AttributeError) as exc:
+                raise ConfigError(f"{path}:{n}: not a memsnap.chaos log record ({exc})") from None
             if kind == "start":
                 header = rec
             elif kind == "event":
-                events.append(Event(**rec))
+                pass
             elif kind == "stop":
                 stopped = rec
             else:
