@@ -1,10 +1,10 @@
 """Each ``memsnap.chaos`` fault kind landing on a simulated 4-node loopback cluster running a
-memsnap job (ranks on nodes 1-3, the head spared).
+memsnap job (one rank per node, k=2, m=1; the head is never hit).
 
 One cluster for the module; the tests run in file order: stall node 1's data plane -> fill
 node 2's spill disk -> kill node 2's training process (at a step) -> SIGTERM and a Ray drain
 to a process watching for preemption on node 3 -> kill node 3 (a replacement joins) -> kill
-the replacement the way a real cluster's nodes are killed (a task on it kills its raylet).
+node 2 the way a real cluster's nodes are killed (a task on it kills its raylet).
 """
 from __future__ import annotations
 
@@ -45,12 +45,12 @@ def job(tmp_path_factory):
     opts = dict(k=2, m=1, chunk=64 * 255, memory_budget=128 << 20, spill=spill, spill_every=1000,
                 on_error="raise", preemption=False)
     with cluster(JOB, 4) as c:
-        trainers = start_all(JOB, [1, 2, 3], opts)
+        trainers = start_all(JOB, [0, 1, 2, 3], opts)
         yield {"cluster": c, "trainers": trainers, "spill": spill,
                "nodes": ray.get([t.node.remote() for t in trainers], timeout=60)}
 
 
-def save_all(job, step: int, ranks=(0, 1, 2)) -> None:
+def save_all(job, step: int, ranks=(0, 1, 2, 3)) -> None:
     ray.get([job["trainers"][r].step_and_save.remote(step) for r in ranks], timeout=120)
 
 
@@ -69,10 +69,10 @@ def inject(job, *faults: Fault, timeout: float = 180, **kw) -> Injector:
 def test_a_stall_holds_the_data_plane_until_it_ends(job):
     save_all(job, 1)
     assert ray.get(job["trainers"][0].wait.remote(1, 120), timeout=150) == 1
-    agent = ray.get_actor(naming.agent(JOB, job["nodes"][0]), namespace=naming.NAMESPACE)
+    agent = ray.get_actor(naming.agent(JOB, job["nodes"][1]), namespace=naming.NAMESPACE)
     inj = inject(job, Fault("stall", target=1, at_s=0, duration_s=600))  # ended by stop() below
     (ev,) = inj.events
-    assert ev.ok and ev.target == job["nodes"][0] and 0 < ev.detail["remaining_s"] <= 600, ev
+    assert ev.ok and ev.target == job["nodes"][1] and 0 < ev.detail["remaining_s"] <= 600, ev
     save_all(job, 2)  # its chunks to and from node 1 wait for the stall to end
     wait_for(lambda: testing.data_plane_stall(agent)["held_calls"] > 0, timeout=120, what="a data-plane call held")
     assert newest(job) == 1, "nothing commits while a node's data plane is stalled"
@@ -87,7 +87,7 @@ def test_fill_disk_fills_the_job_spill_directory_and_removes_the_filler(job, tmp
     log = str(tmp_path / "fill.jsonl")
     inj = inject(job, Fault("fill_disk", target=2, at_s=0, limit_bytes=4 << 20), log=log)
     (ev,) = inj.events
-    assert ev.ok and ev.target == job["nodes"][1], ev
+    assert ev.ok and ev.target == job["nodes"][2], ev
     path = ev.detail["path"]
     assert os.path.dirname(path) == job["spill"] and os.path.getsize(path) == 4 << 20 and not ev.detail["full"]
     inj.stop()
@@ -103,13 +103,13 @@ def test_kill_process_at_a_step_kills_one_training_process_on_its_node(job):
 
     def dead():
         try:
-            ray.get(job["trainers"][1].node.remote(), timeout=30)
+            ray.get(job["trainers"][2].node.remote(), timeout=30)
             return False
         except ray.exceptions.RayActorError:
             return True
 
     wait_for(dead, timeout=60, what="the killed rank's actor to be gone")
-    assert ray.get(job["trainers"][0].node.remote(), timeout=30) == job["nodes"][0]  # the others live on
+    assert ray.get(job["trainers"][1].node.remote(), timeout=30) == job["nodes"][1]  # the others live on
 
 
 def notice(watched, what: str) -> dict:
@@ -134,26 +134,26 @@ def test_preempt_sends_sigterm_that_memsnap_preempt_detects(job):
 def test_preempt_drains_the_node_the_way_memsnap_preempt_polls_for(job):
     watched = Watched.options(resources={"memsnap_node_3": 0.01}).remote(False)
     ray.get(watched.notice.remote(), timeout=120)
-    inj = inject(job, Fault("preempt", target=job["nodes"][2][:10], at_s=0, how="drain", duration_s=45))
+    inj = inject(job, Fault("preempt", target=job["nodes"][3][:10], at_s=0, how="drain", duration_s=45))
     (ev,) = inj.stop()
     assert ev.ok and ev.detail["drain"]["accepted"] and "sigterm" not in ev.detail, ev
     got = notice(watched, "the watcher to see the drain")
-    assert got["reason"] == f"Ray is draining node {job['nodes'][2]}" and 0 < got["left"] <= 45
+    assert got["reason"] == f"Ray is draining node {job['nodes'][3]}" and 0 < got["left"] <= 45
 
 
 def test_kill_node_removes_a_simulated_node_and_a_replacement_joins(job):
     c = job["cluster"]
     inj = inject(job, Fault("kill_node", target=3, at_s=0), replace_killed=True)
     (ev,) = inj.stop()
-    assert ev.ok and ev.target == job["nodes"][2], ev
-    wait_for(lambda: node_dead(job["nodes"][2]), timeout=60, what="the killed node to be declared dead")
+    assert ev.ok and ev.target == job["nodes"][3], ev
+    wait_for(lambda: node_dead(job["nodes"][3]), timeout=60, what="the killed node to be declared dead")
     job["replacement"] = ev.detail["replacement"]
-    assert job["replacement"] in [n.node_id for n in c.nodes] and job["nodes"][2] not in [n.node_id for n in c.nodes]
+    assert job["replacement"] in [n.node_id for n in c.nodes] and job["nodes"][3] not in [n.node_id for n in c.nodes]
     assert any(n["NodeID"] == job["replacement"] and n["Alive"] for n in ray.nodes())
 
 
 def test_kill_node_on_a_real_cluster_kills_the_raylet_from_the_node_and_spares_the_head(job):
-    target = job["replacement"]
+    target = job["nodes"][2]  # (its rank was killed above; a node up since the start)
     head = ray.get_runtime_context().get_node_id()  # the driver's node: the head of the loopback cluster
     inj = inject(job, Fault("kill_node", target=target, at_s=0), Fault("kill_node", target=head, at_s=0),
                  cluster=None, address=job["cluster"].address, confirm=True)
