@@ -2,7 +2,7 @@
 memsnap job (one rank per node, k=2, m=1; the head is never hit).
 
 One cluster for the module; the tests run in file order: stall node 1's data plane -> fill
-node 2's spill disk -> kill node 2's training process (at a step) -> SIGTERM and a Ray drain
+node 2's spill disk -> the CLI fills a disk -> kill node 2's training process (at a step) -> SIGTERM and a Ray drain
 to a process watching for preemption on node 3 -> kill node 3 (a replacement joins) -> kill
 node 2 the way a real cluster's nodes are killed (a task on it kills its raylet).
 """
@@ -94,6 +94,22 @@ def test_fill_disk_fills_the_job_spill_directory_and_removes_the_filler(job, tmp
     assert inj.events[1].phase == "end" and inj.events[1].detail == {"path": path, "removed": True}
     assert not os.path.exists(path)
     assert [e.phase for e in read_log(log).events] == ["fault", "end"]
+
+
+def test_the_cli_lands_a_schedule_and_writes_its_timeline(job, tmp_path, capsys):
+    from memsnap.cli import main
+
+    log, disk = tmp_path / "cli.jsonl", tmp_path / "disk"
+    disk.mkdir()
+    argv = ["chaos", "--address", job["cluster"].address, "--job", JOB, "--log", str(log), "--timeout", "300",
+            "--fault", f"fill_disk at_s=0 target=1 path={disk} limit_bytes=65536 duration_s=0.5"]
+    assert main(argv) == 1 and "--yes-kill-nodes" in capsys.readouterr().err
+    assert main(argv + ["--yes-kill-nodes"]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "fill_disk    fault" in out and "fill_disk    end" in out
+    fault, end = read_log(str(log)).events
+    assert fault.ok and fault.target == job["nodes"][1] and fault.detail["bytes"] == 65536
+    assert end.ok and end.detail["removed"] and not os.listdir(disk)
 
 
 def test_kill_process_at_a_step_kills_one_training_process_on_its_node(job):
