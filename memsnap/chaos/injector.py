@@ -141,7 +141,7 @@ class Injector:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
-        for due, i, undo in sorted(self._undo, key=lambda u: u[0]):
+        for _due, i, undo in sorted(self._undo, key=lambda u: u[0]):
             self._end(i, undo, early=True)
         self._undo.clear()
         if self._log is not None:
