@@ -88,7 +88,7 @@ def gather(core, src: RankSource, out, stripes=None) -> dict:
     region = src.layout()
     st = _Stripes(region, m, out if hasattr(out, "write") else Flat(out))
     owner, base = src.owner, region.stripe_base
-    addrs = list(src.addrs)
+    addrs = list(src.addrs) + [None] * (k + m - len(src.addrs))  # (none without peers: the copy is all)
 
     def key_of(s: int, j: int) -> ChunkKey:
         return ChunkKey(src.step, owner, base + s, j)

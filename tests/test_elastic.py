@@ -283,3 +283,19 @@ def test_a_lost_holder_is_decoded_and_a_damaged_chunk_is_refused(holders):
                                            for e in m.tensors], tensors_json=None) for m in mans]
     with pytest.raises(ChecksumError, match=r"saved rank 0's tensor 'model/e' of step 20 hashes to"):
         load(holders, sources, bad, 0, 3)
+
+
+def test_without_peers_every_saved_rank_is_read_from_its_old_nodes_copy(holders):
+    """A job too small for peers (its old nodes hold each rank's only copy): no holders at all."""
+    stores, addrs, client = holders
+    mans, bufs = saved_step(3)
+    sources = []
+    for r, (man, buf) in enumerate(zip(mans, bufs)):
+        chunk = choose_chunk(man.nbytes, K, 256)
+        enc = encode.Encoded(encode.Region(r, man.nbytes, 0, K, chunk), buf)
+        for j in range(K):  # the old node's whole copy, served from one place
+            client.push(addrs[0], enc.items(30, f"alone{r}", j), timeout=60)
+        sources.append(RankSource(30, K, M, f"alone{r}", chunk, Region(r, man.nbytes, 0), (), (), copy=addrs[0]))
+    live, _ = load(holders, sources, mans, 3, 4)
+    a, z = rows(3, 4)
+    assert torch.equal(live["model"].w, FULL_W[a:z]) and torch.equal(live["model"].n, torch.full((3,), 0.0))
