@@ -4,8 +4,9 @@ The coordinator's plan gives every rank where each saved rank's bytes live (``Ra
 the owner node's whole copy, or ``k`` of ``k+m`` shards per stripe at the holders). The
 rank reads every saved rank's manifest, and ``reshard`` (the same box logic as a resharding
 load from disk) says which saved tensors it needs: for each of its DTensor shards the saved
-shards that overlap it (``Shard``/``Replicate``; a replicated tensor is read once), and its
-plain tensors and non-tensor leaves from saved rank ``r % W``. Of each saved rank it then
+shards that overlap it (``Shard``/``Replicate``; a replicated tensor is read once, from a
+saved rank whose old node still holds its copy if one does), and its plain tensors and
+non-tensor leaves from saved rank ``r % W``. Of each saved rank it then
 fetches only the stripes those tensors lie in (``restore.gather`` with a stripe subset,
 decoding from parity where a holder is gone) straight into one buffer per tensor, checks
 every tensor read against the checksum its manifest records, and lays the overlaps out
@@ -29,12 +30,21 @@ from memsnap.records import RankSource
 from memsnap.restore import gather
 
 
-def read_plan(saved: Sequence[Manifest], live: Manifest, rank: int) -> tuple[Manifest, dict[int, list[str]]]:
+def read_plan(saved: Sequence[Manifest], live: Manifest, rank: int, order=None) -> tuple[Manifest, dict[int, list[str]]]:
     """``(target, reads)``: rank ``rank``'s manifest in the layout of the ``live`` plan, and
-    ``{saved rank: [tensor paths]}`` it reads to fill it (pure)."""
+    ``{saved rank: [tensor paths]}`` it reads to fill it (pure). ``order``: the saved ranks in
+    the order a replicated tensor is looked for (default 0..W-1)."""
     saved = list(saved)
     target = reshard.layout(saved, live, rank)
-    return target, reshard.reads(saved, target, rank)
+    return target, reshard.reads(saved, target, rank, order)
+
+
+def replica_order(sources: Sequence[RankSource], rank: int) -> list[int]:
+    """Where new rank ``rank`` reads a replicated tensor: a saved rank whose old node still
+    holds its whole copy first (no decode), starting at its own number so that the new ranks
+    spread over the copies."""
+    n = len(sources)
+    return sorted(range(n), key=lambda r: (sources[r].copy is None, (r - rank) % n))
 
 
 def stripe_span(entries: Sequence[TensorEntry], k: int, chunk: int, nbytes: int) -> tuple[list[int], list[tuple[int, int]]]:
@@ -91,8 +101,8 @@ def _entry(man: Manifest, path: str) -> TensorEntry:
 class _Fetched:
     """What ``reshard.fill`` reads from: the tensors fetched, by saved rank and path."""
 
-    def __init__(self, saved: list[Manifest], tensors: dict[tuple[int, str], torch.Tensor]):
-        self.saved, self.tensors = saved, tensors
+    def __init__(self, saved: list[Manifest], tensors: dict[tuple[int, str], torch.Tensor], order: list[int]):
+        self.saved, self.tensors, self.order = saved, tensors, order
 
     def tensor(self, rank: int, path: str) -> torch.Tensor:
         e = self.saved[rank].entry(path)
@@ -108,7 +118,8 @@ def assemble(peers, sources: Sequence[RankSource], manifests: Sequence[str | byt
         raise FormatError(f"an elastic plan must name saved ranks 0..{len(manifests) - 1} in order, got "
                           f"{[s.rank for s in sources]}")
     saved = [Manifest.from_json(m, f"saved rank {r}'s manifest") for r, m in enumerate(manifests)]
-    target, reads = read_plan(saved, live, rank)
+    order = replica_order(sources, rank)
+    target, reads = read_plan(saved, live, rank, order)
 
     def one(item):
         r, paths = item
@@ -121,5 +132,5 @@ def assemble(peers, sources: Sequence[RankSource], manifests: Sequence[str | byt
             tensors.update({(r, p): t for p, t in got.items()})
             for key in ("bytes", "decoded_stripes", "repaired"):
                 stats[key] += st.get(key, 0)
-    buf = reshard.fill(target, saved, _Fetched(saved, tensors), rank)
+    buf = reshard.fill(target, saved, _Fetched(saved, tensors, order), rank)
     return target, buf, stats

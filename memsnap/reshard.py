@@ -99,16 +99,16 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def sources(e: TensorEntry, saved: list[Manifest]) -> list[tuple[int, Box, Box]]:
+def sources(e: TensorEntry, saved: list[Manifest], order=None) -> list[tuple[int, Box, Box]]:
     """Where the live shard ``e`` of a sharded tensor comes from: ``(saved rank, that rank's
     box, the overlap)`` for each saved shard that meets it, each distinct saved box once
-    (replicated state is read from the first rank that has it)."""
+    (replicated state is read from the first rank in ``order``, default 0..W-1, that has it)."""
     saved_shape = tuple(_holder(saved, 0, e.path).global_shape or ())
     if tuple(e.global_shape) != saved_shape:
         raise StateMismatchError(f"{e.path!r}: live global shape {list(e.global_shape)} differs from the "
                                  f"checkpoint's {list(saved_shape)}")
     want, covered, seen, out = _box(e), 0, set(), []
-    for rank in range(len(saved)):
+    for rank in (range(len(saved)) if order is None else order):
         src_box = _box(_holder(saved, rank, e.path))
         box = overlap(want, src_box)
         if box is None or src_box in seen:
@@ -132,7 +132,7 @@ def _holder(saved: list[Manifest], rank: int, path: str) -> TensorEntry:
 
 
 def _fill_sharded(dst: torch.Tensor, e: TensorEntry, reader) -> None:
-    for rank, src_box, box in sources(e, reader.saved):
+    for rank, src_box, box in sources(e, reader.saved, getattr(reader, "order", None)):
         dst[_slices(box, e.global_offset or (0,) * len(e.shape))] = reader.tensor(rank, e.path)[_slices(box, src_box[0])]
 
 
@@ -145,10 +145,11 @@ def layout(saved: list[Manifest], live: Manifest, rank: int) -> Manifest:
     return Manifest(entries, template.tree, nbytes, dict(template.meta))
 
 
-def reads(saved: list[Manifest], target: Manifest, rank: int) -> dict[int, list[str]]:
+def reads(saved: list[Manifest], target: Manifest, rank: int, order=None) -> dict[int, list[str]]:
     """``{saved rank: [tensor paths]}``: every saved tensor rank ``rank`` reads to fill
-    ``target`` (from ``layout``): the saved shards its DTensor shards overlap, and its plain
-    tensors from saved rank ``rank % W``."""
+    ``target`` (from ``layout``): the saved shards its DTensor shards overlap (a replicated
+    one from the first saved rank in ``order``), and its plain tensors from saved rank
+    ``rank % W``."""
     out: dict[int, list[str]] = {}
     for e in target.tensors:
         if e.alias_of or e.nbytes == 0:
@@ -156,7 +157,7 @@ def reads(saved: list[Manifest], target: Manifest, rank: int) -> dict[int, list[
         if e.global_shape is None:
             picks = [rank % len(saved)]
         else:
-            picks = [r for r, _, _ in sources(e, saved)]
+            picks = [r for r, _, _ in sources(e, saved, order)]
         for r in picks:
             held = _holder(saved, r, e.path).path
             if held not in out.setdefault(r, []):

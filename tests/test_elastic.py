@@ -299,3 +299,16 @@ def test_without_peers_every_saved_rank_is_read_from_its_old_nodes_copy(holders)
     live, _ = load(holders, sources, mans, 3, 4)
     a, z = rows(3, 4)
     assert torch.equal(live["model"].w, FULL_W[a:z]) and torch.equal(live["model"].n, torch.full((3,), 0.0))
+
+
+def test_a_replicated_tensor_is_read_from_a_surviving_copy_spread_over_the_new_ranks():
+    saved, _ = saved_step(4)
+    b = path_of(saved[0], "/b")
+    src = [RankSource(1, K, M, f"n{r}", 64, Region(r, 1, 0), (), (), copy=None if r == 1 else {"port": r})
+           for r in range(4)]  # saved rank 1's node is gone: its bytes would be decoded from holders
+    picked = []
+    for r in range(3):
+        _, live = shard_state(r, 3, fill=False)
+        _, reads = elastic.read_plan(saved, live, r, elastic.replica_order(src, r))
+        picked.append([s for s, paths in reads.items() if b in paths])
+    assert picked == [[0], [2], [2]]  # never rank 1 (no copy left), each from the copy at or after its own number

@@ -75,6 +75,8 @@ def test_4_to_3_after_a_node_loss_then_3_to_4_when_a_node_returns_restore_from_r
     ranks = start(opts, [0, 1, 2, 4])
     restored_equal_to_durable(ranks, 3, "elastic")
     train(ranks, [4])
+    st = ray.get(ranks[0].status.remote(), timeout=120)
+    assert st["peers"] is True and st["protection"] and min(st["protection"].values()) >= 1  # re-placed, protected
     stop(ranks)
 
 
