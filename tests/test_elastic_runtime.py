@@ -15,7 +15,7 @@ import ray
 from support import fsdp
 from support.runtime import cluster, kill, lose_nodes, wait_for
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(900)]  # three restarts of a 4-node job
 
 JOB = "elastic"
 
