@@ -61,10 +61,10 @@ class Coordinator:
     async def config(self) -> dict:
         return {"config": self.core.cfg.to_dict(), "world_size": self.core.world}
 
-    async def join(self, node: str, address: dict, ranks: list[int]) -> dict:
-        if self.core.membership.needs_a_dead_node(node):
+    async def join(self, node: str, address: dict, ranks: list[int], world: int | None = None) -> dict:
+        if world in (None, self.core.world) and self.core.membership.needs_a_dead_node(node):
             await self._a_dead_node()
-        return await self.pool.run(self.core.join, node, address, ranks)
+        return await self.pool.run(self.core.join, node, address, ranks, world)
 
     async def _a_dead_node(self) -> None:
         """A new node is joining: wait (bounded) until Ray has marked a placed node dead. Ray
@@ -79,7 +79,7 @@ class Coordinator:
         log.warning("a new node joined but no placed node was declared dead within %.0f s", timeout)
 
     async def answer(self, node: str, timeout: float) -> dict:
-        if not await self.signal.wait_for(self.core.membership.decided, timeout):
+        if not await self.signal.wait_for(lambda: self.core.membership.decided(), timeout):  # (resize swaps it)
             missing = sorted(set(range(self.core.world)) - set(self.core.membership.members))
             raise CommitError(f"timed out after {timeout:.0f} s waiting for ranks {missing} to register")
         return self.core.answer(node)

@@ -292,6 +292,8 @@ class AgentCore:
 
     def joined(self, rank: int, world: int) -> None:
         with self.lock:
+            if self.world is not None and world != self.world:
+                self.ranks = set()  # the job came back with another world size: its ranks are new
             self.ranks.add(rank)
             self.world = world
 

@@ -368,6 +368,8 @@ class Snapshotter:
             return "none"
         if tier == "durable":
             return self._load_durable(plan, state, seconds)
+        if tier == "elastic":
+            return self._load_elastic(plan, state, seconds)
         corrupt = False
         if tier == "local" and self._restore_device(step, state, seconds):
             return "device"  # the agent's device buffer still holds the step
@@ -394,10 +396,9 @@ class Snapshotter:
         self._apply(info, state, seconds)
         return read
 
-    def _receive(self, source, manifest_json: str, state) -> None:
-        """Read this rank's bytes from the holders straight into ``state`` (receive.py)."""
+    def _peers(self):
+        """This rank's own data-plane client and codec, made on its first read from peers."""
         from memsnap import receive
-        from memsnap.errors import StateMismatchError
 
         if self._receiver is None:
             from memsnap.agent import codec_for
@@ -406,8 +407,15 @@ class Snapshotter:
             client = make_transport("tcp", secret=self._secret, host=ray.util.get_node_ip_address(),
                                     **tcp_options(self.config))
             self._receiver = receive.Peers(client, codec_for(self.config.k, self.config.m))
+        return self._receiver
+
+    def _receive(self, source, manifest_json: str, state) -> None:
+        """Read this rank's bytes from the holders straight into ``state`` (receive.py)."""
+        from memsnap import receive
+        from memsnap.errors import StateMismatchError
+
         try:
-            stats = receive.into_state(self._receiver, source, manifest_json, state)
+            stats = receive.into_state(self._peers(), source, manifest_json, state)
         except StateMismatchError:
             raise  # refused before anything was written
         except BaseException:
@@ -423,19 +431,41 @@ class Snapshotter:
         apply(state, Manifest.from_json(info["manifest"]), self._map(info["path"], info["nbytes"]), verify=True)
         seconds["apply"] = time.perf_counter() - t
 
-    def _load_durable(self, plan: RankPlan, state, seconds: dict) -> str:
+    def _load_elastic(self, plan: RankPlan, state, seconds: dict) -> str:
+        """The step was taken by another world size: read the parts of every saved rank this
+        rank needs from RAM, reshard them (``elastic.py``), and load; the live state is only
+        written once everything was read and checked."""
+        from memsnap import elastic
         from memsnap.apply import apply
+        from memsnap.capture import plan as layout_of
+
+        if not self._direct:
+            raise ConfigError("an elastic restore from RAM reads the saved ranks over the tcp transport; with "
+                              f"transport={self.config.transport!r} it loads from durable storage instead")
+        t = time.perf_counter()
+        refs = [self._agent.manifest.remote(plan.step, src.rank, src.to_wire()) for src in plan.sources]
+        manifests = [_get(ref) for ref in refs]
+        seconds["manifests"] = time.perf_counter() - t
+        t = time.perf_counter()
+        man, buf, stats = elastic.assemble(self._peers(), plan.sources, manifests, layout_of(state), self.rank)
+        seconds["fetch"] = time.perf_counter() - t
+        if stats.get("repaired"):
+            self._agent.count.remote("repaired_chunks", stats["repaired"])
+        t = time.perf_counter()
+        apply(state, man, buf, verify=False)  # (every tensor read was checked against its checksum)
+        seconds["apply"] = time.perf_counter() - t
+        log.info("rank %d: step %d resharded from %d saved ranks in RAM (read %s of them, %.1f MiB)", self.rank,
+                 plan.step, len(plan.sources), stats["ranks_read"], stats["bytes"] / 2**20)
+        return "elastic"
+
+    def _load_durable(self, plan: RankPlan, state, seconds: dict) -> str:
+        """The spilled step, resharded when another world size took it (as ``memsnap.load``)."""
+        from memsnap.apply import apply
+        from memsnap.durable import read_step
         from memsnap.storage import Store
 
-        from tqdm import tqdm
-
         t = time.perf_counter()
-        store = Store.open(plan.spill)
-        man = store.manifest(plan.step, self.rank)
-        buf = bytearray(man.nbytes)
-        with tqdm(total=man.nbytes, unit="B", unit_scale=True, disable=None,
-                  desc=f"rank {self.rank}: step {plan.step} from {plan.spill}") as bar:
-            store.read_rank_into(plan.step, self.rank, buf, progress=lambda done, total: bar.update(done - bar.n))
+        man, buf, _ = read_step(Store.open(plan.spill), plan.step, self.rank, self.world, state)
         seconds["fetch"] = time.perf_counter() - t
         t = time.perf_counter()
         apply(state, man, buf, verify=True)
