@@ -24,6 +24,7 @@ from memsnap.transport.session import (
     mac_pieces,
     verify_body,
 )
+from memsnap.transport.tcp import TcpTransport
 
 SECRET = os.urandom(32)
 P = MAC_PIECE
@@ -146,3 +147,26 @@ def test_a_payload_frame_without_a_counter_is_rejected():
     head = wire.read_head(sock, server.recv, wire.REQUESTS, len(data), _deadline())
     with pytest.raises(FrameError, match="payload counter 0"):
         wire.read_body(sock, server.recv, head, [memoryview(bytearray(len(data)))])
+
+
+def test_the_holder_stores_the_checksum_of_the_bytes_it_authenticated_not_the_pushers():
+    """A push's checksum field is not trusted: the holder stores the xxh3-64 it computed over
+    the bytes whose tag it checked, so a fetch verifies against what really landed."""
+    store = HeldChunks(MemoryBudget(64 << 20))
+    server = make_transport("tcp", secret=SECRET, host="127.0.0.1", wire="mac")
+    client = TcpTransport(secret=SECRET, host="127.0.0.1", wire="mac")
+    key, data = ChunkKey(1, "peer", 0, 0), os.urandom(3 * wire.SLICE + 5)
+    try:
+        addr = server.start(store)
+        conn = client._connect((addr["host"], addr["port"]), _deadline())
+        with conn.sock:
+            wire.send_frame(conn.sock, conn.session.send, wire.PUSH, key.pack(), memoryview(data), 12345,
+                            _deadline())
+            assert wire.read_head(conn.sock, conn.session.recv, wire.RESPONSES, 0, _deadline()).kind == wire.OK
+        held, checksum = store.lookup(key)
+        assert bytes(held) == data and checksum == xxhash.xxh3_64_intdigest(data)
+        back = bytearray(len(data))
+        assert client.fetch(addr, [(key, back)], timeout=10) == [True] and back == data
+    finally:
+        client.close()
+        server.close()

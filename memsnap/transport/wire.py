@@ -11,10 +11,11 @@ are session.py's, per direction, over a sequence number both ends count: keyed B
 the header; over the payload, GMAC per 256 KiB piece bound into one keyed BLAKE3 body tag
 (``wire="mac"``) or AES-256-GCM (``wire="encrypt"``). The payload counter is the GMAC
 nonce's first half, unique per payload and direction (0 when there is no payload, and in
-``encrypt`` mode, whose nonce is the sequence number). ``PUSH`` carries a chunk and its xxh3-64
-(the checksum the holder stores) and is answered ``OK`` or ``FAILED`` (with a message);
-``FETCH`` has no payload and is answered ``OK`` with the chunk and the checksum stored with
-it, or ``MISSING``. Every receive and send is bounded by a deadline for the whole frame,
+``encrypt`` mode, whose nonce is the sequence number). ``PUSH`` carries a chunk and 0 in the
+checksum field (the holder computes the xxh3-64 it stores over the bytes it authenticated) and
+is answered ``OK`` or ``FAILED`` (with a message); ``FETCH`` has no payload and is answered
+``OK`` with the chunk and the checksum stored with it, or ``MISSING``. In ``mac`` mode a
+payload is tagged a ``SLICE`` at a time next to the socket copy of that slice, on both ends. Every receive and send is bounded by a deadline for the whole frame,
 not per system call; a trickling peer cannot stretch it.
 """
 from __future__ import annotations
