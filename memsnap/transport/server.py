@@ -28,7 +28,7 @@ from memsnap.transport.session import FrameError, Session
 
 log = logging.getLogger("memsnap.transport")
 
-PIPELINE = 8  # requests read ahead of the one being verified and answered, per connection
+PIPELINE = 8  # requests read (pushes: checked) ahead of the one being answered, per connection
 # accept(2): errors of the one connection, to retry at once, and a shortage of resources, to retry after a pause
 _RETRY_NOW = {errno.ECONNABORTED, errno.EINTR, errno.EPROTO, errno.EAGAIN, errno.ENETDOWN, errno.ENOPROTOOPT,
               errno.EHOSTDOWN, errno.ENONET, errno.EHOSTUNREACH, errno.EOPNOTSUPP, errno.ENETUNREACH,
