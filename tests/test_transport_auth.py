@@ -177,23 +177,24 @@ def test_client_refuses_a_server_without_the_secret():
 
 
 def test_agents_of_another_protocol_version_are_refused_by_name(server, caplog):
-    """A version-2 agent (keyed BLAKE3 payload tags, no payload counter) and this one refuse
-    each other at the handshake, saying why, before any frame is exchanged."""
+    """A version-3 agent (its pushes carry the pusher's checksum; a version-4 holder computes
+    its own) and this one refuse each other at the handshake, saying why, before any frame is
+    exchanged."""
     _, addr = server
 
     def old_server(conn):
-        conn.sendall(b"MEMSNAP2" + b"\0" + os.urandom(auth.NONCE))
+        conn.sendall(b"MEMSNAP3" + b"\0" + os.urandom(auth.NONCE))
         _drain(conn)
 
-    _push_to(old_server, b"x", match="server speaks data-plane protocol MEMSNAP2, this agent MEMSNAP3")
+    _push_to(old_server, b"x", match="server speaks data-plane protocol MEMSNAP3, this agent MEMSNAP4")
     caplog.set_level(logging.WARNING, logger="memsnap.transport")
     with socket.create_connection((addr["host"], addr["port"]), timeout=10) as sock:  # an old client
         port = sock.getsockname()[1]
         wire.recv_exact(sock, len(auth.MAGIC) + 1 + auth.NONCE, _soon())
-        sock.sendall(b"MEMSNAP2" + b"\0" + os.urandom(auth.NONCE + auth.MAC))
+        sock.sendall(b"MEMSNAP3" + b"\0" + os.urandom(auth.NONCE + auth.MAC))
         assert _dropped(sock)
     wait_for(lambda: _logged_drop(caplog, port), timeout=10, what="the drop to be logged")
-    assert any("client speaks data-plane protocol MEMSNAP2, this agent MEMSNAP3" in r.getMessage()
+    assert any("client speaks data-plane protocol MEMSNAP3, this agent MEMSNAP4" in r.getMessage()
                for r in caplog.records)
 
 

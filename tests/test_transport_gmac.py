@@ -9,14 +9,22 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import xxhash
+from support.sockets import Collect, Replay
 
 from memsnap.arena import MemoryBudget
 from memsnap.chunkstore import HeldChunks
 from memsnap.transport import ChunkKey, make_transport, wire
 from memsnap.transport.base import Scatter
-from memsnap.transport.session import MAC_PIECE, FrameError, Session, pieces, verify_body
-from memsnap.transport.tcp import TcpTransport, _Conn
-from support.sockets import Collect
+from memsnap.transport.gmac import pieces
+from memsnap.transport.session import (
+    MAC_PIECE,
+    FrameError,
+    Session,
+    body_tag,
+    mac_pieces,
+    verify_body,
+)
+from memsnap.transport.tcp import TcpTransport
 
 SECRET = os.urandom(32)
 P = MAC_PIECE
@@ -44,7 +52,7 @@ def _deadline() -> float:
 
 def test_pieces_cut_the_logical_payload_at_fixed_offsets_across_views():
     data = os.urandom(sum(ODD))
-    got = [bytes(p) for p in pieces(_split(bytearray(data), ODD))]
+    got = [bytes(p) for p in pieces(_split(bytearray(data), ODD), P)]
     assert got == [data[at:at + P] for at in range(0, len(data), P)]
 
 
@@ -58,12 +66,30 @@ def test_frame_split_into_odd_views_verifies_and_a_flipped_byte_does_not():
         head = wire.read_head(b, server.recv, wire.REQUESTS, len(data), _deadline())
         landed = bytearray(len(data))
         parts = _split(landed, ODD)
-        tag = wire.read_body(b, server.recv, head.seq, head.tag, parts, _deadline())
-        got = verify_body(server.recv, head.counter, head.seq, head.tag, parts, tag, True)
+        got = wire.read_body(b, server.recv, head, parts, with_xxh3=True)
     assert bytes(landed) == data and got == xxhash.xxh3_64_intdigest(data)
+    tag = body_tag(client.send, head.seq, head.tag, mac_pieces(client.send, head.counter, [memoryview(data)]))
+    assert verify_body(server.recv, head.counter, head.seq, head.tag, parts, tag, True) == got
     landed[ODD[0] + P - 7] ^= 1  # the first byte of a piece that straddles two views
     with pytest.raises(FrameError, match="payload failed its authentication tag"):
         verify_body(server.recv, head.counter, head.seq, head.tag, parts, tag, True)
+
+
+@pytest.mark.parametrize("where", ["first slice", "last slice", "body tag"])
+def test_a_payload_tagged_slice_by_slice_fails_when_any_byte_in_transit_is_flipped(where):
+    """A chunk landing in one view is tagged a slice at a time as it lands; a byte flipped in
+    the first or the last slice, or in the body tag, still fails the frame."""
+    client, server = _pair()
+    data = os.urandom(2 * wire.SLICE + 12345)
+    out = Collect()
+    wire.send_frame(out, client.send, wire.PUSH, b"k", memoryview(data), 0, _deadline())
+    stream = bytearray(out.data)
+    body = wire.HEAD.size + 1 + 16  # header, the 1-byte name, header tag
+    stream[{"first slice": body + 3, "last slice": body + len(data) - 1, "body tag": len(stream) - 1}[where]] ^= 1
+    sock = Replay(stream)
+    head = wire.read_head(sock, server.recv, wire.REQUESTS, len(data), _deadline())
+    with pytest.raises(FrameError, match="payload failed its authentication tag"):
+        wire.read_body(sock, server.recv, head, [memoryview(bytearray(len(data)))], with_xxh3=True)
 
 
 def test_fetch_into_a_scatter_straddling_pieces_round_trips():
@@ -101,30 +127,13 @@ def test_consecutive_frames_carry_distinct_payload_counters():
     assert _counters(bytes(out.data)) == [1, 0, 2, 3]  # no payload: 0
 
 
-def test_chunks_sealed_out_of_order_on_two_threads_never_share_a_nonce():
-    client, server = _pair()
-    conn = _Conn(Collect(), client)
-    transport = TcpTransport(secret=SECRET, host="127.0.0.1", wire="mac")
-    chunks = [memoryview(os.urandom(1000 + i)) for i in range(64)]
-    with ThreadPoolExecutor(2) as pool:
-        sealed = list(pool.map(lambda v: transport._seal(conn, v), reversed(chunks)))[::-1]
-    assert sealed[0][0] > sealed[-1][0]  # sealed out of order: the last chunk first
-    assert len({counter for counter, _, _ in sealed}) == len(chunks)
-    a, b = socket.socketpair()
-    with a, b:  # sent in chunk order, whatever the order they were sealed in: every frame verifies
-        threading.Thread(target=_send_sealed, args=(a, client, chunks, sealed)).start()
-        for view in chunks:
-            head = wire.read_head(b, server.recv, wire.REQUESTS, 1 << 20, _deadline())
-            landed = bytearray(head.nbytes)
-            tag = wire.read_body(b, server.recv, head.seq, head.tag, [memoryview(landed)], _deadline())
-            verify_body(server.recv, head.counter, head.seq, head.tag, [memoryview(landed)], tag, False)
-            assert landed == view and head.checksum == xxhash.xxh3_64_intdigest(view)
-
-
-def _send_sealed(sock, session: Session, chunks, sealed) -> None:
-    for view, (counter, tags, checksum) in zip(chunks, sealed):
-        seq, tag = wire.send_head(sock, session.send, wire.PUSH, b"k", len(view), checksum, _deadline(), counter)
-        wire.send_body(sock, session.send, seq, tag, view, _deadline(), counter, tags)
+def test_payload_counters_taken_on_many_threads_are_all_distinct():
+    """A direction hands out each payload counter (the GMAC nonce's first half) once, however
+    many threads take them."""
+    client, _ = _pair()
+    with ThreadPoolExecutor(4) as pool:
+        counters = list(pool.map(lambda _: client.send.next_payload(), range(2000)))
+    assert sorted(counters) == list(range(1, 2001))
 
 
 def test_a_payload_frame_without_a_counter_is_rejected():
@@ -134,3 +143,30 @@ def test_a_payload_frame_without_a_counter_is_rejected():
     seq, tag = wire.send_head(out, client.send, wire.PUSH, b"k", len(data), 0, _deadline(), 0)
     with pytest.raises(FrameError, match="payload counter 0"):
         wire.send_body(out, client.send, seq, tag, data, _deadline(), 0)
+    sock = Replay(bytes(out.data) + bytes(data))  # and a receiver refuses one
+    head = wire.read_head(sock, server.recv, wire.REQUESTS, len(data), _deadline())
+    with pytest.raises(FrameError, match="payload counter 0"):
+        wire.read_body(sock, server.recv, head, [memoryview(bytearray(len(data)))])
+
+
+def test_the_holder_stores_the_checksum_of_the_bytes_it_authenticated_not_the_pushers():
+    """A push's checksum field is not trusted: the holder stores the xxh3-64 it computed over
+    the bytes whose tag it checked, so a fetch verifies against what really landed."""
+    store = HeldChunks(MemoryBudget(64 << 20))
+    server = make_transport("tcp", secret=SECRET, host="127.0.0.1", wire="mac")
+    client = TcpTransport(secret=SECRET, host="127.0.0.1", wire="mac")
+    key, data = ChunkKey(1, "peer", 0, 0), os.urandom(3 * wire.SLICE + 5)
+    try:
+        addr = server.start(store)
+        conn = client._connect((addr["host"], addr["port"]), _deadline())
+        with conn.sock:
+            wire.send_frame(conn.sock, conn.session.send, wire.PUSH, key.pack(), memoryview(data), 12345,
+                            _deadline())
+            assert wire.read_head(conn.sock, conn.session.recv, wire.RESPONSES, 0, _deadline()).kind == wire.OK
+        held, checksum = store.lookup(key)
+        assert bytes(held) == data and checksum == xxhash.xxh3_64_intdigest(data)
+        back = bytearray(len(data))
+        assert client.fetch(addr, [(key, back)], timeout=10) == [True] and back == data
+    finally:
+        client.close()
+        server.close()

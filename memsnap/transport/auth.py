@@ -20,7 +20,7 @@ from memsnap.errors import AuthenticationError
 from memsnap.transport import wire
 from memsnap.transport.session import MODES, Session
 
-MAGIC = b"MEMSNAP3"  # protocol version 3: a payload counter in every frame header, GMAC payload tags
+MAGIC = b"MEMSNAP4"  # protocol version 4: the holder computes the checksum it stores (a push carries none)
 NONCE = 32
 MAC = 32
 

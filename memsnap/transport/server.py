@@ -24,11 +24,11 @@ from memsnap.config import tunable
 from memsnap.errors import AuthenticationError
 from memsnap.transport import auth, wire
 from memsnap.transport.base import ChunkKey, ChunkStore, byte_view
-from memsnap.transport.session import FrameError, Session, verify_body
+from memsnap.transport.session import FrameError, Session
 
 log = logging.getLogger("memsnap.transport")
 
-PIPELINE = 8  # requests read ahead of the one being verified and answered, per connection
+PIPELINE = 8  # requests read (pushes: checked) ahead of the one being answered, per connection
 # accept(2): errors of the one connection, to retry at once, and a shortage of resources, to retry after a pause
 _RETRY_NOW = {errno.ECONNABORTED, errno.EINTR, errno.EPROTO, errno.EAGAIN, errno.ENETDOWN, errno.ENOPROTOOPT,
               errno.EHOSTDOWN, errno.ENONET, errno.EHOSTUNREACH, errno.EOPNOTSUPP, errno.ENETUNREACH,
@@ -176,8 +176,9 @@ class Server:
 
 class Stream:
     """One authenticated connection: a reader receiving requests straight into the store's
-    buffers, and a responder that checks each pushed chunk's tag, stores it and answers, in
-    order, while the reader already receives the next one."""
+    buffers, checking each pushed chunk's tag and computing the xxh3-64 stored with it as the
+    bytes land, and a responder that stores the chunk and answers, in order, while the reader
+    already receives the next one."""
 
     def __init__(self, server: Server, sock: socket.socket, session: Session):
         self.server, self.store, self.limits = server, server.store, server.limits
@@ -213,15 +214,12 @@ class Stream:
         except Exception as exc:
             wire.drain(self.sock, head.nbytes, head.deadline)
             return ("fail", f"{type(exc).__name__}: {exc}")
-        if not head.nbytes:
-            return ("push", key, dest, head, None)
         try:
-            tag = wire.read_body(self.sock, self.session.recv, head.seq, head.tag, [dest], head.deadline,
-                                 self.rscratch)
+            checksum = wire.read_body(self.sock, self.session.recv, head, [dest], self.rscratch, True)
         except BaseException:
             self.store.discard(key)
             raise
-        return ("push", key, dest, head, tag)
+        return ("push", key, checksum)
 
     def _reserve(self, key: ChunkKey, nbytes: int) -> memoryview:
         dest = byte_view(self.store.reserve(key, nbytes))
@@ -261,12 +259,5 @@ class Stream:
         if job[0] == "fetch":
             held = self.store.lookup(job[1])
             return (wire.MISSING, "", None, 0) if held is None else (wire.OK, "", byte_view(held[0]), held[1])
-        _, key, dest, head, tag = job
-        if tag is not None:  # mac mode: the payload's tag, checked now that it landed
-            try:
-                verify_body(self.session.recv, head.counter, head.seq, head.tag, [dest], tag, False)
-            except FrameError:
-                self.store.discard(key)
-                raise
-        self.store.complete(key, head.checksum)
+        self.store.complete(job[1], job[2])
         return wire.OK, "", None, 0

@@ -12,9 +12,10 @@ is protected by
   each authenticated with GMAC (AES-256-GCM with the piece as associated data) under the
   nonce (payload counter, piece index); the body tag is keyed BLAKE3 over (sequence number,
   header tag, piece count, piece tags). The payload counter is taken from a per-direction
-  counter when the payload is sealed, so no two payloads share a nonce whatever order they
-  are sealed in, and travels in the header (covered by the header tag). ``encrypt`` mode:
-  the payload is AES-256-GCM ciphertext whose tag covers the same, under another key.
+  counter when the frame is sent, so no two payloads share a nonce, and travels in the
+  header (covered by the header tag). The piece tags are not sent: the receiver recomputes
+  them as the payload lands and checks the body tag. ``encrypt`` mode: the payload is
+  AES-256-GCM ciphertext whose tag covers the same, under another key.
 
 A replayed, reordered, dropped, truncated or modified frame therefore fails a tag.
 """
@@ -35,12 +36,13 @@ except ImportError as exc:  # a hard dependency: say so rather than fail later
     raise ImportError("memsnap's data plane needs the cryptography package (>= 45, for AES-GCM): "
                       "pip install 'cryptography>=45'") from exc
 
+from memsnap.transport.gmac import Gmac
+
 TAG = 16
 MODES = ("mac", "encrypt")
 MAC_PIECE = 256 << 10  # the payload MAC's piece: GMAC and xxh3 of each in turn read it from cache
 MAX_PIECES = 1 << 32  # the piece index is 4 bytes of the nonce
 _SEQ = struct.Struct("<Q")
-_NONCE = struct.Struct("<QI")  # payload counter, piece index: GMAC's 12-byte nonce
 
 
 class FrameError(TransportError):
@@ -60,7 +62,7 @@ class Direction:
     def __init__(self, mac_key: bytes, gmac_key: bytes | None, enc_key: bytes | None):
         self.mac_key = mac_key
         self.seq = 0
-        self.gmac = AESGCM(gmac_key) if gmac_key is not None else None
+        self.gmac = Gmac(gmac_key, MAC_PIECE) if gmac_key is not None else None
         self.aead = AESGCM(enc_key) if enc_key is not None else None
         self._payloads = 0
         self._lock = threading.Lock()
@@ -84,66 +86,32 @@ class Direction:
         if not hmac.compare_digest(self.head_tag(seq, head), tag):
             raise FrameError("a frame header failed its authentication tag (injected, replayed or modified)")
 
-    def piece_tag(self, counter: int, index: int, piece) -> bytes:
-        """GMAC of one payload piece under the nonce (payload counter, piece index)."""
-        return self.gmac.encrypt(_NONCE.pack(counter, index), b"", piece)
-
     def nonce(self, seq: bytes) -> bytes:
         return seq + b"\0\0\0\0"
 
 
-def body_tag(d: Direction, seq: bytes, head_tag: bytes, piece_tags: list[bytes]) -> bytes:
-    """The body tag of frame ``seq``: keyed BLAKE3 over its header tag and its piece tags, in order."""
-    h = blake3.blake3(b"B" + seq + head_tag + _SEQ.pack(len(piece_tags)), key=d.mac_key)
-    h.update(b"".join(piece_tags))
+def body_tag(d: Direction, seq: bytes, head_tag: bytes, piece_tags: bytes) -> bytes:
+    """The body tag of frame ``seq``: keyed BLAKE3 over its header tag and its piece tags
+    (``piece_tags``: 16 bytes each, in order)."""
+    h = blake3.blake3(b"B" + seq + head_tag + _SEQ.pack(len(piece_tags) // TAG), key=d.mac_key)
+    h.update(piece_tags)
     return h.digest(TAG)
 
 
-def check_body(d: Direction, seq: bytes, head_tag: bytes, piece_tags: list[bytes], tag: bytes) -> None:
+def check_body(d: Direction, seq: bytes, head_tag: bytes, piece_tags: bytes, tag: bytes) -> None:
     if not hmac.compare_digest(body_tag(d, seq, head_tag, piece_tags), tag):
         raise FrameError("a frame's payload failed its authentication tag (modified in transit)")
 
 
-def pieces(parts):
-    """The bytes of the views ``parts``, in order, as ``MAC_PIECE``-byte pieces (the last shorter):
-    a view where a piece lies within one part, a scratch copy where it straddles parts (valid
-    until the next piece is taken)."""
-    scratch, fill = None, 0
-    for part in parts:
-        at = 0
-        if fill:  # finish the piece begun in the previous part
-            at = min(MAC_PIECE - fill, len(part))
-            scratch[fill:fill + at] = part[:at]
-            fill += at
-            if fill < MAC_PIECE:
-                continue
-            yield scratch
-            fill = 0
-        while len(part) - at >= MAC_PIECE:
-            yield part[at:at + MAC_PIECE]
-            at += MAC_PIECE
-        if at < len(part):
-            scratch = scratch if scratch is not None else memoryview(bytearray(MAC_PIECE))
-            fill = len(part) - at
-            scratch[:fill] = part[at:]
-    if fill:
-        yield scratch[:fill]
-
-
-def mac_pieces(d: Direction, counter: int, parts, with_xxh3: bool, first: int = 0) -> tuple[list[bytes], int]:
-    """The GMAC tag of every piece of ``parts`` (pieces ``first``, ``first + 1``, ... of the
-    payload) under payload ``counter`` and, with ``with_xxh3``, the xxh3-64 of the same bytes
-    (else 0): one pass, each piece read from cache."""
+def mac_pieces(d: Direction, counter: int, parts, first: int = 0, also=None) -> bytes:
+    """The GMAC tags of the pieces of ``parts`` (pieces ``first``, ``first + 1``, ... of a
+    payload) under payload ``counter``, concatenated; ``also``, a hash object, is fed the same
+    bytes (gmac.py)."""
     if counter < 1:
         raise FrameError(f"a frame with a payload carries payload counter {counter} (must be >= 1)")
     if first * MAC_PIECE + sum(len(p) for p in parts) > MAX_PIECES * MAC_PIECE:
         raise FrameError(f"a payload over {MAX_PIECES} pieces overflows the nonce's 4-byte piece index")
-    tags, x = [], xxhash.xxh3_64() if with_xxh3 else None
-    for index, piece in enumerate(pieces(parts), first):
-        tags.append(d.piece_tag(counter, index, piece))
-        if x is not None:
-            x.update(piece)
-    return tags, x.intdigest() if x is not None else 0
+    return d.gmac.tags(counter, first, parts, also)
 
 
 def _direction(secret: bytes, mode: str, server_nonce: bytes, client_nonce: bytes, name: str) -> Direction:
@@ -161,9 +129,9 @@ def verify_body(d: Direction, counter: int, seq: bytes, head_tag: bytes, parts, 
                 with_xxh3: bool) -> int:
     """Check the payload that landed in ``parts`` against its body ``tag`` (FrameError if it
     fails); return its xxh3-64, computed in the same pass, with ``with_xxh3`` (else 0)."""
-    piece_tags, checksum = mac_pieces(d, counter, parts, with_xxh3)
-    check_body(d, seq, head_tag, piece_tags, tag)
-    return checksum
+    x = xxhash.xxh3_64() if with_xxh3 else None
+    check_body(d, seq, head_tag, mac_pieces(d, counter, parts, 0, x), tag)
+    return x.intdigest() if x is not None else 0
 
 
 class Session:

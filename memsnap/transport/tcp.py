@@ -5,10 +5,12 @@ Every connection passes the handshake (auth.py) and then carries only authentica
 per-direction keys, so a frame injected, replayed, reordered, truncated or modified on the
 path is rejected and the connection closed; ``wire="encrypt"`` also encrypts the payloads.
 Client: one pooled stream per peer and caller thread, chunks sent as memoryview slices with
-up to ``window`` chunks unacknowledged, so the stream never waits for a round trip; the
-payload MAC (GMAC pieces, under a payload counter taken then) and xxh3-64 of the next chunk
-pushed are computed in one pass on a helper thread while the socket copies the current one. Fetched chunks land with ``recv_into`` straight in the
-caller's buffers and are checked there (tag, and the xxh3-64 the holder stored).
+up to ``window`` chunks unacknowledged, so the stream never waits for a round trip. A pushed
+chunk is tagged a slice at a time just before the socket copies that slice (wire.py), so the
+MAC reads it from cache and the copy does not read it from memory again; the holder computes
+the checksum it stores (xxh3-64) as it checks the tag. Fetched chunks land with ``recv_into``
+straight in the caller's buffers and are checked as they land (tag, and the xxh3-64 the
+holder stored).
 
 Timeouts: a client call has one deadline; it bounds the connect, the handshake and every
 frame whole (each system call waits only for what is left of it).
@@ -17,34 +19,27 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import socket
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Sequence
-
-import xxhash
 
 from memsnap.config import tunable
 from memsnap.errors import AuthenticationError, TransportError
 from memsnap.transport import auth, wire
-from memsnap.transport.base import ChunkKey, ChunkStore, Transport, byte_view, dest_parts
+from memsnap.transport.base import (
+    ChunkKey,
+    ChunkStore,
+    Transport,
+    byte_view,
+    dest_parts,
+)
 from memsnap.transport.server import Server
-from memsnap.transport.session import AESGCM, MODES, FrameError, mac_pieces, verify_body
+from memsnap.transport.session import AESGCM, MODES, FrameError
 
 log = logging.getLogger("memsnap.transport")
 
-INLINE_HASH = 256 << 10  # smaller chunks are hashed on the calling thread (a hand-off costs more)
 _TIMEOUTS = (wire.FrameTimeout, BlockingIOError, socket.timeout)
-
-
-def _fetch_inline_below() -> int:
-    """Chunks below this size are verified by the fetching thread itself. A hand-off to the
-    helper only pays when a core is free for it: on 4 cores or fewer every fetched chunk is
-    hashed inline (on 2 cores, 256 MiB from two holders: 0.151 s inline against 0.178 s
-    handed off, medians of 8 interleaved runs)."""
-    return INLINE_HASH if len(os.sched_getaffinity(0)) > 4 else 1 << 62
 
 
 def _peer(peer: dict) -> tuple[str, int]:
@@ -97,11 +92,9 @@ class TcpTransport(Transport):
         self.host, self.port, self.window = host, port, window
         self.mode = _wire_mode(wire)
         self.max_chunk = max_chunk or int(tunable("tcp_max_frame_bytes"))
-        self.fetch_inline_below = _fetch_inline_below()
         self._server: Server | None = None
         self._idle: dict[tuple[str, int], list[_Conn]] = collections.defaultdict(list)
         self._lock = threading.Lock()
-        self._hasher: ThreadPoolExecutor | None = None
 
     # -- server half ---------------------------------------------------------------------
     def start(self, store: ChunkStore) -> dict:
@@ -117,11 +110,8 @@ class TcpTransport(Transport):
         with self._lock:
             conns = [c for pool in self._idle.values() for c in pool]
             self._idle.clear()
-            hasher, self._hasher = self._hasher, None
         for c in conns:
             c.close()
-        if hasher is not None:
-            hasher.shutdown(wait=True)
 
     # -- client half ---------------------------------------------------------------------
     def push(self, peer: dict, items: Sequence[tuple[ChunkKey, memoryview]], *, timeout: float) -> None:
@@ -185,42 +175,12 @@ class TcpTransport(Transport):
         with self._lock:
             self._idle[addr].append(conn)
 
-    def _hashing(self, fn: Callable, *args, size: int, inline_below: int = INLINE_HASH) -> Future:
-        """``fn(*args)`` on the helper thread (big chunks), so it overlaps the caller's I/O."""
-        if size < inline_below:
-            done: Future = Future()
-            done.set_result(fn(*args))
-            return done
-        with self._lock:
-            if self._hasher is None:
-                self._hasher = ThreadPoolExecutor(2, thread_name_prefix="memsnap-hash")
-            return self._hasher.submit(fn, *args)
-
-    # -- push ------------------------------------------------------------------------------
-    def _seal(self, conn: _Conn, view: memoryview) -> tuple:
-        """``(payload counter, GMAC piece tags, xxh3-64)`` of one chunk to push, in one pass
-        (encrypt mode: ``(0, None, xxh3-64)``). The counter is taken here, whatever order the
-        chunks are sealed in, so no two payloads share a nonce."""
-        if conn.session.encrypted or not len(view):
-            return 0, None, xxhash.xxh3_64_intdigest(view)
-        d = conn.session.send
-        counter = d.next_payload()
-        return (counter, *mac_pieces(d, counter, [view], True))
-
     def _push_on(self, conn: _Conn, items, deadline: float, cursor, addr) -> None:
         pending: collections.deque[ChunkKey] = collections.deque()
-        views = [byte_view(buf) for _, buf in items]
-        nxt = self._hashing(self._seal, conn, views[0], size=len(views[0]))
-        for i, (key, _) in enumerate(items):
+        for key, buf in items:
             cursor[0] = key
-            counter, piece_tags, checksum = nxt.result()
-            if i + 1 < len(views):  # hash the next chunk while this one is sent
-                nxt = self._hashing(self._seal, conn, views[i + 1], size=len(views[i + 1]))
-            d = conn.session.send
-            seq, tag = wire.send_head(conn.sock, d, wire.PUSH, key.pack(), len(views[i]), checksum, deadline,
-                                      counter)
-            if len(views[i]):
-                wire.send_body(conn.sock, d, seq, tag, views[i], deadline, counter, piece_tags, conn.scratch)
+            wire.send_frame(conn.sock, conn.session.send, wire.PUSH, key.pack(), byte_view(buf), 0, deadline,
+                            conn.scratch)
             pending.append(key)
             if len(pending) >= self.window:
                 self._ack(conn, pending.popleft(), deadline, cursor, addr)
@@ -239,60 +199,33 @@ class TcpTransport(Transport):
     def _fetch_on(self, conn: _Conn, items, deadline: float, cursor, addr) -> list[bool]:
         for key, _ in items[:self.window]:
             wire.send_frame(conn.sock, conn.session.send, wire.FETCH, key.pack(), None, 0, deadline)
-        found: list[Future] = []
+        found: list[bool] = []
         for i, (key, buf) in enumerate(items):
             cursor[0] = key
             found.append(self._receive_one(conn, key, dest_parts(buf), deadline, addr))
             if i + self.window < len(items):
                 wire.send_frame(conn.sock, conn.session.send, wire.FETCH, items[i + self.window][0].pack(),
                                 None, 0, deadline)
-        return [f.result() for f in found]
+        return found
 
-    def _receive_one(self, conn: _Conn, key: ChunkKey, dest: list[memoryview], deadline: float, addr) -> Future:
-        """Read one fetch answer into the views ``dest``; the future says whether it is there and
-        intact (and raises FrameError when the frame was tampered with)."""
+    def _receive_one(self, conn: _Conn, key: ChunkKey, dest: list[memoryview], deadline: float, addr) -> bool:
+        """Read one fetch answer into the views ``dest``: whether the chunk is there and matches
+        the checksum the holder stored (FrameError when the frame was tampered with)."""
         d = conn.session.recv
         head = wire.read_head(conn.sock, d, wire.RESPONSES, self.max_chunk, deadline)
-        missing: Future = Future()
-        missing.set_result(False)
         if head.kind != wire.OK:
             if head.kind == wire.FAILED:
                 log.warning("fetch from %s:%s: chunk %s failed: %s", addr[0], addr[1], key,
                             head.name.decode(errors="replace"))
-            return missing
+            return False
         size = sum(len(p) for p in dest)
         if head.nbytes != size:
             wire.drain(conn.sock, head.nbytes, deadline)  # (and its tag)
             log.warning("fetch from %s:%s: chunk %s is %d bytes, the buffer %d", addr[0], addr[1], key,
                         head.nbytes, size)
-            return missing
-        if not size:
-            return self._hashing(_verify, None, dest, head.checksum, key, addr, size=0)
-        tag = wire.read_body(conn.sock, d, head.seq, head.tag, dest, deadline, conn.scratch)
-        opened = (d, head, tag) if tag is not None else None
-        return self._hashing(_verify, opened, dest, head.checksum, key, addr, size=size,
-                             inline_below=self.fetch_inline_below)
-
-
-def _verify(opened, dest: list[memoryview], checksum: int, key: ChunkKey, addr) -> bool:
-    """Whether a fetched chunk matches the checksum the holder stored; with ``opened`` (mac
-    mode: the direction, frame header and body tag) first its tag, in the same pass."""
-    if opened is None:
-        got = _xxh3(dest)
-    else:
-        d, head, tag = opened
-        got = verify_body(d, head.counter, head.seq, head.tag, dest, tag, True)
-    if got == checksum:
-        return True
-    log.warning("fetch from %s:%s: chunk %s fails its checksum (the held copy is corrupt); treated as missing",
-                addr[0], addr[1], key)
-    return False
-
-
-def _xxh3(parts: list[memoryview]) -> int:
-    if len(parts) == 1:
-        return xxhash.xxh3_64_intdigest(parts[0])
-    h = xxhash.xxh3_64()
-    for p in parts:
-        h.update(p)
-    return h.intdigest()
+            return False
+        if wire.read_body(conn.sock, d, head, dest, conn.scratch, True) == head.checksum:
+            return True
+        log.warning("fetch from %s:%s: chunk %s fails its checksum (the held copy is corrupt); treated as missing",
+                    addr[0], addr[1], key)
+        return False

@@ -11,10 +11,11 @@ are session.py's, per direction, over a sequence number both ends count: keyed B
 the header; over the payload, GMAC per 256 KiB piece bound into one keyed BLAKE3 body tag
 (``wire="mac"``) or AES-256-GCM (``wire="encrypt"``). The payload counter is the GMAC
 nonce's first half, unique per payload and direction (0 when there is no payload, and in
-``encrypt`` mode, whose nonce is the sequence number). ``PUSH`` carries a chunk and its xxh3-64
-(the checksum the holder stores) and is answered ``OK`` or ``FAILED`` (with a message);
-``FETCH`` has no payload and is answered ``OK`` with the chunk and the checksum stored with
-it, or ``MISSING``. Every receive and send is bounded by a deadline for the whole frame,
+``encrypt`` mode, whose nonce is the sequence number). ``PUSH`` carries a chunk and 0 in the
+checksum field (the holder computes the xxh3-64 it stores over the bytes it authenticated) and
+is answered ``OK`` or ``FAILED`` (with a message); ``FETCH`` has no payload and is answered
+``OK`` with the chunk and the checksum stored with it, or ``MISSING``. In ``mac`` mode a
+payload is tagged a ``SLICE`` at a time next to the socket copy of that slice, on both ends. Every receive and send is bounded by a deadline for the whole frame,
 not per system call; a trickling peer cannot stretch it.
 """
 from __future__ import annotations
@@ -24,8 +25,18 @@ import struct
 import time
 from typing import NamedTuple
 
+import xxhash
+
 from memsnap.errors import FormatError
-from memsnap.transport.session import MAC_PIECE, TAG, Direction, FrameError, body_tag, mac_pieces
+from memsnap.transport.session import (
+    MAC_PIECE,
+    TAG,
+    Direction,
+    FrameError,
+    body_tag,
+    check_body,
+    mac_pieces,
+)
 from memsnap.validate import wire_header
 
 HEAD = struct.Struct("<BHQQQ")  # kind (op or status), name length, payload length, xxh3-64, payload counter
@@ -36,6 +47,7 @@ OK, MISSING, FAILED = 0, 1, 2
 REQUESTS, RESPONSES = (PUSH, FETCH), (OK, MISSING, FAILED)
 
 PIECE = 4 << 20  # recv_into / send in pieces this large (>= 1 MiB keeps the syscall count low)
+SLICE = 1 << 20  # mac mode: a payload is tagged and moved this much at a time (a multiple of MAC_PIECE, fits L2)
 IOV = 256  # buffers per recvmsg_into call (well under the kernel's IOV_MAX of 1024)
 
 
@@ -137,21 +149,20 @@ def send_head(sock, d: Direction, kind: int, name: bytes, nbytes: int, checksum:
 
 
 def send_body(sock, d: Direction, seq: bytes, head_tag: bytes, payload: memoryview, deadline: float,
-              counter: int = 0, piece_tags: list[bytes] | None = None, scratch: "Scratch | None" = None) -> None:
-    """Send a frame's payload and body tag; ``piece_tags`` are the payload's GMAC tags under
-    ``counter`` (mac mode), or None: they are computed here as the payload goes out."""
+              counter: int = 0, scratch: "Scratch | None" = None) -> None:
+    """Send a frame's payload and body tag. ``mac`` mode: ``SLICE`` bytes at a time, each
+    tagged (GMAC pieces under ``counter``) just before the socket copies it, so the copy reads
+    it from cache; ``encrypt``: sealed whole into ``scratch``."""
     if d.aead is not None:
         out = scratch.get(len(payload) + TAG)
         d.aead.encrypt_into(d.nonce(seq), payload, head_tag, out)
         return send_all(sock, out, deadline)
-    if piece_tags is None:
-        piece_tags = []
-        for at in range(0, len(payload), PIECE):  # PIECE is a multiple of MAC_PIECE
-            send_all(sock, payload[at:at + PIECE], deadline)
-            piece_tags += mac_pieces(d, counter, [payload[at:at + PIECE]], False, at // MAC_PIECE)[0]
-    else:
-        send_all(sock, payload, deadline)
-    send_all(sock, body_tag(d, seq, head_tag, piece_tags), deadline)
+    tags = []
+    for at in range(0, len(payload), SLICE):
+        piece = payload[at:at + SLICE]
+        tags.append(mac_pieces(d, counter, [piece], at // MAC_PIECE))
+        send_all(sock, piece, deadline)
+    send_all(sock, body_tag(d, seq, head_tag, b"".join(tags)), deadline)
 
 
 def send_frame(sock, d: Direction, kind: int, name: bytes, payload: memoryview | None, checksum: int,
@@ -161,7 +172,7 @@ def send_frame(sock, d: Direction, kind: int, name: bytes, payload: memoryview |
     counter = d.next_payload() if nbytes and d.gmac is not None else 0
     seq, tag = send_head(sock, d, kind, name, nbytes, checksum, deadline, counter)
     if nbytes:
-        send_body(sock, d, seq, tag, payload, deadline, counter, scratch=scratch)
+        send_body(sock, d, seq, tag, payload, deadline, counter, scratch)
 
 
 def read_head(sock, d: Direction, kinds: tuple, max_payload: int, deadline: float,
@@ -184,19 +195,33 @@ def read_head(sock, d: Direction, kinds: tuple, max_payload: int, deadline: floa
     return Head(seq, kind, rest[:name_len], nbytes, checksum, counter, rest[name_len:], deadline)
 
 
-def read_body(sock, d: Direction, seq: bytes, head_tag: bytes, parts: list[memoryview], deadline: float,
-              scratch: "Scratch | None" = None) -> bytes | None:
-    """Receive a payload into ``parts``. ``mac`` mode: returns the body tag, to be checked
-    (``session.verify_body``) once the payload landed; ``encrypt``: decrypts and checks it
-    here, returns None."""
-    if d.aead is None:
-        recv_parts(sock, parts, deadline)
-        return recv_exact(sock, TAG, deadline)
-    nbytes = sum(len(p) for p in parts)
-    sealed = scratch.get(nbytes + TAG)
-    recv_into(sock, sealed, deadline)
-    _open(d, seq, head_tag, sealed, parts, scratch)
-    return None
+def read_body(sock, d: Direction, head: Head, parts: list[memoryview], scratch: "Scratch | None" = None,
+              with_xxh3: bool = False) -> int:
+    """Receive the payload of ``head`` into ``parts`` and check its tag (FrameError if it
+    fails); return the xxh3-64 of the payload with ``with_xxh3`` (else 0). ``mac`` mode: a
+    payload landing in one view is tagged ``SLICE`` bytes at a time as each lands, read from
+    cache (scattered views: once all landed); ``encrypt``: decrypted and checked whole."""
+    x = xxhash.xxh3_64() if with_xxh3 else None
+    if not head.nbytes:  # a frame without payload has no body
+        return x.intdigest() if x is not None else 0
+    if d.aead is not None:
+        sealed = scratch.get(sum(len(p) for p in parts) + TAG)
+        recv_into(sock, sealed, head.deadline)
+        _open(d, head.seq, head.tag, sealed, parts, scratch)
+        for p in parts if x is not None else ():
+            x.update(p)
+    elif len(parts) == 1:
+        view, tags = parts[0], []
+        for at in range(0, len(view), SLICE):
+            piece = view[at:at + SLICE]
+            recv_into(sock, piece, head.deadline)
+            tags.append(mac_pieces(d, head.counter, [piece], at // MAC_PIECE, x))
+        check_body(d, head.seq, head.tag, b"".join(tags), recv_exact(sock, TAG, head.deadline))
+    else:
+        recv_parts(sock, parts, head.deadline)
+        tags = mac_pieces(d, head.counter, parts, 0, x)
+        check_body(d, head.seq, head.tag, tags, recv_exact(sock, TAG, head.deadline))
+    return x.intdigest() if x is not None else 0
 
 
 def _open(d: Direction, seq: bytes, head_tag: bytes, sealed: memoryview, parts, scratch) -> None:

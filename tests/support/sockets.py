@@ -14,3 +14,19 @@ class Collect:
 
     def setsockopt(self, *args) -> None:
         pass
+
+
+class Replay:
+    """A socket stand-in that receives the bytes it was given, then the end of the stream."""
+
+    def __init__(self, data):
+        self.data, self.at = bytes(data), 0
+
+    def recv_into(self, view, nbytes: int = 0, flags: int = 0) -> int:
+        n = min(nbytes or len(view), len(self.data) - self.at)
+        view[:n] = self.data[self.at:self.at + n]
+        self.at += n
+        return n
+
+    def setsockopt(self, *args) -> None:
+        pass
