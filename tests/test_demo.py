@@ -185,6 +185,7 @@ def _check_report(r: dict, failures: int) -> None:
 
 @pytest.mark.ray
 @pytest.mark.slow
+@pytest.mark.timeout(660)  # the command's own limit (600 s) first, on a loaded machine
 def test_quick_demo_with_two_node_kills_resumes_from_peers_bitwise(tmp_path):
     """``memsnap demo --quick`` with two kills at different steps: Ray Train restarts the
     worker group twice (``max_failures``), each time the lost rank is rebuilt from its peers'
@@ -198,6 +199,7 @@ def test_quick_demo_with_two_node_kills_resumes_from_peers_bitwise(tmp_path):
 @pytest.mark.ray
 @pytest.mark.slow
 @pytest.mark.demo
+@pytest.mark.timeout(960)
 def test_default_demo(tmp_path):
     """The README's ``memsnap demo`` (4 nodes, RS(2,1), one kill): run with ``pytest -m demo``."""
     _check_report(_demo(tmp_path, timeout=900), failures=1)
