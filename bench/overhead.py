@@ -39,19 +39,20 @@ import ray
 NODES = 4
 CONFIGS = ["none", "memsnap/1", "memsnap/10", "torch.save/10", "dcp.async/10"]
 LARGE_MIB = 64  # from this frozen size on, memsnap/10 is left out (RAM)
-KEEP = 2  # the Snapshotter's default: keep+1 arena slots per rank
+KEEP = 2  # the Snapshotter's default (--keep): keep+1 arena slots per rank
+BUDGET = 4 << 30  # each agent's memory_budget, the Snapshotter's default (--memory-budget-gib)
 
 
 @ray.remote(num_cpus=0)
 class Rank:
-    def __init__(self, rank: int, model: str, frozen_mib: float, work: str):
+    def __init__(self, rank: int, model: str, frozen_mib: float, work: str, keep: int = KEEP, budget: int = BUDGET):
         import torch
 
         from memsnap.demo.model import ModelConfig
         from memsnap.demo.train import TrainConfig
 
         torch.set_num_threads(1)
-        self.rank, self.work = rank, work
+        self.rank, self.work, self.keep, self.budget = rank, work, keep, budget
         self.job = f"bench-overhead-{model}-{frozen_mib:g}"
         self.cfg = TrainConfig(model=ModelConfig.sized(model), batch=8, frozen_mib=frozen_mib)
         self.snaps = {}
@@ -63,7 +64,8 @@ class Rank:
 
         if every not in self.snaps:
             self.snaps[every] = Snapshotter(job=f"{self.job}-{every}", rank=self.rank, world_size=NODES,
-                                            k=2, m=1, keep=KEEP, every_steps=every, preemption=False)
+                                            k=2, m=1, keep=self.keep, memory_budget=self.budget,
+                                            every_steps=every, preemption=False)
         return self.snaps[every]
 
     def start(self, every: int) -> int:
@@ -174,6 +176,7 @@ class DcpAsync:
 
 
 def main() -> None:
+    global KEEP, BUDGET
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--rounds", type=int, default=5, help="counted rounds, after one warm-up round")
@@ -181,8 +184,13 @@ def main() -> None:
     ap.add_argument("--frozen-mib", nargs="+", type=float, default=[0.0, 256.0],
                     help="MiB of frozen state per rank beside the model; one table per model and size")
     ap.add_argument("--first-saves", type=int, default=12, help="snapshots taken one at a time before the rounds")
+    ap.add_argument("--memory-budget-gib", type=float, default=BUDGET / (1 << 30),
+                    help="each agent's memory_budget; the agents' pools of held chunks grow up to it")
+    ap.add_argument("--keep", type=int, default=KEEP,
+                    help="committed versions each agent keeps (keep+1 arena slots per rank; less RAM with 1)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "overhead.md"))
     args = ap.parse_args()
+    KEEP, BUDGET = args.keep, int(args.memory_budget_gib * (1 << 30))
 
     from memsnap.localcluster import LocalCluster
 
@@ -254,7 +262,8 @@ def measure(cluster, model: str, mib: float, args, load: list) -> dict:
     name = f"{model}+{mib:g} MiB"
     work = tempfile.mkdtemp(prefix="memsnap-overhead-")
     rounds: list[dict[str, dict]] = []
-    ranks = [Rank.options(resources={f"memsnap_node_{i}": 0.01}).remote(i, model, mib, work) for i in range(NODES)]
+    ranks = [Rank.options(resources={f"memsnap_node_{i}": 0.01}).remote(i, model, mib, work, KEEP, BUDGET)
+             for i in range(NODES)]
     job = f"bench-overhead-{model}-{mib:g}"
     try:
         first = first_saves(cluster, ranks, args.first_saves)
@@ -306,7 +315,8 @@ def write(sections: list[dict], args, load: list) -> None:
         "(`bench/overhead.py`)",
         "",
         f"`python bench/overhead.py --steps {args.steps} --rounds {args.rounds} --models {' '.join(args.models)} "
-        f"--frozen-mib {' '.join(f'{m:g}' for m in args.frozen_mib)} --first-saves {args.first_saves}`; "
+        f"--frozen-mib {' '.join(f'{m:g}' for m in args.frozen_mib)} --first-saves {args.first_saves} --keep {args.keep} "
+        f"--memory-budget-gib {args.memory_budget_gib:g}`; "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} CPUs, Python "
         f"{platform.python_version()}. Machine load (1-min load average) at the start, after every round "
         f"and at the end: {', '.join(loads)}. Ray's memory monitor is off in this cluster "
@@ -320,7 +330,7 @@ def write(sections: list[dict], args, load: list) -> None:
         "timed steps of every configuration on every rank at once (the order rotates every round) and "
         f"takes the slowest rank's steps/s; one warm-up round is not counted; {args.rounds} counted "
         "rounds. The ratio is the median over rounds of (configuration / none) within a round, so slow "
-        "drifts of the machine cancel out. memsnap runs RS(2,1) with the local copy, keep=2: its agents' "
+        f"drifts of the machine cancel out. memsnap runs RS(2,1) with the local copy, keep={args.keep}: its agents' "
         "checksumming, encoding, sending and committing compete with training for the same cores, and "
         "when they are still busy with the previous snapshot a save is skipped (cheap), so `saves` "
         "counts the snapshots actually captured. A save's stall is the time `save()` (or `torch.save` + "
