@@ -338,8 +338,9 @@ def write(sections: list[dict], args, load: list) -> None:
     ]
     for sec in sections:
         rounds, mib = sec["rounds"], sec["nbytes"] / (1 << 20)
-        lines += ["", f"## `{sec['model']}` model + {sec['mib']:g} MiB frozen: {mib:.1f} MiB of snapshot state "
-                  "per rank (weights, AdamW moments, scheduler, RNG, sampler, frozen table)", "",
+        what = f"model + {sec['mib']:g} MiB frozen" if sec["mib"] else "model, no frozen table"
+        lines += ["", f"## `{sec['model']}` {what}: {mib:.1f} MiB of snapshot state per rank (weights, AdamW "
+                  f"moments, scheduler, RNG, sampler{', frozen table' if sec['mib'] else ''})", "",
                   "| configuration | steps/s (median) | range | vs. none (median ratio) | throughput cost | "
                   "saves per rank and round (median) | stall per save: median | p90 | max |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
