@@ -339,8 +339,9 @@ def write(sections: list[dict], args, load: list) -> None:
     for sec in sections:
         rounds, mib = sec["rounds"], sec["nbytes"] / (1 << 20)
         what = f"model + {sec['mib']:g} MiB frozen" if sec["mib"] else "model, no frozen table"
-        lines += ["", f"## `{sec['model']}` {what}: {mib:.1f} MiB of snapshot state per rank (weights, AdamW "
-                  f"moments, scheduler, RNG, sampler{', frozen table' if sec['mib'] else ''})", "",
+        lines += ["", f"## `{sec['model']}` {what}: {mib:.1f} MiB of snapshot state per rank before the first "
+                  f"optimizer step (weights, scheduler, RNG, sampler{', frozen table' if sec['mib'] else ''}; the "
+                  "rounds add AdamW's two moments, 2x the weights)", "",
                   "| configuration | steps/s (median) | range | vs. none (median ratio) | throughput cost | "
                   "saves per rank and round (median) | stall per save: median | p90 | max |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
