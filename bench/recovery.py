@@ -1,6 +1,7 @@
 """Recovery benchmark, side by side in one run on a simulated loopback Ray cluster.
 
-    python bench/recovery.py [--mib 256] [--ram-mib 256] [--no-s3] [--out bench/results/recovery.md]
+    python bench/recovery.py [--mib 256] [--ram-mib 256] [--elastic-mib 16] [--no-s3] [--elastic-only]
+                             [--out bench/results/recovery.md]
 
 1. Restore time of one lost node's state (``--mib`` per node, 4 nodes, k=2, m=1): from the
    peers' RAM (node killed, replacement node, ``Snapshotter.restore``) vs memsnap's durable
@@ -14,6 +15,12 @@
    copy (arena + parity + held chunks) against S*(1+(k+m)/k), and from a second job in lean
    mode (``local_copy=False``: no committed local copy; held chunks against S*(k+m)/k, plus
    the reused staging arena).
+4. Resharding restore, 4 -> 3 ranks after a node loss with no replacement (FSDP-style state:
+   a ``Shard(0)`` weight of ``4 * --elastic-mib`` MiB with its AdamW moments, a replicated
+   bias; gloo): from peers' RAM (``Snapshotter.restore``, tier ``elastic``) vs ``memsnap.load``
+   of the same spilled step into the same 3 ranks (warm, then cold page cache), in the same
+   run and the same processes. ``--elastic-only`` runs this part alone and rewrites only its
+   section of ``--out``.
 """
 from __future__ import annotations
 
@@ -253,6 +260,104 @@ def s3_copy(spill: str, mib: int) -> float | None:
             os.environ.pop("AWS_ENDPOINT_URL", None)
 
 
+# --- 4. resharding restore ------------------------------------------------------------------------
+ELASTIC_BEGIN, ELASTIC_END = "<!-- elastic: begin -->", "<!-- elastic: end -->"
+
+
+def elastic_ram_vs_durable(mib: int, work: str, rounds: int = 3) -> dict:
+    """4 ranks save step 1 (spilled), one node is lost, 3 ranks restore it from RAM (elastic),
+    ``rounds`` times, then the same 3 ranks load it with ``memsnap.load`` from the spill,
+    ``rounds`` times with a warm page cache and once after dropping it. Each time is the
+    slowest rank's (every rank loads at once, as a restarted job does). The first RAM restore
+    also opens the rank's connections to the agents; the later ones reuse them."""
+    from support.fsdp import start
+
+    job = "bench-elastic"
+    spill = os.path.join(work, "elastic-spill")
+    rows = 4 * mib * MIB // (1024 * 4)  # (rows, 1024) float32 = 4 * mib MiB, over 4 then 3 ranks
+    layout = {"l1.weight": ((rows, 1024), "shard"), "l1.bias": ((1024,), "replicate")}
+    opts = dict(k=2, m=1, keep=1, memory_budget=(mib * 24 + 256) * MIB, spill=f"file://{spill}", spill_every=1,
+                spill_bytes_per_s=4 << 30)
+    with LocalCluster(nodes=4, cpus_per_node=1, object_store_mb=96) as c:
+        try:
+            ranks = start(job, opts, [0, 1, 2, 3], layout, timeout=600)
+            ray.get([r.restore.remote() for r in ranks], timeout=600)
+            assert all(ray.get([r.train_and_save.remote(1) for r in ranks], timeout=600))
+            assert ray.get(ranks[0].wait.remote(1), timeout=600) == 1
+            assert ray.get(ranks[0].spill.remote(1), timeout=900) == 1
+            lost = ray.get(ranks[3].node.remote())
+            for r in ranks:
+                ray.kill(r, no_restart=True)
+            c.kill_node(next(n for n in c.nodes if n.node_id == lost))
+            wait_for(lambda: any(n["NodeID"] == lost and not n["Alive"] for n in ray.nodes()), timeout=120,
+                     what="the node declared dead")
+            ranks = start(job, opts, [0, 1, 2], layout, timeout=600)
+            ram = [ray.get([r.restore.remote() for r in ranks], timeout=900) for _ in range(rounds)]
+            assert {t for got in ram for _, t, *_ in got} == {"elastic"}, ram
+            warm = [ray.get([r.durable.remote(1) for r in ranks], timeout=900) for _ in range(rounds)]
+            _drop_cache(spill)
+            cold = ray.get([r.durable.remote(1) for r in ranks], timeout=900)
+            digests = {tuple(d for _, _, d, *_ in got) for got in ram} | {tuple(d for d, _ in got) for got in warm}
+            assert digests == {tuple(d for d, _ in cold)}  # every way, every round: the same bytes on every rank
+            slowest = [max(got, key=lambda x: x[3]) for got in ram]
+            print(f"  RAM rounds (slowest rank): {[round(x[3], 3) for x in slowest]}; durable warm: "
+                  f"{[round(max(w for _, w in got), 3) for got in warm]}; cold {max(w for _, w in cold):.3f}", flush=True)
+            return {"mib": mib, "nbytes": 3 * rows * 1024 * 4, "rounds": rounds,
+                    "ram_first": slowest[0][3], "ram_first_phases": slowest[0][4],
+                    "ram": statistics.median(x[3] for x in slowest[1:]) if rounds > 1 else slowest[0][3],
+                    "ram_phases": slowest[-1][4],
+                    "warm": statistics.median(max(w for _, w in got) for got in warm),
+                    "cold": max(w for _, w in cold)}
+        finally:
+            from memsnap.snapshotter import shutdown
+
+            with contextlib.suppress(Exception):
+                shutdown(job, timeout=30)
+            for p in shmdir.arena_files(job):
+                with contextlib.suppress(OSError):
+                    os.unlink(p)
+
+
+def elastic_section(res: dict) -> list[str]:
+    gib, per_rank, n = 1 << 30, res["nbytes"] / 3, res["rounds"]
+
+    def phases(sec: dict) -> str:
+        return ", ".join(f"{k} {v:.3f}" for k, v in sec.items())
+
+    lines = [ELASTIC_BEGIN, f"## Resharding restore, 4 -> 3 ranks (`--elastic-mib {res['mib']}`)", "",
+             f"FSDP-style state: a `Shard(0)` weight of {4 * res['mib']} MiB (float32, 1024 columns) and its two "
+             f"AdamW moments, {res['nbytes'] / MIB:.0f} MiB in all (plus a replicated bias), on 4 ranks (one per "
+             "simulated node, gloo, k=2, m=1). Step 1 is committed and spilled; one node is killed and not "
+             "replaced; 3 ranks restart (a new gloo group, world size 3) and every rank calls `restore` at once, "
+             f"{n} times (each a full collective restore: plan, manifests, partial fetch, reshard, load). Then, in "
+             f"the same processes, every rank loads the same step with `memsnap.load(..., world_size=3)` from the "
+             f"spill (local disk), {n} times with a warm page cache, then once after dropping it with "
+             "`posix_fadvise(DONTNEED)`. Each time is the slowest rank's; every way and every round gave every "
+             "rank the same bytes (checked).", "",
+             "| resharding restore, 4 -> 3 ranks | seconds (slowest rank) | GiB/s per rank |",
+             "| --- | ---: | ---: |"]
+    for name, key in [("memsnap RAM (tier `elastic`), first restore (opens its connections to the agents)",
+                       "ram_first"),
+                      (f"memsnap RAM (tier `elastic`), later restores (median of {n - 1})", "ram"),
+                      (f"memsnap.load from the durable tier, resharded, warm cache (median of {n})", "warm"),
+                      ("memsnap.load from the durable tier, resharded, cold cache", "cold")]:
+        lines.append(f"| {name} | {res[key]:.3f} | {per_rank / res[key] / gib:.2f} |")
+    lines += ["", f"Phases of the slowest rank's RAM restore (s): first {phases(res['ram_first_phases'])}; "
+              f"last {phases(res['ram_phases'])}.", ELASTIC_END]
+    return lines
+
+
+def _replace_section(path: str, section: list[str]) -> None:
+    text = open(path).read() if os.path.exists(path) else ""
+    if ELASTIC_BEGIN in text:
+        head, rest = text.split(ELASTIC_BEGIN, 1)
+        text = head + "\n".join(section) + rest.split(ELASTIC_END, 1)[1]
+    else:
+        text = text.rstrip("\n") + "\n\n" + "\n".join(section) + "\n"
+    with open(path, "w") as f:
+        f.write(text)
+
+
 # --- 2. raw socket ceiling ----------------------------------------------------------------------
 def _sink(port_q, nbytes: int) -> None:
     import numpy as np
@@ -339,7 +444,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mib", type=int, default=256)
     ap.add_argument("--ram-mib", type=int, default=256)
+    ap.add_argument("--elastic-mib", type=int, default=16)
     ap.add_argument("--no-s3", action="store_true")
+    ap.add_argument("--elastic-only", action="store_true", help="run part 4 alone; rewrite only its section")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "recovery.md"))
     args = ap.parse_args()
     work = tempfile.mkdtemp(prefix="memsnap-bench-", dir="/var/tmp")
@@ -350,6 +457,13 @@ def main() -> None:
 
 
 def run(args, work: str) -> None:
+    print("resharding restore 4 -> 3, RAM vs durable ...", flush=True)
+    elastic = elastic_ram_vs_durable(args.elastic_mib, work)
+    print(f"  {elastic}", flush=True)
+    if args.elastic_only:
+        _replace_section(args.out, elastic_section(elastic))
+        print(open(args.out).read())
+        return
     spill = os.path.join(work, "spill")
     print("raw socket ceiling (best of 3) ...", flush=True)
     tries = [raw_socket() for _ in range(3)]
@@ -388,6 +502,7 @@ def run(args, work: str) -> None:
     print("RAM per node ...", flush=True)
     ram = ram_table(args.ram_mib)
     write(args.out, args, ceiling, nbytes, rows, peer, ram)
+    _replace_section(args.out, elastic_section(elastic))
     print(open(args.out).read())
 
 

@@ -12,6 +12,7 @@ The data path, one module per stage:
     slots.py / sender.py / repair.py    an agent's versions, its sends, its repairs (agent.py composes)
     durable.py / storage.py / spill.py  memsnap's on-disk / object-store format, and the spill
     restore.py / receive.py             bytes back from the peers, straight into the live tensors
+    elastic.py / reshard.py             a step taken by another world size, resharded (RAM / disk)
 
 The control plane (ranks -> their node's agent -> the coordinator, once per node):
 

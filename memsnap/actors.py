@@ -61,10 +61,10 @@ class Coordinator:
     async def config(self) -> dict:
         return {"config": self.core.cfg.to_dict(), "world_size": self.core.world}
 
-    async def join(self, node: str, address: dict, ranks: list[int]) -> dict:
-        if self.core.membership.needs_a_dead_node(node):
+    async def join(self, node: str, address: dict, ranks: list[int], world: int | None = None) -> dict:
+        if world in (None, self.core.world) and self.core.membership.needs_a_dead_node(node):
             await self._a_dead_node()
-        return await self.pool.run(self.core.join, node, address, ranks)
+        return await self.pool.run(self.core.join, node, address, ranks, world)
 
     async def _a_dead_node(self) -> None:
         """A new node is joining: wait (bounded) until Ray has marked a placed node dead. Ray
@@ -79,7 +79,7 @@ class Coordinator:
         log.warning("a new node joined but no placed node was declared dead within %.0f s", timeout)
 
     async def answer(self, node: str, timeout: float) -> dict:
-        if not await self.signal.wait_for(self.core.membership.decided, timeout):
+        if not await self.signal.wait_for(lambda: self.core.membership.decided(), timeout):  # (resize swaps it)
             missing = sorted(set(range(self.core.world)) - set(self.core.membership.members))
             raise CommitError(f"timed out after {timeout:.0f} s waiting for ranks {missing} to register")
         return self.core.answer(node)
@@ -222,6 +222,17 @@ class SnapshotAgent:
     async def captured(self, step: int, rank: int, manifest_json: str, local_ranks: list[int]) -> None:
         return await self.pool.run(self.core.captured, step, rank, manifest_json, local_ranks)
 
+    # the device tier (memsnap.device.runtime), opt-in
+    async def device_begin(self, step: int, rank: int, device: str, nbytes: int) -> str | None:
+        return await self.pool.run(self.core.device_begin, step, rank, device, nbytes)
+
+    async def device_captured(self, step: int, rank: int, device: str, manifest_json: str,
+                              local_ranks: list[int]) -> None:
+        return await self.pool.run(self.core.device_captured, step, rank, device, manifest_json, local_ranks)
+
+    async def device_source(self, rank: int, step: int) -> list | None:
+        return await self.pool.run(self.core.device_source, rank, step)
+
     async def wait(self, step: int, timeout: float) -> int | None:
         return await self.relay.wait(step, timeout)
 
@@ -320,10 +331,16 @@ def agent_for(cfg: SnapshotConfig, node_id: str):
     The secret is not an argument: the agent reads it from Ray's key-value store."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    extra = {}
+    if cfg.device_buffer and cfg.device_backend != "cpu":
+        # num_gpus=0 (no GPU taken from training), yet every GPU of the node visible to it
+        from memsnap.device.visibility import agent_runtime_env
+
+        extra["runtime_env"] = agent_runtime_env()
     return SnapshotAgent.options(
         name=naming.agent(cfg.job, node_id), namespace=naming.NAMESPACE, lifetime="detached",
         get_if_exists=True, num_cpus=0, max_concurrency=100_000, memory=cfg.memory_budget,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False), **extra,
     ).remote(cfg.to_dict(), node_id)
 
 

@@ -55,7 +55,7 @@ from memsnap.arena import MemoryBudget
 from memsnap.chunkstore import HeldChunks
 from memsnap.config import SnapshotConfig, tcp_options, tunable
 from memsnap.directory import Directory
-from memsnap.errors import CommitError, MemoryBudgetError
+from memsnap.errors import CommitError, ConfigError, MemoryBudgetError
 from memsnap.records import CommitNotice, Inventory, NodeReady, RankSource
 from memsnap.repair import Repair
 from memsnap.sender import Sender
@@ -104,6 +104,30 @@ class AgentCore:
         self.gen = 0
         self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="memsnap-agent")
         self.spiller = None
+        self._device = None  # the device tier (memsnap.device.runtime), made on first use when on
+
+    # --- the device tier (opt-in: cfg.device_buffer) ---------------------------------------------
+    @property
+    def device(self):
+        if self._device is None:
+            if not self.cfg.device_buffer:
+                raise ConfigError("the device tier is off for this job; turn it on with device_buffer=True "
+                                  "(or a byte budget) on every rank")
+            from memsnap.device.runtime import AgentDevice
+
+            with self.lock:
+                if self._device is None:
+                    self._device = AgentDevice(self, self.cfg.device_backend, self.cfg.device_buffer)
+        return self._device
+
+    def device_begin(self, step: int, rank: int, device: str, nbytes: int) -> str | None:
+        return self.device.begin(step, rank, device, nbytes)
+
+    def device_captured(self, step: int, rank: int, device: str, manifest_json: str, local_ranks: list[int]) -> None:
+        self.device.captured(step, rank, device, manifest_json, local_ranks)
+
+    def device_source(self, rank: int, step: int) -> list | None:
+        return None if self._device is None else self._device.source(rank, step)
 
     def _transport_opts(self) -> dict:
         if self.cfg.transport == "objstore":
@@ -269,6 +293,8 @@ class AgentCore:
 
     def joined(self, rank: int, world: int) -> None:
         with self.lock:
+            if self.world is not None and world != self.world:
+                self.ranks = set()  # the job came back with another world size: its ranks are new
             self.ranks.add(rank)
             self.world = world
 
@@ -393,6 +419,8 @@ class AgentCore:
         if self.spiller is not None:
             self.spiller.stop()
         self.transport.close()
+        if self._device is not None:
+            self._device.close()
         with self.lock:
             self.slots.close_all()
 

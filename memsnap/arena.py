@@ -141,9 +141,27 @@ class Arena:
         self._fd = fd  # the owner's open, locked file: its lock says the owner is alive
         self.owner = owner
         self.resident = True  # False after ``release`` until ``ensure_backed``
+        self.pinning = None  # the CUDA registration (``pin``), when asked for
+        self._repin = False  # ``release`` dropped a registration that ``ensure_backed`` makes again
+
+    def pin(self):
+        """Page-lock the whole arena for CUDA (``cudaHostRegister``) once, for its lifetime:
+        DMA from a GPU then lands here directly. Without CUDA, or when CUDA refuses, nothing is
+        pinned and ``pinning.reason`` says why (``memsnap.device.pinning``)."""
+        if self.pinning is None or not self.pinning.pinned:
+            from memsnap.device import pinning
+
+            self.pinning = pinning.register(self._mm)
+        return self.pinning
+
+    def _unpin(self) -> bool:
+        was = self.pinning is not None and self.pinning.pinned
+        if was:
+            self.pinning.close()
+        return was
 
     @classmethod
-    def create(cls, path: str, nbytes: int, prefault: bool = True) -> "Arena":
+    def create(cls, path: str, nbytes: int, prefault: bool = True, pin: bool = False) -> "Arena":
         """A new file of ``nbytes`` at ``path`` (a ``naming.arena_path``, in the private arena
         directory, which is made if missing), backed whole, mapped and touched.
 
@@ -152,6 +170,7 @@ class Arena:
         the tmpfs: MemoryBudgetError naming the fix, and no file is left behind.
         ``prefault=False`` skips the touch, for a destination that is about to be filled
         whole anyway (a restore from peers), where it would only add a pass over the memory.
+        ``pin=True`` page-locks it for CUDA now (``pin``; skipped cleanly without CUDA).
         """
         directory, size = os.path.dirname(path), max(nbytes, 1)
         try:
@@ -169,7 +188,10 @@ class Arena:
             raise
         if prefault:
             touch(mm)
-        return cls(path, nbytes, mm, owner=True, fd=fd)
+        arena = cls(path, nbytes, mm, owner=True, fd=fd)
+        if pin:  # once, at creation: never per snapshot
+            arena.pin()
+        return arena
 
     @classmethod
     def attach(cls, path: str, nbytes: int) -> "Arena":
@@ -200,7 +222,10 @@ class Arena:
         """Give the pages back to the kernel: a hole is punched in the shared-memory file
         (``MADV_REMOVE``), which keeps its size, and every mapping reads zeros until it is
         written again. Lean mode does this once a snapshot's chunks are held by its peers;
-        ``ensure_backed`` must run before the arena is written again."""
+        ``ensure_backed`` must run before the arena is written again. A CUDA registration is
+        dropped first (DMA must never reach the pages given back) and made again by
+        ``ensure_backed``."""
+        self._repin = self._unpin() or self._repin
         with contextlib.suppress(ValueError, OSError):
             self._mm.madvise(mmap.MADV_REMOVE)
             self.resident = False
@@ -220,6 +245,9 @@ class Arena:
                 self._mm.madvise(mmap.MADV_REMOVE)  # what was backed before the failure
             raise
         self.resident = True
+        if self._repin:
+            self._repin = False
+            self.pin()
 
     def rename(self, path: str) -> None:
         """Give the shared-memory file a new name in the same directory; the mapping (and the
@@ -239,6 +267,7 @@ class Arena:
     def close(self, unlink: bool | None = None) -> None:
         """Drop the mapping (left to the GC while views of it live) and the owner's lock;
         unlink if the owner asks, and remove the private directory if that emptied it."""
+        self._unpin()  # before the pages can go
         with contextlib.suppress(BufferError, ValueError):
             self._mm.close()
         unlink = self.owner if unlink is None else unlink

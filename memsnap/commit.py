@@ -66,6 +66,8 @@ class CommitLog:
             del self.pending[s]
         for s in sorted(self.records)[:-self.cfg.keep]:
             del self.records[s]
+        for s in [s for s, r in self.records.items() if r.world != record.world]:
+            del self.records[s]  # taken by the job's former world size: the new layout replaces it
         return record
 
     def notice(self, record: CommitRecord, spill: bool | None = None, moved=None) -> CommitNotice:

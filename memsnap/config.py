@@ -99,6 +99,8 @@ class SnapshotConfig:
     local_copy: bool = True
     peers: bool | None = None
     wire: str = "mac"
+    device_buffer: bool | int = False  # the device tier (memsnap.options.Device): off, on, or a byte budget
+    device_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.job, str) or not _JOB_RE.match(self.job):

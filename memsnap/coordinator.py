@@ -5,9 +5,11 @@ call it: each node's agent speaks for its ranks, so every call below arrives at 
 per node (a few per node at worst, when ranks arrive while a call is in flight) and its
 size does not grow with the tensor count. Call protocol (who calls in brackets):
 
-  1. [agent, for its ranks]  ``join(node, address, ranks)``: once every rank of the job is
+  1. [agent, for its ranks]  ``join(node, address, ranks, world)``: once every rank of the job is
      known, the nodes (spares included) are placed; a node that comes back new takes a lost
-     node's slot, which starts re-protection.
+     node's slot, which starts re-protection. Ranks that join with another world size start
+     a new membership of that size (an elastic restart: the job came back with more or fewer
+     ranks); the committed steps stay, and the restore reshards them (``elastic.py``).
   2. [agent]  ``answer(node)`` once placed (awaited): the node's ranks, whether pieces go to
      peers, its holders and their addresses (the agent caches them until the epoch changes).
   3. [agent]  ``node_ready(NodeReady)`` (phase one: every chunk acknowledged; a few hundred
@@ -35,6 +37,7 @@ from memsnap import coverage, metrics
 from memsnap.commit import CommitLog
 from memsnap.config import SnapshotConfig, tunable
 from memsnap.directory import Directory
+from memsnap.errors import CommitError
 from memsnap.membership import Membership
 from memsnap.records import CommitRecord, Inventory, NodeReady, RankPlan
 from memsnap.reprotect import Reprotector
@@ -71,25 +74,46 @@ class CoordinatorCore:
         return self.dir.call_all(spare, "address", timeout=tunable("call_timeout_s"))
 
     # --- 1-2. membership ------------------------------------------------------------------------
-    def join(self, node: str, address: dict, ranks: list[int]) -> dict:
-        """Ranks ``ranks`` run on ``node``. Answers ``{rank: nbytes}`` for those ranks whose
-        newest committed bytes this node has no copy of (it is new to them): its agent can
-        back the memory a restore will fill before the restore starts."""
+    def join(self, node: str, address: dict, ranks: list[int], world: int | None = None) -> dict:
+        """Ranks ``ranks`` (of ``world``) run on ``node``. Answers ``{rank: nbytes}`` for those
+        ranks whose newest committed bytes this node has no copy of (it is new to them): its
+        agent can back the memory a restore will fill before the restore starts."""
         with self.lock:
+            resized = world is not None and world != self.world
+            if resized:
+                self.resize(world)
             replaced = self.membership.join(node, address, ranks)
             self.changed()
             record = self.log.records.get(self.log.newest()) if self.log.records else None
+            if record is not None and record.world != self.world:
+                record = None  # taken by another world size: its rank r is not this rank r
             hints = {}
             for rank in ranks:
                 owner = None if record is None else record.owner_of(rank)
                 if owner is not None and (owner != node or not self.cfg.local_copy):
                     hints[rank] = record.nodes[owner].region(rank).nbytes
             placed = self.membership.placement is not None
-        if replaced:
+        if replaced or resized:
             self.broadcast("layout_changed")
         if placed and self.log.records:
             self.reprotect.kick()
         return hints
+
+    def resize(self, world: int) -> None:
+        """The job came back with ``world`` ranks: a new membership of that size (its ranks
+        register again and are placed anew); the restore rounds count the new ranks. The
+        committed steps stay: an elastic restore reads them, and the first step the new
+        layout commits frees them (``CommitLog.ready``). Call under the lock."""
+        if not isinstance(world, int) or world < 1:
+            raise CommitError(f"world_size={world!r}: must be an int >= 1")
+        log.warning("job %r: ranks join with world size %d (was %d): a new membership; the newest "
+                    "committed step is resharded on restore", self.cfg.job, world, self.world)
+        old = self.membership
+        self.world = world
+        self.membership = Membership(self.cfg, world, self._alive, self.find_spares)
+        self.membership.addrs = dict(old.addrs)
+        self.membership.epoch = old.epoch
+        self.rounds = RestoreRounds(world)
 
     def answer(self, node: str) -> dict:
         with self.lock:
@@ -184,10 +208,19 @@ class CoordinatorCore:
         with self.lock:
             ranks, addrs = list(self.membership.by_node().get(node, [])), self.membership.addrs
             record = self.log.records.get(plan["step"]) if plan["tier"] == "ram" else None
+            if "saved" in plan:  # elastic: every rank reads the parts it needs of every saved rank
+                sources = tuple(self._saved_source(record, r, tier, addrs) for r, tier in sorted(plan["saved"].items()))
+                return {rank: RankPlan(plan["step"], "elastic", "ram", self.cfg.spill, None, sources).to_wire()
+                        for rank in ranks}
             out = {}
             for rank in ranks:
                 out[rank] = self._plan_of(plan, rank, record, addrs)
         return out
+
+    @staticmethod
+    def _saved_source(record, rank: int, tier: str, addrs: dict):
+        source = record.source(rank, addrs)
+        return dataclasses.replace(source, copy=addrs.get(source.owner)) if tier == "copy" else source
 
     def _plan_of(self, plan: dict, rank: int, record, addrs: dict) -> dict:
         source = None if record is None else record.source(rank, addrs)
@@ -341,7 +374,7 @@ def rebuild_state(core: CoordinatorCore) -> None:
     for step in sorted(committed)[-core.cfg.keep:]:
         nodes = infos.get(step, {})
         record = CommitRecord(step, core.cfg.k, core.cfg.m, nodes)
-        if set(record.ranks) >= set(range(core.world)):
+        if record.complete():
             core.log.records[step] = record
     if answers:
         core.membership.maybe_place()

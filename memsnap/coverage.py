@@ -44,14 +44,46 @@ def rank_tier(record: CommitRecord, rank: int, node: str, inventories: Mapping[s
     return None
 
 
+def saved_rank_tier(record: CommitRecord, rank: int, inventories: Mapping[str, Inventory],
+                    local_copy: bool = True) -> str | None:
+    """How saved rank ``rank``'s bytes of ``record`` can be read by any live node (an elastic
+    restore): ``"copy"`` (its owner node still holds them whole), ``"peer"`` (``k`` shards per
+    stripe from the holders), or None."""
+    owner = record.owner_of(rank)
+    if owner is None:
+        return None
+    if local_copy and has_local(inventories.get(owner), record.step, rank):
+        return "copy"
+    return "peer" if len(holders_with(record, owner, inventories)) >= record.k else None
+
+
+def elastic_tiers(record: CommitRecord, members: Mapping[int, str], inventories: Mapping[str, Inventory],
+                  local_copy: bool = True) -> dict[int, str] | None:
+    """For a step taken by another world size: ``{saved rank: tier}`` when every saved rank
+    can be read (each new rank may need a part of any of them) and every new rank's node has
+    a live agent, else None."""
+    if not all(node in inventories for node in members.values()):
+        return None
+    tiers = {r: saved_rank_tier(record, r, inventories, local_copy) for r in range(record.world)}
+    return tiers if all(tiers.values()) else None
+
+
 def decide(records: Mapping[int, CommitRecord], members: Mapping[int, str], inventories: Mapping[str, Inventory],
            durable_step: int | None, bad=frozenset(), local_copy: bool = True) -> dict:
     """The plan every rank follows: ``{"step", "tier", "ranks": {rank: tier}}``: the newest
     committed step every rank can load from RAM (``local`` or ``peer``), else the newest
     spilled step for everyone (``durable``), else ``none``. ``local_copy=False`` (lean
-    mode): no rank loads from its own node; every rank reads its peers."""
+    mode): no rank loads from its own node; every rank reads its peers.
+
+    A step taken by another world size than ``members`` now has is loaded ``elastic`` by
+    every rank (``"saved"``: ``{saved rank: tier}``), when every saved rank can be read."""
     for step in sorted(records, reverse=True):
         if step in bad or (durable_step is not None and durable_step > step):
+            continue
+        if records[step].world != len(members):
+            saved = elastic_tiers(records[step], members, inventories, local_copy)
+            if saved is not None:
+                return {"step": step, "tier": "ram", "ranks": {r: "elastic" for r in members}, "saved": saved}
             continue
         tiers = {r: rank_tier(records[step], r, node, inventories, local_copy) for r, node in members.items()}
         if all(tiers.values()):

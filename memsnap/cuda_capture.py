@@ -33,20 +33,18 @@ def needs_async(sources: Iterable[torch.Tensor]) -> bool:
 
 
 class HostRegistration:
-    """Page-locks (pins) a host buffer for the lifetime of this object."""
+    """Page-locks (pins) a host buffer for the lifetime of this object (once per mapping,
+    never per snapshot); ``pinned`` False and ``reason`` say when CUDA refused it."""
 
     def __init__(self, buf: memoryview):
-        self._base = torch.frombuffer(buf, dtype=torch.uint8)
-        self._ptr = self._base.data_ptr()
-        err = torch.cuda.cudart().cudaHostRegister(self._ptr, self._base.numel(), 0)
-        self.pinned = int(err) == 0
-        if not self.pinned:
-            log.warning("cudaHostRegister failed (%s): D2H copies into the arena will be synchronous", err)
+        from memsnap.device import pinning
+
+        self._reg = pinning.register(buf)
+        self.pinned, self.reason = self._reg.pinned, self._reg.reason
 
     def close(self) -> None:
-        if self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self._ptr)
-            self.pinned = False
+        self._reg.close()
+        self.pinned = False
 
 
 class SideStreamCapture:

@@ -84,3 +84,9 @@ class CommitError(MemsnapError):
 
 class StalenessError(MemsnapError):
     """The newest committed snapshot is older than the configured staleness bound."""
+
+
+# --- device tier ---------------------------------------------------------------------------
+class DeviceError(MemsnapError):
+    """The device tier refused something: a buffer that cannot be allocated, shared or opened
+    (CUDA IPC refused), a handle of another backend, a capture larger than its buffer."""

@@ -35,26 +35,34 @@ class Spans:
 
     The pieces must not overlap; every gap between them (and after the last, up to
     ``nbytes``) is covered by a scratch buffer whose bytes are received and then ignored.
+    ``within``: when only these ``[(start, stop)]`` ranges of the stream are fetched (a
+    partial read), scratch covers only the gaps inside them: the skipped bytes cost nothing.
     """
 
-    def __init__(self, pieces: Sequence[tuple[int, object]], nbytes: int):
+    def __init__(self, pieces: Sequence[tuple[int, object]], nbytes: int,
+                 within: Sequence[tuple[int, int]] | None = None):
         views = sorted(((off, byte_view(buf)) for off, buf in pieces if len(byte_view(buf))),
                        key=lambda p: p[0])
         self.starts: list[int] = []
         self.views: list[memoryview] = []
+        self._within = sorted(within) if within is not None else [(0, nbytes)]
         at = 0
         for off, v in views:
             if off < at:
                 raise ValueError(f"piece at byte {off} overlaps the one before it (which ends at {at})")
-            if off > at:
-                self._add(at, memoryview(bytearray(off - at)))
+            self._gap(at, off)
             self._add(off, v)
             at = off + len(v)
         if at > nbytes:
             raise ValueError(f"pieces end at byte {at}, past the stream's {nbytes} bytes")
-        if at < nbytes:
-            self._add(at, memoryview(bytearray(nbytes - at)))
+        self._gap(at, nbytes)
         self.nbytes = nbytes
+
+    def _gap(self, a: int, b: int) -> None:
+        for lo, hi in self._within:
+            lo, hi = max(a, lo), min(b, hi)
+            if hi > lo:
+                self._add(lo, memoryview(bytearray(hi - lo)))
 
     def _add(self, off: int, v: memoryview) -> None:
         self.starts.append(off)

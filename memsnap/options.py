@@ -7,7 +7,8 @@ fix a bad value. Flat keywords (``k=2, spill="s3://..."``) are a shorthand for t
                 spill=Spill("s3://bucket/run", every=100),  # the durable tier
                 when=When(every_steps=1),                 # which steps are snapshotted
                 failures=Failures(on_error="raise"),      # what a failed snapshot does
-                wire=Wire(transport="tcp"))               # the data plane
+                wire=Wire(transport="tcp"),               # the data plane
+                device=Device(buffer=8 << 30))            # the device tier (GPU, opt-in)
 """
 from __future__ import annotations
 
@@ -90,8 +91,34 @@ class Wire:
     mode: str = "mac"
 
 
+@dataclass(frozen=True)
+class Device:
+    """The device tier (opt-in; see ``memsnap.device``): the node's agent keeps one buffer per
+    local rank on the rank's GPU, a capture is a device-to-device copy into it, and the agent
+    drains it to its host arena itself. ``buffer``: False (off), True (each buffer as large as
+    its rank's snapshot) or a byte budget for all of a node's device buffers. ``backend``:
+    ``"auto"`` (CUDA when the process sees a GPU and CuPy imports), ``"cuda"`` or ``"cpu"``
+    (shared memory standing in for device memory: for tests, it makes CPU state take the
+    device path too). Where CUDA IPC is refused at run time the side-stream D2H capture runs
+    instead, and the log says why. Not yet run on a GPU."""
+
+    buffer: bool | int = False
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.buffer, bool) and (not isinstance(self.buffer, int) or self.buffer <= 0):
+            raise ConfigError(f"device_buffer={self.buffer!r}: use False (off), True (sized to each rank's "
+                              "snapshot) or a positive number of bytes of device memory per node")
+        if self.backend not in ("auto", "cuda", "cpu"):
+            raise ConfigError(f"device backend={self.backend!r}: use 'auto', 'cuda' or 'cpu'")
+
+    @property
+    def on(self) -> bool:
+        return self.buffer is not False
+
+
 GROUPS = {"protection": Protection, "memory": Memory, "spill": Spill, "when": When, "failures": Failures,
-          "wire": Wire}
+          "wire": Wire, "device": Device}
 
 # the flat shorthand: keyword -> (group, field)
 SHORTHAND = {
@@ -105,6 +132,7 @@ SHORTHAND = {
     "on_error": ("failures", "on_error"), "max_staleness_steps": ("failures", "max_staleness_steps"),
     "preemption": ("failures", "preemption"), "preemption_grace_s": ("failures", "preemption_grace_s"),
     "transport": ("wire", "transport"), "chunk": ("wire", "chunk"), "wire_mode": ("wire", "mode"),
+    "device_buffer": ("device", "buffer"), "device_backend": ("device", "backend"),
 }
 
 

@@ -35,7 +35,8 @@ class Region:
 class NodeReady:
     """Phase one of a commit for one node: every chunk of its stream is acknowledged by
     ``holders`` (shard ``j`` of every stripe on ``holders[j]``). ``digest``: xxh3 of the
-    manifests the owner sent its holders with the chunks."""
+    manifests the owner sent its holders with the chunks. ``world``: the job's world size
+    when the step was taken (0: not known)."""
 
     step: int
     node: str
@@ -44,6 +45,7 @@ class NodeReady:
     regions: tuple[Region, ...]
     holders: tuple[str, ...]
     digest: str = ""
+    world: int = 0
 
     def stripes(self, k: int) -> int:
         """How many stripes this node's stream has."""
@@ -55,13 +57,13 @@ class NodeReady:
     def to_wire(self) -> dict:
         return {"step": self.step, "node": self.node, "gen": self.gen, "chunk": self.chunk,
                 "regions": [[r.rank, r.nbytes, r.stripe_base] for r in self.regions],
-                "holders": list(self.holders), "digest": self.digest}
+                "holders": list(self.holders), "digest": self.digest, "world": self.world}
 
     @classmethod
     def from_wire(cls, d: Mapping[str, Any]) -> "NodeReady":
         return cls(int(d["step"]), str(d["node"]), int(d["gen"]), int(d["chunk"]),
                    tuple(Region(int(a), int(b), int(c)) for a, b, c in d["regions"]),
-                   tuple(d["holders"]), str(d.get("digest", "")))
+                   tuple(d["holders"]), str(d.get("digest", "")), int(d.get("world", 0)))
 
 
 @dataclass(frozen=True)
@@ -151,6 +153,15 @@ class CommitRecord:
     def ranks(self) -> list[int]:
         return sorted(self._owners())
 
+    @property
+    def world(self) -> int:
+        """The world size that took this step (its nodes' word, else how many ranks it has)."""
+        return max((i.world for i in self.nodes.values()), default=0) or len(self._owners())
+
+    def complete(self) -> bool:
+        """Whether every rank of the world that took the step is in the record."""
+        return set(self._owners()) == set(range(self.world))
+
     def holders(self, owner: str) -> tuple[str, ...]:
         return self.nodes[owner].holders
 
@@ -176,24 +187,29 @@ class CommitRecord:
 @dataclass(frozen=True)
 class RankPlan:
     """One rank's part of the collective restore decision: load ``step`` through ``tier``
-    (``local``, ``copy``, ``peer``, ``durable`` or ``none``); ``plan``: the job's tier (``ram``,
-    ``durable``, ``none``). ``source``: where its bytes live, for a RAM tier."""
+    (``local``, ``copy``, ``peer``, ``elastic``, ``durable`` or ``none``); ``plan``: the job's
+    tier (``ram``, ``durable``, ``none``). ``source``: where its bytes live, for a RAM tier.
+    ``sources``: for ``elastic`` (the step was taken by another world size), where every
+    saved rank's bytes live, in saved rank order; the rank reads the parts it needs."""
 
     step: int | None
     tier: str
     plan: str
     spill: str | None = None
     source: RankSource | None = None
+    sources: tuple[RankSource, ...] = ()
 
     def to_wire(self) -> dict:
         return {"step": self.step, "tier": self.tier, "plan": self.plan, "spill": self.spill,
-                "source": None if self.source is None else self.source.to_wire()}
+                "source": None if self.source is None else self.source.to_wire(),
+                "sources": [s.to_wire() for s in self.sources]}
 
     @classmethod
     def from_wire(cls, d: Mapping[str, Any]) -> "RankPlan":
         src = d.get("source")
         return cls(d["step"], d["tier"], d["plan"], d.get("spill"),
-                   None if src is None else RankSource.from_wire(src))
+                   None if src is None else RankSource.from_wire(src),
+                   tuple(RankSource.from_wire(s) for s in d.get("sources", ())))
 
 
 @dataclass(frozen=True)

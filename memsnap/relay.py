@@ -54,7 +54,7 @@ class NodeRelay:
         return hints.get(rank)
 
     async def _send_joins(self, ranks: list[int]) -> dict:
-        return await self.call("join", self.node, self.core.address, sorted(set(ranks)),
+        return await self.call("join", self.node, self.core.address, sorted(set(ranks)), self.core.world,
                                timeout=tunable("membership_timeout_s") + 30)
 
     async def rejoin(self) -> None:

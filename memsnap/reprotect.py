@@ -116,6 +116,8 @@ class Reprotector:
             if step is None:
                 return
             record, members, addrs = core.log.records[step], dict(core.membership.members), dict(core.membership.addrs)
+            if record.world != core.world:  # taken by the former world size: its ranks are not today's
+                return
         inventories = core.inventories()
         for rank in record.ranks:
             node = members.get(rank)

@@ -99,46 +99,92 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def _fill_sharded(dst: torch.Tensor, e: TensorEntry, reader: _Reader) -> None:
-    saved_shape = tuple(reader.entry(0, e.path).global_shape or ())
+def sources(e: TensorEntry, saved: list[Manifest], order=None) -> list[tuple[int, Box, Box]]:
+    """Where the live shard ``e`` of a sharded tensor comes from: ``(saved rank, that rank's
+    box, the overlap)`` for each saved shard that meets it, each distinct saved box once
+    (replicated state is read from the first rank in ``order``, default 0..W-1, that has it)."""
+    saved_shape = tuple(_holder(saved, 0, e.path).global_shape or ())
     if tuple(e.global_shape) != saved_shape:
         raise StateMismatchError(f"{e.path!r}: live global shape {list(e.global_shape)} differs from the "
                                  f"checkpoint's {list(saved_shape)}")
-    want, covered, seen = _box(e), 0, set()
-    for rank in range(len(reader.saved)):
-        src_box = _box(reader.holder(rank, e.path))
+    want, covered, seen, out = _box(e), 0, set(), []
+    for rank in (range(len(saved)) if order is None else order):
+        src_box = _box(_holder(saved, rank, e.path))
         box = overlap(want, src_box)
         if box is None or src_box in seen:
             continue
         seen.add(src_box)
-        src = reader.tensor(rank, e.path)
-        dst[_slices(box, want[0])] = src[_slices(box, src_box[0])]
+        out.append((rank, src_box, box))
         covered += _numel(box[1])
     if covered != _numel(want[1]):
         raise StateMismatchError(f"{e.path!r}: the saved shards cover {covered} of the {_numel(want[1])} "
                                  "elements this rank needs; the checkpoint's sharding is incomplete")
+    return out
 
 
-def assemble(store: Store, step: int, marker: dict, state: Mapping[str, Any], rank: int) -> tuple[Manifest, Any]:
-    """Rank ``rank``'s manifest and buffer of ``step`` in the layout of the live ``state``."""
-    world = marker["world_size"]
-    saved = [store.manifest(step, r, marker) for r in range(world)]
-    template = saved[rank % world]
-    live = {e.path: e for e in plan(state).tensors}
-    entries = _layout(template, live)
+def _holder(saved: list[Manifest], rank: int, path: str) -> TensorEntry:
+    try:
+        e = saved[rank].entry(path)
+        return saved[rank].entry(e.alias_of) if e.alias_of else e
+    except KeyError:
+        raise FormatError(f"saved rank {rank}'s manifest has no tensor {path!r} although rank 0's does; "
+                          "the step is damaged, load another step") from None
+
+
+def _fill_sharded(dst: torch.Tensor, e: TensorEntry, reader) -> None:
+    for rank, src_box, box in sources(e, reader.saved, getattr(reader, "order", None)):
+        dst[_slices(box, e.global_offset or (0,) * len(e.shape))] = reader.tensor(rank, e.path)[_slices(box, src_box[0])]
+
+
+def layout(saved: list[Manifest], live: Manifest, rank: int) -> Manifest:
+    """Rank ``rank``'s manifest of the saved step in the layout of the ``live`` plan (no
+    checksums, no bytes): which tensors it loads and where they sit in its buffer."""
+    template = saved[rank % len(saved)]
+    entries = _layout(template, {e.path: e for e in live.tensors})
     nbytes = align_up(max((e.offset + e.nbytes for e in entries), default=0))
-    base = torch.empty(max(nbytes, 1), dtype=torch.uint8)
-    reader = _Reader(store, step, saved)
-    for e in entries:
+    return Manifest(entries, template.tree, nbytes, dict(template.meta))
+
+
+def reads(saved: list[Manifest], target: Manifest, rank: int, order=None) -> dict[int, list[str]]:
+    """``{saved rank: [tensor paths]}``: every saved tensor rank ``rank`` reads to fill
+    ``target`` (from ``layout``): the saved shards its DTensor shards overlap (a replicated
+    one from the first saved rank in ``order``), and its plain tensors from saved rank
+    ``rank % W``."""
+    out: dict[int, list[str]] = {}
+    for e in target.tensors:
+        if e.alias_of or e.nbytes == 0:
+            continue
+        if e.global_shape is None:
+            picks = [rank % len(saved)]
+        else:
+            picks = [r for r, _, _ in sources(e, saved, order)]
+        for r in picks:
+            held = _holder(saved, r, e.path).path
+            if held not in out.setdefault(r, []):
+                out[r].append(held)
+    return out
+
+
+def fill(target: Manifest, saved: list[Manifest], reader, rank: int) -> Any:
+    """The buffer of ``target`` (from ``layout``), filled from ``reader.tensor(saved rank, path)``."""
+    base = torch.empty(max(target.nbytes, 1), dtype=torch.uint8)
+    for e in target.tensors:
         if e.alias_of or e.nbytes == 0:
             continue
         dst = base[e.offset:e.offset + e.nbytes].view(dtype_of(e.dtype)).view(e.shape)
         if e.global_shape is not None:
             _fill_sharded(dst, e, reader)
         else:
-            dst.copy_(reader.tensor(rank % world, e.path))
-    manifest = Manifest(entries, template.tree, nbytes, dict(template.meta))
-    return manifest, base.numpy()[:nbytes]
+            dst.copy_(reader.tensor(rank % len(saved), e.path))
+    return base.numpy()[:target.nbytes]
+
+
+def assemble(store: Store, step: int, marker: dict, state: Mapping[str, Any], rank: int) -> tuple[Manifest, Any]:
+    """Rank ``rank``'s manifest and buffer of ``step`` in the layout of the live ``state``."""
+    world = marker["world_size"]
+    saved = [store.manifest(step, r, marker) for r in range(world)]
+    target = layout(saved, plan(state), rank)
+    return target, fill(target, saved, _Reader(store, step, saved), rank)
 
 
 def gather(store: Store, step: int, paths: list[str], marker: dict | None = None):

@@ -47,9 +47,9 @@ class _Stripes:
         """Stripe ``s``'s shards as whole buffers, for the codec (a scatter is joined)."""
         return [x.joined() if isinstance(x, Scatter) else x for x in self.shards[s]]
 
-    def missing(self) -> list[int]:
+    def missing(self, stripes) -> list[int]:
         k = self.region.k
-        return [s for s in range(self.n) if any(x is None for x in self.shards[s][:k])]
+        return [s for s in stripes if any(x is None for x in self.shards[s][:k])]
 
 
 def _fetch(core, addr: dict | None, items: list) -> list[bool] | None:
@@ -78,33 +78,34 @@ def _fetch_shard(core, st: _Stripes, key_of, j: int, addr: dict | None, stripes:
     return bad
 
 
-def gather(core, src: RankSource, out) -> dict:
+def gather(core, src: RankSource, out, stripes=None) -> dict:
     """Fill ``out`` (a buffer, or a ``landing.Spans``) with the rank's bytes ``src`` names,
     from the holders; return counters (``decoded``: the byte ranges rebuilt from parity).
+    ``stripes``: read only these stripes of the rank's region (a partial read), else all.
 
     ``core`` needs ``transport`` (a client is enough) and ``codec``."""
     k, m = src.k, src.m
     region = src.layout()
     st = _Stripes(region, m, out if hasattr(out, "write") else Flat(out))
     owner, base = src.owner, region.stripe_base
-    addrs = list(src.addrs)
+    addrs = list(src.addrs) + [None] * (k + m - len(src.addrs))  # (none without peers: the copy is all)
 
     def key_of(s: int, j: int) -> ChunkKey:
         return ChunkKey(src.step, owner, base + s, j)
 
-    everything = list(range(st.n))
+    everything = list(range(st.n)) if stripes is None else sorted(set(stripes))
     if src.copy is not None:  # the owner's node holds the whole copy: every data shard from there
         with ThreadPoolExecutor(max_workers=max(1, k)) as ex:
             list(ex.map(lambda j: _fetch_shard(core, st, key_of, j, src.copy, everything), range(k)))
     with ThreadPoolExecutor(max_workers=max(1, k)) as ex:  # (what the copy did not give) from the holders
         bad = list(ex.map(lambda j: _fetch_shard(core, st, key_of, j, addrs[j],
                                                  [s for s in everything if st.shards[s][j] is None]), range(k)))
-    lost = st.missing()
+    lost = st.missing(everything)
     if lost:
         with ThreadPoolExecutor(max_workers=max(1, m)) as ex:
             list(ex.map(lambda j: _fetch_shard(core, st, key_of, j, addrs[j], lost), range(k, k + m)))
     decoded, lost_set = [], set(lost)
-    for s in range(st.n):
+    for s in everything:
         shards = st.shards[s]
         if sum(x is not None for x in shards) < k:
             raise TooFewShardsError(
@@ -120,8 +121,9 @@ def gather(core, src: RankSource, out) -> dict:
     repaired = _repair(core, st, key_of, bad, addrs)
     if src.copy is not None:  # read from the owner's arena, not from what it sent: check it all
         decoded = [(0, region.nbytes)]
-    return {"stripes": st.n, "decoded_stripes": len(lost), "repaired": repaired,
-            "bytes": region.nbytes, "decoded": decoded}
+    return {"stripes": len(everything), "decoded_stripes": len(lost), "repaired": repaired,
+            "bytes": sum(st.lay.data_range(s, k - 1)[1] - st.lay.data_range(s, 0)[0] for s in everything),
+            "decoded": decoded}
 
 
 def _repair(core, st: _Stripes, key_of, bad: list[list[int]], addrs: list) -> int:

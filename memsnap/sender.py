@@ -103,7 +103,7 @@ class Sender:
             digest.update(v.manifests[reg.rank].encode())
             encs.append(encode.Encoded(reg, data))
         info = NodeReady(v.step, core.node, v.gen, chunk, tuple(Region(r.rank, r.nbytes, r.stripe_base) for r in regs),
-                         tuple(layout["holders"]), digest.hexdigest())
+                         tuple(layout["holders"]), digest.hexdigest(), core.world or 0)
         if layout["holders"]:  # without peers the local copy (and the spill) is all there is
             self._push_all(v.step, encs, layout["addrs"], chunk)
             self._hand_manifests(info, {r: v.manifests[r] for r in local_ranks})

@@ -29,7 +29,7 @@ from memsnap.arena import Arena
 from memsnap.config import SnapshotConfig, tcp_options, tunable
 from memsnap.errors import ChecksumError, ConfigError, MemsnapError
 from memsnap.manifest import Manifest
-from memsnap.options import Failures, Memory, Protection, Spill, When, Wire, resolve
+from memsnap.options import Device, Failures, Memory, Protection, Spill, When, Wire, resolve
 from memsnap.policy import Policy, Scheduler, StalenessGuard
 from memsnap.records import RankPlan
 from memsnap.secret import job_secret
@@ -55,13 +55,14 @@ class Snapshotter:
 
     def __init__(self, job: str, rank: int, world_size: int, *, protection: Protection | None = None,
                  memory: Memory | None = None, spill: Spill | str | None = None, when: When | None = None,
-                 failures: Failures | None = None, wire: Wire | None = None, optimizers=(), **shorthand: Any):
+                 failures: Failures | None = None, wire: Wire | None = None, device: Device | None = None,
+                 optimizers=(), **shorthand: Any):
         """Options come in groups (``memsnap.options``: ``protection``, ``memory``, ``spill``,
         ``when``, ``failures``, ``wire``), or as their flat shorthand keywords (``k=2, m=1,
         spill="s3://...", spill_every=100, every_steps=1, on_error="raise"``, ...).
         ``optimizers``: for CUDA state, the optimizers whose step must wait for the side-stream copy."""
         opts = resolve({"protection": protection, "memory": memory, "spill": spill, "when": when,
-                        "failures": failures, "wire": wire}, shorthand)
+                        "failures": failures, "wire": wire, "device": device}, shorthand)
         if not isinstance(world_size, int) or world_size < 1:
             raise ConfigError(f"world_size={world_size!r}: must be an int >= 1")
         if not isinstance(rank, int) or not 0 <= rank < world_size:
@@ -101,6 +102,7 @@ class Snapshotter:
         self._optimizers = list(optimizers)
         self._cuda = None
         self._pins: dict[str, Any] = {}
+        self._device = None  # the device tier's rank side (memsnap.device.runtime), when device_buffer is on
         self._watcher = self._watch_preemption(fail.preemption_grace_s) if fail.preemption else None
 
     @classmethod
@@ -217,6 +219,8 @@ class Snapshotter:
             return False
         out = self._map(info["path"], layout.nbytes)
         layout.meta.update(step=step, rank=self.rank, world_size=self.world, job=self.config.job)
+        if self.options["device"].on and self._save_device(step, layout, sources, local):
+            return True  # device tier: D2D into the agent's buffer, which the agent drains
         if cuda_capture.needs_async(sources):
             self._save_cuda(step, layout, sources, out, info["path"], local)
             return True
@@ -237,6 +241,28 @@ class Snapshotter:
         self._cuda.start(layout, sources, out, on_done=lambda: self._agent.captured.remote(
             step, self.rank, manifest_json, local))
 
+    # --- the device tier (opt-in; memsnap.device.runtime) ----------------------------------------
+    def _device_side(self):
+        if self._device is None:
+            from memsnap.device.runtime import RankDevice
+
+            self._device = RankDevice(self._agent, self.rank, self.options["device"].backend,
+                                      self._optimizers, _get)
+        return self._device
+
+    def _save_device(self, step, layout, sources, local) -> bool:
+        """Capture through the agent's device buffer; False: take the host path for this step."""
+        return self._device_side().save(step, layout, sources, local)
+
+    def _restore_device(self, step: int, state, seconds: dict) -> bool:
+        """Load ``step`` from the agent's device buffer; False: it does not hold it."""
+        if not self.options["device"].on:
+            return False
+        t = time.perf_counter()
+        done = self._device_side().restore(step, state)
+        seconds["apply"] = time.perf_counter() - t
+        return done
+
     def _final_save(self, step: int, state: Mapping[str, Any]) -> None:
         """Preemption: snapshot ``step``, commit it, spill it unthrottled, exit cleanly."""
         left = max(1.0, self._watcher.seconds_left() or 30.0)
@@ -251,6 +277,8 @@ class Snapshotter:
                         "step instead", self.rank, step, exc)
         if self._cuda is not None:
             self._cuda.wait()
+        if self._device is not None:
+            self._device.wait()
         committed = self.wait(step, timeout=max(1.0, deadline - time.monotonic()) / 2)
         if committed is not None and self.config.spill is not None:
             if self.spill(committed, timeout=max(0.0, deadline - time.monotonic())) is not None:
@@ -340,7 +368,11 @@ class Snapshotter:
             return "none"
         if tier == "durable":
             return self._load_durable(plan, state, seconds)
+        if tier == "elastic":
+            return self._load_elastic(plan, state, seconds)
         corrupt = False
+        if tier == "local" and self._restore_device(step, state, seconds):
+            return "device"  # the agent's device buffer still holds the step
         if tier == "local":
             info = _get(self._agent.local.remote(step, self.rank))
             if info is not None:
@@ -364,10 +396,9 @@ class Snapshotter:
         self._apply(info, state, seconds)
         return read
 
-    def _receive(self, source, manifest_json: str, state) -> None:
-        """Read this rank's bytes from the holders straight into ``state`` (receive.py)."""
+    def _peers(self):
+        """This rank's own data-plane client and codec, made on its first read from peers."""
         from memsnap import receive
-        from memsnap.errors import StateMismatchError
 
         if self._receiver is None:
             from memsnap.agent import codec_for
@@ -376,8 +407,15 @@ class Snapshotter:
             client = make_transport("tcp", secret=self._secret, host=ray.util.get_node_ip_address(),
                                     **tcp_options(self.config))
             self._receiver = receive.Peers(client, codec_for(self.config.k, self.config.m))
+        return self._receiver
+
+    def _receive(self, source, manifest_json: str, state) -> None:
+        """Read this rank's bytes from the holders straight into ``state`` (receive.py)."""
+        from memsnap import receive
+        from memsnap.errors import StateMismatchError
+
         try:
-            stats = receive.into_state(self._receiver, source, manifest_json, state)
+            stats = receive.into_state(self._peers(), source, manifest_json, state)
         except StateMismatchError:
             raise  # refused before anything was written
         except BaseException:
@@ -393,19 +431,41 @@ class Snapshotter:
         apply(state, Manifest.from_json(info["manifest"]), self._map(info["path"], info["nbytes"]), verify=True)
         seconds["apply"] = time.perf_counter() - t
 
-    def _load_durable(self, plan: RankPlan, state, seconds: dict) -> str:
+    def _load_elastic(self, plan: RankPlan, state, seconds: dict) -> str:
+        """The step was taken by another world size: read the parts of every saved rank this
+        rank needs from RAM, reshard them (``elastic.py``), and load; the live state is only
+        written once everything was read and checked."""
+        from memsnap import elastic
         from memsnap.apply import apply
+        from memsnap.capture import plan as layout_of
+
+        if not self._direct:
+            raise ConfigError("an elastic restore from RAM reads the saved ranks over the tcp transport; with "
+                              f"transport={self.config.transport!r} it loads from durable storage instead")
+        t = time.perf_counter()
+        refs = [self._agent.manifest.remote(plan.step, src.rank, src.to_wire()) for src in plan.sources]
+        manifests = [_get(ref) for ref in refs]
+        seconds["manifests"] = time.perf_counter() - t
+        t = time.perf_counter()
+        man, buf, stats = elastic.assemble(self._peers(), plan.sources, manifests, layout_of(state), self.rank)
+        seconds["fetch"] = time.perf_counter() - t
+        if stats.get("repaired"):
+            self._agent.count.remote("repaired_chunks", stats["repaired"])
+        t = time.perf_counter()
+        apply(state, man, buf, verify=False)  # (every tensor read was checked against its checksum)
+        seconds["apply"] = time.perf_counter() - t
+        log.info("rank %d: step %d resharded from %d saved ranks in RAM (read %s of them, %.1f MiB)", self.rank,
+                 plan.step, len(plan.sources), stats["ranks_read"], stats["bytes"] / 2**20)
+        return "elastic"
+
+    def _load_durable(self, plan: RankPlan, state, seconds: dict) -> str:
+        """The spilled step, resharded when another world size took it (as ``memsnap.load``)."""
+        from memsnap.apply import apply
+        from memsnap.durable import read_step
         from memsnap.storage import Store
 
-        from tqdm import tqdm
-
         t = time.perf_counter()
-        store = Store.open(plan.spill)
-        man = store.manifest(plan.step, self.rank)
-        buf = bytearray(man.nbytes)
-        with tqdm(total=man.nbytes, unit="B", unit_scale=True, disable=None,
-                  desc=f"rank {self.rank}: step {plan.step} from {plan.spill}") as bar:
-            store.read_rank_into(plan.step, self.rank, buf, progress=lambda done, total: bar.update(done - bar.n))
+        man, buf, _ = read_step(Store.open(plan.spill), plan.step, self.rank, self.world, state)
         seconds["fetch"] = time.perf_counter() - t
         t = time.perf_counter()
         apply(state, man, buf, verify=True)
@@ -434,6 +494,9 @@ class Snapshotter:
         (the agents keep the snapshots)."""
         if self._cuda is not None:
             self._cuda.close()
+        if self._device is not None:
+            self._device.close()
+            self._device = None
         for pin in self._pins.values():
             pin.close()
         self._pins.clear()
@@ -480,9 +543,11 @@ def check_same_job(mine: SnapshotConfig, running: dict) -> None:
 def job_config(job: str, opts: dict) -> SnapshotConfig:
     """The job-wide configuration the agents share, from a Snapshotter's resolved options."""
     pro, mem, sp, wi = opts["protection"], opts["memory"], opts["spill"], opts["wire"]
+    dev = opts["device"]
     return SnapshotConfig(job, pro.k, pro.m, pro.group_size, mem.keep, mem.budget, sp.uri, sp.every,
                           sp.every_seconds, sp.bytes_per_s, wi.transport, wi.chunk,
-                          local_copy=pro.local_copy, peers=pro.peers, wire=wi.mode)
+                          local_copy=pro.local_copy, peers=pro.peers, wire=wi.mode,
+                          device_buffer=dev.buffer, device_backend=dev.backend)
 
 
 def start_spare(job: str, node_id: str, **options: Any):
@@ -492,7 +557,7 @@ def start_spare(job: str, node_id: str, **options: Any):
     it before the ranks start, e.g. from the driver. Returns the agent's actor handle."""
     if not ray.is_initialized():
         raise ConfigError("start_spare needs Ray: call it after ray.init()")
-    groups = {g: options.pop(g) for g in list(options) if g in ("protection", "memory", "spill", "wire")}
+    groups = {g: options.pop(g) for g in list(options) if g in ("protection", "memory", "spill", "wire", "device")}
     cfg = job_config(job, resolve(groups, options))
     job_secret(job)  # made now if no rank made it yet: the agent reads it from Ray's key-value store
     handle = actors.agent_for(cfg, node_id)

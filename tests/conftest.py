@@ -12,6 +12,20 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("MEMSNAP_TESTING_HOOKS", "1")
 
 
+# Property tests: the default and CI runs draw the same examples every time (a failure there
+# reproduces on any machine); `-m thorough` (or HYPOTHESIS_PROFILE=explore) draws fresh ones.
+def pytest_configure(config):
+    try:
+        from hypothesis import settings
+    except ImportError:  # hypothesis is a test extra; conftest must still load without it
+        return
+    settings.register_profile("repeatable", derandomize=True)
+    settings.register_profile("explore", derandomize=False)
+    expr = config.getoption("markexpr", "") or ""
+    exploring = "thorough" in expr and "not thorough" not in expr
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "explore" if exploring else "repeatable"))
+
+
 def pytest_report_header(config):
     try:
         from memsnap import codec
