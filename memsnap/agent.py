@@ -136,6 +136,7 @@ class AgentCore:
 
     # --- 1. begin ----------------------------------------------------------------------------
     def begin(self, step: int, rank: int, nbytes: int) -> dict:
+        self.slots.await_ahead(rank)  # a slot being made ahead for this rank: take it, not a fresh one
         with self.lock:
             self.ranks.add(rank)
             self.counters["newest_begun"] = max(step, self.counters.get("newest_begun", -1))  # (metrics: lag)

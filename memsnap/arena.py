@@ -28,6 +28,7 @@ from memsnap.errors import MemoryBudgetError, MemsnapError, UnsafeShmError
 PAGE = mmap.PAGESIZE
 _NEW = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _NO_ROOM = (errno.ENOSPC, errno.ENOMEM, errno.EFBIG)
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux
 log = logging.getLogger(__name__)
 
 
@@ -210,7 +211,9 @@ class Arena:
             shmdir.check_file(st, path)
             if st.st_size < nbytes:
                 raise ValueError(f"arena {path} holds {st.st_size} bytes, {nbytes} were asked for")
-            mm = mmap.mmap(fd, st.st_size)
+            # MAP_POPULATE: the page tables of the (already backed) file are filled here in one
+            # go, not one fault per page on the first copy into it, which costs 3-4x the copy
+            mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED | _POPULATE)
         finally:
             os.close(fd)
         return cls(path, nbytes, mm, owner=False)

@@ -52,6 +52,7 @@ class Slots:
         self.arenas: dict[tuple[int, int], Arena] = {}
         self.prepared: dict[int, Arena] = {}  # rank -> a touched arena its peer restore will fill
         self.preparing: dict[int, threading.Event] = {}
+        self.making: dict[int, threading.Event] = {}  # rank -> set when the slot being made ahead is in
 
     # --- which slot ----------------------------------------------------------------------------
     def free_slot(self, step: int) -> int | None:
@@ -160,7 +161,9 @@ class Slots:
         """Create and back every slot of ``rank`` that has no arena yet, for ``nbytes`` each, now:
         off the training thread (a rank asks when it restores, before its first save), so the
         first ``keep+1`` snapshots cost what later ones do instead of touching fresh pages on the
-        way of a save. Returns how many were made; stops (logged) at the memory budget."""
+        way of a save. One slot at a time, under a name of its own until it is backed (a save
+        that gets there first waits for it: ``await_ahead``). Returns how many were made; stops
+        (logged) at the memory budget."""
         made, started = 0, time.monotonic()
         for slot in range(self.cfg.slots):
             with self.lock:
@@ -171,22 +174,43 @@ class Slots:
                 except MemoryBudgetError as exc:
                     log.info("not making the remaining arena slots of rank %d ahead: %s", rank, exc)
                     break
+                done = self.making[rank] = threading.Event()
             try:
-                arena = Arena.create(naming.arena_path(self.cfg.job, self.node, rank, slot, 0), nbytes)
-            except BaseException:
-                self.budget.release(nbytes)
-                raise
-            with self.lock:
-                if (rank, slot) in self.arenas:  # a save made it meanwhile: keep that one
-                    arena.close(unlink=True)
-                    self.budget.release(nbytes)
-                    continue
-                self.arenas[(rank, slot)] = arena
-                made += 1
+                made += self._make_ahead(rank, slot, nbytes)
+            finally:
+                with self.lock:
+                    self.making.pop(rank, None)
+                done.set()
         if made:
             log.info("rank %d: %d arena slot(s) of %.1f MiB made and backed ahead of its saves in %.2f s",
                      rank, made, nbytes / 2**20, time.monotonic() - started)
         return made
+
+    def _make_ahead(self, rank: int, slot: int, nbytes: int) -> int:
+        """Back one arena (already charged) and install it as ``rank``'s ``slot``; 0 when a save
+        made that slot meanwhile (this one is dropped)."""
+        try:
+            arena = Arena.create(naming.arena_path(self.cfg.job, self.node, rank, f"ahead{slot}", 0), nbytes)
+        except BaseException:
+            self.budget.release(nbytes)
+            raise
+        with self.lock:
+            if (rank, slot) in self.arenas:  # a save made it meanwhile: keep that one
+                arena.close(unlink=True)
+                self.budget.release(nbytes)
+                return 0
+            arena.rename(naming.arena_path(self.cfg.job, self.node, rank, slot, 0))
+            self.arenas[(rank, slot)] = arena
+        return 1
+
+    def await_ahead(self, rank: int, timeout: float = 60.0) -> None:
+        """Call before ``begin`` takes the lock: if an arena of ``rank`` is being made ahead
+        right now, wait for it (at most one arena's making) rather than make a second one
+        beside it, under the lock, on the way of the save."""
+        with self.lock:
+            done = self.making.get(rank)
+        if done is not None:
+            done.wait(timeout)
 
     def await_prepared(self, rank: int, timeout: float = 60.0) -> None:
         with self.lock:

@@ -33,6 +33,29 @@ def test_attached_writes_are_seen_by_the_owner_and_survive_the_writer(path):
     assert not os.path.exists(path)
 
 
+def _mapped_rss_kib(path: str) -> int:
+    """Resident KiB of this process's mappings of ``path``, summed (/proc/self/smaps)."""
+    with open("/proc/self/smaps") as f:
+        lines = f.read().splitlines()
+    starts = [i for i, line in enumerate(lines) if line.endswith(" " + path)]
+    assert starts, f"{path} is not mapped"
+    return sum(int(next(f for f in lines[i + 1:] if f.startswith("Rss:")).split()[1]) for i in starts)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MAP_POPULATE and smaps are Linux")
+def test_attach_maps_every_page_up_front_so_the_first_capture_takes_no_page_faults(path):
+    """A training process attaches to an arena the agent has backed already; the first copy
+    into a mapping that faults page by page costs 3-4x the copy itself, so attach fills the
+    page tables at once (MAP_POPULATE): the whole mapping is resident before anything is written."""
+    owner = Arena.create(path, 8 << 20)
+    attached = Arena.attach(path, 8 << 20)
+    try:
+        assert _mapped_rss_kib(path) >= 2 * 8 * 1024  # the owner's mapping and the attached one, whole
+    finally:
+        attached.close(unlink=False)
+        owner.close()
+
+
 def test_attach_refuses_a_too_small_arena(path):
     Arena.create(path, 4096).close(unlink=False)
     with pytest.raises(ValueError, match="4096"):

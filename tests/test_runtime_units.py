@@ -335,3 +335,36 @@ def test_every_slot_of_a_rank_is_made_and_backed_ahead_of_its_first_saves(core):
         core.versions[step].state = "committed"
     assert core.budget.used == 3 * 4096 and core.ready_slots(0, 4096) == 0  # nothing made twice
     assert core.ready_slots(1, 600 << 10) == 1  # a 1 MiB budget: one more slot fits, then it stops
+
+
+def test_a_save_that_arrives_while_its_slot_is_made_ahead_waits_for_it_and_uses_it(core, monkeypatch):
+    """The first save can come before ``ready_slots`` has backed slot 0 (it runs in the
+    background after ``restore``): the save waits for that arena and captures into it, rather
+    than fail on the half-made file or back a second arena beside it."""
+    import threading
+
+    from memsnap import slots as slots_mod
+
+    real, inside, go = slots_mod.Arena.create, threading.Event(), threading.Event()
+
+    def slow_create(path, nbytes, prefault=True):
+        if "-sahead0-" in path:
+            inside.set()
+            assert go.wait(10)
+        return real(path, nbytes, prefault)
+
+    monkeypatch.setattr(slots_mod.Arena, "create", staticmethod(slow_create))
+    ahead = threading.Thread(target=core.ready_slots, args=(0, 4096))
+    ahead.start()
+    assert inside.wait(10)  # slot 0 is being made ahead
+    got: dict = {}
+    save = threading.Thread(target=lambda: got.update(core.begin(1, 0, 4096)))
+    save.start()
+    save.join(0.3)
+    assert save.is_alive() and not got  # the save waits for the slot being made...
+    go.set()
+    save.join(10)
+    ahead.join(10)
+    assert got["slot"] == 0 and got["path"] == core.arenas[(0, 0)].path  # ...and captures into it
+    assert "ahead" not in got["path"] and os.path.exists(got["path"])
+    assert core.budget.used == 3 * 4096  # three slots, none made twice

@@ -7,15 +7,21 @@ import json
 import os
 import sys
 import tempfile
+import textwrap
+
+DEFAULT_FROZEN_MIB = 128.0
+QUICK_FROZEN_MIB = 4.0
 
 
 def register(subparsers) -> argparse.ArgumentParser:
     ap = subparsers.add_parser(
         "demo", help="kill a node mid-training on a local Ray cluster and resume from peers' RAM",
         description="Starts a simulated multi-node Ray cluster on 127.0.0.1, trains a small "
-                    "transformer with Ray Train, snapshots every step into peers' RAM, kills a "
-                    "node, adds a replacement and resumes; then checks the loss curve against a "
-                    "run that never failed, bit for bit.")
+                    "transformer (with a frozen table beside it, so each rank's state has a "
+                    "realistic size) with Ray Train, snapshots every step into peers' RAM, kills a "
+                    "node, adds a replacement and resumes; then checks the loss curve and every "
+                    "rank's final state against a run that never failed, bit for bit, and compares "
+                    "the lost rank's restore from peers with reading its bytes back from disk.")
     ap.add_argument("--nodes", type=int, default=4, help="simulated nodes (default 4)")
     ap.add_argument("-k", type=int, default=2, help="Reed-Solomon data shards (default 2)")
     ap.add_argument("-m", type=int, default=1, help="Reed-Solomon parity shards (default 1)")
@@ -25,9 +31,13 @@ def register(subparsers) -> argparse.ArgumentParser:
                     help="kill a node after this step (repeat for more failures; default 15)")
     ap.add_argument("--failures", type=int, default=None,
                     help="number of node kills, spread over the run (instead of --failure-step)")
+    ap.add_argument("--frozen-mib", type=float, default=None,
+                    help=f"MiB of frozen state per rank beside the model, snapshotted and restored with it "
+                         f"(default {DEFAULT_FROZEN_MIB:g}; --quick: {QUICK_FROZEN_MIB:g}; 0: the model's state only)")
     ap.add_argument("--spill-every", type=int, default=10, help="spill to disk every N steps")
     ap.add_argument("--out", default="memsnap-demo", help="directory for logs, spill and the plot")
-    ap.add_argument("--quick", action="store_true", help="a smaller, faster run (tiny model, 3 nodes with RS(1,1), 16 steps)")
+    ap.add_argument("--quick", action="store_true", help="a smaller, faster run (tiny model, 3 nodes with RS(1,1), 16 steps, "
+                         f"{QUICK_FROZEN_MIB:g} MiB frozen)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
     ap.set_defaults(func=run)
     return ap
@@ -37,8 +47,9 @@ def options(args: argparse.Namespace):
     from memsnap.demo.driver import DemoOptions
 
     nodes, steps, model = args.nodes, args.steps, args.model
+    frozen = DEFAULT_FROZEN_MIB
     if args.quick:
-        nodes, steps, model = 3, 16, "tiny"
+        nodes, steps, model, frozen = 3, 16, "tiny", QUICK_FROZEN_MIB
         if args.k + args.m + 1 > nodes:  # RS(2,1) needs 4 nodes: replicate instead
             args.k, args.m = 1, 1
     if args.failure_steps:
@@ -48,7 +59,8 @@ def options(args: argparse.Namespace):
     else:
         fails = (max(1, steps * 3 // 8),)
     return DemoOptions(nodes=nodes, k=args.k, m=args.m, model=model, steps=steps, failure_steps=fails,
-                       spill_every=min(args.spill_every, max(1, steps // 4)), out=args.out)
+                       spill_every=min(args.spill_every, max(1, steps // 4)), out=args.out,
+                       frozen_mib=frozen if args.frozen_mib is None else args.frozen_mib)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -94,20 +106,47 @@ def _stdout_to(fd: int):
             os.close(saved)
 
 
+def _mib(n: int | None) -> str:
+    return "n/a" if n is None else f"{n / (1 << 20):.1f} MiB"
+
+
+def _rate(side: dict) -> str:
+    if not side.get("seconds"):
+        return "n/a"
+    gib = side["gib_per_s"]
+    rate = f"{gib:.2f} GiB/s" if gib >= 0.1 else f"{gib * 1024:.1f} MiB/s"
+    return f"{_mib(side['bytes'])} in {side['seconds']:.2f} s = {rate}"
+
+
 def summary(r: dict) -> str:
     rec = r["recovery_seconds"]
     fmt = lambda v: "n/a" if v is None else f"{v:.2f} s"  # noqa: E731
+    cmp_ = r["restore_compare"]
+    peer, disk = cmp_["peer"], cmp_["disk"]
     lines = [
         "",
-        f"memsnap demo: {r['nodes']} nodes, RS({r['k']},{r['m']}), {r['steps']} steps",
+        f"memsnap demo: {r['nodes']} nodes, RS({r['k']},{r['m']}), {r['steps']} steps, "
+        f"{_mib(peer['bytes'] or disk['bytes'])} of state per rank "
+        + (f"({r['frozen_mib']:g} MiB of it a frozen table)" if r["frozen_mib"] else "(the model's alone)"),
         f"  node killed after step       {r['failure_step']}",
         f"  training resumed from step   {r['resumed_from_step']}  (served by: {r['restore_tier']})",
         f"  failure -> training again    detect {fmt(rec['detect'])}, restart {fmt(rec['restart'])}, "
-        f"restore {fmt(rec['restore'])}",
-        f"  same state from disk         {fmt(r['disk_restore_seconds'])}  (memsnap durable format, "
-        f"cold page cache, step {r['disk_restore_step']})",
+        f"restore {fmt(rec['restore'])} (slowest rank, from its first call)",
+        f"  lost rank, from peers' RAM   {_rate(peer)}  (step {peer['step']}, into the live tensors, "
+        f"verified; {peer['restoring_ranks']} ranks restoring at once)",
+        f"  same rank, from disk         {_rate(disk)}  (step {disk['step']}: read {disk['read_s']:.2f} s, "
+        f"verify and load {disk['apply_s']:.2f} s)",
+        f"                               the job's spill directory, page cache dropped ({disk['cache_drop']}): "
+        f"{disk['cached_pages_before']} of {disk['pages']} pages cached when the read began",
+    ]
+    if cmp_["why_disk_wins"]:
+        lines.append("  why disk is ahead here:")
+        for why in cmp_["why_disk_wins"]:
+            lines += textwrap.wrap(why, 100, initial_indent="    - ", subsequent_indent="      ")
+    lines += [
         f"  loss curve vs. no failure    {'bitwise identical' if r['bitwise_identical'] else 'DIFFERENT'}",
-        f"  final weights vs. no failure {'bitwise identical' if r['final_params_identical'] else 'DIFFERENT'}",
+        f"  final state vs. no failure   {'bitwise identical' if r['final_params_identical'] else 'DIFFERENT'}"
+        " (every rank's weights and frozen table)",
         f"  plot                         {r['plot']}",
         f"  total                        {r['total_seconds']:.0f} s",
     ]

@@ -1,8 +1,10 @@
-"""The demo's model (a small causal transformer) and its synthetic next-token data."""
+"""The demo's model (a small causal transformer), its synthetic next-token data, and the
+frozen table that gives a rank's state a realistic size."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import Dataset
@@ -57,6 +59,22 @@ class TinyTransformer(nn.Module):
         x = self.tok(tokens) + self.pos(torch.arange(n, device=tokens.device))
         x = self.blocks(x, mask=self.mask[:n, :n], is_causal=True)
         return self.head(self.norm(x))
+
+
+class FrozenTable(nn.Module):
+    """``nbytes`` (rounded down to whole float32s) of frozen state held beside the model, the
+    stand-in for what makes real training state large (a frozen embedding table, a teacher, an
+    optimizer's moments at scale). Its values are random, so nothing about them compresses,
+    and differ by rank, so a restore that hands a rank another rank's bytes shows in the
+    digest. It is a persistent buffer: snapshotted, restored and checked like the weights, but
+    training never changes it."""
+
+    def __init__(self, nbytes: int, seed: int = 0, rank: int = 0):
+        super().__init__()
+        if nbytes < 4:
+            raise ValueError(f"a frozen table of {nbytes} bytes holds no float32; use at least 4 bytes")
+        values = np.random.default_rng([seed, rank]).random(nbytes // 4, dtype=np.float32)
+        self.register_buffer("table", torch.from_numpy(values))
 
 
 class MarkovTokens(Dataset):

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from memsnap.demo.model import MarkovTokens, ModelConfig, TinyTransformer
+from memsnap.demo.model import FrozenTable, MarkovTokens, ModelConfig, TinyTransformer
 from memsnap.sampler import ResumableLoader, ResumableSampler
 
 
@@ -25,6 +25,7 @@ class TrainConfig:
     seed: int = 0
     log_path: str = ""      # rank 0 appends one JSON line per step here
     step_delay: float = 0.0  # seconds of simulated extra compute per step
+    frozen_mib: float = 0.0  # MiB of frozen state per rank beside the model (``FrozenTable``)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -52,7 +53,10 @@ def build(cfg: TrainConfig, rank: int, world: int, ddp: bool | None = None) -> d
     data = MarkovTokens(cfg.model)
     sampler = ResumableSampler(data, shuffle=True, seed=cfg.seed, rank=rank, world_size=world)
     loader = ResumableLoader(DataLoader(data, batch_size=cfg.batch, sampler=sampler, drop_last=True))
-    return {"model": model, "optim": optim, "sched": sched, "data": loader, "_world": world if parallel else 1}
+    objs = {"model": model, "optim": optim, "sched": sched, "data": loader, "_world": world if parallel else 1}
+    if cfg.frozen_mib > 0:
+        objs["frozen"] = FrozenTable(int(cfg.frozen_mib * (1 << 20)), seed=cfg.seed, rank=rank)
+    return objs
 
 
 def snapshot_state(objs: dict[str, Any]) -> dict[str, Any]:
@@ -105,18 +109,22 @@ def run(cfg: TrainConfig, rank: int, world: int, *, first_step: int = 0, objs=No
                                 "t": time.time(), "pid": os.getpid()})
         if after_step is not None:
             after_step(step, objs)
-    if rank == 0 and cfg.log_path and first_step < cfg.steps:
-        _log(cfg.log_path, {"final": params_digest(objs["model"]), "t": time.time()})
+    if cfg.log_path and first_step < cfg.steps:  # every rank: its frozen table is its own
+        _log(cfg.log_path, {"final": state_digest(objs), "rank": rank, "t": time.time()})
     return objs
 
 
-def params_digest(model: torch.nn.Module) -> str:
-    """xxh3-64 over every parameter's bytes, in order: equal digests, bitwise-equal weights."""
+def state_digest(objs: dict[str, Any]) -> str:
+    """xxh3-64 over every parameter's bytes, in order, then the frozen table's (if any):
+    equal digests, bitwise-equal weights and frozen state."""
     import xxhash
 
     h = xxhash.xxh3_64()
-    for p in model.parameters():
-        h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    tensors = [p.detach() for p in objs["model"].parameters()]
+    if "frozen" in objs:
+        tensors.append(objs["frozen"].table)
+    for t in tensors:
+        h.update(memoryview(t.contiguous().view(torch.uint8).numpy()))
     return h.hexdigest()
 
 
@@ -139,12 +147,14 @@ def read_log(path: str) -> dict[int, float]:
     return losses
 
 
-def read_final(path: str) -> str | None:
-    """The digest of the final parameters the run logged, or None if it did not finish."""
-    final = None
+def read_final(path: str) -> dict[int, str]:
+    """rank -> the digest of its final state (``state_digest``) the run logged; a rank that
+    did not finish is missing."""
+    final: dict[int, str] = {}
     if os.path.exists(path):
         with open(path) as f:
             for line in f:
                 r = json.loads(line) if line.strip() else {}
-                final = r.get("final", final)
+                if "final" in r:
+                    final[r.get("rank", 0)] = r["final"]
     return final

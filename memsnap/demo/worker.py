@@ -56,6 +56,7 @@ def _failure_due(config: dict, step: int) -> bool:
 def train_loop_per_worker(config: dict) -> None:
     import ray
 
+    from memsnap.capture import plan
     from memsnap.snapshotter import Snapshotter
 
     cfg = TrainConfig.from_json(config["train"])
@@ -68,8 +69,9 @@ def train_loop_per_worker(config: dict) -> None:
     t0 = time.perf_counter()
     restored = snap.restore(snapshot_state(objs))
     last = snap.status()["last_restore"]
+    wall = time.perf_counter() - t0
     event(config["events"], ev="restored", rank=rank, node=node, step=restored, tier=last["tier"],
-          seconds=last["seconds"], wall=time.perf_counter() - t0)
+          seconds=last["seconds"], wall=wall, nbytes=plan(snapshot_state(objs)).nbytes)
     first = 0 if restored is None else restored + 1
 
     def after_step(step: int, o: dict) -> None:
