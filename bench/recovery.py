@@ -109,6 +109,17 @@ class Rank:
         return seconds["apply"]
 
 
+def free_job(job: str) -> None:
+    """Shut the job's agents down and remove any arena they left, whatever state the run ended in."""
+    from memsnap.snapshotter import shutdown
+
+    with contextlib.suppress(Exception):
+        shutdown(job, timeout=30)
+    for p in shmdir.arena_files(job):
+        with contextlib.suppress(OSError):
+            os.unlink(p)
+
+
 def _start(job, nodes, mib, opts, seed0=0):
     ranks = [Rank.options(resources={f"memsnap_node_{n}": 0.01}).remote(r, len(nodes), mib, seed0 + r, opts, job)
              for r, n in enumerate(nodes)]
@@ -153,13 +164,7 @@ def peer_vs_durable(mib: int, spill: str) -> dict:
             out["peer"] = res[1]
             out["alone"] = data_path_alone(ranks, lost)
         finally:
-            from memsnap.snapshotter import shutdown
-
-            with contextlib.suppress(Exception):
-                shutdown(JOB, timeout=30)
-            for p in shmdir.arena_files(JOB):
-                with contextlib.suppress(OSError):
-                    os.unlink(p)
+            free_job(JOB)
     return out
 
 
@@ -309,13 +314,7 @@ def elastic_ram_vs_durable(mib: int, work: str, rounds: int = 3) -> dict:
                     "warm": statistics.median(max(w for _, w in got) for got in warm),
                     "cold": max(w for _, w in cold)}
         finally:
-            from memsnap.snapshotter import shutdown
-
-            with contextlib.suppress(Exception):
-                shutdown(job, timeout=30)
-            for p in shmdir.arena_files(job):
-                with contextlib.suppress(OSError):
-                    os.unlink(p)
+            free_job(job)
 
 
 def elastic_section(res: dict) -> list[str]:
@@ -423,15 +422,9 @@ def _ram_of(job: str, k: int, m: int, mib: int, local_copy: bool) -> dict:
                            total=max(a["arena"] + a["parity"] + a["held"] for a in agents))
         return dict(out, arena2=max(a["arena"] for a in agents))
     finally:
-        from memsnap.snapshotter import shutdown
-
-        with contextlib.suppress(Exception):
-            shutdown(job, timeout=30)
         for r in ranks:
             ray.kill(r)
-        for p in shmdir.arena_files(job):
-            with contextlib.suppress(OSError):
-                os.unlink(p)
+        free_job(job)
 
 
 def _committed_on_agents(job: str, nodes: list[str], step: int) -> bool:

@@ -32,7 +32,6 @@ import ctypes
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,6 +42,7 @@ import torch
 import memsnap
 from memsnap import storage
 from memsnap.capture import capture, fill_checksums, plan
+from memsnap.demo.disk import evict, resident
 
 
 def build(gib: float, width: int = 4096) -> dict:
@@ -63,26 +63,16 @@ def files_under(path: str) -> list[str]:
 
 
 def drop_cache(path: str) -> float:
-    """posix_fadvise(DONTNEED) every file under ``path``; return the fraction still resident."""
+    """Write back and drop the cached pages of every file under ``path``; return the fraction
+    still resident (``mincore``)."""
     files = files_under(path)
     for f in files:
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fdatasync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-    total = sum(os.path.getsize(f) for f in files)
-    return resident(files) / max(total, 1)
-
-
-def resident(files: list[str]) -> int:
-    try:
-        out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", *files],
-                             capture_output=True, text=True, timeout=30).stdout
-        return sum(int(x) for x in out.split())
-    except (OSError, ValueError, subprocess.SubprocessError):
-        return -1
+        evict(f)
+    cached = total = 0
+    for f in files:
+        c, n = resident(f)
+        cached, total = cached + c, total + n
+    return cached / max(total, 1)
 
 
 def fsync_tree(path: str) -> None:

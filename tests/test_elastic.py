@@ -11,16 +11,14 @@ import torch
 
 from memsnap import coverage, elastic, encode, receive
 from memsnap.agent import codec_for
-from memsnap.arena import MemoryBudget
 from memsnap.capture import capture, plan
-from memsnap.chunkstore import HeldChunks
 from memsnap.config import SnapshotConfig
 from memsnap.coordinator import CoordinatorCore
 from memsnap.errors import ChecksumError
 from memsnap.manifest import Manifest
 from memsnap.records import CommitRecord, Inventory, NodeReady, RankPlan, RankSource, Region
 from memsnap.stripes import choose_chunk
-from memsnap.transport import make_transport
+from support.holders import tcp_holders
 
 ROWS, COLS, WIDE = 14, 6, 40  # w: (14, 6) Shard(0); b: (6,) replicated; e: (14, 40) Shard(0), the bulk
 K, M = 2, 1
@@ -214,14 +212,8 @@ def test_the_coordinator_takes_the_new_world_size_plans_elastic_and_frees_the_ol
 # --- the partial read from real holders ------------------------------------------------------------
 @pytest.fixture(scope="module")
 def holders():
-    stores = [HeldChunks(MemoryBudget(1 << 30, f"h{j}")) for j in range(K + M)]
-    servers = [make_transport("tcp", secret=SECRET, host="127.0.0.1") for _ in stores]
-    addrs = [t.start(s) for t, s in zip(servers, stores)]
-    client = make_transport("tcp", secret=SECRET, host="127.0.0.1")
-    yield stores, addrs, client
-    client.close()
-    for t in servers:
-        t.close()
+    with tcp_holders(K + M, SECRET) as h:
+        yield h
 
 
 def publish(holders, mans: list[Manifest], bufs: list, step: int) -> list[RankSource]:

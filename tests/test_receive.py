@@ -20,6 +20,7 @@ from memsnap.manifest import Manifest
 from memsnap.records import RankSource, Region
 from memsnap.stripes import choose_chunk
 from memsnap.transport import ChunkKey, make_transport
+from support.holders import tcp_holders
 
 from support.runtime import digest
 
@@ -40,15 +41,8 @@ def make_state(seed: int, width: int = 96, stepped: bool = True) -> dict:
 
 @pytest.fixture(scope="module")
 def holders():
-    """k+m holder servers, each with its own chunk store, and a client."""
-    stores = [HeldChunks(MemoryBudget(1 << 30, f"h{j}")) for j in range(K + M)]
-    servers = [make_transport("tcp", secret=SECRET, host="127.0.0.1") for _ in stores]
-    addrs = [t.start(s) for t, s in zip(servers, stores)]
-    client = make_transport("tcp", secret=SECRET, host="127.0.0.1")
-    yield stores, addrs, client
-    client.close()
-    for t in servers:
-        t.close()
+    with tcp_holders(K + M, SECRET) as h:
+        yield h
 
 
 def publish(holders, state: dict, step: int, chunk_target: int = 4096) -> tuple[dict, str]:
