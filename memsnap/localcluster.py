@@ -7,8 +7,11 @@ that a killed node is noticed in a few seconds instead of a minute.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
+
+_log = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
 
@@ -20,6 +23,32 @@ FAST_FAILURE_SYSTEM_CONFIG = {
     "health_check_timeout_ms": 1000,
     "health_check_failure_threshold": 3,
 }
+
+
+# A node of a loaded machine can miss one of Ray's startup deadlines (the raylet gives the
+# dashboard agent a fixed 15 s to write its port file, then exits): starts are tried again.
+START_TRIES = 3
+
+
+def _worth_retrying(exc: BaseException) -> bool:
+    """A start that timed out or whose processes died is tried again; bad arguments are not."""
+    return isinstance(exc, Exception) and not isinstance(exc, (ValueError, TypeError))
+
+
+def _descendants() -> set[int]:
+    import psutil
+
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def _kill_new(before: set[int]) -> None:
+    """Kill this process's descendants that were not there in ``before``: what a failed
+    start left running (a GCS, a dashboard, a raylet's workers)."""
+    import psutil
+
+    for pid in _descendants() - before:
+        with contextlib.suppress(psutil.Error):
+            psutil.Process(pid).kill()
 
 
 def loopback_env() -> None:
@@ -50,49 +79,74 @@ class LocalCluster:
 
     def __init__(self, nodes: int = 4, *, cpus_per_node: float = 1,
                  object_store_mb: int = 128, connect: bool = True,
-                 system_config: dict | None = None, labels: dict[int, dict] | None = None):
+                 system_config: dict | None = None, labels: dict[int, dict] | None = None,
+                 tries: int = START_TRIES):
         loopback_env()
-        import ray
-        from ray.cluster_utils import Cluster
-
         if nodes < 1:
             raise ValueError(f"nodes={nodes}: a cluster needs at least 1 node")
+        if tries < 1:
+            raise ValueError(f"tries={tries}: a cluster start needs at least 1 try")
         self._labels = labels or {}
         self._cpus = cpus_per_node
         self._store = object_store_mb * 1024 * 1024
-        self._next = 0
-        self.nodes = []  # ray._private.node.Node, in order of addition
         cfg = dict(FAST_FAILURE_SYSTEM_CONFIG)
         cfg.update(system_config or {})
+        for attempt in range(1, tries + 1):
+            before = _descendants()
+            try:
+                self._start(nodes, cfg, connect)
+                return
+            except BaseException as exc:
+                self.close()
+                _kill_new(before)
+                if attempt == tries or not _worth_retrying(exc):
+                    raise
+                _log.warning("the %d-node loopback cluster did not start (try %d of %d: %s); trying again",
+                             nodes, attempt, tries, exc)
+
+    def _start(self, nodes: int, cfg: dict, connect: bool) -> None:
+        import ray
+        from ray.cluster_utils import Cluster
+
+        self._next = 0
+        self.nodes = []  # ray._private.node.Node, in order of addition
         self.cluster = Cluster(initialize_head=False)
-        try:
-            self.add_node(_system_config=cfg, include_dashboard=False)
-            for _ in range(nodes - 1):
-                self.add_node()
-            self.cluster.wait_for_nodes()
-            if connect:
-                ray.init(address=self.cluster.address, namespace="memsnap",
-                         log_to_driver=False, logging_level="WARNING")
-        except BaseException:
-            self.close()
-            raise
+        self.add_node(_system_config=cfg, include_dashboard=False, tries=1)
+        for _ in range(nodes - 1):
+            self.add_node(tries=1)
+        self.cluster.wait_for_nodes()
+        if connect:
+            ray.init(address=self.cluster.address, namespace="memsnap",
+                     log_to_driver=False, logging_level="WARNING")
 
     @property
     def address(self) -> str:
         return self.cluster.address
 
-    def add_node(self, **kwargs):
-        i = self._next
-        self._next += 1
-        args = dict(num_cpus=self._cpus, object_store_memory=self._store,
-                    node_ip_address=LOOPBACK, resources={f"memsnap_node_{i}": 1})
-        if i in self._labels:
-            args["labels"] = self._labels[i]
-        args.update(kwargs)
-        with _sigterm_hook_off_main_thread():
-            node = self.cluster.add_node(**args)
-        self.nodes.append(node)
-        return node
+    def add_node(self, tries: int = START_TRIES, **kwargs):
+        """Start one more node; a start that fails (a node of a loaded machine can miss one of
+        Ray's startup deadlines, and its raylet exits) is cleaned up and tried again."""
+        for attempt in range(1, tries + 1):
+            i = self._next
+            self._next += 1
+            args = dict(num_cpus=self._cpus, object_store_memory=self._store,
+                        node_ip_address=LOOPBACK, resources={f"memsnap_node_{i}": 1})
+            if i in self._labels:
+                args["labels"] = self._labels[i]
+            args.update(kwargs)
+            before = _descendants()
+            try:
+                with _sigterm_hook_off_main_thread():
+                    node = self.cluster.add_node(**args)
+            except Exception as exc:
+                _kill_new(before)
+                if attempt == tries or not _worth_retrying(exc):
+                    raise
+                _log.warning("node memsnap_node_%d did not start (try %d of %d: %s); trying again",
+                             i, attempt, tries, exc)
+                continue
+            self.nodes.append(node)
+            return node
 
     def kill_node(self, node) -> None:
         """Kill a node abruptly (raylet, workers and actors gone, nothing graceful)."""
@@ -100,12 +154,19 @@ class LocalCluster:
         self.nodes.remove(node)
 
     def close(self) -> None:
+        """Tear every process of the cluster down, even a node that died or half started."""
         import ray
 
         with contextlib.suppress(Exception):
             ray.shutdown()
+        cluster = getattr(self, "cluster", None)
+        if cluster is None:
+            return
         with contextlib.suppress(Exception):
-            self.cluster.shutdown()
+            cluster.shutdown()
+        for node in [cluster.head_node, *cluster.worker_nodes, *getattr(self, "nodes", [])]:
+            with contextlib.suppress(Exception):
+                node.kill_all_processes(check_alive=False, allow_graceful=False)
 
     def __enter__(self):
         return self

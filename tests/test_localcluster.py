@@ -1,0 +1,54 @@
+"""The loopback cluster's start: a node that fails to start is cleaned up and started again, and
+closing the cluster leaves none of its processes behind, even after a failed start."""
+from __future__ import annotations
+
+import psutil
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from memsnap.localcluster import LocalCluster
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+
+def descendants() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True) if p.is_running()
+            and p.status() != psutil.STATUS_ZOMBIE}
+
+
+def test_a_node_whose_start_fails_is_cleaned_up_and_started_again(monkeypatch):
+    real_add = Cluster.add_node
+    failed = []
+
+    def add_node_that_fails_once_after_starting(self, **kwargs):
+        node = real_add(self, **kwargs)
+        if self.head_node is not node and not failed:
+            failed.append(node)  # a raylet that started, then missed a deadline, as Ray's can
+            raise RuntimeError("The current node timed out during startup (simulated)")
+        return node
+
+    monkeypatch.setattr(Cluster, "add_node", add_node_that_fails_once_after_starting)
+    before = descendants()
+    with LocalCluster(nodes=2, object_store_mb=96) as c:
+        assert len(failed) == 1 and not failed[0].any_processes_alive(), \
+            "the failed node's processes were left running"
+        alive = [n for n in ray.nodes() if n["Alive"]]
+        assert len(alive) == 2 and len(c.nodes) == 2
+        assert {n["NodeManagerAddress"] for n in alive} == {"127.0.0.1"}
+    ray.shutdown()
+    left = {pid for pid in descendants() - before}
+    assert not left, f"processes left after close: {[psutil.Process(p).cmdline()[:2] for p in left]}"
+
+
+def test_a_start_that_fails_every_time_raises_and_leaves_nothing(monkeypatch):
+    def never(self, **kwargs):
+        raise RuntimeError("raylet exited (simulated)")
+
+    monkeypatch.setattr(Cluster, "add_node", never)
+    before = descendants()
+    with pytest.raises(RuntimeError, match="simulated"):
+        LocalCluster(nodes=2, tries=2)
+    assert descendants() - before == set()
+    with pytest.raises(ValueError, match="tries=0"):
+        LocalCluster(nodes=2, tries=0)
