@@ -2,7 +2,7 @@
 checkpoints, one data-parallel job, one seeded fault schedule, each system in turn.
 
     python bench/goodput.py [--state-mb 256] [--compute sleep|model] [--step-s 1.0]
-        [--horizon-s 150] [--baseline-s 20] [--mtbf-s 50] [--seed 21] [--common-n 10]
+        [--horizon-s 120] [--baseline-s 15] [--mtbf-s 50] [--seed 21] [--common-n 10]
         -> bench/results/goodput.md, goodput.png and goodput.json
     python bench/goodput.py --render   # rewrite the .md and .png from goodput.json
 
@@ -359,13 +359,18 @@ def run_ray_train(spec: RunSpec, cfg: dict, nodes: Nodes, schedule: list[dict], 
     os.replace(cfg["events"] + ".deadline.tmp", cfg["events"] + ".deadline")
     inj = Injector(nodes, schedule if spec.faults else [], t0, deadline, cfg["events"])
     inj.start()
-    th.join(timeout=horizon + 900)
+    th.join(timeout=horizon + 240)
     inj.stop.set()
     inj.join(timeout=150)
     meter.stop.set()
     meter.join(timeout=10)
     if th.is_alive():
-        raise TimeoutError(f"{spec.name}: TorchTrainer.fit did not return")
+        ev = read_events(cfg["events"])
+        last = max((e["t"] for e in ev), default=t0)
+        raise TimeoutError(
+            f"{spec.name}: TorchTrainer.fit did not return within {horizon + 240:.0f} s of the first step; "
+            f"{len(inj.faults)} node(s) killed, the last event from a worker {last - t0:.0f} s after the first step "
+            f"({sum(e['ev'] == 'built' for e in ev)} worker starts, {sum(e['ev'] == 'step' for e in ev)} steps)")
     if "error" in box:
         raise box["error"]
     events = read_events(cfg["events"])
@@ -380,8 +385,8 @@ def main() -> None:
     ap.add_argument("--compute", choices=("sleep", "model"), default="sleep")
     ap.add_argument("--step-s", type=float, default=1.0, help="simulated compute per step (--compute sleep)")
     ap.add_argument("--model-passes", type=int, default=40, help="forward/backward passes per step (--compute model)")
-    ap.add_argument("--horizon-s", type=float, default=150.0, help="wall seconds of each run with faults")
-    ap.add_argument("--baseline-s", type=float, default=20.0, help="wall seconds of each failure-free run")
+    ap.add_argument("--horizon-s", type=float, default=120.0, help="wall seconds of each run with faults")
+    ap.add_argument("--baseline-s", type=float, default=15.0, help="wall seconds of each failure-free run")
     ap.add_argument("--mtbf-s", type=float, default=50.0, help="the schedule's job MTBF, seconds")
     ap.add_argument("--seed", type=int, default=21,
                     help="the schedule's seed (21: the first seed whose draw at the defaults has 3 faults "
@@ -392,12 +397,18 @@ def main() -> None:
     ap.add_argument("--storage", default=None, help="the directory standing in for NFS (default: a temp dir)")
     ap.add_argument("--out", default=str(RESULTS / "goodput.md"))
     ap.add_argument("--render", action="store_true", help="only rewrite the .md/.png from the .json")
+    ap.add_argument("--note", action="append", default=[],
+                    help="with --render: a note on this run for the results file (repeatable)")
     ap.add_argument("--append", action="store_true",
                     help="run only --systems again and keep the other systems' runs from the .json")
     args = ap.parse_args()
     out = Path(args.out)
     if args.render:
-        render(json.loads(out.with_suffix(".json").read_text()), out)
+        data = json.loads(out.with_suffix(".json").read_text())
+        if args.note:  # what the person who ran it has to say about this run, kept with the data
+            data["notes"] = args.note
+            out.with_suffix(".json").write_text(json.dumps(data, indent=1))
+        render(data, out)
         return
     keep = []
     if args.append:  # rerun some systems, keep the other systems' runs of the earlier file

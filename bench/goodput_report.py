@@ -265,13 +265,19 @@ def write_report(data: dict, out: Path) -> None:
             lines.append(f"| {gpus} | {c.mtbf_s / 3600:.2f} h | " + " | ".join(
                 f"{p.goodput:.3f} ({p.period_s:.0f} s)" for p in ps) + f" | {tight} |")
         lines.append("")
+    if data.get("notes"):
+        lines += ["## Notes on this run", ""] + [f"* {n}" for n in data["notes"]] + [""]
     lines += ["## Timeline", "", f"![progress against time, faults marked]({out.with_suffix('.png').name})", "",
               "## Limits", "",
               "* 4 simulated nodes share 2 cores: the agents' background work competes with the ranks and with other "
               "jobs on the machine; the per-GiB figures above are the ones to carry to a real node.",
               "* The directory standing in for NFS is this machine's local disk (page cache included); on shared "
               "storage the disk systems' saves and restores slow down as nodes are added (see the projection).",
-              "* Faults are injected by the bench's own seeded schedule (`Nodes.inject`, one function), node kills only.",
+              "* Faults are injected by the bench's own seeded schedule (`Nodes.inject`, one function, to be "
+              "replaced by `memsnap.chaos`), node kills only.",
+              "* The 4 ranks are placed on the live nodes in the order the nodes were added, so after a kill the "
+              "ranks above the lost one move up by one node and the last goes to the replacement: memsnap restores "
+              "every moved rank from its old node's copy or its peers, not only the lost one.",
               ""]
     out.write_text("\n".join(lines))
     plot(data, out.with_suffix(".png"))
