@@ -52,29 +52,57 @@ HEALTH_CHECKS = {"health_check_initial_delay_ms": 5000, "health_check_period_ms"
 
 
 # --- the fault schedule and the one place a fault is injected ------------------------------------
+def _node_processes(node) -> list[psutil.Process]:
+    """Every process of one simulated node: its Ray processes and their children (workers)."""
+    out = []
+    for procs in node.all_processes.values():
+        for info in procs:
+            try:
+                p = psutil.Process(info.process.pid)
+                out += [p, *p.children(recursive=True)]
+            except psutil.Error:
+                pass
+    return out
+
+
 class Nodes:
-    """The cluster's live nodes by the index of their ``memsnap_node_<i>`` resource."""
+    """The cluster's live nodes by the index of their ``memsnap_node_<i>`` resource, and the
+    node each rank runs on (``slots[rank]``): a lost node's rank moves to its replacement, the
+    other ranks stay where they are."""
 
     def __init__(self, cluster: LocalCluster):
         self.cluster = cluster
         self.live = {i: n for i, n in enumerate(cluster.nodes)}  # index -> ray node
+        self.slots = list(range(len(cluster.nodes)))
         self.added = len(cluster.nodes)
 
+    def _replace(self, index: int):
+        node = self.live.pop(index)
+        new = self.added
+        self.live[new] = self.cluster.add_node()
+        self.added += 1
+        self.slots[self.slots.index(index)] = new
+        return node, new
+
     def inject(self, victim: int) -> dict:
-        """Kill the ``victim``-th live non-head node abruptly, add a replacement, wait until Ray
-        declares the killed node dead. The bench's one fault kind; swap for memsnap.chaos here."""
+        """Kill the node of rank ``victim + 1`` (never the head's rank 0) abruptly, add a
+        replacement, wait until Ray declares the killed node dead. The bench's one fault kind;
+        swap for memsnap.chaos here."""
         import ray
 
-        index = sorted(self.live)[1 + victim]
-        node = self.live.pop(index)
+        index = self.slots[1 + victim]
+        on_node = _node_processes(self.live[index])
         t_kill = time.time()
-        self.cluster.kill_node(node)
-        new = self.cluster.add_node()
-        self.live[self.added] = new
-        self.added += 1
+        self.cluster.kill_node(self.live[index])
+        for p in on_node:  # a worker whose raylet died can linger, holding its memory: a lost node keeps nothing
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        node, new = self._replace(index)
         wait_for(lambda: any(n["NodeID"] == node.node_id and not n["Alive"] for n in ray.nodes()),
                  timeout=120, what="Ray to declare the killed node dead", interval=0.05)
-        return {"t_kill": t_kill, "t_dead": time.time(), "killed": index, "replacement": self.added - 1}
+        return {"t_kill": t_kill, "t_dead": time.time(), "killed": index, "replacement": new}
 
     def heal(self) -> list[dict]:
         """Replace live nodes Ray has declared dead on its own (a node of a machine this loaded
@@ -84,12 +112,9 @@ class Nodes:
         dead = {n["NodeID"] for n in ray.nodes() if not n["Alive"]}
         out = []
         for index in [i for i, n in self.live.items() if n.node_id in dead]:
-            self.live.pop(index)
-            self.live[self.added] = self.cluster.add_node()
-            self.added += 1
+            _, new = self._replace(index)
             now = time.time()
-            out.append({"t_kill": now, "t_dead": now, "killed": index, "replacement": self.added - 1,
-                        "unscheduled": True})
+            out.append({"t_kill": now, "t_dead": now, "killed": index, "replacement": new, "unscheduled": True})
         return out
 
 
@@ -250,8 +275,7 @@ def run_own(spec: RunSpec, cfg: dict, nodes: Nodes, schedule: list[dict], horizo
     def start(attempt: int):
         for tries in range(4):
             port = _port()
-            live = sorted(nodes.live)
-            ranks = [Rank.options(resources={f"memsnap_node_{live[r]}": 0.01}, max_restarts=0)
+            ranks = [Rank.options(resources={f"memsnap_node_{nodes.slots[r]}": 0.01}, max_restarts=0)
                      .remote(r, NODES, cfg, port) for r in range(NODES)]
             try:
                 ray.get([r.nbytes.remote() for r in ranks], timeout=300)

@@ -275,9 +275,8 @@ def write_report(data: dict, out: Path) -> None:
               "storage the disk systems' saves and restores slow down as nodes are added (see the projection).",
               "* Faults are injected by the bench's own seeded schedule (`Nodes.inject`, one function, to be "
               "replaced by `memsnap.chaos`), node kills only.",
-              "* The 4 ranks are placed on the live nodes in the order the nodes were added, so after a kill the "
-              "ranks above the lost one move up by one node and the last goes to the replacement: memsnap restores "
-              "every moved rank from its old node's copy or its peers, not only the lost one.",
+              "* After a kill the lost rank starts on the replacement node and the other ranks on their own nodes: "
+              "in memsnap's restore the lost rank reads from its peers and the others from their node's RAM.",
               ""]
     out.write_text("\n".join(lines))
     plot(data, out.with_suffix(".png"))
