@@ -53,15 +53,14 @@ HEALTH_CHECKS = {"health_check_initial_delay_ms": 5000, "health_check_period_ms"
 
 # --- the fault schedule and the one place a fault is injected ------------------------------------
 def _node_processes(node) -> list[psutil.Process]:
-    """Every process of one simulated node: its Ray processes and their children (workers)."""
+    """The worker processes (``ray::...``: ranks, agents) of one simulated node's raylet."""
     out = []
-    for procs in node.all_processes.values():
-        for info in procs:
-            try:
-                p = psutil.Process(info.process.pid)
-                out += [p, *p.children(recursive=True)]
-            except psutil.Error:
-                pass
+    for info in node.all_processes.get("raylet", []):
+        try:
+            out += [c for c in psutil.Process(info.process.pid).children(recursive=True)
+                    if " ".join(c.cmdline()).startswith("ray::")]
+        except psutil.Error:
+            pass
     return out
 
 

@@ -69,7 +69,9 @@ def run_goodput(*, fault_times_s: list[float], horizon_s: float, step_s: float, 
 
 @dataclass(frozen=True)
 class Measured:
-    """Figures measured on real runs (``bench/goodput.py`` measures them on loopback nodes)."""
+    """Figures measured on real runs: ``bench/goodput.py`` measures each of them (on loopback
+    nodes; bench/results/goodput.md). The defaults are round illustrative values, not a
+    measurement: pass the ones of your own cluster."""
 
     stall_s_per_gib: float = 0.5          # memsnap capture stall per GiB of one GPU's state
     agent_cpu_s_per_gib: float = 1.5      # agent core-seconds per GiB snapshotted
