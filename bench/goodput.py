@@ -52,6 +52,20 @@ HEALTH_CHECKS = {"health_check_initial_delay_ms": 5000, "health_check_period_ms"
 
 
 # --- the fault schedule and the one place a fault is injected ------------------------------------
+def _reap_stray_raylets(cluster: LocalCluster) -> None:
+    """Kill this process's raylets that belong to no node of ``cluster`` (left by a node start
+    that missed Ray's deadline), with their workers."""
+    known = {info.process.pid for n in cluster.nodes for info in n.all_processes.get("raylet", [])}
+    for p in psutil.Process().children():
+        try:
+            if p.pid not in known and "raylet/raylet" in " ".join(p.cmdline()):
+                for c in p.children(recursive=True):
+                    c.kill()
+                p.kill()
+        except psutil.Error:
+            pass
+
+
 def _node_processes(node) -> list[psutil.Process]:
     """The worker processes (``ray::...``: ranks, agents) of one simulated node's raylet."""
     out = []
@@ -77,9 +91,17 @@ class Nodes:
 
     def _replace(self, index: int):
         node = self.live.pop(index)
-        new = self.added
-        self.live[new] = self.cluster.add_node()
-        self.added += 1
+        for attempt in range(3):  # a node of a machine this loaded can miss Ray's 30 s startup deadline
+            new = self.added
+            self.added += 1
+            try:
+                self.live[new] = self.cluster.add_node()
+                break
+            except Exception as exc:
+                _say(f"  adding node {new} failed ({exc}); trying again")
+                _reap_stray_raylets(self.cluster)
+        else:
+            raise RuntimeError("no replacement node could be started")
         self.slots[self.slots.index(index)] = new
         return node, new
 
