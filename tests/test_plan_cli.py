@@ -165,3 +165,54 @@ def test_through_the_memsnap_dispatcher(capsys):
     with pytest.raises(SystemExit):
         cli.main(["plan", "--help"])
     assert "sqrt(2 * cost * M)" in capsys.readouterr().out
+
+
+# --- --goodput: the projection of memsnap/goodput_model.py --------------------------------------
+def test_goodput_json_is_the_model(capsys):
+    from memsnap import goodput_model as gm
+
+    rc, out, err = invoke(capsys, "--goodput", "--json", "--gpus", "1024", "16384", "--detect-s", "5",
+                          "--state-gib-per-gpu", "20", "--step-seconds", "4")
+    assert rc == 0 and err == ""
+    data = json.loads(out)
+    assert [r["cluster"]["gpus"] for r in data["rows"]] == [1024, 16384]
+    m = gm.Measured(detect_s=5.0)
+    for row in data["rows"]:
+        c = gm.Cluster(gpus=row["cluster"]["gpus"], state_gib_per_gpu=20.0, step_s=4.0)
+        want = gm.project(c, m)
+        assert row["nodes"] == c.nodes and row["job_mtbf_s"] == pytest.approx(c.mtbf_s)
+        for got, p in zip(row["systems"], want):
+            assert got["system"] == p.system
+            assert got["goodput"] == pytest.approx(p.goodput)
+            assert got["period_s"] == pytest.approx(p.period_s)
+            assert got["binding"] == p.binding[0]
+
+
+def test_goodput_table_has_every_size_and_system(capsys):
+    rc, out, _ = invoke(capsys, "--goodput")
+    assert rc == 0
+    lines = out.splitlines()
+    assert "node MTBF 6335 h" in lines[0]  # the Llama 3 report's rate
+    for gpus in ("1024", "2048", "4096", "8192", "16384"):
+        assert any(line.startswith(gpus + " ") for line in lines)
+    assert sum("memsnap" in line for line in lines) == 5
+    assert sum("disk (sync)" in line for line in lines) == 5
+    assert "closest to running out" in out
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--nic-gibps", "0"], "--nic-gibps=0.0"),
+    (["--detect-s", "nan"], "--detect-s=nan"),
+    (["--gpus", "1000", "--gpus-per-node", "16"], "--gpus=1000 is not a multiple of gpus_per_node=16"),
+    (["--gpus", "16"], "--gpus=16 make 2 nodes, too few"),
+])
+def test_goodput_bad_inputs_exit_2_naming_the_flag(capsys, argv, needle):
+    rc, out, err = invoke(capsys, "--goodput", *argv)
+    assert rc == 2 and out == ""
+    assert err.startswith("memsnap plan: error:") and needle in err
+
+
+def test_without_goodput_the_sizes_are_required(capsys):
+    rc, out, err = invoke(capsys, "--nodes", "8")
+    assert rc == 2 and out == ""
+    assert "--state-gb, --mtbf-hours required" in err

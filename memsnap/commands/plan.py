@@ -35,6 +35,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
+from memsnap.commands import plan_goodput
 from memsnap.errors import ConfigError
 from memsnap.policy import require_positive_float, require_positive_int, young_daly_interval
 
@@ -184,11 +185,12 @@ def register(subparsers) -> argparse.ArgumentParser:
     ap = subparsers.add_parser(
         "plan", help="recommend snapshot intervals per tier",
         description="Recommend snapshot intervals for the ram, peer and disk tiers (Young/Daly) "
-                    "and show the expected lost work per failure.",
-        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--state-gb", type=float, required=True, help="training state per node, GB")
-    ap.add_argument("--nodes", type=int, required=True, help="nodes in the job")
-    ap.add_argument("--mtbf-hours", type=float, required=True, help="MTBF of one node, hours")
+                    "and show the expected lost work per failure; with --goodput, project the goodput "
+                    "of memsnap and of disk checkpointing at 1k-16k GPUs from measured figures.",
+        epilog=EPILOG + "\n\n" + plan_goodput.EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--state-gb", type=float, help="training state per node, GB (required without --goodput)")
+    ap.add_argument("--nodes", type=int, help="nodes in the job (required without --goodput)")
+    ap.add_argument("--mtbf-hours", type=float, help="MTBF of one node, hours (required without --goodput)")
     for name, text in (("memcpy_gbps", "memory copy, GB/s"), ("network_gbps", "one TCP stream, GB/s"),
                        ("disk_gbps", "durable storage per node, GB/s")):
         ap.add_argument("--" + name.replace("_", "-"), type=float, default=d[name].default,
@@ -201,12 +203,20 @@ def register(subparsers) -> argparse.ArgumentParser:
     ap.add_argument("--measure", action="store_true",
                     help="measure this machine's memcpy bandwidth and use it for --memcpy-gbps")
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    plan_goodput.add_arguments(ap)
     ap.set_defaults(func=run)
     return ap
 
 
 def run(args: argparse.Namespace) -> int:
     """Print the plan; 0 on success, 2 with a message on stderr for bad inputs."""
+    if args.goodput:
+        return _run_goodput(args)
+    missing = [f"--{n.replace('_', '-')}" for n in ("state_gb", "nodes", "mtbf_hours") if getattr(args, n) is None]
+    if missing:
+        print(f"memsnap plan: error: {', '.join(missing)} required (or --goodput for the goodput projection)",
+              file=sys.stderr)
+        return 2
     names = [f for f in PlanInputs.__dataclass_fields__ if f != "memcpy_measured"]
     values = {n: getattr(args, n) for n in names}
     if args.measure:
@@ -218,4 +228,14 @@ def run(args: argparse.Namespace) -> int:
         return 2
     plans = plan(p)
     print(to_json(p, plans) if args.json else format_table(p, plans))
+    return 0
+
+
+def _run_goodput(args: argparse.Namespace) -> int:
+    try:
+        measured, clusters = plan_goodput.inputs(args)
+    except ConfigError as exc:
+        print(f"memsnap plan: error: {exc}", file=sys.stderr)
+        return 2
+    print(plan_goodput.report(measured, clusters, args.json))
     return 0

@@ -1,0 +1,604 @@
+"""Goodput under node failures: memsnap against torch.save, DCP async_save and Ray Train
+checkpoints, one data-parallel job, one seeded fault schedule, each system in turn.
+
+    python bench/goodput.py [--state-mb 256] [--compute sleep|model] [--step-s 1.0]
+        [--horizon-s 120] [--baseline-s 15] [--mtbf-s 50] [--seed 21] [--common-n 10]
+        -> bench/results/goodput.md, goodput.png and goodput.json
+    python bench/goodput.py --render   # rewrite the .md and .png from goodput.json
+
+The job: one rank per simulated node of a 4-node loopback Ray cluster (every address
+127.0.0.1), each with ``--state-mb`` of state (a small MLP + AdamW beside a frozen buffer;
+bench/goodput_job.py). Every run trains for ``--horizon-s`` wall seconds from its first
+step. Faults come from one seeded Poisson schedule (job MTBF ``--mtbf-s``): at each time a
+node that runs a rank (never the head) is killed abruptly and a replacement node is added;
+a fault that falls while the job is still recovering lands once it trains again. After a
+kill the whole job restarts (as Ray Train restarts its worker group): the ranks are killed,
+started again on the live nodes, restore and go on. Each system also runs ``--baseline-s``
+without faults, for its failure-free rate. See the results file for what is measured.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (str(HERE.parent), str(HERE), os.environ.get("PYTHONPATH")) if p)
+
+import psutil  # noqa: E402
+
+from goodput_timeline import NODES, RunResult, analyse, poisson_schedule  # noqa: E402
+from memsnap import goodput_model as gm  # noqa: E402
+from memsnap.localcluster import LocalCluster, wait_for  # noqa: E402
+
+RESULTS = HERE / "results"
+GIB = 1 << 30
+# Ray's health checks: a node is declared dead after 5 missed pings 1 s apart (5-8 s), and a
+# new node gets 5 s before its first; the localcluster default (0.5 s x 3) declares live and
+# starting nodes dead on a machine as loaded as this one.
+HEALTH_CHECKS = {"health_check_initial_delay_ms": 5000, "health_check_period_ms": 1000,
+                 "health_check_timeout_ms": 3000, "health_check_failure_threshold": 5}
+
+
+# --- the fault schedule and the one place a fault is injected ------------------------------------
+def _reap_stray_raylets(cluster: LocalCluster) -> None:
+    """Kill this process's raylets that belong to no node of ``cluster`` (left by a node start
+    that missed Ray's deadline), with their workers."""
+    known = {info.process.pid for n in cluster.nodes for info in n.all_processes.get("raylet", [])}
+    for p in psutil.Process().children():
+        try:
+            if p.pid not in known and "raylet/raylet" in " ".join(p.cmdline()):
+                for c in p.children(recursive=True):
+                    c.kill()
+                p.kill()
+        except psutil.Error:
+            pass
+
+
+def _node_processes(node) -> list[psutil.Process]:
+    """The worker processes (``ray::...``: ranks, agents) of one simulated node's raylet."""
+    out = []
+    for info in node.all_processes.get("raylet", []):
+        try:
+            out += [c for c in psutil.Process(info.process.pid).children(recursive=True)
+                    if " ".join(c.cmdline()).startswith("ray::")]
+        except psutil.Error:
+            pass
+    return out
+
+
+class Nodes:
+    """The cluster's live nodes by the index of their ``memsnap_node_<i>`` resource, and the
+    node each rank runs on (``slots[rank]``): a lost node's rank moves to its replacement, the
+    other ranks stay where they are."""
+
+    def __init__(self, cluster: LocalCluster):
+        self.cluster = cluster
+        self.live = {i: n for i, n in enumerate(cluster.nodes)}  # index -> ray node
+        self.slots = list(range(len(cluster.nodes)))
+        self.added = len(cluster.nodes)
+
+    def _replace(self, index: int):
+        node = self.live.pop(index)
+        for attempt in range(3):  # a node of a machine this loaded can miss Ray's 30 s startup deadline
+            new = self.added
+            self.added += 1
+            try:
+                self.live[new] = self.cluster.add_node()
+                break
+            except Exception as exc:
+                _say(f"  adding node {new} failed ({exc}); trying again")
+                _reap_stray_raylets(self.cluster)
+        else:
+            raise RuntimeError("no replacement node could be started")
+        self.slots[self.slots.index(index)] = new
+        return node, new
+
+    def inject(self, victim: int) -> dict:
+        """Kill the node of rank ``victim + 1`` (never the head's rank 0) abruptly, add a
+        replacement, wait until Ray declares the killed node dead. The bench's one fault kind;
+        swap for memsnap.chaos here."""
+        import ray
+
+        index = self.slots[1 + victim]
+        on_node = _node_processes(self.live[index])
+        t_kill = time.time()
+        self.cluster.kill_node(self.live[index])
+        for p in on_node:  # a worker whose raylet died can linger, holding its memory: a lost node keeps nothing
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        node, new = self._replace(index)
+        wait_for(lambda: any(n["NodeID"] == node.node_id and not n["Alive"] for n in ray.nodes()),
+                 timeout=120, what="Ray to declare the killed node dead", interval=0.05)
+        return {"t_kill": t_kill, "t_dead": time.time(), "killed": index, "replacement": new}
+
+    def heal(self) -> list[dict]:
+        """Replace live nodes Ray has declared dead on its own (a node of a machine this loaded
+        can miss its health checks): each is recorded as an unscheduled fault."""
+        import ray
+
+        dead = {n["NodeID"] for n in ray.nodes() if not n["Alive"]}
+        out = []
+        for index in [i for i, n in self.live.items() if n.node_id in dead]:
+            _, new = self._replace(index)
+            now = time.time()
+            out.append({"t_kill": now, "t_dead": now, "killed": index, "replacement": new, "unscheduled": True})
+        return out
+
+
+class Injector(threading.Thread):
+    """Applies the schedule from ``t0``; a fault waits until training resumed after the last one."""
+
+    def __init__(self, nodes: Nodes, schedule: list[dict], t0: float, deadline: float, events: str):
+        super().__init__(daemon=True)
+        self.nodes, self.schedule, self.t0, self.deadline, self.events = nodes, schedule, t0, deadline, events
+        self.faults: list[dict] = []
+        self.stop = threading.Event()
+
+    def _training(self) -> bool:
+        from goodput_job import read_events
+
+        last = self.faults[-1]["t_dead"] if self.faults else 0.0
+        return any(e["ev"] == "step" and e["t"] > last for e in read_events(self.events))
+
+    def run(self) -> None:
+        for f in self.schedule:
+            while not self.stop.is_set() and (time.time() < self.t0 + f["at_s"] or not self._training()):
+                if time.time() > self.deadline:
+                    return
+                time.sleep(0.05)
+            if self.stop.is_set() or time.time() > self.deadline:
+                return
+            self.faults.append({"at_s": f["at_s"], **self.nodes.inject(f["victim"])})
+
+
+class StorageMeter(threading.Thread):
+    """Bytes written under a directory: the largest size seen of every file (temporaries
+    ``*.tmp`` left out, as they become the named file), polled every 0.2 s."""
+
+    def __init__(self, root: str):
+        super().__init__(daemon=True)
+        self.root, self.sizes, self.stop = root, {}, threading.Event()
+
+    def poll(self) -> None:
+        for d, _, files in os.walk(self.root):
+            for name in files:
+                if name.endswith(".tmp"):
+                    continue
+                p = os.path.join(d, name)
+                try:
+                    self.sizes[p] = max(self.sizes.get(p, 0), os.path.getsize(p))
+                except OSError:
+                    pass
+
+    def run(self) -> None:
+        while not self.stop.wait(0.2):
+            self.poll()
+
+    def total(self) -> int:
+        self.poll()
+        return sum(self.sizes.values())
+
+
+# --- agents' CPU ----------------------------------------------------------------------------------
+def agent_cpu_seconds(cluster: LocalCluster) -> float:
+    """User + system CPU seconds of this cluster's memsnap agents (children of its raylets)."""
+    raylets = set()
+    for node in cluster.nodes:
+        for name, procs in node.all_processes.items():
+            if name == "raylet":
+                raylets.update(p.process.pid for p in procs)
+    total = 0.0
+    for p in psutil.process_iter(["cmdline", "ppid"]):
+        if p.info["ppid"] in raylets and " ".join(p.info["cmdline"] or []).startswith("ray::SnapshotAgent"):
+            try:
+                t = p.cpu_times()
+                total += t.user + t.system
+            except psutil.Error:
+                pass
+    return total
+
+
+# --- one run ----------------------------------------------------------------------------------------
+@dataclass
+class RunSpec:
+    system: str          # none | memsnap | torch.save | dcp | ray.train
+    interval: str        # steps between saves, or "auto"
+    faults: bool
+    label: str = ""
+
+    @property
+    def name(self) -> str:
+        return self.label or f"{self.system}/{self.interval}"
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_actor():
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Rank:
+        def __init__(self, rank: int, world: int, cfg: dict, port: int):
+            from datetime import timedelta
+
+            import torch.distributed as dist
+            from goodput_job import PROTECTIONS, Job, event
+
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                    world_size=world, timeout=timedelta(seconds=120))
+            self.cfg = cfg
+            self.job = Job(rank, world, cfg)
+            self.prot = PROTECTIONS[cfg["system"]](self.job, cfg)
+            event(cfg["events"], ev="built", rank=rank, node=ray.get_runtime_context().get_node_id())
+
+        def nbytes(self) -> int:
+            return self.job.nbytes
+
+        def restore(self) -> int | None:
+            from goodput_job import event
+
+            t = time.perf_counter()
+            step = self.prot.restore(self.job)
+            event(self.cfg["events"], ev="restored", rank=self.job.rank, step=step, wall=time.perf_counter() - t)
+            return step
+
+        def calibrate(self, step: int) -> dict:
+            """memsnap only: one snapshot, then wait for its commit."""
+            from goodput_job import event
+
+            self.job.step(step)
+            saved = self.prot.save(self.job, step)
+            t = time.perf_counter()
+            committed = self.prot.wait(step)
+            saved.update(commit_wait=time.perf_counter() - t, committed=committed)
+            event(self.cfg["events"], ev="calibrate", rank=self.job.rank, step=step, **saved)
+            return saved
+
+        def train(self, first: int, attempt: int, deadline: float) -> int:
+            from goodput_job import train
+
+            return train(self.job, self.prot, self.cfg, first, attempt, deadline)
+
+        def close(self) -> None:
+            self.prot.close()
+
+    return Rank
+
+
+def run_own(spec: RunSpec, cfg: dict, nodes: Nodes, schedule: list[dict], horizon: float,
+            calibrate: int = 0) -> RunResult:
+    """A run of none / memsnap / torch.save / dcp with this driver restarting the job."""
+    import ray
+
+    Rank = _rank_actor()
+    meter = StorageMeter(cfg["storage"])
+    meter.start()
+    extra: dict = {}
+
+    def start(attempt: int):
+        for tries in range(4):
+            port = _port()
+            ranks = [Rank.options(resources={f"memsnap_node_{nodes.slots[r]}": 0.01}, max_restarts=0)
+                     .remote(r, NODES, cfg, port) for r in range(NODES)]
+            try:
+                ray.get([r.nbytes.remote() for r in ranks], timeout=300)
+                got = ray.get([r.restore.remote() for r in ranks], timeout=600)
+                return ranks, 0 if got[0] is None else got[0] + 1
+            except ray.exceptions.RayActorError:
+                for r in ranks:
+                    ray.kill(r, no_restart=True)
+                healed = nodes.heal()
+                inj.faults.extend(healed)
+                _say(f"  restart {attempt} failed (try {tries}); replaced nodes Ray declared dead: {healed}")
+        raise RuntimeError(f"{spec.name}: the job could not restart")
+
+    inj = Injector(nodes, schedule if spec.faults else [], 0.0, 0.0, cfg["events"])
+    ranks, first = start(0)
+    inj.faults.clear()  # a node lost before the run began is not the run's fault
+    nbytes = ray.get(ranks[0].nbytes.remote())
+    if calibrate:
+        cpu = [agent_cpu_seconds(nodes.cluster)]
+        cal = []
+        for s in range(calibrate):
+            cal.append(ray.get([r.calibrate.remote(s) for r in ranks], timeout=600))
+            cpu.append(agent_cpu_seconds(nodes.cluster))
+        extra["calibration"] = {"saves": cal, "agent_cpu_s": cpu}
+        first = calibrate
+    t0 = time.time()
+    deadline = t0 + horizon
+    inj.t0, inj.deadline = t0, deadline
+    inj.start()
+    attempt = handled = 0
+    try:
+        while time.time() < deadline:
+            refs = [r.train.remote(first, attempt, deadline) for r in ranks]
+            failed = False
+            pending = list(refs)
+            while pending:
+                done, pending = ray.wait(pending, num_returns=1, timeout=600)
+                if not done:
+                    raise TimeoutError(f"{spec.name}: a rank did not return within 600 s")
+                try:
+                    ray.get(done[0])
+                except Exception:
+                    failed = True
+                    break
+            if not failed:
+                break
+            # a rank died: wait for the injector's record (Ray has declared the node dead), or
+            # find the node Ray declared dead on its own
+            try:
+                wait_for(lambda: len(inj.faults) > handled, timeout=30, what="the fault's record")
+            except TimeoutError:
+                inj.faults.extend(nodes.heal())
+            handled = len(inj.faults)
+            for r in ranks:
+                ray.kill(r, no_restart=True)
+            attempt += 1
+            if time.time() >= deadline:
+                break
+            ranks, first = start(attempt)
+    finally:
+        inj.stop.set()
+        inj.join(timeout=150)
+        try:  # DCP's last write finishes; memsnap's ranks drop their mappings
+            ray.get([r.close.remote() for r in ranks], timeout=120)
+        except Exception as exc:
+            _say(f"  closing the ranks: {type(exc).__name__}")
+        for r in ranks:
+            ray.kill(r, no_restart=True)
+        meter.stop.set()
+        meter.join(timeout=10)
+    from goodput_job import read_events
+
+    return RunResult(vars(spec), t0, horizon, read_events(cfg["events"]), inj.faults, meter.total(), nbytes, extra)
+
+
+def run_ray_train(spec: RunSpec, cfg: dict, nodes: Nodes, schedule: list[dict], horizon: float) -> RunResult:
+    """A Ray Train ``TorchTrainer`` run: Ray Train restarts the worker group after a failure
+    and hands it the newest reported checkpoint."""
+    from goodput_job import ray_train_loop, read_events
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    meter = StorageMeter(cfg["storage"])
+    meter.start()
+    box: dict = {}
+
+    def fit() -> None:
+        try:
+            trainer = TorchTrainer(
+                ray_train_loop, train_loop_config={**cfg, "deadline_file": cfg["events"] + ".deadline"},
+                scaling_config=ScalingConfig(num_workers=NODES, placement_strategy="STRICT_SPREAD"),
+                run_config=RunConfig(storage_path=cfg["storage"], name="goodput",
+                                     failure_config=FailureConfig(max_failures=-1)))
+            box["result"] = trainer.fit()
+        except BaseException as exc:
+            box["error"] = exc
+
+    th = threading.Thread(target=fit, daemon=True)
+    th.start()
+    wait_for(lambda: sum(e["ev"] == "restored" for e in read_events(cfg["events"])) >= NODES or not th.is_alive(),
+             timeout=600, what="the Ray Train workers to start")
+    t0 = time.time()
+    deadline = t0 + horizon
+    Path(cfg["events"] + ".deadline.tmp").write_text(repr(deadline))
+    os.replace(cfg["events"] + ".deadline.tmp", cfg["events"] + ".deadline")
+    inj = Injector(nodes, schedule if spec.faults else [], t0, deadline, cfg["events"])
+    inj.start()
+    th.join(timeout=horizon + 240)
+    inj.stop.set()
+    inj.join(timeout=150)
+    meter.stop.set()
+    meter.join(timeout=10)
+    if th.is_alive():
+        ev = read_events(cfg["events"])
+        last = max((e["t"] for e in ev), default=t0)
+        raise TimeoutError(
+            f"{spec.name}: TorchTrainer.fit did not return within {horizon + 240:.0f} s of the first step; "
+            f"{len(inj.faults)} node(s) killed, the last event from a worker {last - t0:.0f} s after the first step "
+            f"({sum(e['ev'] == 'built' for e in ev)} worker starts, {sum(e['ev'] == 'step' for e in ev)} steps)")
+    if "error" in box:
+        raise box["error"]
+    events = read_events(cfg["events"])
+    return RunResult(vars(spec), t0, horizon, events, inj.faults, meter.total(),
+                     cfg["state_mb"] << 20)
+
+
+# --- the whole benchmark -------------------------------------------------------------------------
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--state-mb", type=int, default=256, help="state per rank, MiB")
+    ap.add_argument("--compute", choices=("sleep", "model"), default="sleep")
+    ap.add_argument("--step-s", type=float, default=1.0, help="simulated compute per step (--compute sleep)")
+    ap.add_argument("--model-passes", type=int, default=40, help="forward/backward passes per step (--compute model)")
+    ap.add_argument("--horizon-s", type=float, default=120.0, help="wall seconds of each run with faults")
+    ap.add_argument("--baseline-s", type=float, default=15.0, help="wall seconds of each failure-free run")
+    ap.add_argument("--mtbf-s", type=float, default=50.0, help="the schedule's job MTBF, seconds")
+    ap.add_argument("--seed", type=int, default=21,
+                    help="the schedule's seed (21: the first seed whose draw at the defaults has 3 faults "
+                         "at least 25 s apart, the last before the final 30 s)")
+    ap.add_argument("--common-n", type=int, default=10, help="the interval every disk system also runs at")
+    ap.add_argument("--spill-every", type=int, default=10, help="memsnap's durable spill, steps")
+    ap.add_argument("--systems", nargs="+", default=["memsnap", "torch.save", "dcp", "ray.train"])
+    ap.add_argument("--storage", default=None, help="the directory standing in for NFS (default: a temp dir)")
+    ap.add_argument("--out", default=str(RESULTS / "goodput.md"))
+    ap.add_argument("--render", action="store_true", help="only rewrite the .md/.png from the .json")
+    ap.add_argument("--note", action="append", default=[],
+                    help="with --render: a note on this run for the results file (repeatable)")
+    ap.add_argument("--append", action="store_true",
+                    help="run only --systems again and keep the other systems' runs from the .json")
+    args = ap.parse_args()
+    out = Path(args.out)
+    if args.render:
+        data = json.loads(out.with_suffix(".json").read_text())
+        if args.note:  # what the person who ran it has to say about this run, kept with the data
+            data["notes"] = args.note
+            out.with_suffix(".json").write_text(json.dumps(data, indent=1))
+        render(data, out)
+        return
+    keep = []
+    if args.append:  # rerun some systems, keep the other systems' runs of the earlier file
+        old = json.loads(out.with_suffix(".json").read_text())
+        keep = [r for r in old["runs"] if r["spec"]["system"] not in args.systems]
+    data = measure(args, out.with_suffix(".json"), keep)
+    render(data, out)
+
+
+def reap_children() -> None:
+    """Kill what is left of this process's own children: Ray gives a starting node 30 s to
+    register and, past that, raises without stopping the processes it started."""
+    for p in psutil.Process().children(recursive=True):
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+
+
+def start_cluster(tries: int = 3) -> LocalCluster:
+    """The 4-node cluster; on a machine this loaded a node can miss Ray's startup deadline, so
+    a failed start is cleaned up and tried again."""
+    for i in range(tries):
+        try:
+            return LocalCluster(NODES, cpus_per_node=1, object_store_mb=96, system_config=HEALTH_CHECKS)
+        except Exception as exc:
+            _say(f"cluster start {i + 1} failed: {exc}")
+            reap_children()
+    raise RuntimeError(f"the {NODES}-node cluster did not start in {tries} tries")
+
+
+def _say(msg: str) -> None:
+    print(f"[goodput {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def measure(args, json_path: Path, keep: list[dict]) -> dict:
+    from memsnap import shmdir
+    from memsnap.snapshotter import shutdown
+
+    t_begin = time.time()
+    schedule = poisson_schedule(args.mtbf_s, args.horizon_s, args.seed)
+    storage_root = args.storage or tempfile.mkdtemp(prefix="memsnap-goodput-nfs-")
+    scratch = tempfile.mkdtemp(prefix="memsnap-goodput-scratch-")
+    base_cfg = {"state_mb": args.state_mb, "compute": args.compute, "step_s": args.step_s,
+                "model_passes": args.model_passes, "seed": args.seed, "spill_every": args.spill_every,
+                "spill_bytes_per_s": 256 << 20, "memory_budget": 6 * args.state_mb * (1 << 20) + (512 << 20),
+                "node_mtbf_s": args.mtbf_s * NODES, "scratch": scratch}
+    runs: list[dict] = list(keep)
+    chosen: dict[str, int] = {}
+    errors: dict[str, str] = {}
+    step_s = None
+    loads: list[tuple[float, float, float]] = []
+    cpu_busy: list[float] = []
+    psutil.cpu_percent(None)
+    _say(f"schedule (seed {args.seed}, job MTBF {args.mtbf_s} s): {[round(f['at_s'], 1) for f in schedule]}")
+    counter = [0]
+
+    def one(cluster_nodes: Nodes, spec: RunSpec, horizon: float, **kw) -> dict:
+        counter[0] += 1
+        job = f"goodput-{os.getpid()}-{counter[0]}"  # unique: another bench may run beside this one
+        storage = os.path.join(storage_root, job)
+        os.makedirs(storage)
+        events = os.path.join(scratch, f"{job}.jsonl")
+        cfg = dict(base_cfg, system=spec.system, interval=spec.interval, job=job, storage=storage, events=events)
+        _say(f"{spec.name} {'with faults' if spec.faults else 'failure-free'} for {horizon:.0f} s")
+        try:
+            if spec.system == "ray.train":
+                res = run_ray_train(spec, cfg, cluster_nodes, schedule, horizon)
+            else:
+                res = run_own(spec, cfg, cluster_nodes, schedule, horizon, **kw)
+        finally:
+            if spec.system == "memsnap":
+                try:
+                    shutdown(job, timeout=30)
+                except Exception as exc:
+                    _say(f"shutdown {job}: {exc}")
+                shmdir.remove_job(job)
+            shutil.rmtree(storage, ignore_errors=True)
+        loads.append(os.getloadavg())
+        cpu_busy.append(psutil.cpu_percent(None))
+        a = analyse(res)
+        summary = {"spec": res.spec, "state_bytes": res.state_bytes, "faults": res.faults, "extra": res.extra,
+                   "t0": res.t0, "events": res.events, **a}  # the raw events, to analyse again
+        _say(f"  {spec.name}: {a['useful_steps']} useful steps, {len(res.faults)} faults, "
+             f"lost {[f.get('lost_steps') for f in a['failures']]}, rto "
+             f"{[round(f.get('rto', -1), 1) for f in a['failures']]}, stall {a['stall_steady']}, "
+             f"storage {a['storage_bytes'] / GIB:.2f} GiB")
+        runs.append(summary)
+        json_path.write_text(json.dumps(result(), indent=1))  # every run is kept as soon as it ends
+        return summary
+
+    def result() -> dict:
+        return {"args": vars(args), "schedule": schedule, "runs": runs, "young_daly": chosen,
+                "none_step_s": step_s, "errors": errors, "health_checks": HEALTH_CHECKS,
+                "machine": {"cpus": os.cpu_count(), "loadavg_after_each_run": loads, "cpu_busy_percent": cpu_busy,
+                            "mem_total_gib": psutil.virtual_memory().total / GIB,
+                            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                            "seconds": time.time() - t_begin}}
+
+    def one_system(system: str) -> None:
+        if system == "memsnap":
+            one(nodes, RunSpec("memsnap", "1", False), args.baseline_s, calibrate=6)
+            one(nodes, RunSpec("memsnap", "1", True), args.horizon_s)
+            one(nodes, RunSpec("memsnap", "auto", False), args.baseline_s)
+            one(nodes, RunSpec("memsnap", "auto", True), args.horizon_s)
+            return
+        base = one(nodes, RunSpec(system, str(args.common_n), False), args.baseline_s)
+        cost = base["stall_steady"] or base["stall_first"] or 0.0
+        n = max(1, round(gm.young_daly(cost, args.mtbf_s) / step_s))
+        chosen[system] = n
+        _say(f"  {system}: save stall {cost:.2f} s -> Young/Daly N = {n} steps")
+        if n != args.common_n:
+            one(nodes, RunSpec(system, str(n), False, f"{system}/{n} (Young/Daly)"), args.baseline_s)
+            one(nodes, RunSpec(system, str(n), True, f"{system}/{n} (Young/Daly)"), args.horizon_s)
+        one(nodes, RunSpec(system, str(args.common_n), True), args.horizon_s)
+
+    with start_cluster() as cluster:
+        nodes = Nodes(cluster)
+        try:
+            none = one(nodes, RunSpec("none", "0", False), args.baseline_s)
+            step_s = 1.0 / none["rate"]
+            for system in args.systems:
+                try:
+                    one_system(system)
+                except Exception as exc:  # the other systems still run; the report names the failure
+                    errors[system] = f"{type(exc).__name__}: {exc}"[:2000]
+                    _say(f"{system} failed: {errors[system]}")
+        finally:
+            for i in range(counter[0] + 1):
+                shmdir.remove_job(f"goodput-{os.getpid()}-{i}")
+    reap_children()
+    shutil.rmtree(scratch, ignore_errors=True)
+    if not args.storage:
+        shutil.rmtree(storage_root, ignore_errors=True)
+    data = result()
+    json_path.write_text(json.dumps(data, indent=1))
+    return data
+
+
+# --- the report -------------------------------------------------------------------------------------
+def render(data: dict, out: Path) -> None:
+    from goodput_report import write_report
+
+    write_report(data, out)
+
+
+if __name__ == "__main__":
+    main()

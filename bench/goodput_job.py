@@ -1,0 +1,308 @@
+"""The training job of ``bench/goodput.py`` and the four ways of protecting it.
+
+One rank of a data-parallel job: a small MLP trained with AdamW (gradients averaged with a
+gloo all-reduce) beside a frozen buffer that brings the rank's state up to ``state_mb``.
+A step's compute is the real model on the CPU (``compute="model"``) or a sleep of
+``step_s`` seconds standing in for GPU time that leaves the CPU to the agents
+(``compute="sleep"``; the model still does its all-reduce and optimizer step).
+
+Every rank appends JSON events (``ready``, ``restored``, ``step``, ``save``) to one file
+per run; ``bench/goodput.py`` rebuilds the timeline from them.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import time
+
+import torch
+import torch.distributed as dist
+
+MIB = 1 << 20
+WIDTH = 256  # the MLP: 4 layers of WIDTH x WIDTH (about 1 MiB of weights, 3 MiB with AdamW)
+
+
+def event(path: str, **record) -> None:
+    record["t"] = time.time()
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def read_events(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+class Job:
+    """One rank's state and step; ``cfg`` is the run's JSON-ready configuration."""
+
+    def __init__(self, rank: int, world: int, cfg: dict):
+        torch.set_num_threads(1)
+        torch.manual_seed(cfg["seed"])
+        self.rank, self.world, self.cfg = rank, world, cfg
+        layers = []
+        for _ in range(4):
+            layers += [torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU()]
+        self.model = torch.nn.Sequential(*layers[:-1])
+        self.optim = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+        for p in self.model.parameters():  # the AdamW moments exist from the start
+            p.grad = torch.zeros_like(p)
+        self.optim.step()
+        model_bytes = sum(p.numel() * 4 * 3 for p in self.model.parameters())
+        n = max(1, (cfg["state_mb"] * MIB - model_bytes) // 4)
+        self.bulk = torch.empty(n, dtype=torch.float32).fill_(float(rank + 1))  # every page touched
+        self.gen = torch.Generator().manual_seed(cfg["seed"] * 1000 + rank)
+
+    @property
+    def nbytes(self) -> int:
+        return self.bulk.numel() * 4 + sum(p.numel() * 4 * 3 for p in self.model.parameters())
+
+    def state(self) -> dict:
+        return {"model": self.model, "optim": self.optim, "bulk": {"frozen": self.bulk}}
+
+    def step(self, step: int) -> None:
+        x = torch.randn(64, WIDTH, generator=self.gen)
+        if self.cfg["compute"] == "model":
+            for _ in range(self.cfg["model_passes"]):
+                loss = self.model(x).square().mean()
+                self.optim.zero_grad(set_to_none=True)
+                loss.backward()
+        else:
+            loss = self.model(x).square().mean()
+            self.optim.zero_grad(set_to_none=True)
+            loss.backward()
+            time.sleep(self.cfg["step_s"])
+        if self.world > 1:
+            for p in self.model.parameters():
+                dist.all_reduce(p.grad)
+                p.grad /= self.world
+        self.optim.step()
+        self.bulk[step % self.bulk.numel()] += 1.0  # the buffer changes a little every step
+
+    # --- torch.save / torch.load (also the files of a Ray Train checkpoint) ----------------------
+    def torch_state(self, step: int) -> dict:
+        return {"model": self.model.state_dict(), "optim": self.optim.state_dict(), "bulk": self.bulk,
+                "step": step}
+
+    def write_torch(self, path: str, step: int) -> int:
+        with open(path + ".tmp", "wb") as f:
+            torch.save(self.torch_state(step), f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(path + ".tmp", path)
+        return os.path.getsize(path)
+
+    def read_torch(self, path: str) -> int:
+        sd = torch.load(path, weights_only=True)
+        self.model.load_state_dict(sd["model"])
+        self.optim.load_state_dict(sd["optim"])
+        self.bulk.copy_(sd["bulk"])
+        return int(sd["step"])
+
+
+def _timed(fn):
+    t = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t
+
+
+class NoProtection:
+    def __init__(self, job: Job, cfg: dict):
+        pass
+
+    def restore(self, job: Job) -> int | None:
+        return None
+
+    def save(self, job: Job, step: int) -> dict | None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+class MemsnapProtection:
+    """``Snapshotter.save`` every step (or ``auto``), spill every ``spill_every`` steps."""
+
+    def __init__(self, job: Job, cfg: dict):
+        from memsnap.snapshotter import Snapshotter
+
+        when = {"auto": True, "every_steps": None, "mtbf_hours": cfg["node_mtbf_s"] / 3600} \
+            if cfg["interval"] == "auto" else {"every_steps": int(cfg["interval"])}
+        self.snap = Snapshotter(job=cfg["job"], rank=job.rank, world_size=job.world, k=2, m=1,
+                                memory_budget=cfg["memory_budget"], spill=cfg["storage"],
+                                spill_every=cfg["spill_every"], spill_bytes_per_s=cfg["spill_bytes_per_s"],
+                                preemption=False, **when)
+
+    def restore(self, job: Job) -> int | None:
+        return self.snap.restore(job.state())
+
+    def save(self, job: Job, step: int) -> dict | None:
+        taken, stall = _timed(lambda: self.snap.save(step, job.state()))
+        return {"stall": stall, "bytes": 0} if taken else None
+
+    def wait(self, step: int) -> int | None:
+        return self.snap.wait(step, timeout=300)
+
+    def close(self) -> None:
+        self.snap.close()
+
+
+class TorchSaveProtection:
+    """``torch.save`` + fsync of every rank's state every N steps into ``storage``; a step's
+    checkpoint counts once every rank wrote its file (a barrier, then rank 0's marker)."""
+
+    def __init__(self, job: Job, cfg: dict):
+        self.root, self.every = cfg["storage"], int(cfg["interval"])
+
+    def restore(self, job: Job) -> int | None:
+        done = sorted(int(os.path.basename(d)[5:]) for d in glob.glob(os.path.join(self.root, "step-*"))
+                      if os.path.exists(os.path.join(d, "COMMITTED")))
+        if not done:
+            return None
+        return job.read_torch(os.path.join(self.root, f"step-{done[-1]}", f"rank-{job.rank}.pt"))
+
+    def save(self, job: Job, step: int) -> dict | None:
+        if (step + 1) % self.every:
+            return None
+        d = os.path.join(self.root, f"step-{step}")
+        t = time.perf_counter()
+        os.makedirs(d, exist_ok=True)
+        job.write_torch(os.path.join(d, f"rank-{job.rank}.pt"), step)
+        dist.barrier()
+        if job.rank == 0:
+            open(os.path.join(d, "COMMITTED"), "w").close()
+            for old in glob.glob(os.path.join(self.root, "step-*")):  # keep the newest two
+                if int(os.path.basename(old)[5:]) < step - self.every:
+                    shutil.rmtree(old, ignore_errors=True)
+        return {"stall": time.perf_counter() - t, "bytes": 0}
+
+    def close(self) -> None:
+        pass
+
+
+class DcpProtection:
+    """``torch.distributed.checkpoint.async_save`` every N steps into ``storage`` through its
+    own gloo group (the training all-reduces keep the default one); the model and optimizer
+    are replicated across ranks, so DCP writes them once; each rank's buffer is its own."""
+
+    def __init__(self, job: Job, cfg: dict):
+        self.root, self.every, self.events = cfg["storage"], int(cfg["interval"]), cfg["events"]
+        self.group = dist.new_group(backend="gloo")
+        self.future = None
+
+    def _sd(self, job: Job) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model, optim = get_state_dict(job.model, job.optim)
+        return {"model": model, "optim": optim, f"bulk.{job.rank}": job.bulk}
+
+    def restore(self, job: Job) -> int | None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        done = sorted(int(os.path.basename(d)[5:]) for d in glob.glob(os.path.join(self.root, "step-*"))
+                      if os.path.exists(os.path.join(d, ".metadata")))
+        if not done:
+            return None
+        sd = self._sd(job)
+        dcp.load(sd, checkpoint_id=os.path.join(self.root, f"step-{done[-1]}"), process_group=self.group)
+        set_state_dict(job.model, job.optim, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        return done[-1]
+
+    def save(self, job: Job, step: int) -> dict | None:
+        import torch.distributed.checkpoint as dcp
+
+        if (step + 1) % self.every:
+            return None
+        t = time.perf_counter()
+        if self.future is not None:
+            self.future.result()
+        self.future = dcp.async_save(self._sd(job), checkpoint_id=os.path.join(self.root, f"step-{step}"),
+                                     process_group=self.group)
+        stall = time.perf_counter() - t
+        began, events = time.time(), self.events
+        self.future.add_done_callback(lambda _: event(events, ev="written", rank=job.rank, step=step,
+                                                      lag=time.time() - began))
+        if job.rank == 0:
+            for old in glob.glob(os.path.join(self.root, "step-*")):
+                if int(os.path.basename(old)[5:]) < step - 2 * self.every:
+                    shutil.rmtree(old, ignore_errors=True)
+        return {"stall": stall, "bytes": 0}
+
+    def close(self) -> None:
+        if self.future is not None:
+            self.future.result()
+
+
+PROTECTIONS = {"none": NoProtection, "memsnap": MemsnapProtection, "torch.save": TorchSaveProtection,
+               "dcp": DcpProtection}
+
+
+def go_on(job: Job, deadline: float) -> bool:
+    """Whether to run another step: rank 0's clock decides for every rank (one tiny broadcast),
+    so no rank starts a step whose all-reduce the others never join."""
+    flag = torch.tensor([1 if time.time() < deadline else 0])
+    if job.world > 1:
+        dist.broadcast(flag, src=0)
+    return bool(flag.item())
+
+
+def train(job: Job, prot, cfg: dict, first: int, attempt: int, deadline: float) -> int:
+    """Steps from ``first`` until the wall clock passes ``deadline``; returns the next step."""
+    step = first
+    while go_on(job, deadline):
+        job.step(step)
+        saved = prot.save(job, step)
+        if job.rank == 0:
+            event(cfg["events"], ev="step", step=step, attempt=attempt)
+        if saved is not None:
+            event(cfg["events"], ev="save", rank=job.rank, step=step, attempt=attempt, **saved)
+        step += 1
+    return step
+
+
+def ray_train_loop(cfg: dict) -> None:
+    """``train_loop_per_worker`` of the Ray Train run: restore from ``ray.train.get_checkpoint``,
+    train, ``ray.train.report(checkpoint=...)`` every N steps (every rank writes its own file
+    into the checkpoint directory, which Ray Train copies to ``storage_path``)."""
+    import tempfile
+
+    import ray
+    import ray.train
+
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    ckpt = ray.train.get_checkpoint()
+    attempt = 0 if ckpt is None else 1
+    node = ray.get_runtime_context().get_node_id()
+    job = Job(rank, world, cfg)
+    event(cfg["events"], ev="built", rank=rank, node=node)
+    t = time.perf_counter()
+    first = 0
+    if ckpt is not None:
+        with ckpt.as_directory() as d:
+            first = job.read_torch(os.path.join(d, f"rank-{rank}.pt")) + 1
+    event(cfg["events"], ev="restored", rank=rank, step=first - 1 if first else None, wall=time.perf_counter() - t)
+    path = cfg["deadline_file"]  # the bench writes the run's deadline once every rank is up
+    limit = time.monotonic() + 900
+    while not os.path.exists(path):
+        if time.monotonic() > limit:
+            raise TimeoutError(f"rank {rank}: no start signal in {path}")
+        time.sleep(0.05)
+    deadline = float(open(path).read())
+    every, step = int(cfg["interval"]), first
+    while go_on(job, deadline):
+        job.step(step)
+        if rank == 0:
+            event(cfg["events"], ev="step", step=step, attempt=attempt)
+        if (step + 1) % every == 0:
+            t = time.perf_counter()
+            with tempfile.TemporaryDirectory(dir=cfg["scratch"]) as d:
+                job.write_torch(os.path.join(d, f"rank-{rank}.pt"), step)
+                ray.train.report({"step": step}, checkpoint=ray.train.Checkpoint.from_directory(d))
+            event(cfg["events"], ev="save", rank=rank, step=step, stall=time.perf_counter() - t, bytes=0)
+        step += 1

@@ -1,0 +1,74 @@
+"""The timeline of a run of ``bench/goodput.py``: its fault schedule, and what its events say
+(progress, RPO and RTO per failure, stalls). No Ray, no cluster: tests/test_goodput_bench.py
+checks it on made-up events."""
+from __future__ import annotations
+
+import random
+import statistics
+from dataclasses import dataclass, field
+
+NODES = 4
+
+
+def poisson_schedule(mtbf_s: float, horizon_s: float, seed: int) -> list[dict]:
+    """Fault times (seconds from the first step) of a Poisson process with mean gap ``mtbf_s``,
+    each with the position (0..NODES-2) of the non-head node it kills: the same for every system."""
+    rng, t, out = random.Random(seed), 0.0, []
+    while True:
+        t += rng.expovariate(1.0 / mtbf_s)
+        if t >= horizon_s:
+            return out
+        out.append({"at_s": t, "victim": rng.randrange(NODES - 1)})
+
+
+@dataclass
+class RunResult:
+    spec: dict
+    t0: float
+    horizon_s: float
+    events: list[dict]
+    faults: list[dict]
+    storage_bytes: int
+    state_bytes: int
+    extra: dict = field(default_factory=dict)
+
+
+def analyse(r: RunResult) -> dict:
+    """Progress, goodput inputs and per-failure RPO/RTO of one run (times from its ``t0``)."""
+    steps = [e for e in r.events if e["ev"] == "step" and e["t"] <= r.t0 + r.horizon_s]
+    timed = [e for e in steps if e["t"] >= r.t0]
+    useful = timed[-1]["step"] + 1 if timed else 0
+    first = min((e["step"] for e in timed), default=0)
+    saves = [e for e in r.events if e["ev"] == "save"]
+    rank_saves: dict[int, list[dict]] = {}
+    for e in saves:
+        rank_saves.setdefault(e["rank"], []).append(e)
+    first_stall = [v[0]["stall"] for v in rank_saves.values() if v]
+    later = [e["stall"] for v in rank_saves.values() for e in v[1:]]
+    fails = []
+    for i, f in enumerate(r.faults):
+        nxt = r.faults[i + 1]["t_kill"] if i + 1 < len(r.faults) else r.t0 + r.horizon_s + 1e9
+        before = [e for e in steps if e["t"] <= f["t_kill"]]
+        after = [e for e in steps if f["t_kill"] < e["t"] < nxt]
+        built = [e["t"] for e in r.events if e["ev"] == "built" and f["t_kill"] < e["t"] < nxt]
+        restored = [e for e in r.events if e["ev"] == "restored" and f["t_kill"] < e["t"] < nxt]
+        rec = {"at_s": f.get("at_s"), "unscheduled": f.get("unscheduled", False), "t_kill_s": f["t_kill"] - r.t0, "detect": f["t_dead"] - f["t_kill"]}
+        progress = before[-1]["step"] + 1 if before else 0
+        if len(built) >= NODES and len(restored) >= NODES and after:
+            t_built, t_rest = max(built[:NODES]), max(e["t"] for e in restored[:NODES])
+            step = restored[0]["step"]
+            resumed = 0 if step is None else step + 1
+            rec.update(restart=t_built - f["t_dead"], restore=t_rest - t_built,
+                       restore_wall=max(e["wall"] for e in restored[:NODES]),
+                       rto=after[0]["t"] - f["t_kill"], lost_steps=progress - resumed,
+                       first_step=after[0]["t"] - t_rest)
+        fails.append(rec)
+    curve = [(e["t"] - r.t0, e["step"] + 1) for e in steps]
+    return {"useful_steps": useful, "first_step": first, "executed": len(timed), "horizon_s": r.horizon_s, "rate": (useful - first) / r.horizon_s,
+            "curve": curve, "failures": fails, "saves": len(saves) // NODES if saves else 0,
+            "stall_first": statistics.median(first_stall) if first_stall else None,
+            "stall_steady": statistics.median(later) if later else None,
+            "storage_bytes": r.storage_bytes,
+            # DCP: seconds from async_save returning to its write being done, median over ranks and saves
+            "write_lag": statistics.median(lags) if (lags := [e["lag"] for e in r.events if e["ev"] == "written"])
+            else None}

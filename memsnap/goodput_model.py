@@ -1,0 +1,195 @@
+"""Goodput under failures: projected for memsnap and for disk checkpointing, from measured figures.
+
+Pure functions, seconds and GiB throughout. The model (first order, the same one Young and
+Daly optimise):
+
+* job MTBF ``M = node_mtbf / nodes`` (any node's loss interrupts the job);
+* a protection scheme snapshots every ``tau`` seconds of training and stalls training ``C``
+  seconds per snapshot; a failure costs the recovery ``R = detect + restart + restore`` plus
+  the work since the newest *completed* snapshot: on average half a period ``(tau + C) / 2``
+  plus the time a snapshot takes to complete after the stall (``lag``);
+* goodput, the share of wall time that makes lasting progress::
+
+      G = tau / (tau + C) * max(0, 1 - (R + (tau + C) / 2 + lag) / M)
+
+* the best period is Young/Daly ``sqrt(2 C M)``, but never below what the scheme's
+  pipeline sustains (the background work of one snapshot must finish before the next) or
+  one training step.
+
+memsnap's stall is the capture of the state into the agent's RAM (``stall_s_per_gib``); the
+agents then checksum, encode and send ``S (k+m)/k`` bytes per node in the background (agent
+CPU ``agent_cpu_s_per_gib`` over ``agent_cores``, the NIC); a lost node restores from its
+peers, the others from their own RAM. Disk checkpointing writes every node's state through
+storage whose bandwidth all nodes share; synchronous (``torch.save``) it stalls for the whole
+write, asynchronous (DCP ``async_save``) for a staging copy, but the next checkpoint cannot
+start before the write is done; after a failure every node reads its state back.
+
+Failure rates: the Llama 3 report (Dubey et al., "The Llama 3 Herd of Models", 2024, sec.
+3.3.4) counts 419 unexpected interruptions in 54 days of pre-training on 16,384 H100 GPUs
+(2,048 nodes of 8): a job MTBF of 3.1 h, about 6,300 h per node (``LLAMA3_NODE_MTBF_H``).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from memsnap.errors import ConfigError
+
+LLAMA3_NODE_MTBF_H = 54 * 24 / 419 * 2048  # 6,335 h: 419 interruptions / 54 days / 2,048 nodes
+
+
+def young_daly(cost_s: float, mtbf_s: float) -> float:
+    """The Young/Daly optimum period ``sqrt(2 * cost * mtbf)``, seconds."""
+    return math.sqrt(2.0 * cost_s * mtbf_s)
+
+
+def periodic_goodput(period_s: float, stall_s: float, mtbf_s: float, recovery_s: float,
+                     lag_s: float = 0.0) -> float:
+    """``tau / (tau + C) * max(0, 1 - (R + (tau + C) / 2 + lag) / M)`` (module docstring)."""
+    cycle = period_s + stall_s
+    return period_s / cycle * max(0.0, 1.0 - (recovery_s + cycle / 2.0 + lag_s) / mtbf_s)
+
+
+def lost_steps_per_failure(every_steps: int, lag_s: float, step_s: float) -> float:
+    """Expected completed steps a failure throws away when a snapshot is taken after every
+    ``every_steps``-th step and completes ``lag_s`` after it: ``(N - 1) / 2 + lag / step``."""
+    return (every_steps - 1) / 2.0 + lag_s / step_s
+
+
+def run_goodput(*, fault_times_s: list[float], horizon_s: float, step_s: float, every_steps: int,
+                lag_s: float, detect_s: float, restart_s: float, restore_s: float) -> float:
+    """Goodput of a finite run against the same system's failure-free run: failures at
+    ``fault_times_s`` (seconds into a run of ``horizon_s``), each costing the recovery, the lost
+    steps and (on average) half a step in progress, but never more than the time the run had
+    left. ``step_s`` is the failure-free wall time per step (stalls included)."""
+    per_failure = detect_s + restart_s + restore_s + (lost_steps_per_failure(every_steps, lag_s, step_s) + 0.5) * step_s
+    lost = sum(min(per_failure, max(0.0, horizon_s - t)) for t in fault_times_s)
+    return max(0.0, 1.0 - lost / horizon_s)
+
+
+@dataclass(frozen=True)
+class Measured:
+    """Figures measured on real runs: ``bench/goodput.py`` measures each of them (on loopback
+    nodes; bench/results/goodput.md). The defaults are round illustrative values, not a
+    measurement: pass the ones of your own cluster."""
+
+    stall_s_per_gib: float = 0.5          # memsnap capture stall per GiB of one GPU's state
+    agent_cpu_s_per_gib: float = 1.5      # agent core-seconds per GiB snapshotted
+    peer_restore_gibps: float = 1.0       # one lost node's state read from its peers
+    storage_restore_gibps: float = 1.0    # one node's read from storage (before sharing)
+    detect_s: float = 3.0
+    restart_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            _positive(name, value)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The job to project: sizes, failure rate, and the resources that can run out."""
+
+    gpus: int
+    gpus_per_node: int = 8
+    state_gib_per_gpu: float = 10.0
+    node_mtbf_h: float = LLAMA3_NODE_MTBF_H
+    storage_gibps: float = 100.0          # shared by every node
+    node_storage_gibps: float = 2.0       # one node's own link to storage
+    nic_gibps: float = 10.0               # one node's network for snapshots
+    agent_cores: float = 4.0              # host cores one node gives its memsnap agent
+    host_ram_gib: float = 2048.0
+    step_s: float = 10.0
+    k: int = 2
+    m: int = 1
+    keep: int = 2
+    spill_every_s: float = 3600.0         # memsnap's durable spill
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            _positive(name, value)
+        if self.gpus % self.gpus_per_node:
+            raise ConfigError(f"gpus={self.gpus} is not a multiple of gpus_per_node={self.gpus_per_node}; "
+                              "give whole nodes")
+        if self.nodes < self.k + self.m + 1:
+            raise ConfigError(f"gpus={self.gpus} make {self.nodes} nodes, too few for k={self.k} m={self.m} "
+                              f"(needs {self.k + self.m + 1})")
+
+    @property
+    def nodes(self) -> int:
+        return self.gpus // self.gpus_per_node
+
+    @property
+    def state_gib_per_node(self) -> float:
+        return self.state_gib_per_gpu * self.gpus_per_node
+
+    @property
+    def mtbf_s(self) -> float:
+        return self.node_mtbf_h * 3600.0 / self.nodes
+
+
+@dataclass(frozen=True)
+class Projection:
+    """One system at one size: its best period, goodput and the resources it uses."""
+
+    system: str
+    period_s: float
+    stall_s: float
+    recovery_s: float
+    lag_s: float
+    goodput: float
+    use: dict[str, float] = field(default_factory=dict)  # resource -> share of it used
+
+    @property
+    def binding(self) -> tuple[str, float]:
+        """The resource closest to running out, and its share used."""
+        name = max(self.use, key=self.use.get)
+        return name, self.use[name]
+
+
+def _period(cost_s: float, mtbf_s: float, floor_s: float, step_s: float) -> float:
+    """Young/Daly, at least ``floor_s``, in whole steps."""
+    tau = max(young_daly(cost_s, mtbf_s), floor_s, step_s)
+    return math.ceil(tau / step_s - 1e-9) * step_s
+
+
+def memsnap(c: Cluster, x: Measured) -> Projection:
+    s = c.state_gib_per_node
+    stall = x.stall_s_per_gib * c.state_gib_per_gpu
+    cpu_s = x.agent_cpu_s_per_gib * s / c.agent_cores
+    net_s = s * (c.k + c.m) / c.k / c.nic_gibps
+    lag = max(cpu_s, net_s)
+    period = _period(stall, c.mtbf_s, max(stall, lag), c.step_s)
+    recovery = x.detect_s + x.restart_s + s / x.peer_restore_gibps
+    ram = s * ((c.keep + 1) + c.keep * (c.k + c.m) / c.k)
+    use = {"agent CPU": cpu_s / period, "NIC": net_s / period, "host RAM": ram / c.host_ram_gib,
+           "storage (spill)": s * c.nodes / c.spill_every_s / c.storage_gibps}
+    return Projection("memsnap", period, stall, recovery, lag,
+                      periodic_goodput(period, stall, c.mtbf_s, recovery, lag), use)
+
+
+def disk(c: Cluster, x: Measured, *, asynchronous: bool = False) -> Projection:
+    s = c.state_gib_per_node
+    write_s = max(s * c.nodes / c.storage_gibps, s / c.node_storage_gibps)
+    read_s = max(s * c.nodes / c.storage_gibps, s / min(c.node_storage_gibps, x.storage_restore_gibps))
+    recovery = x.detect_s + x.restart_s + read_s
+    if asynchronous:
+        stall, lag = x.stall_s_per_gib * c.state_gib_per_gpu, write_s
+        period = _period(stall, c.mtbf_s, write_s, c.step_s)
+    else:
+        stall, lag = write_s, 0.0
+        period = _period(stall, c.mtbf_s, 0.0, c.step_s)
+    use = {"storage bandwidth": write_s / (period + stall),
+           "checkpoint cost vs MTBF": stall / (c.mtbf_s / 2.0)}
+    return Projection("disk (async)" if asynchronous else "disk (sync)", period, stall, recovery, lag,
+                      periodic_goodput(period, stall, c.mtbf_s, recovery, lag), use)
+
+
+def project(c: Cluster, x: Measured) -> list[Projection]:
+    """memsnap, synchronous and asynchronous disk checkpointing for cluster ``c``."""
+    return [memsnap(c, x), disk(c, x), disk(c, x, asynchronous=True)]
+
+
+def _positive(name: str, value) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    if not ok:
+        raise ConfigError(f"{name}={value!r} is not a finite number > 0; give a positive value")

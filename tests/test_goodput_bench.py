@@ -1,0 +1,75 @@
+"""bench/goodput_timeline.py: the fault schedule and the timeline analysis of the goodput
+benchmark, on made-up events (no Ray)."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+
+from goodput_timeline import NODES, RunResult, analyse, poisson_schedule  # noqa: E402
+
+
+def test_the_schedule_is_seeded_and_inside_the_horizon():
+    a = poisson_schedule(50.0, 120.0, 21)
+    assert a == poisson_schedule(50.0, 120.0, 21)
+    assert a != poisson_schedule(50.0, 120.0, 22)
+    times = [f["at_s"] for f in a]
+    assert times == sorted(times) and all(0 < t < 120 for t in times)
+    assert all(0 <= f["victim"] < NODES - 1 for f in a)  # never the head node
+    # the bench's default seed: 3 faults at least 25 s apart, the last before the final 30 s
+    assert len(times) == 3 and min(b - a for a, b in zip(times, times[1:])) > 25 and times[-1] < 90
+    long = poisson_schedule(10.0, 100_000.0, 1)
+    assert len(long) == pytest.approx(10_000, rel=0.05)  # a Poisson process of rate 1/MTBF
+
+
+def _events(t0: float) -> tuple[list[dict], list[dict]]:
+    """Steps 0-9 at t0+1..t0+10, a checkpoint after step 4; the node dies at t0+10.5, Ray notices
+    3 s later; the ranks are up again at t0+20.5, restored step 4 at t0+22.5, step 5 ends at t0+23.5."""
+    ev = [{"ev": "built", "rank": r, "t": t0 - 2} for r in range(NODES)]
+    ev += [{"ev": "restored", "rank": r, "step": None, "wall": 0.1, "t": t0 - 1} for r in range(NODES)]
+    for s in range(10):
+        ev.append({"ev": "step", "step": s, "attempt": 0, "t": t0 + 1 + s})
+        if s == 4:
+            ev += [{"ev": "save", "rank": r, "step": s, "stall": 0.5 + r, "bytes": 0, "t": t0 + 5.1} for r in range(NODES)]
+    ev += [{"ev": "built", "rank": r, "t": t0 + 20.0 + r / 6} for r in range(NODES)]
+    ev += [{"ev": "restored", "rank": r, "step": 4, "wall": 1.5 + r / 10, "t": t0 + 22.0 + r / 6} for r in range(NODES)]
+    for i, s in enumerate(range(5, 20)):
+        ev.append({"ev": "step", "step": s, "attempt": 1, "t": t0 + 23.5 + i})
+        if s == 9:
+            ev += [{"ev": "save", "rank": r, "step": s, "stall": 0.25, "bytes": 0, "t": t0 + 28.1} for r in range(NODES)]
+    faults = [{"at_s": 10.0, "t_kill": t0 + 10.5, "t_dead": t0 + 13.5, "killed": 2, "replacement": 4}]
+    return ev, faults
+
+
+def test_one_failure_is_split_into_detect_restart_restore():
+    t0 = 1000.0
+    ev, faults = _events(t0)
+    a = analyse(RunResult({"system": "torch.save", "interval": "5", "faults": True, "label": ""}, t0, 35.0,
+                          ev, faults, 7 << 20, 256 << 20))
+    (f,) = a["failures"]
+    assert f["lost_steps"] == 5  # 10 steps done when the node died, resumed at step 5
+    assert f["detect"] == pytest.approx(3.0)
+    assert f["restart"] == pytest.approx(20.5 - 13.5)  # until the last rank is up
+    assert f["restore"] == pytest.approx(22.5 - 20.5)  # until the last rank restored
+    assert f["rto"] == pytest.approx(23.5 - 10.5)
+    assert f["first_step"] == pytest.approx(1.0)
+    assert f["restore_wall"] == pytest.approx(1.8)
+    # progress at the horizon (t0+35): step 16 ended at t0+34.5, so 17 useful steps
+    assert a["useful_steps"] == 17 and a["rate"] == pytest.approx(17 / 35.0)
+    assert a["stall_first"] == pytest.approx(2.0) and a["stall_steady"] == pytest.approx(0.25)
+    assert a["saves"] == 2 and a["storage_bytes"] == 7 << 20
+    assert a["curve"][9] == (10.0, 10) and a["curve"][10] == (23.5, 6)  # the rollback shows
+
+
+def test_a_failure_the_job_never_recovered_from_has_no_rto():
+    t0 = 0.5
+    ev, faults = _events(t0)
+    cut = [e for e in ev if e["t"] < t0 + 15]  # the horizon ended during the restart
+    a = analyse(RunResult({"system": "dcp", "interval": "5", "faults": True, "label": ""}, t0, 15.0,
+                          cut, faults, 0, 1))
+    (f,) = a["failures"]
+    assert "rto" not in f and f["detect"] == pytest.approx(3.0)
+    assert a["useful_steps"] == 10

@@ -1,0 +1,116 @@
+"""memsnap.goodput_model: the formulas on cases small enough to check by hand."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from memsnap import goodput_model as gm
+from memsnap.errors import ConfigError
+
+
+def test_young_daly_and_periodic_goodput_by_hand():
+    assert gm.young_daly(2.0, 100.0) == pytest.approx(20.0)
+    # no stall: 1 - (recovery 50 + half a period 50) / MTBF 1000
+    assert gm.periodic_goodput(100.0, 0.0, 1000.0, 50.0) == pytest.approx(0.9)
+    # a 10 s stall every 90 s: 90/100 of the time trains, and a failure costs half of 100 s
+    assert gm.periodic_goodput(90.0, 10.0, 1000.0, 0.0) == pytest.approx(0.9 * 0.95)
+    assert gm.periodic_goodput(90.0, 10.0, 1000.0, 0.0, lag_s=50.0) == pytest.approx(0.9 * 0.9)
+    # failures costing more than the MTBF leave nothing, never a negative goodput
+    assert gm.periodic_goodput(100.0, 0.0, 10.0, 50.0) == 0.0
+
+
+def test_lost_steps_and_a_finite_run():
+    assert gm.lost_steps_per_failure(10, 0.0, 1.0) == pytest.approx(4.5)
+    assert gm.lost_steps_per_failure(1, 0.5, 2.0) == pytest.approx(0.25)
+    # 3 failures in 60 s, each 2 + 5 + 1 s of recovery and (0.5 lost + 0.5 in progress) x 1 s of work
+    costs = dict(horizon_s=60.0, step_s=1.0, every_steps=1, lag_s=0.5, detect_s=2.0, restart_s=5.0, restore_s=1.0)
+    assert gm.run_goodput(fault_times_s=[5.0, 20.0, 40.0], **costs) == pytest.approx(1 - 3 * 9 / 60)
+    # a failure 4 s before the end can only cost those 4 s
+    assert gm.run_goodput(fault_times_s=[5.0, 20.0, 56.0], **costs) == pytest.approx(1 - (9 + 9 + 4) / 60)
+    assert gm.run_goodput(fault_times_s=[], **dict(costs, every_steps=10)) == 1.0
+    # every 10 steps, synchronous: 4.5 steps lost on average + half a step in progress
+    assert gm.run_goodput(fault_times_s=[10.0], **dict(costs, every_steps=10, lag_s=0.0)) == pytest.approx(
+        1 - (8 + 5) / 60)
+
+
+def small_cluster(**kw) -> gm.Cluster:
+    """4 nodes of 8 GPUs, 1 GiB per GPU (8 GiB per node), job MTBF 400 s, 1 s steps."""
+    base = dict(gpus=32, gpus_per_node=8, state_gib_per_gpu=1.0, node_mtbf_h=400 * 4 / 3600,
+                storage_gibps=4.0, node_storage_gibps=2.0, nic_gibps=10.0, agent_cores=4.0,
+                host_ram_gib=100.0, step_s=1.0, spill_every_s=100.0)
+    base.update(kw)
+    return gm.Cluster(**base)
+
+
+MEASURED = gm.Measured(stall_s_per_gib=0.25, agent_cpu_s_per_gib=1.0, peer_restore_gibps=2.0,
+                       storage_restore_gibps=2.0, detect_s=1.0, restart_s=1.0)
+
+
+def test_cluster_sizes_and_the_llama3_rate():
+    c = small_cluster()
+    assert (c.nodes, c.state_gib_per_node, c.mtbf_s) == (4, 8.0, pytest.approx(400.0))
+    # 419 interruptions in 54 days on 2,048 nodes: the job MTBF at 16,384 GPUs is 54 d / 419
+    big = gm.Cluster(gpus=16384)
+    assert big.mtbf_s == pytest.approx(54 * 86400 / 419)
+
+
+def test_disk_sync_by_hand():
+    p = gm.disk(small_cluster(), MEASURED)
+    # all 4 nodes write 8 GiB through 4 GiB/s of shared storage: 8 s (the 2 GiB/s links allow 4 s)
+    assert p.stall_s == pytest.approx(8.0)
+    assert p.period_s == pytest.approx(80.0)  # sqrt(2 * 8 * 400)
+    assert p.recovery_s == pytest.approx(1 + 1 + 8)  # every node reads back through the same storage
+    assert p.goodput == pytest.approx(80 / 88 * (1 - (10 + 44) / 400))
+    assert p.use["storage bandwidth"] == pytest.approx(8 / 88)
+    assert p.binding == ("storage bandwidth", pytest.approx(8 / 88))
+
+
+def test_memsnap_by_hand():
+    p = gm.memsnap(small_cluster(), MEASURED)
+    assert p.stall_s == pytest.approx(0.25)  # 0.25 s/GiB x 1 GiB per GPU
+    assert p.lag_s == pytest.approx(2.0)  # agent CPU 1 core-s/GiB x 8 GiB over 4 cores; NIC 8*1.5/10 = 1.2 s
+    assert p.period_s == pytest.approx(15.0)  # sqrt(2 * 0.25 * 400) = 14.1 s, in whole 1 s steps
+    assert p.recovery_s == pytest.approx(1 + 1 + 8 / 2)  # the lost node's 8 GiB from peers at 2 GiB/s
+    assert p.goodput == pytest.approx(15 / 15.25 * (1 - (6 + 7.625 + 2) / 400))
+    assert p.use["agent CPU"] == pytest.approx(2 / 15)
+    assert p.use["NIC"] == pytest.approx(1.2 / 15)
+    assert p.use["host RAM"] == pytest.approx(8 * (3 + 2 * 1.5) / 100)
+    assert p.use["storage (spill)"] == pytest.approx(32 / 100 / 4)
+    assert p.binding[0] == "host RAM"
+
+
+def test_a_pipeline_that_cannot_keep_up_sets_the_period():
+    slow = gm.memsnap(small_cluster(agent_cores=0.1), MEASURED)  # 80 core-s per snapshot on 0.1 core
+    assert slow.period_s == pytest.approx(80.0)
+    assert slow.binding == ("agent CPU", pytest.approx(1.0))
+    # async disk: the stall is the capture, but the next save waits for the 8 s write
+    a = gm.disk(small_cluster(node_mtbf_h=1.0 * 4 / 3600), MEASURED, asynchronous=True)
+    assert a.stall_s == pytest.approx(0.25)
+    assert a.period_s == pytest.approx(8.0) and a.lag_s == pytest.approx(8.0)
+    assert a.use["storage bandwidth"] == pytest.approx(8 / 8.25)
+
+
+def test_more_gpus_shrink_the_mtbf_and_slow_shared_storage():
+    m = gm.Measured()
+    rows = [gm.project(gm.Cluster(gpus=g), m) for g in (1024, 4096, 16384)]
+    disk = [r[1] for r in rows]
+    assert disk[0].stall_s < disk[1].stall_s < disk[2].stall_s  # the same storage for more nodes
+    assert disk[0].goodput > disk[1].goodput > disk[2].goodput
+    mem = [r[0] for r in rows]
+    assert mem[0].stall_s == mem[2].stall_s  # each node captures its own state
+    assert all(r[0].goodput > r[1].goodput for r in rows)
+    assert [p.system for p in rows[0]] == ["memsnap", "disk (sync)", "disk (async)"]
+
+
+@pytest.mark.parametrize("make, needle", [
+    (lambda: gm.Cluster(gpus=12, gpus_per_node=8), "gpus=12 is not a multiple of gpus_per_node=8"),
+    (lambda: gm.Cluster(gpus=16, gpus_per_node=8), "2 nodes, too few for k=2 m=1"),
+    (lambda: gm.Cluster(gpus=1024, storage_gibps=0), "storage_gibps=0"),
+    (lambda: gm.Cluster(gpus=1024, step_s=math.nan), "step_s=nan"),
+    (lambda: gm.Measured(detect_s=-1), "detect_s=-1"),
+    (lambda: gm.Measured(restart_s=True), "restart_s=True"),
+])
+def test_bad_inputs_name_the_field(make, needle):
+    with pytest.raises(ConfigError, match=needle):
+        make()
