@@ -6,6 +6,11 @@ warm: a leak per save shows here as a slope.
     python bench/soak.py [--cycles 1000] [--restore-every 100] [--state-mb 8] [--sample-every 20]
         -> bench/results/soak.md + bench/results/soak.png
 
+Beside it, in the same run, the peer a team would use instead: one process saving the same
+state with PyTorch DCP's ``async_save`` (gloo, world size 1, waiting for each save, to one
+directory overwritten each cycle) the same number of times, sampled the same way, so the
+training process's growth per save reads side by side with memsnap's ranks.
+
 Each cycle every rank changes its state, saves it and waits for the commit; every
 ``--restore-every`` cycles every rank restores (from its node's RAM). The state is small
 on purpose (a leak is per save or per restore, not per byte, and 1,000 cycles must fit in
@@ -14,7 +19,10 @@ minutes on 2 cores); the processes are found by their Ray process titles.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
+import tempfile
 import statistics
 import sys
 import time
@@ -89,6 +97,40 @@ def sample(procs: dict[str, list[psutil.Process]]) -> dict[str, float]:
     return row
 
 
+DCP_CHILD = """
+import json, os, sys, psutil, torch, warnings
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+warnings.filterwarnings("ignore")
+cycles, mib, every, tmp = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+dist.init_process_group("gloo", init_method=f"file://{tmp}/pg", rank=0, world_size=1)
+torch.manual_seed(0)
+model = torch.nn.Linear(1024, mib * 256)
+optim = torch.optim.SGD(model.parameters(), lr=0.1)
+me = psutil.Process()
+for step in range(1, cycles + 1):
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    dcp.async_save({"model": model.state_dict(), "optim": optim.state_dict()},
+                   checkpoint_id=os.path.join(tmp, "ckpt")).result()
+    if step % every == 0:
+        with me.oneshot():
+            print(json.dumps({"cycle": step, "dcp_rss_mib": me.memory_info().rss / 2**20,
+                              "dcp_fds": me.num_fds(), "dcp_threads": me.num_threads()}), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def dcp_rows(cycles: int, mib: int, every: int) -> list[dict]:
+    """The DCP ``async_save`` process's samples (its RSS, fds and threads every ``every`` saves)."""
+    with tempfile.TemporaryDirectory(prefix="soak-dcp-") as tmp:
+        proc = subprocess.run([sys.executable, "-c", DCP_CHILD, str(cycles), str(mib), str(every), tmp],
+                              capture_output=True, text=True, timeout=3600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the DCP soak process failed:\n{proc.stderr[-3000:]}")
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cycles", type=int, default=1000)
@@ -97,6 +139,9 @@ def main() -> None:
     ap.add_argument("--sample-every", type=int, default=20)
     ap.add_argument("--out", default=str(RESULTS / "soak.md"))
     args = ap.parse_args()
+    t0 = time.time()
+    peer = dcp_rows(args.cycles, args.state_mb, args.sample_every)
+    print(f"DCP async_save: {len(peer)} samples in {time.time() - t0:.0f} s; last {peer[-1]}", flush=True)
     rows, restores, t0 = [], [], time.time()
     with LocalCluster(nodes=4, cpus_per_node=1, object_store_mb=96):
         try:
@@ -118,7 +163,7 @@ def main() -> None:
             from memsnap.snapshotter import shutdown
 
             shutdown(JOB, timeout=30)
-    write(rows, restores, args, time.time() - t0)
+    write(rows, restores, peer, args, time.time() - t0)
 
 
 def drift(rows: list[dict], key: str) -> tuple[float, float, float]:
@@ -130,7 +175,7 @@ def drift(rows: list[dict], key: str) -> tuple[float, float, float]:
     return warm, end, 0.0 if warm == 0 else 100.0 * (end - warm) / warm
 
 
-def write(rows: list[dict], restores: list, args, seconds: float) -> None:
+def write(rows: list[dict], restores: list, peer: list[dict], args, seconds: float) -> None:
     keys = [k for k in rows[0] if k not in ("cycle", "seconds")]
     load = os.getloadavg()
     lines = [
@@ -154,7 +199,17 @@ def write(rows: list[dict], restores: list, args, seconds: float) -> None:
         worst = max(worst, abs(pct)) if warm >= 1 else worst
         lines.append(f"| {key} | {warm:.1f} | {end:.1f} | {pct:+.1f}% |")
     lines += ["", f"Largest change after warm-up: {worst:.1f}% (the target is within 5%).", "",
-              "![soak](soak.png)", ""]
+              f"The process that saves, side by side ({args.cycles} saves of the same {args.state_mb} MiB "
+              "state each): one memsnap rank (the ranks' totals / 4) against one process saving with DCP "
+              "`async_save` and waiting for each save.", "",
+              "| what | memsnap rank: warm | end | change | DCP async_save: warm | end | change |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
+    for what in ("rss_mib", "fds", "threads"):
+        m_warm, m_end, m_pct = (x / 4 if i < 2 else x for i, x in enumerate(drift(rows, f"rank_{what}")))
+        d_warm, d_end, d_pct = drift(peer, f"dcp_{what}")
+        lines.append(f"| {what} | {m_warm:.1f} | {m_end:.1f} | {m_pct:+.1f}% | {d_warm:.1f} | {d_end:.1f} | "
+                     f"{d_pct:+.1f}% |")
+    lines += ["", "![soak](soak.png)", ""]
     Path(args.out).write_text("\n".join(lines))
     plot(rows, keys, Path(args.out).with_suffix(".png"))
     print(f"wrote {args.out}; largest change after warm-up {worst:.1f}%")
