@@ -132,6 +132,8 @@ def test_summary_shows_both_restores_with_bytes_and_rates_and_explains_a_disk_wi
     assert "page cache dropped" in text and "0 of 32768 pages cached" in text
     assert "why disk is ahead here" in text
     assert "why disk is ahead" not in demo_cmd.summary(_report(_lost(0.25), _disk(1.0)))
+    tie = demo_cmd.summary(_report(_lost(0.25), _disk(0.2495)))  # disk a hair ahead: a tie, said so
+    assert "why disk keeps up here" in tie and "why disk is ahead" not in tie
     small = dict(_lost(0.5), restore_bytes=1 << 20)
     assert "1.0 MiB in 0.50 s = 2.0 MiB/s" in demo_cmd.summary(_report(small, _disk(1.0)))
 

@@ -140,7 +140,8 @@ def summary(r: dict) -> str:
         f"{disk['cached_pages_before']} of {disk['pages']} pages cached when the read began",
     ]
     if cmp_["why_disk_wins"]:
-        lines.append("  why disk is ahead here:")
+        close = disk["gib_per_s"] <= 1.1 * peer["gib_per_s"]  # within 10%: a tie, not a win
+        lines.append("  why disk keeps up here:" if close else "  why disk is ahead here:")
         for why in cmp_["why_disk_wins"]:
             lines += textwrap.wrap(why, 100, initial_indent="    - ", subsequent_indent="      ")
     lines += [
