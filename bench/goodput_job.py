@@ -12,7 +12,6 @@ per run; ``bench/goodput.py`` rebuilds the timeline from them.
 from __future__ import annotations
 
 import glob
-import json
 import os
 import shutil
 import time
@@ -20,21 +19,10 @@ import time
 import torch
 import torch.distributed as dist
 
+from memsnap.demo.worker import event, read_events  # noqa: F401 (the demo's JSON-lines event log; bench/goodput.py reads it through here)
+
 MIB = 1 << 20
 WIDTH = 256  # the MLP: 4 layers of WIDTH x WIDTH (about 1 MiB of weights, 3 MiB with AdamW)
-
-
-def event(path: str, **record) -> None:
-    record["t"] = time.time()
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
-
-
-def read_events(path: str) -> list[dict]:
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 class Job:
