@@ -187,7 +187,6 @@ def _check_report(r: dict, failures: int) -> None:
 
 @pytest.mark.ray
 @pytest.mark.slow
-@pytest.mark.demo
 @pytest.mark.timeout(660)  # the command's own limit (600 s) first, on a loaded machine
 def test_quick_demo_with_two_node_kills_resumes_from_peers_bitwise(tmp_path):
     """``memsnap demo --quick`` with two kills at different steps: Ray Train restarts the
