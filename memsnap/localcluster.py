@@ -110,6 +110,7 @@ class LocalCluster:
 
         self._next = 0
         self.nodes = []  # ray._private.node.Node, in order of addition
+        self._index: dict[str, int] = {}  # node id -> i of its memsnap_node_<i> resource
         self.cluster = Cluster(initialize_head=False)
         self.add_node(_system_config=cfg, include_dashboard=False, tries=1)
         for _ in range(nodes - 1):
@@ -146,7 +147,12 @@ class LocalCluster:
                              i, attempt, tries, exc)
                 continue
             self.nodes.append(node)
+            self._index[node.node_id] = i
             return node
+
+    def index_of(self, node) -> int:
+        """The ``i`` of ``node``'s ``memsnap_node_<i>`` resource (a retried start skips one)."""
+        return self._index[node.node_id]
 
     def kill_node(self, node) -> None:
         """Kill a node abruptly (raylet, workers and actors gone, nothing graceful)."""

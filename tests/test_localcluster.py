@@ -7,7 +7,7 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from memsnap.localcluster import LocalCluster
+from memsnap.localcluster import LocalCluster, wait_for
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -15,6 +15,10 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 def descendants() -> set[int]:
     return {p.pid for p in psutil.Process().children(recursive=True) if p.is_running()
             and p.status() != psutil.STATUS_ZOMBIE}
+
+
+def live_resources() -> set[str]:
+    return {r for n in ray.nodes() if n["Alive"] for r in n["Resources"] if r.startswith("memsnap_node_")}
 
 
 def test_a_node_whose_start_fails_is_cleaned_up_and_started_again(monkeypatch):
@@ -35,6 +39,14 @@ def test_a_node_whose_start_fails_is_cleaned_up_and_started_again(monkeypatch):
             "the failed node's processes were left running"
         alive = [n for n in ray.nodes() if n["Alive"]]
         assert len(alive) == 2 and len(c.nodes) == 2
+        assert [c.index_of(n) for n in c.nodes] == [0, 1]  # the whole start was tried again, afresh
+        failed.clear()  # a replacement node that fails once: tried again under a resource of its own
+        added = c.add_node()
+        assert len(failed) == 1 and not failed[0].any_processes_alive()
+        assert c.index_of(added) == 3 and len(c.nodes) == 3
+        want = {"memsnap_node_0", "memsnap_node_1", "memsnap_node_3"}
+        wait_for(lambda: live_resources() == want, timeout=60,
+                 what=f"the live nodes' resources to be {sorted(want)} (the failed try's node declared dead)")
         assert {n["NodeManagerAddress"] for n in alive} == {"127.0.0.1"}
     ray.shutdown()
     left = {pid for pid in descendants() - before}
