@@ -302,14 +302,18 @@ def _top_level(manifest: Manifest) -> dict[str, Any]:
     return top
 
 
+def _damaged_rng(exc: ValueError, what: str) -> FormatError:
+    return FormatError(f"the snapshot's RNG state ({RNG_KEY!r}) {exc}; the {what} is damaged "
+                       "(pass rng=False to apply without restoring RNGs)")
+
+
 def _check_rng(saved: Any, manifest: Manifest) -> None:
     value = tree.decode(saved, lambda i, p: manifest.tensors[i], RNG_KEY)  # entries stand in for tensors
     try:
         rng_state.check_state(value, lambda e: isinstance(e, TensorEntry) and e.dtype == "uint8"
                               and len(e.shape) == 1)
     except ValueError as exc:
-        raise FormatError(f"the snapshot's RNG state ({RNG_KEY!r}) {exc}; the manifest is damaged "
-                          "(pass rng=False to apply without restoring RNGs)") from None
+        raise _damaged_rng(exc, "manifest") from None
     want = torch.get_rng_state().numel()
     if value["torch"].shape != (want,):
         raise StateMismatchError(
@@ -373,8 +377,7 @@ def finish(pl: Plan, src: _Source, state: Any) -> None:
         try:
             rng_state.check_generator_bytes(saved_rng)
         except ValueError as exc:
-            raise FormatError(f"the snapshot's RNG state ({RNG_KEY!r}) {exc}; the snapshot is damaged "
-                              "(pass rng=False to apply without restoring RNGs)") from None
+            raise _damaged_rng(exc, "snapshot") from None
     for p in pl.objects:
         _run(p, src, state, pl.strict)
     if saved_rng is not None:
