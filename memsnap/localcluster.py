@@ -9,6 +9,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import queue
+import threading
 import time
 
 _log = logging.getLogger(__name__)
@@ -51,6 +53,50 @@ def _kill_new(before: set[int]) -> None:
             psutil.Process(pid).kill()
 
 
+class _StartThread:
+    """The one thread every node of a cluster is started from; it lives until ``close()``.
+
+    Ray starts a node's processes with ``PR_SET_PDEATHSIG(SIGKILL)``, and Linux sends that
+    signal when the *thread* that forked the child exits, not the process: a node added from a
+    short-lived thread (a failure injector's) would be killed the moment that thread ended.
+    """
+
+    def __init__(self):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name="memsnap-localcluster-start", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            fn, box, done = job
+            try:
+                box["value"] = fn()
+            except BaseException as exc:  # handed to the caller, raised there
+                box["error"] = exc
+            finally:
+                done.set()
+
+    def call(self, fn):
+        """``fn()`` on the start thread; its result, or its exception raised here."""
+        if threading.current_thread() is self._thread:
+            return fn()
+        if not self._thread.is_alive():
+            raise RuntimeError("this LocalCluster is closed: start a new one to add nodes")
+        box: dict = {}
+        done = threading.Event()
+        self._jobs.put((fn, box, done))
+        done.wait()
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+    def close(self) -> None:
+        self._jobs.put(None)
+
+
 def loopback_env() -> None:
     """Make every Ray process started from here bind to loopback.
 
@@ -91,15 +137,17 @@ class LocalCluster:
         self._store = object_store_mb * 1024 * 1024
         cfg = dict(FAST_FAILURE_SYSTEM_CONFIG)
         cfg.update(system_config or {})
+        self._starter = _StartThread()
         for attempt in range(1, tries + 1):
             before = _descendants()
             try:
                 self._start(nodes, cfg, connect)
                 return
             except BaseException as exc:
-                self.close()
+                self._teardown()
                 _kill_new(before)
                 if attempt == tries or not _worth_retrying(exc):
+                    self._starter.close()
                     raise
                 _log.warning("the %d-node loopback cluster did not start (try %d of %d: %s); trying again",
                              nodes, attempt, tries, exc)
@@ -137,8 +185,7 @@ class LocalCluster:
             args.update(kwargs)
             before = _descendants()
             try:
-                with _sigterm_hook_off_main_thread():
-                    node = self.cluster.add_node(**args)
+                node = self._starter.call(lambda: self._add_one(args))
             except Exception as exc:
                 _kill_new(before)
                 if attempt == tries or not _worth_retrying(exc):
@@ -149,6 +196,10 @@ class LocalCluster:
             self.nodes.append(node)
             self._index[node.node_id] = i
             return node
+
+    def _add_one(self, args: dict):
+        with _sigterm_hook_off_main_thread():
+            return self.cluster.add_node(**args)
 
     def index_of(self, node) -> int:
         """The ``i`` of ``node``'s ``memsnap_node_<i>`` resource (a retried start skips one)."""
@@ -161,6 +212,12 @@ class LocalCluster:
 
     def close(self) -> None:
         """Tear every process of the cluster down, even a node that died or half started."""
+        self._teardown()
+        starter = getattr(self, "_starter", None)
+        if starter is not None:
+            starter.close()
+
+    def _teardown(self) -> None:
         import ray
 
         with contextlib.suppress(Exception):

@@ -64,3 +64,41 @@ def test_a_start_that_fails_every_time_raises_and_leaves_nothing(monkeypatch):
     assert descendants() - before == set()
     with pytest.raises(ValueError, match="tries=0"):
         LocalCluster(nodes=2, tries=0)
+
+
+def _raylet(node) -> psutil.Process:
+    return psutil.Process(node.all_processes["raylet"][0].process.pid)
+
+
+def test_a_node_added_from_a_thread_that_ends_keeps_running():
+    """Ray starts a node's processes with PR_SET_PDEATHSIG(SIGKILL), which Linux sends when the
+    thread that started them exits: a failure injector's replacement node must outlive it."""
+    import os
+    import threading
+
+    @ray.remote(num_cpus=0)
+    def where() -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    with LocalCluster(nodes=1, object_store_mb=96) as c:
+        added, tids = [], []
+
+        def injector() -> None:
+            tids.append(threading.get_native_id())
+            added.append(c.add_node())
+
+        t = threading.Thread(target=injector)
+        t.start()
+        t.join(timeout=120)
+        assert added, "the node was not added within 120 s"
+        node = added[0]
+        # the thread is gone from the kernel's view too (join returns a moment before), so any
+        # parent-death signal has been sent by now
+        wait_for(lambda: not os.path.exists(f"/proc/self/task/{tids[0]}"), timeout=30,
+                 what="the injector thread to exit")
+        got = ray.get(where.options(resources={f"memsnap_node_{c.index_of(node)}": 0.01}).remote(), timeout=120)
+        assert got == node.node_id
+        raylet = _raylet(node)
+        assert raylet.is_running() and raylet.status() != psutil.STATUS_ZOMBIE, \
+            "the node's raylet died with the thread that added it"
+        assert all(n["Alive"] for n in ray.nodes()), "a node was declared dead"
