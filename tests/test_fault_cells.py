@@ -1,6 +1,6 @@
 """Cells of the fault matrix (README) that need their own test, without Ray: the coordinator
-lost between the two phases of a commit, an agent killed in the middle of a spill, and a
-node lost while a step is encoded. All run the real code
+lost between the two phases of a commit, an agent killed in the middle of a spill, a node
+lost while a step is encoded, and a spare node lost. All run the real code
 (``CoordinatorCore`` + ``rebuild_state`` over real ``AgentCore``s; the agent's spill thread
 in a process that dies half way through a file; a whole job in one process with its TCP data
 plane on loopback, ``support.inproc``)."""
@@ -251,3 +251,31 @@ def test_a_node_lost_while_a_step_is_encoded_fails_it_by_node_failed_and_the_pre
     assert sorted(record.nodes) == sorted(survivors + [E]) and all(lost not in record.holders(o) for o in record.nodes)
     assert_whole(job, 3, survivors + [E])
 
+
+def test_a_spare_node_lost_leaves_every_step_restorable_and_reprotection_rebuilds_its_shards(inproc):
+    job = inproc({A: [0], B: [1], C: [2], D: [], E: []})  # D and E: spare agents, no rank
+    spare = D
+    states = {r: model_state(r) for r in range(3)}
+    job.save(1, states)
+    job.resolved(1)
+    assert job.coord.newest() == 1 and job.coord.status()["protection"] == {"0": 2}
+    record = job.coord.log.records[1]
+    assert sorted(o for o in record.nodes if spare in record.holders(o)) == [A, B, C]
+    job.lose(spare)
+    assert job.coord.status()["protection"] == {"0": 1}
+    assert assert_whole(job, 1, (A, B, C)) > 0  # restorable: the spare's data shards decoded from parity
+    job.save(2, states)  # the first push to the lost spare fails the step, as a lost holder's does
+    job.resolved(2)
+    assert job.coord.newest() == 1 and "TransportError: push to" in job.coord.log.failed[2]
+    assert spare not in job.coord.membership.placement.holders  # placed anew on the live nodes
+    reprotected(job)
+    assert not job.coord.reprotect.status()["errors"]
+    assert job.coord.status()["protection"] == {"0": 2}, "the protection level came back"
+    record = job.coord.log.records[1]
+    assert all(spare not in record.holders(o) for o in record.nodes)
+    assert assert_whole(job, 1, (A, B, C)) == 0  # every shard at a live holder again: nothing to decode
+    job.layouts_current()
+    job.save(3, states)
+    job.resolved(3)
+    assert job.coord.newest() == 3 and all(spare not in job.coord.log.records[3].holders(o) for o in (A, B, C))
+    assert_whole(job, 3, (A, B, C))
