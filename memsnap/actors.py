@@ -92,7 +92,7 @@ class Coordinator:
         self.core.node_ready(info)
 
     async def node_failed(self, step: int, node: str, why: str) -> None:
-        self.core.node_failed(step, node, why)
+        await self.pool.run(self.core.node_failed, step, node, why)  # (may ask Ray which nodes live)
 
     async def node_skipped(self, step: int, node: str, why: str) -> None:
         self.core.node_skipped(step, node, why)

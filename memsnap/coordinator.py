@@ -14,6 +14,7 @@ size does not grow with the tensor count. Call protocol (who calls in brackets):
      peers, its holders and their addresses (the agent caches them until the epoch changes).
   3. [agent]  ``node_ready(NodeReady)`` (phase one: every chunk acknowledged; a few hundred
      bytes), ``node_failed(t, node, why)`` or ``node_skipped(t, node, why)`` (busy: not a failure).
+     A failure that finds a spare node dead places the live nodes anew without it (re-protection).
   4. [coordinator]  when every node running ranks is ready: keep a ``CommitRecord``, and
      ``commit(CommitNotice)`` on every agent (phase two), which frees what it no longer keeps.
   5. [agent, for its ranks]  restore: ``restore_arrive(node, attempt, ranks)``; awaited
@@ -132,13 +133,20 @@ class CoordinatorCore:
         self.broadcast("commit", notice.to_wire())
 
     def node_failed(self, step: int, node: str, why: str) -> None:
+        """``step`` cannot commit. If a spare node is gone (a push to it failed), the live nodes
+        are placed anew without it and re-protection rebuilds the shards it held."""
         with self.lock:
             news = self.log.fail(step, f"node {node[:12]}: {why}")
+            replaced = self.membership.drop_lost_spares()
             self.changed()
         if news:
             metrics.failed(self.cfg.job, node)
             log.warning("step %d failed on node %s: %s", step, node[:12], why)
             self.broadcast("abandon", step, why, True)
+        if replaced:
+            self.broadcast("layout_changed")
+            if self.log.records:
+                self.reprotect.kick()
 
     def node_skipped(self, step: int, node: str, why: str) -> None:
         """A node's pipeline was busy: it skipped ``step`` or replaced it with a newer capture

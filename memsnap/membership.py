@@ -5,7 +5,8 @@ Protection needs ``k+m+1`` of them; with fewer, ``peers=None`` (the default) run
 RAM + spill and says so once, and ``peers=True`` is refused with the reason at once.
 Placement waits until every rank registered: until a restarted worker group has all
 re-registered, ranks can still name nodes of the old group (Ray Train moves ranks).
-A rank that comes back on a new node takes a lost node's slot (``placement.replace_node``).
+A rank that comes back on a new node takes a lost node's slot (``placement.replace_node``);
+a lost spare, whose slot nobody comes back to, leaves the placement (``drop_lost_spares``).
 """
 from __future__ import annotations
 
@@ -93,6 +94,23 @@ class Membership:
             return
         self.place_error, self.peered, self.no_peers_why = None, True, None
         self.epoch += 1
+
+    def drop_lost_spares(self) -> bool:
+        """Placed nodes that run no rank and are dead (lost spares) leave the placement: the
+        nodes running ranks and the live spares (one started since included) are placed anew,
+        so the next step's pieces go to live holders. A lost node that ran ranks stays: its
+        ranks come back on a new node, which takes its slot. True when the placement changed."""
+        if self.placement is None or not self.peered:
+            return False
+        lost = set(self.placement.holders) - self.alive() - set(self.by_node())
+        if not lost:
+            return False
+        epoch = self.epoch
+        self.maybe_place()
+        if self.epoch != epoch:
+            log.warning("spare node(s) %s lost: the job's nodes are placed anew without them",
+                        [n[:12] for n in sorted(lost)])
+        return self.epoch != epoch
 
     def _place_locally(self, nodes: list[NodeInfo], why: str) -> None:
         if why != self.no_peers_why:

@@ -1,7 +1,9 @@
 """Cells of the fault matrix (README) that need their own test, without Ray: the coordinator
-lost between the two phases of a commit, and an agent killed in the middle of a spill.
-Both run the real code (``CoordinatorCore`` + ``rebuild_state`` over real ``AgentCore``s;
-the agent's spill thread in a process that dies half way through a file)."""
+lost between the two phases of a commit, an agent killed in the middle of a spill, a node
+lost while a step is encoded, and a spare node lost. All run the real code
+(``CoordinatorCore`` + ``rebuild_state`` over real ``AgentCore``s; the agent's spill thread
+in a process that dies half way through a file; a whole job in one process with its TCP data
+plane on loopback, ``support.inproc``)."""
 from __future__ import annotations
 
 import subprocess
@@ -13,9 +15,11 @@ import torch
 from memsnap.agent import AgentCore
 from memsnap.config import SnapshotConfig
 from memsnap.coordinator import CoordinatorCore, rebuild_state
+from memsnap.localcluster import wait_for
 from memsnap.records import NodeReady, Region
 from memsnap.slots import Version
 from memsnap.storage import Store
+from support.inproc import EncodeGate, Job, model_state
 
 SECRET = b"c" * 32
 NODES = [f"{c}" * 56 for c in "abcd"]
@@ -159,3 +163,119 @@ def test_an_agent_killed_mid_spill_leaves_the_previous_durable_step_and_the_next
     with pytest.warns(UserWarning, match="optimizer"):
         assert memsnap.load(uri, fresh) == 2
     assert torch.equal(fresh["model"].weight, again["model"].weight)
+
+
+# --- a whole job in one process (support.inproc) -------------------------------------------------
+A, B, C, D, E = (c * 56 for c in "abcde")
+
+
+@pytest.fixture
+def inproc(monkeypatch):
+    """Jobs made by ``inproc(ranks)``; re-protection runs at once (no restore to wait for) and
+    its calls to agents are answered in-process."""
+    import memsnap.repair
+    import memsnap.reprotect
+
+    monkeypatch.setenv("MEMSNAP_REPROTECT_DEFER_S", "0")
+    monkeypatch.setattr(memsnap.reprotect, "ray", Job.ray)
+    monkeypatch.setattr(memsnap.repair, "ray", Job.ray)
+    jobs = []
+
+    def make(ranks):
+        jobs.append(Job(ranks, k=2, m=1, keep=2, memory_budget=8 << 20, chunk=1024))
+        return jobs[-1]
+
+    yield make
+    for job in jobs:
+        job.close()
+
+
+def reprotected(job) -> None:
+    """Until re-protection has rebuilt shards and its thread has ended (it may start only after
+    the step that set it off is already resolved)."""
+    state = job.coord.reprotect.state
+    wait_for(lambda: state["rebuilt_chunks"] > 0 and state["running"] == 0, timeout=60,
+             what="re-protection to rebuild the lost node's shards")
+
+
+def assert_whole(job, step: int, nodes) -> int:
+    """Every rank's bytes of ``step``, read from its holders as a peer restore reads them, and
+    the local copies on ``nodes``, are bitwise what was captured; the stripes it had to decode."""
+    decoded = 0
+    for rank, want in job.saved[step].items():
+        got, stats = job.read_from_holders(step, rank)
+        assert got == want, f"rank {rank}'s step {step} read from its holders differs from what it captured"
+        decoded += stats["decoded_stripes"]
+    for node in nodes:
+        for rank in job.ranks[node]:
+            assert job.local_copy(node, step, rank) == job.saved[step][rank]
+    return decoded
+
+
+def test_a_node_lost_while_a_step_is_encoded_fails_it_by_node_failed_and_the_previous_step_restores(inproc):
+    job = inproc({A: [0], B: [1], C: [2], D: [3]})
+    states = {r: model_state(r) for r in range(4)}
+    job.save(1, states)
+    job.resolved(1)
+    assert job.coord.newest() == 1
+    lost = job.coord.membership.placement.holders[A][2]  # the holder of A's parity: pushed after encoding
+    others, survivors = [B, C, D], [n for n in (A, B, C, D) if n != lost]
+    gate = EncodeGate(job.cores[A])
+    job.save(2, {r: model_state(10 + r) for r in range(4)})
+    assert gate.reached.wait(60), "node A never began encoding step 2"
+    wait_for(lambda: all(job.cores[n].versions[2].state == "ready" for n in others), timeout=60,
+             what="every other node to have sent step 2")  # so A is the one that meets the loss
+    job.lose(lost)
+    gate.release()
+    job.resolved(2)
+    assert job.coord.newest() == 1, "a step whose encoder lost a holder never commits"
+    why = job.coord.log.failed[2]
+    assert why.startswith(f"node {A[:12]}: TransportError: push to") and "shard=2" in why
+    assert job.cores[A].counters["failed_snapshots"] == 1
+    for core in job.live().values():  # every node dropped step 2: no version, no held chunk
+        assert 2 in core.abandoned and 2 not in core.versions and 2 not in core.store.inventory()
+    assert assert_whole(job, 1, survivors) > 0  # the lost holder's shards were decoded
+    placement = job.coord.membership.placement
+    assert job.coord.membership.peered and lost in placement.holders  # its slot waits for its rank
+    job.start_agent(E)  # the lost node's rank comes back on a new node, in its slot
+    job.join(E, job.ranks[lost])
+    job.cores[E].placed(job.coord.answer(E))
+    assert job.coord.membership.placement.holders[E] == placement.holders[lost]
+    reprotected(job)  # the lost node's shards of step 1 are rebuilt on the new one
+    assert all(lost not in job.coord.log.records[1].holders(o) for o in job.coord.log.records[1].nodes)
+    job.layouts_current()
+    job.save(3, states)
+    job.resolved(3)
+    assert job.coord.newest() == 3
+    record = job.coord.log.records[3]
+    assert sorted(record.nodes) == sorted(survivors + [E]) and all(lost not in record.holders(o) for o in record.nodes)
+    assert_whole(job, 3, survivors + [E])
+
+
+def test_a_spare_node_lost_leaves_every_step_restorable_and_reprotection_rebuilds_its_shards(inproc):
+    job = inproc({A: [0], B: [1], C: [2], D: [], E: []})  # D and E: spare agents, no rank
+    spare = D
+    states = {r: model_state(r) for r in range(3)}
+    job.save(1, states)
+    job.resolved(1)
+    assert job.coord.newest() == 1 and job.coord.status()["protection"] == {"0": 2}
+    record = job.coord.log.records[1]
+    assert sorted(o for o in record.nodes if spare in record.holders(o)) == [A, B, C]
+    job.lose(spare)
+    assert job.coord.status()["protection"] == {"0": 1}
+    assert assert_whole(job, 1, (A, B, C)) > 0  # restorable: the spare's data shards decoded from parity
+    job.save(2, states)  # the first push to the lost spare fails the step, as a lost holder's does
+    job.resolved(2)
+    assert job.coord.newest() == 1 and "TransportError: push to" in job.coord.log.failed[2]
+    assert spare not in job.coord.membership.placement.holders  # placed anew on the live nodes
+    reprotected(job)
+    assert not job.coord.reprotect.status()["errors"]
+    assert job.coord.status()["protection"] == {"0": 2}, "the protection level came back"
+    record = job.coord.log.records[1]
+    assert all(spare not in record.holders(o) for o in record.nodes)
+    assert assert_whole(job, 1, (A, B, C)) == 0  # every shard at a live holder again: nothing to decode
+    job.layouts_current()
+    job.save(3, states)
+    job.resolved(3)
+    assert job.coord.newest() == 3 and all(spare not in job.coord.log.records[3].holders(o) for o in (A, B, C))
+    assert_whole(job, 3, (A, B, C))
