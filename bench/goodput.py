@@ -40,6 +40,7 @@ import psutil  # noqa: E402
 
 from goodput_timeline import NODES, RunResult, analyse, poisson_schedule  # noqa: E402
 from memsnap import goodput_model as gm  # noqa: E402
+from memsnap.policy import agent_ram  # noqa: E402
 from memsnap.localcluster import LocalCluster, wait_for  # noqa: E402
 
 RESULTS = HERE / "results"
@@ -470,7 +471,9 @@ def measure(args, json_path: Path, keep: list[dict]) -> dict:
     scratch = tempfile.mkdtemp(prefix="memsnap-goodput-scratch-")
     base_cfg = {"state_mb": args.state_mb, "compute": args.compute, "step_s": args.step_s,
                 "model_passes": args.model_passes, "seed": args.seed, "spill_every": args.spill_every,
-                "spill_bytes_per_s": 256 << 20, "memory_budget": 6 * args.state_mb * (1 << 20) + (512 << 20),
+                "spill_bytes_per_s": 256 << 20,
+                # what `memsnap plan` says a node needs (RS(2,1), keep=2: 9x the state), and 256 MiB to spare
+                "memory_budget": int(agent_ram(args.state_mb << 20, k=2, m=1, keep=2)) + (256 << 20),
                 "node_mtbf_s": args.mtbf_s * NODES, "scratch": scratch}
     runs: list[dict] = list(keep)
     chosen: dict[str, int] = {}

@@ -34,6 +34,7 @@ import math
 from dataclasses import dataclass, field
 
 from memsnap.errors import ConfigError
+from memsnap.policy import agent_ram
 
 LLAMA3_NODE_MTBF_H = 54 * 24 / 419 * 2048  # 6,335 h: 419 interruptions / 54 days / 2,048 nodes
 
@@ -160,7 +161,7 @@ def memsnap(c: Cluster, x: Measured) -> Projection:
     lag = max(cpu_s, net_s)
     period = _period(stall, c.mtbf_s, max(stall, lag), c.step_s)
     recovery = x.detect_s + x.restart_s + s / x.peer_restore_gibps
-    ram = s * ((c.keep + 1) + c.keep * (c.k + c.m) / c.k)
+    ram = agent_ram(s, c.k, c.m, c.keep)
     use = {"agent CPU": cpu_s / period, "NIC": net_s / period, "host RAM": ram / c.host_ram_gib,
            "storage (spill)": s * c.nodes / c.spill_every_s / c.storage_gibps}
     return Projection("memsnap", period, stall, recovery, lag,

@@ -46,6 +46,18 @@ def young_daly_interval(cost_seconds: float, mtbf_seconds: float) -> float:
     return math.sqrt(2.0 * cost_seconds * mtbf_seconds)
 
 
+def agent_ram(state_per_node: float, k: int, m: int, keep: int) -> float:
+    """The most RAM one node's agent holds, steady, for ``state_per_node`` of its ranks' state
+    (any unit; the answer is in the same unit): what its ``memory_budget`` must cover.
+
+    ``keep + 1`` arena slots of the node's own state (the committed versions and the capture
+    in progress), and the pieces it holds for its peers: with every node's pieces spread evenly
+    over the others, ``S * (k + m) / k`` per version, for the ``keep`` committed versions and
+    two more in flight (one landing while the one before waits for its commit).
+    """
+    return state_per_node * ((keep + 1) + (keep + 2) * (k + m) / k)
+
+
 def require_positive_int(name: str, value: object, hint: str) -> int:
     """``value`` if it is an int >= 1 (not a bool); else a ``ConfigError`` naming it."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:

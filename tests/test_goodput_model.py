@@ -75,7 +75,8 @@ def test_memsnap_by_hand():
     assert p.goodput == pytest.approx(15 / 15.25 * (1 - (6 + 7.625 + 2) / 400))
     assert p.use["agent CPU"] == pytest.approx(2 / 15)
     assert p.use["NIC"] == pytest.approx(1.2 / 15)
-    assert p.use["host RAM"] == pytest.approx(8 * (3 + 2 * 1.5) / 100)
+    # keep+1 slots of 8 GiB, and the pieces held for peers (8 x 1.5) for 2 committed versions + 2 in flight
+    assert p.use["host RAM"] == pytest.approx(8 * (3 + 4 * 1.5) / 100)
     assert p.use["storage (spill)"] == pytest.approx(32 / 100 / 4)
     assert p.binding[0] == "host RAM"
 

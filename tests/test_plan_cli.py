@@ -216,3 +216,17 @@ def test_without_goodput_the_sizes_are_required(capsys):
     rc, out, err = invoke(capsys, "--nodes", "8")
     assert rc == 2 and out == ""
     assert "--state-gb, --mtbf-hours required" in err
+
+
+def test_the_plan_names_the_memory_budget_a_node_needs(capsys):
+    """keep+1 slots of the node's state, and its peers' pieces, S(k+m)/k per version, for the
+    keep committed versions and two in flight; the same figure in the table and the JSON."""
+    rc, out, _ = invoke(capsys, "--state-gb", "0.25", "--nodes", "4", "--mtbf-hours", "1", "--k", "2", "--m", "1")
+    assert rc == 0
+    want = 0.25 * (3 + 4 * 1.5)  # 2.25 GB: what a 2 GB budget refused under load at 256 MiB per rank
+    assert f"memory_budget per node: at least {want:.3g} GB (keep=2" in out
+    rc, out, _ = invoke(capsys, "--state-gb", "10", "--nodes", "16", "--mtbf-hours", "1", "--k", "4", "--m", "2",
+                        "--keep", "1", "--json")
+    assert rc == 0 and json.loads(out)["memory_budget_gb"] == pytest.approx(10 * (2 + 3 * 6 / 4))
+    rc, _, err = invoke(capsys, *BASE, "--keep", "0")
+    assert rc == 2 and "--keep=0" in err

@@ -25,6 +25,9 @@ step time. Formulas, all in seconds:
   average, plus the restore).
 * expected overhead (fraction of wall time not training):
   ``C / tau + (tau / 2 + R) / M``.
+* the agent's RAM, what ``memory_budget`` must cover (``memsnap.policy.agent_ram``):
+  ``S * ((keep + 1) + (keep + 2) * (k + m) / k)``: ``keep + 1`` arena slots of the node's
+  own state, and the pieces held for peers for ``keep`` committed versions and two in flight.
 """
 from __future__ import annotations
 
@@ -37,7 +40,7 @@ from dataclasses import asdict, dataclass
 
 from memsnap.commands import plan_goodput
 from memsnap.errors import ConfigError
-from memsnap.policy import require_positive_float, require_positive_int, young_daly_interval
+from memsnap.policy import agent_ram, require_positive_float, require_positive_int, young_daly_interval
 
 TIERS = ("ram", "peer", "disk")
 EPILOG = """formulas (seconds; S state GB per node, B* bandwidths GB/s, N nodes):
@@ -45,7 +48,8 @@ EPILOG = """formulas (seconds; S state GB per node, B* bandwidths GB/s, N nodes)
   cost      ram S/Bc;  peer S/Bc + S*(k+m)/k/(Bn*streams);  disk S/Bc + S/Bd
   restore   ram S/Bc;  peer S/(Bn*streams);  disk S/Bd
   interval  sqrt(2 * cost * M)            lost work per failure  interval/2 + restore
-  overhead  cost/interval + lost/M"""
+  overhead  cost/interval + lost/M
+  agent RAM (memory_budget)  S * ((keep+1) + (keep+2)*(k+m)/k)"""
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,7 @@ class PlanInputs:
     disk_gbps: float = 1.0
     k: int = 2
     m: int = 1
+    keep: int = 2
     step_seconds: float | None = None
     memcpy_measured: bool = False  # memcpy_gbps was measured on this machine (--measure)
 
@@ -71,7 +76,7 @@ class PlanInputs:
         if self.step_seconds is not None:
             require_positive_float("--step-seconds", self.step_seconds,
                                    "pass the seconds one training step takes")
-        for name in ("nodes", "streams", "k", "m"):
+        for name in ("nodes", "streams", "k", "m", "keep"):
             require_positive_int("--" + name, getattr(self, name), "pass an integer >= 1")
         if self.nodes < self.k + self.m + 1:
             raise ConfigError(
@@ -171,11 +176,15 @@ def format_table(p: PlanInputs, plans: list[TierPlan]) -> str:
               "half the job MTBF; Young/Daly does not hold there: snapshot as often as you can "
               "and reduce the cost" for t in plans if not t.formula_valid]
     lines.append("interval = sqrt(2 x cost x job MTBF); lost work = interval/2 + restore")
+    lines.append(f"memory_budget per node: at least {agent_ram(p.state_gb, p.k, p.m, p.keep):.3g} GB "
+                 f"(keep={p.keep}: {p.keep + 1} slots of the node's state, and its peers' pieces for "
+                 f"{p.keep} committed versions and 2 in flight)")
     return "\n".join(lines)
 
 
 def to_json(p: PlanInputs, plans: list[TierPlan]) -> str:
     return json.dumps({"inputs": asdict(p), "job_mtbf_s": job_mtbf_seconds(p),
+                       "memory_budget_gb": agent_ram(p.state_gb, p.k, p.m, p.keep),
                        "tiers": [asdict(t) for t in plans]}, indent=2)
 
 
