@@ -56,6 +56,7 @@ from memsnap.chunkstore import HeldChunks
 from memsnap.config import SnapshotConfig, tcp_options, tunable
 from memsnap.directory import Directory
 from memsnap.errors import CommitError, ConfigError, MemoryBudgetError
+from memsnap.policy import agent_ram
 from memsnap.records import CommitNotice, Inventory, NodeReady, RankSource
 from memsnap.repair import Repair
 from memsnap.sender import Sender
@@ -160,6 +161,7 @@ class AgentCore:
                 raise
             v.sizes[rank] = nbytes
             v.manifests.pop(rank, None)
+            self._check_budget_size(rank, nbytes)
         self.store.announce(step)  # holders accept pushes up to store_step_window above it
         return {"path": arena.path, "nbytes": nbytes, "slot": v.slot}
 
@@ -181,6 +183,22 @@ class AgentCore:
         self.skipped.add(step)
         self.pool.submit(self.tell, "node_skipped", step, self.node, why)
         return why
+
+    def _check_budget_size(self, rank: int, nbytes: int) -> None:
+        """Warn once (again only if it grows) when ``memory_budget`` is below what this node's
+        state needs with peer protection (``memsnap plan``): full holders would refuse snapshots
+        taken back to back. Called under the lock."""
+        self._rank_bytes = getattr(self, "_rank_bytes", {})
+        self._rank_bytes[rank] = nbytes
+        state = sum(self._rank_bytes.values())
+        need = int(agent_ram(state, self.cfg.k, self.cfg.m, self.cfg.keep))
+        if need <= self.cfg.memory_budget or need <= getattr(self, "_warned_need", 0):
+            return
+        self._warned_need = need
+        log.warning("node %s: memory_budget=%d bytes is below the %d this node needs for %d bytes of its ranks' "
+                    "state with keep=%d and RS(%d,%d) (its keep+1 slots and its peers' pieces, memsnap plan); "
+                    "holders will refuse snapshots taken back to back: raise memory_budget to %d, or lower keep",
+                    self.node[:12], self.cfg.memory_budget, need, state, self.cfg.keep, self.cfg.k, self.cfg.m, need)
 
     def _busy_warning(self, what: str) -> None:
         now = time.monotonic()

@@ -1,6 +1,7 @@
 """The runtime's pure parts without Ray: config, the tier decision, protection, agent slots."""
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -368,3 +369,21 @@ def test_a_save_that_arrives_while_its_slot_is_made_ahead_waits_for_it_and_uses_
     assert got["slot"] == 0 and got["path"] == core.arenas[(0, 0)].path  # ...and captures into it
     assert "ahead" not in got["path"] and os.path.exists(got["path"])
     assert core.budget.used == 3 * 4096  # three slots, none made twice
+
+
+def test_a_budget_below_what_the_state_needs_is_named_once_with_the_size_to_set(core, caplog):
+    """1 MiB of budget, keep=2, RS(2,1): 4096 bytes of state need 9 x 4096 (memsnap plan); two
+    ranks of 64 KiB need 9 x 128 KiB, more than the budget: one warning naming the size."""
+    from memsnap.policy import agent_ram
+
+    with caplog.at_level(logging.WARNING, logger="memsnap.agent"):
+        core.begin(1, 0, 4096)
+        assert "raise memory_budget" not in caplog.text
+        core.begin(2, 0, 64 << 10)
+        core.begin(2, 1, 64 << 10)
+        need = int(agent_ram(128 << 10, 2, 1, 2))
+        assert need > 1 << 20
+        warned = [r.getMessage() for r in caplog.records if "raise memory_budget" in r.getMessage()]
+        assert len(warned) == 1 and f"raise memory_budget to {need}" in warned[0]
+        core.begin(3, 1, 64 << 10)  # the same need: not again
+        assert len([r for r in caplog.records if "raise memory_budget" in r.getMessage()]) == 1
