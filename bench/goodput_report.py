@@ -168,8 +168,7 @@ def write_report(data: dict, out: Path) -> None:
         f"--common-n {a['common_n']}`; {mach['date']}; {mach['cpus']} CPUs, {mach['mem_total_gib']:.0f} GiB RAM; "
         f"the whole run took {mach['seconds'] / 60:.1f} min. Machine load (1-min load average after each run): "
         f"{min(l[0] for l in loads):.1f}-{max(l[0] for l in loads):.1f}, CPU busy "
-        f"{min(mach['cpu_busy_percent']):.0f}-{max(mach['cpu_busy_percent']):.0f}% over a run (psutil); other "
-        "jobs shared the machine.", "",
+        f"{min(mach['cpu_busy_percent']):.0f}-{max(mach['cpu_busy_percent']):.0f}% over a run (psutil).", "",
         "## How it was measured", "",
         f"One data-parallel job, one rank on each of 4 simulated Ray nodes on this machine (loopback; every address "
         f"127.0.0.1), each rank with {state_mib:.0f} MiB of state: a small MLP with AdamW whose gradients are "
@@ -198,8 +197,8 @@ def write_report(data: dict, out: Path) -> None:
         "* **stall**: wall seconds `save` blocks training, per rank: the first save of a run and the median of the others.",
         "* **to storage**: bytes written under the directory that stands in for NFS (the largest size seen of every "
         "file, polled every 0.2 s). memsnap writes there only when it spills.",
-        "* **not scheduled**: a node Ray declared dead on its own (missed health checks on this loaded machine); "
-        "the job lost it like any other, so it counts as a fault of that run.", "",
+        "* **not scheduled**: a node Ray declared dead on its own (e.g. missed health checks); the job lost it like "
+        "any other, so it counts as a fault of that run.", "",
         "## Results", "",
         "| system | N | faults | useful steps | failure-free steps/s | steps/s with faults | goodput | vs. unprotected | "
         "lost steps per failure | RTO s (detect + restart + restore + step) | stall first / steady s | to storage |",
@@ -277,8 +276,9 @@ def write_report(data: dict, out: Path) -> None:
               "jobs on the machine; the per-GiB figures above are the ones to carry to a real node.",
               "* The directory standing in for NFS is this machine's local disk (page cache included); on shared "
               "storage the disk systems' saves and restores slow down as nodes are added (see the projection).",
-              "* Faults are injected by the bench's own seeded schedule (`Nodes.inject`, one function, to be "
-              "replaced by `memsnap.chaos`), node kills only.",
+              "* Faults are injected by the bench's own seeded schedule (`Nodes.inject`: the kill, a replacement node, "
+              "a wait until Ray declares the node dead, and the next fault only once the job trains again), node kills "
+              "only. `memsnap.chaos` lands the same kill on the loopback cluster, but not that wait for training.",
               "* After a kill the lost rank starts on the replacement node and the other ranks on their own nodes: "
               "in memsnap's restore the lost rank reads from its peers and the others from their node's RAM.",
               ""]
