@@ -3,7 +3,8 @@
 A ``Policy`` says when a tier takes a snapshot: every ``every_steps`` steps, every
 ``every_seconds`` seconds, both (whichever comes first), or ``auto``. A ``Scheduler`` applies
 it to a running job: ``due(step)`` is asked on every step and costs one or two compares when
-the answer is no; ``taken(step)`` restarts the interval after a snapshot.
+the answer is no; ``taken(step)`` records a snapshot. Every rank of a job answers the same for
+the same step (a step commits only once every rank took it): see ``Scheduler``.
 
 ``auto`` uses the Young/Daly first-order optimum of the checkpoint interval::
 
@@ -139,7 +140,19 @@ class Scheduler:
 
     Call protocol, per step: ``due(step)``; if True, take the snapshot, then
     ``taken(step, cost_seconds)``. ``record_failure()`` whenever a node failure is observed.
-    A snapshot that failed is not ``taken``: ``due`` keeps answering True until one succeeds.
+
+    **Every rank of a job must pick the same steps**: a step commits only once every rank took
+    it. So the answer depends on the step number, never on when this process started or what
+    happened to its last snapshot: the due steps are those after which a multiple of ``G``
+    steps are done (``step + 1`` a multiple of ``G``: with ``G = 3``, steps 2, 5, 8, ...), after
+    the step the job started from. ``every_steps=N`` alone: ``G = N``. With a time interval
+    (``every_seconds`` or ``auto``), ``G`` is the largest power of two of steps that fits the
+    interval at this rank's measured step time (an exponentially weighted mean), capped by
+    ``every_steps`` (then ``G = every_steps``). Ranks of a data-parallel job step in lockstep and
+    get the same ``G``; two ranks whose figures straddle a power of two pick ``G`` and ``2G``,
+    and every multiple of ``2G`` is taken by both, so the job still commits. A snapshot that
+    failed on one rank is not retried on the next step (the others would not take that step):
+    the next point of the grid is.
     """
 
     def __init__(self, policy: Policy, clock: Callable[[], float] = time.monotonic,
@@ -153,25 +166,33 @@ class Scheduler:
         self._failures: list[float] = []
         self._failure_keys: set[str] = set()
         self._timed = policy.every_seconds is not None or policy.auto
-        self._restart(start_step, self._start)
-        if policy.auto and self._cost is None:
-            self._next_step = start_step  # measure the cost on the first step
+        self._step_s: float | None = None  # this rank's smoothed seconds per step
+        self._last: tuple[int, float] | None = None  # (step, clock) of the last due() call
+        self._grid = policy.every_steps  # G; None until a timed policy knows the step time
+        self._after = start_step  # the job (re)started after this step, or took it
+        self._measure = policy.auto and self._cost is None  # the first step measures the cost
 
     def due(self, step: int) -> bool:
-        """Whether ``step`` should be snapshotted. Cheap: one or two compares when not."""
-        if step >= self._next_step:
-            return True
-        return self._timed and self._clock() >= self._next_time
+        """Whether ``step`` should be snapshotted: the same answer on every rank of the job.
+        Cheap: without a time interval, two compares and no clock read."""
+        if self._timed:
+            self._observe(step)
+            if self._measure:
+                return step >= self._after
+        g = self._grid
+        return g is not None and step > self._after and (step + 1) % g == 0
 
     def taken(self, step: int, cost_seconds: float | None = None) -> None:
-        """A snapshot of ``step`` succeeded (costing ``cost_seconds``): restart the interval."""
+        """A snapshot of ``step`` succeeded (costing ``cost_seconds``)."""
+        self._measure = False
         if cost_seconds is not None:
             self.record_cost(cost_seconds)
-        self._restart(step, self._clock())
+        self._after = max(self._after, step)
 
     def resume(self, step: int) -> None:
-        """The job (re)starts after ``step`` (-1 for a fresh start): count the interval from there."""
-        self._restart(step, self._clock())
+        """The job (re)starts after ``step`` (-1 for a fresh start)."""
+        self._after = step
+        self._last = None
 
     def record_cost(self, seconds: float) -> None:
         """Fold one measured snapshot cost into the exponentially weighted mean."""
@@ -179,7 +200,7 @@ class Scheduler:
                                          "pass the measured wall time of one snapshot", allow_zero=True)
         a = self.policy.cost_smoothing
         self._cost = seconds if self._cost is None else a * seconds + (1 - a) * self._cost
-        self._retime()
+        self._regrid()
 
     def record_failure(self, at: float | None = None, key: str | None = None) -> bool:
         """Count one failure of the job at clock time ``at`` (now if None); True if counted.
@@ -194,7 +215,7 @@ class Scheduler:
                 return False
             self._failure_keys.add(key)
         self._failures.append(when)
-        self._retime()
+        self._regrid()
         return True
 
     @property
@@ -205,6 +226,16 @@ class Scheduler:
     @property
     def failures(self) -> int:
         return len(self._failures)
+
+    @property
+    def step_seconds(self) -> float | None:
+        """This rank's smoothed step time (timed policies), or None before two steps were seen."""
+        return self._step_s
+
+    @property
+    def grid_steps(self) -> int | None:
+        """``G``: the due steps are its multiples; None while a timed policy has no step time."""
+        return self._grid
 
     def mtbf_seconds(self) -> float:
         """The job's MTBF estimate now (see the module docstring for the formula)."""
@@ -225,21 +256,36 @@ class Scheduler:
 
     def describe(self) -> dict[str, float | int | str | None]:
         """The scheduler's state as JSON-ready numbers, for logs and status reports."""
+        g = self._grid
         return {"tier": self.policy.tier, "cost_s": self._cost, "failures": len(self._failures),
                 "mtbf_s": self.mtbf_seconds(), "interval_s": self.interval_seconds(),
-                "next_step": None if math.isinf(self._next_step) else self._next_step,
-                "next_in_s": None if math.isinf(self._next_time) else self._next_time - self._clock()}
+                "step_s": self._step_s, "grid_steps": g,
+                "next_step": None if g is None else ((self._after + 1) // g + 1) * g - 1}
 
-    def _restart(self, step: int, now: float) -> None:
-        every = self.policy.every_steps
-        self._next_step = math.inf if every is None else step + every
-        self._last_time = now
-        self._retime()
+    def _observe(self, step: int) -> None:
+        """Fold the time since the previous step into the step time (timed policies only)."""
+        now = self._clock()
+        last, self._last = self._last, (step, now)
+        if last is None or step <= last[0]:
+            return
+        dt = (now - last[1]) / (step - last[0])
+        self._step_s = dt if self._step_s is None else 0.3 * dt + 0.7 * self._step_s
+        self._regrid()
 
-    def _retime(self) -> None:
-        """Recompute the time of the next snapshot from the last one and the interval now."""
-        interval = self.interval_seconds()
-        self._next_time = math.inf if interval is None else self._last_time + interval
+    def _regrid(self) -> None:
+        """``G`` from the interval and the step time now (see the class docstring)."""
+        if not self._timed:
+            return
+        interval, every = self.interval_seconds(), self.policy.every_steps
+        if self._step_s is None:
+            self._grid = every
+            return
+        fits = math.inf if self._step_s <= 0 else interval / self._step_s
+        if every is not None and every <= fits:
+            self._grid = every
+            return
+        n = int(min(fits, 1 << 62))
+        self._grid = 1 << (n.bit_length() - 1) if n >= 1 else 1
 
 
 class StalenessGuard:

@@ -28,11 +28,12 @@ def run_steps(sched: Scheduler, clock: FakeClock, steps: range, seconds_per_step
     return taken
 
 
-def test_every_steps_counts_from_the_last_snapshot():
+def test_every_steps_takes_the_multiples_of_n_after_the_start():
     clock = FakeClock()
     sched = Scheduler(Policy(every_steps=3), clock)
-    assert run_steps(sched, clock, range(0, 10), 1000.0) == [3, 6, 9]
-    assert sched.interval_seconds() is None
+    # after step 2 three steps are done, after step 5 six, ...
+    assert run_steps(sched, clock, range(0, 10), 1000.0) == [2, 5, 8]
+    assert sched.interval_seconds() is None and sched.grid_steps == 3
 
 
 def test_every_steps_never_reads_the_clock_on_a_skipped_step():
@@ -44,41 +45,67 @@ def test_every_steps_never_reads_the_clock_on_a_skipped_step():
 
     sched = Scheduler(Policy(every_steps=5), clock)
     calls.clear()
-    assert [sched.due(s) for s in range(5)] == [False] * 5
+    assert [sched.due(s) for s in range(4)] == [False] * 4
     assert calls == []
 
 
-def test_every_seconds_with_fake_clock():
+def test_every_seconds_is_a_power_of_two_grid_of_steps_at_the_measured_step_time():
     clock = FakeClock()
     sched = Scheduler(Policy(every_seconds=10.0), clock)
-    # 4 s per step: 10 s have passed at step 3 (t=12), then at step 6 (t=24 since 12)...
-    assert run_steps(sched, clock, range(0, 10), 4.0) == [3, 6, 9]
-    assert sched.interval_seconds() == 10.0
+    # 4 s per step: 2.5 steps fit in 10 s, so every 2nd step (8 s), once a step time is known
+    assert run_steps(sched, clock, range(0, 10), 4.0) == [1, 3, 5, 7, 9]
+    assert sched.interval_seconds() == 10.0 and sched.step_seconds == pytest.approx(4.0)
+    # 0.7 s per step: 14.3 steps fit, so every 8th
+    sched = Scheduler(Policy(every_seconds=10.0), clock)
+    assert run_steps(sched, clock, range(0, 40), 0.7) == [7, 15, 23, 31, 39]
 
 
 def test_both_whichever_comes_first():
     clock = FakeClock()
     sched = Scheduler(Policy(every_steps=4, every_seconds=10.0), clock)
-    # fast steps: the step count triggers first
-    assert run_steps(sched, clock, range(0, 9), 1.0) == [4, 8]
-    # slow steps (6 s; the last snapshot was step 8 at t=108): the clock triggers every 2 steps
-    assert run_steps(sched, clock, range(9, 15), 6.0) == [11, 13]
+    # fast steps (1 s): 4 steps come before 10 s, so every_steps sets the grid
+    assert run_steps(sched, clock, range(0, 9), 1.0) == [3, 7]
+    # slow steps (12 s): less than one step fits in 10 s, so every step
+    assert run_steps(sched, clock, range(9, 20), 12.0)[-4:] == [16, 17, 18, 19]
+    assert sched.grid_steps == 1
 
 
 def test_start_step_after_a_restore():
     clock = FakeClock()
     sched = Scheduler(Policy(every_steps=10), clock, start_step=500)
     assert not sched.due(505)
-    assert sched.due(510)
+    assert sched.due(509)  # 510 steps done
 
 
-def test_a_failed_snapshot_stays_due():
+def test_a_failed_snapshot_waits_for_the_next_step_every_rank_takes():
+    """A rank whose snapshot failed must not take the next step alone (the others would not,
+    and a step commits only once every rank took it): it rejoins them at the next grid point."""
     clock = FakeClock()
-    sched = Scheduler(Policy(every_steps=2), clock)
-    assert sched.due(2)
-    assert sched.due(3)  # step 2's snapshot was never taken()
-    sched.taken(3)
-    assert not sched.due(4)
+    failed, ok = Scheduler(Policy(every_steps=2), clock), Scheduler(Policy(every_steps=2), clock)
+    assert failed.due(1) and ok.due(1)
+    ok.taken(1)  # the failed rank's snapshot of step 1 was never taken()
+    assert [s for s in range(2, 9) if failed.due(s) and (failed.taken(s) or True)] == \
+        [s for s in range(2, 9) if ok.due(s) and (ok.taken(s) or True)] == [3, 5, 7]
+
+
+def test_ranks_that_measure_different_step_times_and_costs_still_take_common_steps():
+    """Two ranks of one job, 10% apart in step time and 30% in snapshot cost, straddling a power
+    of two: the coarser grid is part of the finer one, so the job commits at least every 2G."""
+    clocks = [FakeClock(), FakeClock()]
+    ranks = [Scheduler(Policy(auto=True, mtbf_hours=1.0), c) for c in clocks]
+    taken: list[set[int]] = [set(), set()]
+    for step in range(0, 400):
+        for i, (sched, clock) in enumerate(zip(ranks, clocks)):
+            if sched.due(step):
+                sched.taken(step, cost_seconds=(0.5, 0.65)[i])
+                taken[i].add(step)
+            clock.t += (1.0, 1.1)[i]
+    grids = sorted(r.grid_steps for r in ranks)
+    assert grids[0] != grids[1] and grids[1] == 2 * grids[0], grids  # they straddle a power of two
+    common = sorted(taken[0] & taken[1])
+    assert common[0] == 0  # the measuring snapshot of the first step
+    gaps = [b - a for a, b in zip(common[1:], common[2:])]
+    assert len(common) > 5 and max(gaps) <= grids[1], (grids, common)  # never more than 2G apart
 
 
 def test_auto_matches_young_daly_with_the_user_mtbf():
@@ -87,12 +114,11 @@ def test_auto_matches_young_daly_with_the_user_mtbf():
     assert sched.due(0), "the first step is due so its snapshot measures the cost"
     sched.taken(0, cost_seconds=3.0)
     job_mtbf = 500.0 * 3600.0 / 50
-    expected = math.sqrt(2 * 3.0 * job_mtbf)
+    expected = math.sqrt(2 * 3.0 * job_mtbf)  # 465 s
     assert sched.interval_seconds() == pytest.approx(expected, rel=1e-12)
-    clock.t += expected - 1.0
-    assert not sched.due(1)
-    clock.t += 1.0
-    assert sched.due(2)
+    # 10 s steps: 46 fit in the interval, so every 32nd step
+    taken = run_steps(sched, clock, range(1, 200), 10.0)
+    assert taken == [31, 63, 95, 127, 159, 191] and sched.grid_steps == 32
 
 
 def test_auto_cost_is_exponentially_weighted():
@@ -135,19 +161,20 @@ def test_auto_without_prior_uses_observed_time():
 def test_auto_interval_shrinks_when_a_failure_arrives_between_snapshots():
     clock = FakeClock(t=0.0)
     sched = Scheduler(Policy(auto=True, mtbf_hours=1.0, initial_cost_seconds=8.0), clock)
-    before = young_daly_interval(8.0, 3600.0)
-    clock.t = 0.8 * before  # 192 s
-    assert not sched.due(1)
+    before = young_daly_interval(8.0, 3600.0)  # 240 s
+    assert run_steps(sched, clock, range(0, 20), 10.0) == [15]  # 24 steps fit: every 16th
     sched.record_failure()
-    # M = (3600 + 192) / 2 = 1896 s, interval = sqrt(2 * 8 * 1896) = 174 s: already past
-    assert sched.interval_seconds() < before
-    assert sched.due(2)
+    # M = (3600 + 200) / 2 = 1900 s, interval = sqrt(2 * 8 * 1900) = 174 s: 17 steps, still 16
+    assert sched.interval_seconds() < before and sched.grid_steps == 16
+    for _ in range(3):
+        sched.record_failure()  # M = (3600 + 200) / 5 = 760 s: 110 s, 11 steps fit: every 8th
+    assert run_steps(sched, clock, range(20, 40), 10.0) == [23, 31, 39]
 
 
 def test_auto_with_every_steps_as_a_cap():
     clock = FakeClock()
     sched = Scheduler(Policy(auto=True, every_steps=3, mtbf_hours=1e6, initial_cost_seconds=1.0), clock)
-    assert run_steps(sched, clock, range(0, 7), 0.001) == [3, 6]
+    assert run_steps(sched, clock, range(0, 7), 0.001) == [2, 5]
 
 
 @pytest.mark.parametrize("kwargs, names", [
@@ -204,15 +231,15 @@ def test_staleness_guard_raises_when_snapshots_keep_failing():
             sched.taken(step)
             newest = step
         guard.check(step, newest)
-    assert newest == 2
+    assert newest == 3
     # from here on every snapshot fails: nothing is taken, nothing committed
-    for step in range(4, 8):
-        assert sched.due(step)
+    for step in range(4, 9):
+        assert sched.due(step) == (step % 2 == 1)
         guard.check(step, newest)
     with pytest.raises(StalenessError) as info:
-        guard.check(8, newest)
+        guard.check(9, newest)
     msg = str(info.value)
-    assert "step 8" in msg and "step 2" in msg and "max_steps_behind=5" in msg
+    assert "step 9" in msg and "step 3" in msg and "max_steps_behind=5" in msg
 
 
 def test_staleness_guard_with_nothing_committed():
@@ -239,14 +266,15 @@ def test_describe_reports_the_numbers_in_use():
     clock = FakeClock(t=50.0)
     sched = Scheduler(Policy(auto=True, every_steps=100, mtbf_hours=1.0, tier="spill"), clock)
     sched.taken(7, cost_seconds=2.0)
+    assert sched.describe()["grid_steps"] == 100 and sched.describe()["next_step"] == 99  # no step time yet
+    sched.due(8)
     clock.t += 10.0
+    sched.due(9)  # 10 s per step
     info = sched.describe()
-    interval = math.sqrt(2 * 2.0 * (3600.0 + 10.0))
+    interval = math.sqrt(2 * 2.0 * (3600.0 + 10.0))  # 120 s: 12 steps fit, every 8th
     assert info["tier"] == "spill" and info["cost_s"] == 2.0 and info["failures"] == 0
-    assert info["next_step"] == 107
-    assert info["interval_s"] == pytest.approx(interval)
-    # the next time was set at the snapshot, from the MTBF estimate of that moment
-    assert info["next_in_s"] == pytest.approx(math.sqrt(2 * 2.0 * 3600.0) - 10.0)
+    assert info["interval_s"] == pytest.approx(interval) and info["step_s"] == pytest.approx(10.0)
+    assert info["grid_steps"] == 8 and info["next_step"] == 15
 
 
 def test_a_bad_failure_time_is_rejected_and_not_counted():
