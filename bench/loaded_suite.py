@@ -2,8 +2,9 @@
 processes keep every core of the machine busy, as on a CI machine shared with another job.
 A test that fails here once is a race to fix, not noise.
 
-    python bench/loaded_suite.py [--runs 3] [--busy 2] [--suites default slow]
-        -> bench/results/loaded_suite.md
+    python bench/loaded_suite.py [--runs 3] [--busy 2] [--suites default slow] [--slow-runs N]
+        -> bench/results/loaded_suite.md (rewritten after every suite, so a stopped run keeps
+           what it measured)
 
 ``default`` is the README's test command (``pytest``), ``slow`` the multi-node Ray suites
 (``pytest -m "slow and not demo"``). Each run's counts come from pytest's JUnit XML; the
@@ -80,8 +81,11 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--busy", type=int, default=2, help="busy-loop processes (default: 2, one per core here)")
     ap.add_argument("--suites", nargs="+", choices=sorted(SUITES), default=["default", "slow"])
+    ap.add_argument("--slow-runs", type=int, default=None,
+                    help="run the slow suite only in the first N runs (default: every run); it takes "
+                         "tens of minutes under load")
     ap.add_argument("--out", default=str(HERE / "results" / "loaded_suite.md"))
-    ap.add_argument("--log", default=None, help="pytest's output, all runs (default: next to --out, .log)")
+    ap.add_argument("--log", default=None, help="pytest's output, all runs (default: memsnap-loaded-suite.log in the temp directory)")
     args = ap.parse_args()
     if args.runs < 1 or args.busy < 0:
         sys.exit(f"--runs {args.runs} --busy {args.busy}: need at least 1 run and 0 or more busy loops")
@@ -94,6 +98,8 @@ def main() -> None:
     try:
         for i in range(1, args.runs + 1):
             for name in args.suites:
+                if name == "slow" and args.slow_runs is not None and i > args.slow_runs:
+                    continue
                 print(f"[loaded_suite] run {i}/{args.runs}: {name} ...", file=sys.stderr, flush=True)
                 r = run_suite(name, log)
                 r["run"] = i
@@ -101,6 +107,7 @@ def main() -> None:
                 print(f"[loaded_suite]   {r['tests']} tests, {r['failures']} failed, {r['errors']} errors, "
                       f"{r['skipped']} skipped in {r['wall'] / 60:.1f} min (load {r['load_mean']:.1f})",
                       file=sys.stderr, flush=True)
+                write(out, args, begin, results, log, quiet=True)
     finally:
         for p in loops:
             p.kill()
@@ -108,11 +115,12 @@ def main() -> None:
     write(out, args, begin, results, log)
 
 
-def write(out: Path, args, begin: str, results: list[dict], log: Path) -> None:
+def write(out: Path, args, begin: str, results: list[dict], log: Path, quiet: bool = False) -> None:
     green = all(r["rc"] == 0 and not r["failures"] and not r["errors"] for r in results)
     lines = [
         "# The test suites under load (`bench/loaded_suite.py`)", "",
-        f"`python bench/loaded_suite.py --runs {args.runs} --busy {args.busy} --suites {' '.join(args.suites)}`; "
+        f"`python bench/loaded_suite.py --runs {args.runs} --busy {args.busy} --suites {' '.join(args.suites)}"
+        f"{'' if getattr(args, 'slow_runs', None) is None else f' --slow-runs {args.slow_runs}'}`; "
         f"started {begin}; {os.cpu_count()} CPUs. {args.busy} busy-loop processes (`while True: pass`) ran for "
         "the whole time, so the suites had to share every core, as on a CI machine another job shares.", "",
         "| run | suite | tests | passed | failed | errors | skipped | minutes | load (1-min avg) min / mean / max |",
@@ -131,6 +139,8 @@ def write(out: Path, args, begin: str, results: list[dict], log: Path) -> None:
     if skipped_in:
         lines += ["", "Skipped tests are in: " + ", ".join(f"`{m}`" for m in skipped_in) + "."]
     out.write_text("\n".join(lines) + "\n")
+    if quiet:
+        return
     print(out.read_text())
     print(f"pytest output: {log}", file=sys.stderr)
 
