@@ -52,9 +52,15 @@ def counts(xml: Path) -> dict:
             out[key] += int(suite.get(key, 0))
     failed = [f"{case.get('classname')}::{case.get('name')}" for case in root.iter("testcase")
               if case.find("failure") is not None or case.find("error") is not None]
-    skipped = sorted({case.get("classname", "").rsplit(".", 1)[0].split(".")[-1] for case in root.iter("testcase")
+    skipped = sorted({_module(case.get("classname", "")) for case in root.iter("testcase")
                       if case.find("skipped") is not None})
     return {**out, "failed": failed, "skipped_in": skipped}
+
+
+def _module(classname: str) -> str:
+    """``tests.test_rng`` or ``tests.test_cuda.TestCuda`` -> the test module's name."""
+    parts = classname.split(".")
+    return next((p for p in reversed(parts) if p.startswith("test_")), parts[-1])
 
 
 def run_suite(name: str, log: Path) -> dict:

@@ -12,12 +12,13 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 import loaded_suite  # noqa: E402
 
 XML = """<?xml version="1.0" encoding="utf-8"?>
-<testsuites><testsuite name="pytest" errors="1" failures="1" skipped="1" tests="5">
+<testsuites><testsuite name="pytest" errors="1" failures="1" skipped="2" tests="6">
 <testcase classname="tests.test_a" name="test_ok"/>
 <testcase classname="tests.test_a" name="test_bad"><failure message="assert 1 == 2"/></testcase>
 <testcase classname="tests.test_b" name="test_setup"><error message="fixture"/></testcase>
 <testcase classname="tests.test_cuda.TestCuda" name="test_gpu"><skipped message="no CUDA"/></testcase>
 <testcase classname="tests.test_b" name="test_ok2"/>
+<testcase classname="tests.test_rng" name="test_cuda_rng"><skipped message="no CUDA"/></testcase>
 </testsuite></testsuites>"""
 
 
@@ -25,9 +26,9 @@ def test_counts_name_the_failed_and_skipped_tests(tmp_path):
     xml = tmp_path / "junit.xml"
     xml.write_text(XML)
     got = loaded_suite.counts(xml)
-    assert (got["tests"], got["failures"], got["errors"], got["skipped"]) == (5, 1, 1, 1)
+    assert (got["tests"], got["failures"], got["errors"], got["skipped"]) == (6, 1, 1, 2)
     assert got["failed"] == ["tests.test_a::test_bad", "tests.test_b::test_setup"]
-    assert got["skipped_in"] == ["test_cuda"]
+    assert got["skipped_in"] == ["test_cuda", "test_rng"]
 
 
 def test_the_report_is_green_only_when_every_run_passed(tmp_path):
