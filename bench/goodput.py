@@ -433,11 +433,12 @@ def main() -> None:
             out.with_suffix(".json").write_text(json.dumps(data, indent=1))
         render(data, out)
         return
-    keep = []
-    if args.append:  # rerun some systems, keep the other systems' runs of the earlier file
+    keep, keep_yd = [], {}
+    if args.append:  # rerun some systems, keep the other systems' runs (and intervals) of the earlier file
         old = json.loads(out.with_suffix(".json").read_text())
-        keep = [r for r in old["runs"] if r["spec"]["system"] not in args.systems]
-    data = measure(args, out.with_suffix(".json"), keep)
+        keep = [r for r in old["runs"] if r["spec"]["system"] not in (*args.systems, "none")]  # none: run again
+        keep_yd = {k: v for k, v in old.get("young_daly", {}).items() if k not in args.systems}
+    data = measure(args, out.with_suffix(".json"), keep, keep_yd)
     render(data, out)
 
 
@@ -461,7 +462,7 @@ def _say(msg: str) -> None:
     print(f"[goodput {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def measure(args, json_path: Path, keep: list[dict]) -> dict:
+def measure(args, json_path: Path, keep: list[dict], keep_yd: dict[str, int] | None = None) -> dict:
     from memsnap import shmdir
     from memsnap.snapshotter import shutdown
 
@@ -476,7 +477,7 @@ def measure(args, json_path: Path, keep: list[dict]) -> dict:
                 "memory_budget": int(agent_ram(args.state_mb << 20, k=2, m=1, keep=2)) + (256 << 20),
                 "node_mtbf_s": args.mtbf_s * NODES, "scratch": scratch}
     runs: list[dict] = list(keep)
-    chosen: dict[str, int] = {}
+    chosen: dict[str, int] = dict(keep_yd or {})  # Young/Daly N per disk system
     errors: dict[str, str] = {}
     step_s = None
     loads: list[tuple[float, float, float]] = []
