@@ -433,12 +433,13 @@ def main() -> None:
             out.with_suffix(".json").write_text(json.dumps(data, indent=1))
         render(data, out)
         return
-    keep, keep_yd = [], {}
+    keep, keep_yd, passes = [], {}, []
     if args.append:  # rerun some systems, keep the other systems' runs (and intervals) of the earlier file
         old = json.loads(out.with_suffix(".json").read_text())
         keep = [r for r in old["runs"] if r["spec"]["system"] not in (*args.systems, "none")]  # none: run again
         keep_yd = {k: v for k, v in old.get("young_daly", {}).items() if k not in args.systems}
-    data = measure(args, out.with_suffix(".json"), keep, keep_yd)
+        passes = earlier_passes(old)
+    data = measure(args, out.with_suffix(".json"), keep, keep_yd, passes)
     render(data, out)
 
 
@@ -462,7 +463,17 @@ def _say(msg: str) -> None:
     print(f"[goodput {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def measure(args, json_path: Path, keep: list[dict], keep_yd: dict[str, int] | None = None) -> dict:
+def earlier_passes(old: dict) -> list[dict]:
+    """The passes an appended file was measured in (a file written by one pass: that one)."""
+    if old.get("passes"):
+        return old["passes"]
+    m = old["machine"]
+    return [{"date": m["date"], "seconds": m["seconds"], "loadavg_after_each_run": m["loadavg_after_each_run"],
+             "systems": sorted({r["spec"]["system"] for r in old["runs"]} - {"none"})}]
+
+
+def measure(args, json_path: Path, keep: list[dict], keep_yd: dict[str, int] | None = None,
+            passes: list[dict] | None = None) -> dict:
     from memsnap import shmdir
     from memsnap.snapshotter import shutdown
 
@@ -526,7 +537,10 @@ def measure(args, json_path: Path, keep: list[dict], keep_yd: dict[str, int] | N
                 "machine": {"cpus": os.cpu_count(), "loadavg_after_each_run": loads, "cpu_busy_percent": cpu_busy,
                             "mem_total_gib": psutil.virtual_memory().total / GIB,
                             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                            "seconds": time.time() - t_begin}}
+                            "seconds": time.time() - t_begin},
+                "passes": [*(passes or []), {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                                             "seconds": time.time() - t_begin, "loadavg_after_each_run": loads,
+                                             "systems": list(args.systems)}]}
 
     def one_system(system: str) -> None:
         if system == "memsnap":
@@ -570,8 +584,14 @@ def measure(args, json_path: Path, keep: list[dict], keep_yd: dict[str, int] | N
 
 # --- the report -------------------------------------------------------------------------------------
 def render(data: dict, out: Path) -> None:
+    """Analyse every run again from its raw events (the analysis may have been fixed since it
+    ran), then write the report."""
     from goodput_report import write_report
 
+    for run in data["runs"]:
+        if "events" in run:
+            run.update(analyse(RunResult(run["spec"], run["t0"], run["horizon_s"], run["events"], run["faults"],
+                                         run["storage_bytes"], run["state_bytes"], run.get("extra", {}))))
     write_report(data, out)
 
 

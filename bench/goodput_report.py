@@ -156,6 +156,18 @@ def _health(data: dict) -> str:
             "after a node starts")
 
 
+def _passes(data: dict) -> str:
+    """A file measured in several passes (``--append``) says which systems each pass ran."""
+    passes = data.get("passes") or []
+    if len(passes) < 2:
+        return ""
+    return (f" Measured in {len(passes)} passes (`--append` reruns some systems and keeps the others' runs; the "
+            "figures above are the last pass's): " + "; ".join(
+                f"{p['date']}, {', '.join(p['systems'])}, {p['seconds'] / 60:.1f} min, load "
+                f"{min(l[0] for l in p['loadavg_after_each_run']):.1f}-{max(l[0] for l in p['loadavg_after_each_run']):.1f}"
+                for p in passes) + ". Each system's runs are from the last pass that ran it.")
+
+
 def write_report(data: dict, out: Path) -> None:
     a, mach = data["args"], data["machine"]
     loads = mach["loadavg_after_each_run"]
@@ -168,7 +180,8 @@ def write_report(data: dict, out: Path) -> None:
         f"--common-n {a['common_n']}`; {mach['date']}; {mach['cpus']} CPUs, {mach['mem_total_gib']:.0f} GiB RAM; "
         f"the whole run took {mach['seconds'] / 60:.1f} min. Machine load (1-min load average after each run): "
         f"{min(l[0] for l in loads):.1f}-{max(l[0] for l in loads):.1f}, CPU busy "
-        f"{min(mach['cpu_busy_percent']):.0f}-{max(mach['cpu_busy_percent']):.0f}% over a run (psutil).", "",
+        f"{min(mach['cpu_busy_percent']):.0f}-{max(mach['cpu_busy_percent']):.0f}% over a run (psutil)."
+        + _passes(data), "",
         "## How it was measured", "",
         f"One data-parallel job, one rank on each of 4 simulated Ray nodes on this machine (loopback; every address "
         f"127.0.0.1), each rank with {state_mib:.0f} MiB of state: a small MLP with AdamW whose gradients are "

@@ -48,14 +48,16 @@ def analyse(r: RunResult) -> dict:
     fails = []
     for i, f in enumerate(r.faults):
         nxt = r.faults[i + 1]["t_kill"] if i + 1 < len(r.faults) else r.t0 + r.horizon_s + 1e9
-        before = [e for e in steps if e["t"] <= f["t_kill"]]
-        after = [e for e in steps if f["t_kill"] < e["t"] < nxt]
         built = [e["t"] for e in r.events if e["ev"] == "built" and f["t_kill"] < e["t"] < nxt]
         restored = [e for e in r.events if e["ev"] == "restored" and f["t_kill"] < e["t"] < nxt]
+        # the old ranks' progress: a step whose all-reduce ended before the kill can be logged just after it
+        before = [e for e in steps if e["t"] < (min(built) if built else f["t_kill"])]
         rec = {"at_s": f.get("at_s"), "unscheduled": f.get("unscheduled", False), "t_kill_s": f["t_kill"] - r.t0, "detect": f["t_dead"] - f["t_kill"]}
         progress = before[-1]["step"] + 1 if before else 0
+        t_rest = max(e["t"] for e in restored[:NODES]) if len(restored) >= NODES else nxt
+        after = [e for e in steps if t_rest < e["t"] < nxt]  # the new ranks' steps
         if len(built) >= NODES and len(restored) >= NODES and after:
-            t_built, t_rest = max(built[:NODES]), max(e["t"] for e in restored[:NODES])
+            t_built = max(built[:NODES])
             step = restored[0]["step"]
             resumed = 0 if step is None else step + 1
             rec.update(restart=t_built - f["t_dead"], restore=t_rest - t_built,

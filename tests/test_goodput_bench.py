@@ -73,3 +73,17 @@ def test_a_failure_the_job_never_recovered_from_has_no_rto():
     (f,) = a["failures"]
     assert "rto" not in f and f["detect"] == pytest.approx(3.0)
     assert a["useful_steps"] == 10
+
+
+def test_a_step_the_old_ranks_log_just_after_the_kill_is_progress_not_recovery():
+    """Rank 0 may log a step whose all-reduce ended before the kill a moment after it: that step
+    was done before the node died (it counts in the lost steps), and the RTO runs to the first
+    step of the restarted ranks, not to it."""
+    t0 = 1000.0
+    ev, faults = _events(t0)
+    ev.append({"ev": "step", "step": 10, "attempt": 0, "t": t0 + 10.7})  # logged 0.2 s after the kill
+    ev.sort(key=lambda e: e["t"])
+    (f,) = analyse(RunResult({"system": "memsnap", "interval": "1", "faults": True, "label": ""}, t0, 35.0,
+                             ev, faults, 0, 1))["failures"]
+    assert f["lost_steps"] == 6  # 11 steps done, resumed at step 5
+    assert f["rto"] == pytest.approx(23.5 - 10.5) and f["first_step"] == pytest.approx(1.0)
