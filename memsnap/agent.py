@@ -98,6 +98,8 @@ class AgentCore:
         self.coordinator = None  # -> the coordinator's handle (set by the Ray face)
         self.changed = lambda: None  # wakes the relay's waiters (set by the Ray face)
         self.ranks: set[int] = set()
+        self._rank_bytes: dict[int, int] = {}  # each rank's newest snapshot size (the budget check)
+        self._warned_need = 0  # the largest budget need warned about so far
         self.world: int | None = None
         self.abandoned: dict[int, str] = {}  # steps dropped here (failed anywhere, skipped, replaced)
         self.skipped: set[int] = set()  # of those, the ones skipped or replaced under load: a rank that
@@ -188,11 +190,10 @@ class AgentCore:
         """Warn once (again only if it grows) when ``memory_budget`` is below what this node's
         state needs with peer protection (``memsnap plan``): full holders would refuse snapshots
         taken back to back. Called under the lock."""
-        self._rank_bytes = getattr(self, "_rank_bytes", {})
         self._rank_bytes[rank] = nbytes
         state = sum(self._rank_bytes.values())
         need = int(agent_ram(state, self.cfg.k, self.cfg.m, self.cfg.keep))
-        if need <= self.cfg.memory_budget or need <= getattr(self, "_warned_need", 0):
+        if need <= self.cfg.memory_budget or need <= self._warned_need:
             return
         self._warned_need = need
         log.warning("node %s: memory_budget=%d bytes is below the %d this node needs for %d bytes of its ranks' "
