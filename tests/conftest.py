@@ -10,6 +10,11 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 # The agents of the clusters the tests start accept fault injection (memsnap.testing).
 os.environ.setdefault("MEMSNAP_TESTING_HOOKS", "1")
+# Scripts the tests run in subprocesses import this checkout and the test helpers, whatever
+# copy of memsnap (if any) is installed in the environment.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in [_ROOT, os.path.join(_ROOT, "tests"), os.environ.get("PYTHONPATH", "")] if p)
 
 
 # Property tests: the default and CI runs draw the same examples every time (a failure there

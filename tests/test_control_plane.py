@@ -122,3 +122,19 @@ def test_every_node_and_agent_address_is_loopback(c):
         agent = ray.get_actor(naming.agent("cp-loopback", node), namespace=naming.NAMESPACE)
         assert ray.get(agent.address.remote(), timeout=60)["host"] == "127.0.0.1"
     finish("cp-loopback", actors)
+
+
+@ray.remote(num_cpus=0)
+def _niceness() -> int:
+    import os
+
+    return os.nice(0)
+
+
+def test_every_worker_of_the_loopback_cluster_runs_at_the_drivers_niceness(c):
+    # Ray's default (nice 15) starves niced workers on a machine whose cores other work shares.
+    import os
+
+    nodes = [f"memsnap_node_{c.index_of(n)}" for n in c.nodes]
+    got = ray.get([_niceness.options(resources={r: 0.01}).remote() for r in nodes], timeout=120)
+    assert got == [os.nice(0)] * len(nodes)
