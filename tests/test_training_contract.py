@@ -281,8 +281,7 @@ def test_sigterm_takes_a_last_snapshot_spills_it_and_exits_cleanly(job, local_cl
     spill, out = str(tmp_path / "spill"), str(tmp_path / "rank0.json")
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(SCRIPT.format(world=WORLD, k=K, m=M, budget=BUDGET)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]),
-               RANK="0", WORLD_SIZE=str(WORLD), RAY_ADDRESS=local_cluster.address)
+    env = dict(os.environ, RANK="0", WORLD_SIZE=str(WORLD), RAY_ADDRESS=local_cluster.address)
     with open(tmp_path / "stderr.txt", "w") as err:
         proc = subprocess.Popen([sys.executable, str(script), name, spill, out],
                                 stdout=subprocess.PIPE, stderr=err, text=True, env=env)
