@@ -2,6 +2,7 @@
 peers, malformed frames, and a man in the middle that modifies, replays, injects or truncates."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import resource
@@ -225,8 +226,8 @@ def test_vanishing_pusher_releases_its_reservation(served):
         n = 1 << 20
         wire.send_head(sock, session.send, wire.PUSH, _key().pack(), n, 0, time.monotonic() + 10)
         wire.send_all(sock, os.urandom(n // 2), time.monotonic() + 10)  # half the chunk, then silence
-        wait_for(lambda: store.pending() == 1, timeout=10, what="the chunk to be reserved")
-        assert budget.used == n
+        # one reading of both: the reservation lasts only tcp_frame_timeout_s
+        wait_for(lambda: (store.pending(), budget.used) == (1, n), timeout=10, what="the chunk to be reserved")
         wait_for(lambda: store.pending() == 0 and budget.used == 0, timeout=10,
                  what="the reservation to be released")
         assert _closed_by_peer(sock)
@@ -266,8 +267,11 @@ def test_fetch_with_a_payload_closes_the_connection(served):
     _, _, addr = served()
     sock, session = _authed(addr)
     with sock:
-        wire.send_frame(sock, session.send, wire.FETCH, _key().pack(), memoryview(b"junk"), 0,
-                        time.monotonic() + 10)
+        # the server may close on the header alone, before the body is sent: then the body's
+        # send meets the close (EPIPE/ECONNRESET), which is the outcome under test
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            wire.send_frame(sock, session.send, wire.FETCH, _key().pack(), memoryview(b"junk"), 0,
+                            time.monotonic() + 10)
         assert _closed_by_peer(sock)
 
 
