@@ -77,10 +77,12 @@ class HeldChunks:
             self._held[key] = (buf, int(checksum))
 
     def discard(self, key: ChunkKey) -> None:
+        # the budget is released under the lock, so no reader sees the reservation gone and
+        # its bytes still charged (the buffer is unmapped once the transport drops its view)
         with self._lock:
             buf = self._pending.pop(key, None)
-        if buf is not None:  # unmapped once the transport drops its view of it
-            self._budget.release(len(buf))
+            if buf is not None:
+                self._budget.release(len(buf))
 
     def lookup(self, key: ChunkKey) -> tuple[memoryview, int] | None:
         """A held chunk and its checksum; else what ``own`` serves (the agent's own committed

@@ -1,6 +1,8 @@
 """HeldChunks: the ChunkStore an agent serves its peers from."""
 from __future__ import annotations
 
+import threading
+
 import pytest
 import xxhash
 
@@ -77,6 +79,27 @@ def test_discarded_reservation_goes_back_to_the_budget():
     assert budget.used == 4096 and store.pending() == 1
     store.discard(key())
     assert budget.used == 0 and store.pending() == 0
+
+
+def test_no_reader_sees_a_discarded_reservation_gone_and_its_bytes_still_charged():
+    """A reader in another thread, started while the budget is being released, sees the
+    reservation and its charge go together: ``pending()`` waits until both are gone."""
+    seen, readers = [], []
+
+    class Watched(MemoryBudget):
+        def release(self, nbytes):
+            reader = threading.Thread(target=lambda: seen.append((store.pending(), self.used)))
+            readers.append(reader)
+            reader.start()
+            reader.join(timeout=0.5)  # the store holds its lock here, so the reader waits for it
+            super().release(nbytes)
+
+    store = HeldChunks(Watched(1 << 20))
+    store.reserve(key(), 4096)
+    store.discard(key())
+    for reader in readers:
+        reader.join(timeout=10)
+    assert seen == [(0, 0)]  # not (0, 4096): gone from pending() but still charged
 
 
 def test_far_future_steps_are_refused_until_announced():
