@@ -50,11 +50,23 @@ def counts(xml: Path) -> dict:
     for suite in ([root] if root.tag == "testsuite" else root.iter("testsuite")):
         for key in out:
             out[key] += int(suite.get(key, 0))
-    failed = [f"{case.get('classname')}::{case.get('name')}" for case in root.iter("testcase")
-              if case.find("failure") is not None or case.find("error") is not None]
+    failed, why = [], {}
+    for case in root.iter("testcase"):
+        bad = case.find("failure") if case.find("failure") is not None else case.find("error")
+        if bad is not None:
+            name = f"{case.get('classname')}::{case.get('name')}"
+            failed.append(name)
+            why[name] = _one_line(bad.get("message") or bad.text or "")
     skipped = sorted({_module(case.get("classname", "")) for case in root.iter("testcase")
                       if case.find("skipped") is not None})
-    return {**out, "failed": failed, "skipped_in": skipped}
+    return {**out, "failed": failed, "why": why, "skipped_in": skipped}
+
+
+def _one_line(message: str, limit: int = 300) -> str:
+    """What pytest said of a failure, on one line: kept in the report, so a failure seen once
+    can be told apart from the next one even after the logs are gone."""
+    line = " ".join(message.split())
+    return line if len(line) <= limit else line[:limit - 3] + "..."
 
 
 def _module(classname: str) -> str:
@@ -76,7 +88,8 @@ def run_suite(name: str, log: Path) -> dict:
         sampler.stop.set()
         sampler.join()
         got = counts(xml) if xml.exists() else {"tests": 0, "failures": 0, "errors": 1, "skipped": 0,
-                                                "failed": ["(pytest wrote no report)"], "skipped_in": []}
+                                                "failed": ["(pytest wrote no report)"], "why": {},
+                                                "skipped_in": []}
     load = sampler.samples or [os.getloadavg()[0]]
     return {"suite": name, "rc": rc, "wall": wall, "load_min": min(load), "load_mean": sum(load) / len(load),
             "load_max": max(load), **got}
@@ -121,13 +134,24 @@ def main() -> None:
     write(out, args, begin, results, log)
 
 
+def _commit() -> str:
+    """The checkout's commit (``+`` when its tracked files differ from it)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=30).stdout.strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=ROOT, timeout=30).returncode != 0
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return (head or "unknown") + ("+" if head and dirty else "")
+
+
 def write(out: Path, args, begin: str, results: list[dict], log: Path, quiet: bool = False) -> None:
     green = all(r["rc"] == 0 and not r["failures"] and not r["errors"] for r in results)
     lines = [
         "# The test suites under load (`bench/loaded_suite.py`)", "",
         f"`python bench/loaded_suite.py --runs {args.runs} --busy {args.busy} --suites {' '.join(args.suites)}"
         f"{'' if getattr(args, 'slow_runs', None) is None else f' --slow-runs {args.slow_runs}'}`; "
-        f"started {begin}; {os.cpu_count()} CPUs. {args.busy} busy-loop processes (`while True: pass`) ran for "
+        f"started {begin}; commit {_commit()}; {os.cpu_count()} CPUs. {args.busy} busy-loop processes (`while True: pass`) ran for "
         "the whole time, so the suites had to share every core, as on a CI machine another job shares.", "",
         "| run | suite | tests | passed | failed | errors | skipped | minutes | load (1-min avg) min / mean / max |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -138,9 +162,10 @@ def write(out: Path, args, begin: str, results: list[dict], log: Path, quiet: bo
                      f"{r['skipped']} | {r['wall'] / 60:.1f} | {r['load_min']:.1f} / {r['load_mean']:.1f} / "
                      f"{r['load_max']:.1f} |")
     lines += ["", f"**{'Every run green.' if green else 'Not green.'}**"]
-    failed = [(r["run"], r["suite"], t) for r in results for t in r["failed"]]
+    failed = [(r["run"], r["suite"], t, r.get("why", {}).get(t)) for r in results for t in r["failed"]]
     if failed:
-        lines += ["", "Failed:", ""] + [f"* run {i}, {s}: `{t}`" for i, s, t in failed]
+        lines += ["", "Failed:", ""] + [f"* run {i}, {s}: `{t}`" + (f": {w}" if w else "")
+                                        for i, s, t, w in failed]
     skipped_in = sorted({m for r in results for m in r["skipped_in"]})
     if skipped_in:
         lines += ["", "Skipped tests are in: " + ", ".join(f"`{m}`" for m in skipped_in) + "."]

@@ -28,6 +28,7 @@ def test_counts_name_the_failed_and_skipped_tests(tmp_path):
     got = loaded_suite.counts(xml)
     assert (got["tests"], got["failures"], got["errors"], got["skipped"]) == (6, 1, 1, 2)
     assert got["failed"] == ["tests.test_a::test_bad", "tests.test_b::test_setup"]
+    assert got["why"] == {"tests.test_a::test_bad": "assert 1 == 2", "tests.test_b::test_setup": "fixture"}
     assert got["skipped_in"] == ["test_cuda", "test_rng"]
 
 
@@ -38,7 +39,16 @@ def test_the_report_is_green_only_when_every_run_passed(tmp_path):
     out = tmp_path / "r.md"
     loaded_suite.write(out, args, "now", [dict(row, run=1), dict(row, run=2)], tmp_path / "log")
     assert "**Every run green.**" in out.read_text() and "| 2 | default | 10 | 9 | 0 |" in out.read_text()
-    bad = dict(row, run=2, rc=1, failures=1, failed=["tests.test_x::test_race"])
+    bad = dict(row, run=2, rc=1, failures=1, failed=["tests.test_x::test_race"],
+               why={"tests.test_x::test_race": "BrokenPipeError: [Errno 32] Broken pipe"})
     loaded_suite.write(out, args, "now", [dict(row, run=1), bad], tmp_path / "log")
     text = out.read_text()
-    assert "**Not green.**" in text and "run 2, default: `tests.test_x::test_race`" in text
+    assert "**Not green.**" in text
+    assert "run 2, default: `tests.test_x::test_race`: BrokenPipeError: [Errno 32] Broken pipe" in text
+    assert "; commit " in text  # the code the runs measured
+
+
+def test_a_failure_message_is_kept_on_one_bounded_line():
+    assert loaded_suite._one_line("E  assert 1\n  == 2\n") == "E assert 1 == 2"
+    long = loaded_suite._one_line("x" * 1000)
+    assert len(long) == 300 and long.endswith("...")
