@@ -10,6 +10,7 @@ Run as a script it resumes from a snapshot in a fresh process (used by the bitwi
 """
 from __future__ import annotations
 
+import atexit
 import json
 import random
 import sys
@@ -28,6 +29,10 @@ from memsnap.sampler import ResumableLoader, ResumableSampler
 
 DATASET_LEN, BATCH, FEATURES = 36, 8, 6
 _ITERS: "weakref.WeakKeyDictionary[ResumableLoader, Any]" = weakref.WeakKeyDictionary()
+# Dropping the live iterators at exit stops their workers cleanly, before multiprocessing's own
+# exit handler (registered earlier, so run later) would terminate them and leave each one's
+# /tmp/pymp-* directory behind.
+atexit.register(_ITERS.clear)
 
 
 class ToyData(Dataset):
