@@ -112,6 +112,7 @@ def main() -> None:
     log = Path(args.log) if args.log else Path(tempfile.gettempdir()) / "memsnap-loaded-suite.log"
     log.write_bytes(b"")
     begin = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    args.commit = _commit()  # before the report is first written: it may be a tracked file
     results = []
     loops = busy_loops(args.busy)
     try:
@@ -151,7 +152,7 @@ def write(out: Path, args, begin: str, results: list[dict], log: Path, quiet: bo
         "# The test suites under load (`bench/loaded_suite.py`)", "",
         f"`python bench/loaded_suite.py --runs {args.runs} --busy {args.busy} --suites {' '.join(args.suites)}"
         f"{'' if getattr(args, 'slow_runs', None) is None else f' --slow-runs {args.slow_runs}'}`; "
-        f"started {begin}; commit {_commit()}; {os.cpu_count()} CPUs. {args.busy} busy-loop processes (`while True: pass`) ran for "
+        f"started {begin}; commit {getattr(args, 'commit', None) or _commit()}; {os.cpu_count()} CPUs. {args.busy} busy-loop processes (`while True: pass`) ran for "
         "the whole time, so the suites had to share every core, as on a CI machine another job shares.", "",
         "| run | suite | tests | passed | failed | errors | skipped | minutes | load (1-min avg) min / mean / max |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
