@@ -43,6 +43,24 @@ class _Pool:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
 
+SLOT_RECHECK_S = 0.25  # a waiting begin looks again this often even when no change is signalled
+
+
+async def begin_waiting(run, core: AgentCore, signal: Signal, step: int, rank: int, nbytes: int,
+                        wait_s: float) -> dict:
+    """``core.begin`` in the actor's threads (``run``). With ``wait_s > 0`` a busy pipeline
+    does not skip the step at once: the call waits (a future on the event loop, no thread) for
+    a slot to free, asking again at each change of the agent's state, and skips the step only
+    if none frees within ``wait_s``."""
+    deadline = time.monotonic() + max(0.0, wait_s)
+    while True:
+        left = deadline - time.monotonic()
+        info = await run(core.begin, step, rank, nbytes, left > 0)
+        if "busy" not in info:
+            return info
+        await signal.next(min(left, SLOT_RECHECK_S))
+
+
 # --- the coordinator -----------------------------------------------------------------------------
 @ray.remote
 class Coordinator:
@@ -216,8 +234,8 @@ class SnapshotAgent:
         """Back ``rank``'s arena slots for ``nbytes`` now, ahead of its first saves."""
         return await self.pool.run(self.core.ready_slots, rank, nbytes)
 
-    async def begin(self, step: int, rank: int, nbytes: int) -> dict:
-        return await self.pool.run(self.core.begin, step, rank, nbytes)
+    async def begin(self, step: int, rank: int, nbytes: int, wait_s: float = 0.0) -> dict:
+        return await begin_waiting(self.pool.run, self.core, self.signal, step, rank, nbytes, wait_s)
 
     async def captured(self, step: int, rank: int, manifest_json: str, local_ranks: list[int]) -> None:
         return await self.pool.run(self.core.captured, step, rank, manifest_json, local_ranks)

@@ -60,7 +60,7 @@ from memsnap.policy import agent_ram
 from memsnap.records import CommitNotice, Inventory, NodeReady, RankSource
 from memsnap.repair import Repair
 from memsnap.sender import Sender
-from memsnap.slots import Slots, Version
+from memsnap.slots import IN_FLIGHT, Slots, Version
 from memsnap.transport import make_transport
 
 log = logging.getLogger("memsnap.agent")
@@ -138,7 +138,10 @@ class AgentCore:
         return tcp_options(self.cfg)
 
     # --- 1. begin ----------------------------------------------------------------------------
-    def begin(self, step: int, rank: int, nbytes: int) -> dict:
+    def begin(self, step: int, rank: int, nbytes: int, wait: bool = False) -> dict:
+        """An arena for ``rank``'s capture of ``step``: ``{"path", "nbytes", "slot"}``; or
+        ``{"skipped": why}`` when every slot is busy (the job drops the step); with ``wait``,
+        ``{"busy": why}`` instead, nothing recorded, so the caller may ask again once a slot frees."""
         self.slots.await_ahead(rank)  # a slot being made ahead for this rank: take it, not a fresh one
         with self.lock:
             self.ranks.add(rank)
@@ -153,6 +156,8 @@ class AgentCore:
             if v is None or v.state == "failed":
                 slot = self.slots.free_slot(step)
                 if slot is None:
+                    if wait:
+                        return {"busy": f"every arena slot is busy {self.slots.busy()}"}
                     return {"skipped": self._skip(step)}
                 v = self.versions[step] = Version(step, slot, gen=self.gen)
             try:
@@ -295,9 +300,14 @@ class AgentCore:
         self.repair.forget(keep)
 
     def resolved(self, step: int) -> bool:
-        """Whether a ``wait(step)`` may return: committed (or a newer step), failed, or skipped."""
+        """Whether a ``wait(step)`` may return: committed (or a newer step); or failed or skipped
+        with no older step of this node still on its way to a commit (one that commits moments
+        later is the newest committed step ``wait`` answers)."""
         with self.lock:
-            return (self.newest is not None and self.newest >= step) or step in self.abandoned
+            if self.newest is not None and self.newest >= step:
+                return True
+            return step in self.abandoned and not any(
+                s < step and v.state in IN_FLIGHT for s, v in self.versions.items())
 
     # --- manifests held beside the chunks ----------------------------------------------------------
     def committed_infos(self) -> dict:

@@ -20,6 +20,7 @@ TUNABLES: dict[str, float] = {
     "restore_timeout_s": 300.0,     # one collective restore round, all ranks
     "commit_notify_timeout_s": 30.0,
     "spill_retry_s": 5.0,           # pause before a failed spill is tried again
+    "forced_save_wait_s": 120.0,    # save(force=True) waits this long at most for a busy pipeline's slot
     "chunk_target": 4 << 20,        # shard size the stripe layout aims for (bytes; 4 MiB moves
                                     # 1.2-1.4x faster than 1 MiB over loopback: fewer frames)
     "parity_window": 4 << 20,       # parity bytes encoded per batch (the scratch is two batches)

@@ -22,6 +22,7 @@ from memsnap.errors import MemoryBudgetError
 log = logging.getLogger("memsnap.agent")
 
 LIVE = ("capturing", "queued", "sending", "ready", "committed", "restoring")
+IN_FLIGHT = ("capturing", "queued", "sending", "ready")  # taken here, its commit not yet heard
 
 
 @dataclass

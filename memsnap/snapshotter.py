@@ -162,19 +162,23 @@ class Snapshotter:
         return arena.view(0, nbytes)
 
     # --- save --------------------------------------------------------------------------------
-    def save(self, step: int, state: Mapping[str, Any]) -> bool:
+    def save(self, step: int, state: Mapping[str, Any], *, force: bool = False) -> bool:
         """After finishing ``step``: snapshot ``state`` if the policy says so. Returns whether a
-        snapshot was captured; the rest (encode, send, commit, spill) runs in the background."""
+        snapshot was captured; the rest (encode, send, commit, spill) runs in the background.
+
+        ``force=True`` (every rank, the same step: the last step of a run, say) snapshots
+        whatever the policy says, and where the node's pipeline is busy waits for a slot (up
+        to the ``forced_save_wait_s`` tunable) instead of skipping the step."""
         if self._watcher is not None and self._watcher.preempted:
             self._final_save(step, state)
-        if not self._policy.due(step):
+        if not force and not self._policy.due(step):
             self.counters["skipped_saves"] += 1
             metrics.training_step(self.config.job, self.node, step, every_s=1.0)
             return False
         metrics.training_step(self.config.job, self.node, step)
         t = time.perf_counter()
         try:
-            captured = self._save(step, state)
+            captured = self._save(step, state, tunable("forced_save_wait_s") if force else 0.0)
         except Exception as exc:
             self.counters["failed_saves"] += 1
             self.last_error = f"step {step}: {type(exc).__name__}: {exc}"
@@ -204,8 +208,9 @@ class Snapshotter:
         if self._guard is not None:
             self._guard.check(step, self._ask("wait", step, 0.0))
 
-    def _save(self, step: int, state: Mapping[str, Any]) -> bool:
-        """Capture ``step`` into this node's agent; False when the agent skipped it (busy)."""
+    def _save(self, step: int, state: Mapping[str, Any], wait_s: float = 0.0) -> bool:
+        """Capture ``step`` into this node's agent; False when the agent skipped it (busy, and
+        no slot freed within ``wait_s``)."""
         from memsnap import cuda_capture
         from memsnap.capture import byte_view, copy_into
 
@@ -213,7 +218,8 @@ class Snapshotter:
             raise ConfigError(f"step={step!r}: must be an int >= 0")
         local = self._local_ranks()
         layout, sources = self._plan.plan(state)
-        info = _get(self._agent.begin.remote(step, self.rank, layout.nbytes))
+        info = _get(self._agent.begin.remote(step, self.rank, layout.nbytes, wait_s),
+                    timeout=tunable("call_timeout_s") + wait_s)
         if "skipped" in info:
             log.debug("rank %d: step %d skipped: %s", self.rank, step, info["skipped"])
             return False
@@ -268,8 +274,10 @@ class Snapshotter:
         left = max(1.0, self._watcher.seconds_left() or 30.0)
         deadline = time.monotonic() + 0.9 * left
         log.warning("rank %d: preempted; last snapshot of step %d, %.0f s left", self.rank, step, left)
-        try:
-            self._save(step, state)
+        try:  # a busy pipeline is waited for, a third of the time left at most
+            if not self._save(step, state, wait_s=(deadline - time.monotonic()) / 3):
+                log.warning("rank %d: no slot freed for the last snapshot of step %d in time; spilling "
+                            "the newest committed step instead", self.rank, step)
         except Exception as exc:  # still spill the newest committed step and exit cleanly
             self.counters["failed_saves"] += 1
             self.last_error = f"step {step}: {type(exc).__name__}: {exc}"

@@ -56,6 +56,18 @@ class Signal:
                 pass
         return True
 
+    async def next(self, timeout: float) -> bool:
+        """Until the next ``notify()``; False if ``timeout`` seconds pass first. (A notify just
+        before the call is not seen: a caller that re-checks its state loops with a short
+        ``timeout``.)"""
+        if timeout <= 0:
+            return False
+        try:
+            await asyncio.wait_for(self._bind().wait(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
 
 class Batch:
     """Calls from many callers, sent in as few calls as possible: one ``send(items)`` in flight

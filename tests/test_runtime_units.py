@@ -387,3 +387,114 @@ def test_a_budget_below_what_the_state_needs_is_named_once_with_the_size_to_set(
         assert len(warned) == 1 and f"raise memory_budget to {need}" in warned[0]
         core.begin(3, 1, 64 << 10)  # the same need: not again
         assert len([r for r in caplog.records if "raise memory_budget" in r.getMessage()]) == 1
+
+
+def _busy_with_a_spill(core) -> list:
+    """keep=2, three slots: step 1 committed and being spilled, 2 committed, 3 being sent:
+    nothing can give way to a new capture. Returns the calls the agent makes on the coordinator."""
+    told = []
+    core.tell, core.pool = lambda *args: told.append(args), _Inline()
+    for step, state in ((1, "committed"), (2, "committed"), (3, "sending")):
+        core.begin(step, 0, 4096)
+        core.versions[step].state = state
+    core.slots.pinned = lambda s: s == 1
+    return told
+
+
+def test_a_save_that_may_wait_is_told_busy_and_nothing_is_skipped(core):
+    told = _busy_with_a_spill(core)
+    busy = core.begin(4, 0, 4096, wait=True)
+    assert "every arena slot is busy" in busy["busy"] and "(3, 'sending')" in busy["busy"]
+    assert 4 not in core.versions and 4 not in core.skipped and told == []
+    assert core.counters["skipped_busy"] == 0
+    core.slots.pinned = lambda s: False  # the spill of step 1 is done: it can give way
+    assert "slot" in core.begin(4, 0, 4096, wait=True) and sorted(core.versions) == [2, 3, 4]
+    core.versions[4].state = "sending"  # busy again: nothing can give way to step 5
+    assert "skipped" in core.begin(5, 0, 4096)  # without wait, as before: skipped and counted
+    assert core.counters["skipped_busy"] == 1 and [t[:2] for t in told] == [("node_skipped", 5)]
+
+
+def test_a_waiting_begin_takes_the_slot_that_frees_and_skips_only_at_its_deadline(core):
+    import asyncio
+
+    from memsnap.actors import begin_waiting
+    from memsnap.waiting import Signal
+
+    _busy_with_a_spill(core)
+    signal = Signal()
+    core.changed = signal.notify
+    answers = []
+
+    async def run(fn, *args):  # the actor's thread pool, inline; frees a slot after the first answer
+        answers.append(fn(*args))
+        if len(answers) == 1:
+            def spilled():
+                core.slots.pinned = lambda s: False
+                core.changed()
+            asyncio.get_running_loop().call_soon(spilled)
+        return answers[-1]
+
+    got = asyncio.run(begin_waiting(run, core, signal, 4, 0, 4096, wait_s=600))
+    assert "busy" in answers[0] and "slot" in got and len(answers) == 2
+    assert core.counters["skipped_busy"] == 0
+
+    core.versions[4].state = "sending"  # busy again, and nothing will free: skipped at the deadline
+    core.versions[3].state = "committed"
+    core.slots.pinned = lambda s: s == 2
+
+    async def inline(fn, *args):
+        return fn(*args)
+
+    got = asyncio.run(begin_waiting(inline, core, signal, 5, 0, 4096, wait_s=0.3))
+    assert "skipped" in got and core.counters["skipped_busy"] == 1
+
+
+def test_wait_on_a_skipped_step_answers_once_the_older_step_in_flight_commits(core):
+    """Step 4 is skipped while step 3 is still being sent: ``wait(4)`` must not answer step 2
+    (the newest committed when 4 was dropped) while 3 may commit moments later."""
+    _busy_with_a_spill(core)
+    core.commit(CommitNotice(2, (1, 2)))
+    core.abandon(4, "node x: skipped, every arena slot is busy", failed=False)
+    assert core.newest == 2 and not core.resolved(4)  # step 3 is on its way
+    core.versions[3].state = "ready"
+    assert not core.resolved(4)
+    core.commit(CommitNotice(3, (2, 3)))
+    assert core.resolved(4) and core.newest == 3
+    core.abandon(6, "node x: MemoryBudgetError", failed=True)  # nothing older in flight: at once
+    assert core.resolved(6)
+
+
+def test_a_signal_wakes_the_next_waiter_or_lets_it_time_out():
+    import asyncio
+
+    from memsnap.waiting import Signal
+
+    async def main():
+        signal = Signal()
+        assert await signal.next(0.05) is False and await signal.next(0) is False
+        asyncio.get_running_loop().call_soon(signal.notify)
+        return await signal.next(600)
+
+    assert asyncio.run(main()) is True
+
+
+def test_a_forced_save_ignores_the_policy_and_lets_the_agent_wait_for_a_slot(monkeypatch):
+    """``save(step, state, force=True)``: taken although the policy would skip the step, and
+    the agent's ``begin`` may wait ``forced_save_wait_s`` for a busy pipeline."""
+    from memsnap import snapshotter
+
+    monkeypatch.setenv("MEMSNAP_FORCED_SAVE_WAIT_S", "42")
+    snap = object.__new__(snapshotter.Snapshotter)
+    snap.rank, snap.node, snap.config = 0, "n" * 56, SnapshotConfig("stub-job")
+    snap.counters = {"saves": 0, "failed_saves": 0, "skipped_saves": 0, "skipped_busy": 0}
+    snap._watcher, snap._guard = None, None
+    snap._policy = type("NeverDue", (), {"due": lambda self, s: False, "taken": lambda self, s, t: None})()
+    begun = []
+    agent = type("Agent", (), {"begin": type("M", (), {"remote": staticmethod(lambda *a: begun.append(a))})})
+    snap._agent = agent()
+    snap._local_ranks = lambda: [0]
+    snap._plan = type("Plan", (), {"plan": lambda self, state: (type("L", (), {"nbytes": 64})(), [])})()
+    monkeypatch.setattr(snapshotter, "_get", lambda ref, timeout=None: {"skipped": "every arena slot is busy"})
+    assert snap.save(7, {}) is False and begun == [] and snap.counters["skipped_saves"] == 1  # not due
+    assert snap.save(7, {}, force=True) is False  # taken to the agent, which skipped it all the same
+    assert begun == [(7, 0, 64, 42.0)] and snap.counters["skipped_busy"] == 1

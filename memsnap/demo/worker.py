@@ -75,7 +75,7 @@ def train_loop_per_worker(config: dict) -> None:
     first = 0 if restored is None else restored + 1
 
     def after_step(step: int, o: dict) -> None:
-        snap.save(step, snapshot_state(o))
+        snap.save(step, snapshot_state(o), force=step == cfg.steps - 1)  # the last step waits for a busy pipeline
         if _failure_due(config, step):
             hold_for_failure(snap, step, rank, config)
 
