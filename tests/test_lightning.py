@@ -22,6 +22,7 @@ from memsnap.snapshotter import shutdown  # noqa: E402
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 JOB = "lightning-crash"
+SPARSE = "lightning-sparse"
 
 
 class Crash(RuntimeError):
@@ -77,7 +78,8 @@ def one_node():
         try:
             yield c
         finally:
-            shutdown(JOB, timeout=30)
+            for job in (JOB, SPARSE):
+                shutdown(job, timeout=30)
 
 
 def test_a_crashed_fit_resumes_from_local_ram_bitwise(one_node):
@@ -101,4 +103,21 @@ def test_a_crashed_fit_resumes_from_local_ram_bitwise(one_node):
     assert resumed.steps_run == 3 and trainer.global_step == 10  # steps 7, 8, 9 only
     assert trainer.lr_scheduler_configs[0].scheduler.get_last_lr() == [0.01 * 0.5 ** 3]
     for (name, want), got in zip(reference.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(want, got), name
+
+
+def test_the_last_step_of_a_fit_is_snapshotted_whatever_the_policy_says(one_node):
+    """``every_steps=4`` over 10 steps asks for steps 3 and 7; the fit's end (step 9) is saved
+    as well, so a rerun of the finished fit resumes at its end and runs no step."""
+    model = Model()
+    done = MemsnapCallback(SPARSE, every_steps=4, preemption=False)
+    fit(model, 10, [done], seed=0)
+    assert (done._saved, done.restored_step) == (9, None)
+
+    again = Model()
+    rerun = MemsnapCallback(SPARSE, every_steps=4, preemption=False)
+    trainer = fit(again, 10, [rerun], seed=1)
+    assert rerun.restored_step == 9
+    assert again.steps_run == 0 and trainer.global_step == 10
+    for (name, want), got in zip(model.state_dict().items(), again.state_dict().values()):
         assert torch.equal(want, got), name

@@ -4,7 +4,8 @@ The callback creates a ``Snapshotter`` for the trainer's rank (world size and ra
 trainer; Ray from ``RAY_ADDRESS`` or a local loopback instance, as ``Snapshotter.from_env``),
 restores the newest committed step when the fit starts, and snapshots every optimizer step
 the policy asks for (``every_steps=1`` by default), once Lightning has finished it (LR
-scheduler stepped, batch counted: at the next batch's start, and at the end of training). A snapshot holds the LightningModule,
+scheduler stepped, batch counted: at the next batch's start), and the last step of the fit
+whatever the policy says. A snapshot holds the LightningModule,
 every optimizer and LR scheduler, the fit loop's progress counters (so ``global_step`` and
 ``current_epoch`` continue where they stopped) and every RNG.
 
@@ -57,7 +58,8 @@ class MemsnapCallback(Callback):
         self.kwargs = snapshotter_kwargs
         self.snap = None
         self.restored_step: int | None = None
-        self._saved: int | None = None
+        self._saved: int | None = None  # the newest step captured
+        self._tried: int | None = None  # the newest step offered to the policy
 
     def state(self, trainer, pl_module) -> dict:
         """What one snapshot holds."""
@@ -80,6 +82,7 @@ class MemsnapCallback(Callback):
         """Load the newest step every rank can load (collective): optimizers exist and the fit
         loop has not started (where Lightning itself restores a ``ckpt_path``)."""
         self.restored_step = self.snap.restore(self.state(trainer, pl_module))
+        self._saved = self.restored_step  # already held: a fit that resumes at its end saves nothing
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         """Snapshot the step that just finished. Here, not in ``on_train_batch_end``: Lightning
@@ -87,17 +90,18 @@ class MemsnapCallback(Callback):
         self._snapshot(trainer, pl_module)
 
     def on_train_end(self, trainer, pl_module) -> None:
-        """The last step, after the snapshots still in flight have committed (or failed), so
-        that it finds a free slot however fast the steps were."""
-        if self._saved is not None:
-            self.snap.wait(self._saved, timeout=60)
-        self._snapshot(trainer, pl_module)
+        """The last step, whatever the policy says (a forced save: where the snapshots still in
+        flight hold every slot, it waits for one instead of skipping the step), so that a
+        finished fit always resumes from its end."""
+        self._snapshot(trainer, pl_module, force=True)
 
-    def _snapshot(self, trainer, pl_module) -> None:
+    def _snapshot(self, trainer, pl_module, force: bool = False) -> None:
         step = trainer.global_step - 1  # global_step counts finished optimizer steps
-        if step >= 0 and step != self._saved:  # (with gradient accumulation, not every batch)
+        if step < 0 or step == self._saved or (step == self._tried and not force):
+            return  # (with gradient accumulation, not every batch finishes a step)
+        self._tried = step
+        if self.snap.save(step, self.state(trainer, pl_module), force=force):
             self._saved = step
-            self.snap.save(step, self.state(trainer, pl_module))
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
         if stage == "fit" and self.snap is not None:
