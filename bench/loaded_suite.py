@@ -52,7 +52,9 @@ def counts(xml: Path) -> dict:
             out[key] += int(suite.get(key, 0))
     failed, why = [], {}
     for case in root.iter("testcase"):
-        bad = case.find("failure") if case.find("failure") is not None else case.find("error")
+        bad = case.find("failure")
+        if bad is None:
+            bad = case.find("error")
         if bad is not None:
             name = f"{case.get('classname')}::{case.get('name')}"
             failed.append(name)
@@ -137,13 +139,10 @@ def main() -> None:
 
 def _commit() -> str:
     """The checkout's commit (``+`` when its tracked files differ from it)."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                              text=True, timeout=30).stdout.strip()
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=ROOT, timeout=30).returncode != 0
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
-    return (head or "unknown") + ("+" if head and dirty else "")
+    from memsnap.meta import git_commit
+
+    got = git_commit(str(ROOT))
+    return "unknown" if got is None else got["commit"][:7] + ("+" if got["dirty"] else "")
 
 
 def write(out: Path, args, begin: str, results: list[dict], log: Path, quiet: bool = False) -> None:

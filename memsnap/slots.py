@@ -21,8 +21,8 @@ from memsnap.errors import MemoryBudgetError
 
 log = logging.getLogger("memsnap.agent")
 
-LIVE = ("capturing", "queued", "sending", "ready", "committed", "restoring")
 IN_FLIGHT = ("capturing", "queued", "sending", "ready")  # taken here, its commit not yet heard
+LIVE = IN_FLIGHT + ("committed", "restoring")
 
 
 @dataclass
