@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from memsnap.errors import ConfigError
 
-_JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_JOB_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # fullmatch: "$" would let "train\n" by
 TRANSPORTS = ("tcp", "objstore")
 WIRES = ("mac", "encrypt")
 
@@ -104,7 +104,7 @@ class SnapshotConfig:
     device_backend: str = "auto"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.job, str) or not _JOB_RE.match(self.job):
+        if not isinstance(self.job, str) or not _JOB_RE.fullmatch(self.job):
             raise ConfigError(f"job={self.job!r}: use 1-64 characters of letters, digits, '_', '.', '-'")
         _positive("k", self.k)
         if isinstance(self.m, bool) or not isinstance(self.m, int) or self.m < 0:

@@ -12,7 +12,8 @@ import pytest
 
 from memsnap import naming, shmdir
 from memsnap.arena import Arena, check_capacity, space, sweep
-from memsnap.errors import MemoryBudgetError, MemsnapError, UnsafeShmError
+from memsnap.config import SnapshotConfig
+from memsnap.errors import ConfigError, MemoryBudgetError, MemsnapError, UnsafeShmError
 
 MiB = 1 << 20
 OTHER_UID = 54321  # a uid that is not ours, for files "another user planted" (root only)
@@ -270,6 +271,19 @@ def test_sweep_removes_a_dead_agents_arenas_and_keeps_live_ones(shm):
         agent.wait()
         own.close()
     assert sweep() == [] and os.listdir(shm) == []
+
+
+@pytest.mark.parametrize("job", ["train\n", "train\r\n", "a/b", "", "x" * 65, "-x"])
+def test_a_job_name_is_matched_whole(job):
+    with pytest.raises(ConfigError, match="job="):
+        SnapshotConfig(job)
+    assert SnapshotConfig("train").job == "train"
+
+
+def test_only_a_whole_arena_name_is_an_arena():
+    name = os.path.basename(path("train"))
+    assert naming.parse_arena(name)["job"] == "train"
+    assert naming.parse_arena(name + "\n") is None and naming.parse_arena(name + "x") is None
 
 
 def test_arena_files_match_the_job_exactly(shm):
