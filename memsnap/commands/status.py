@@ -8,7 +8,7 @@ import time
 
 from memsnap import metrics, naming
 from memsnap.commands._cluster import add_address, connect, jobs, not_found
-from memsnap.commands._common import human, table
+from memsnap.commands._common import human, printable, table
 from memsnap.errors import CommitError
 
 CLEAR = "\033[H\033[2J"
@@ -87,12 +87,13 @@ def render(s: dict, now: float | None = None) -> str:
             f"durable step {_dash(s.get('durable_step'))}")
     counts = (f"snapshots: {s.get('failed_snapshots', 0)} failed, {s.get('skipped_snapshots', 0)} skipped busy; "
               f"peers {'on' if s.get('peers') else 'off'}, restore generation {s.get('generation', 0)}")
-    lines = [
+    lines = [printable(line) for line in (
         head,
         f"protection (further node losses survived): {prot}",
         counts,
         _restore_line(s.get("last_restore") or {}),
         _reprotect_line(s.get("reprotect") or {}),
+    )] + [
         "",
         table(["NODE", "RANKS", "RAM USED", "BUDGET", "USE", "LOCAL", "PEER", "SPILLED", "SPILL"], node_rows(s)),
     ]
@@ -132,7 +133,7 @@ def _show(handle, args: argparse.Namespace) -> int:
         except CommitError as exc:
             if not args.watch:
                 raise
-            print(f"memsnap status: {exc}", file=sys.stderr, flush=True)  # --watch goes on
+            print(f"memsnap status: {printable(exc)}", file=sys.stderr, flush=True)  # --watch goes on
             time.sleep(args.interval)
             continue
         if args.json:
