@@ -31,8 +31,13 @@ TUNABLES: dict[str, float] = {
     "direct_restore": 1,            # 1: a peer restore reads into the rank's tensors (TCP only);
                                     # 0: through the agent's arena, then copied (as the objstore does)
     # the TCP data plane's server side (memsnap/transport/server.py)
-    "tcp_handshake_timeout_s": 10.0,  # a new connection must finish the whole handshake by then
-    "tcp_max_unauthenticated": 64,    # connections still in their handshake; more are closed at once
+    "tcp_handshake_timeout_s": 1.0,   # a new connection must finish the whole handshake by then: the
+                                      # client's 73-byte hello is one round trip behind the greeting
+                                      # (well under 10 ms on a LAN); the rest is room for a loaded host
+    "tcp_max_unauthenticated": 64,    # connections still in their handshake; when full, a newcomer
+                                      # evicts the oldest of the source address holding the most
+    "tcp_max_unauthenticated_per_source": 32,  # of those, from one source address; a newcomer from an
+                                      # address at it evicts that address's oldest
     "tcp_idle_timeout_s": 300.0,      # an authenticated connection with no new request for this long is closed
     "tcp_frame_timeout_s": 60.0,      # a frame must arrive (or leave) whole this long after it began
     "tcp_max_frame_bytes": 64 << 20,  # the largest payload accepted when the runtime passes no chunk bound
