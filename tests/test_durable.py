@@ -237,3 +237,86 @@ def test_retention_through_save(tmp_path):
 def test_multi_rank_without_barrier_refused(tmp_path):
     with pytest.raises(ConfigError, match="barrier="):
         memsnap.save(str(tmp_path), small_state(), 1, rank=0, world_size=2)
+
+
+FRESH_LOAD = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+import memsnap
+from test_durable import small_state
+print(memsnap.load({ckpt!r}, small_state(99)))
+"""
+
+
+def test_rollback_then_crash_resumes_the_new_run(tmp_path, monkeypatch):
+    monkeypatch.setattr(storage, "_RESUMED", {}, raising=False)
+    monkeypatch.setattr(storage, "_WARNED", set(), raising=False)
+    ckpt = str(tmp_path)
+    for step in (100, 200):
+        memsnap.save(ckpt, small_state(step), step, keep_last=2)
+    state = small_state(99)
+    assert memsnap.load(ckpt, state, step=100) == 100  # a loss spike: roll back
+    with pytest.warns(UserWarning, match=r"saving step 110 behind newer committed step 200 of another "
+                                         r"lineage.*load\(step=None\) will resume this lineage; step 200 is kept"):
+        memsnap.save(ckpt, small_state(110), 110, keep_last=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per process and lineage
+        memsnap.save(ckpt, small_state(120), 120, keep_last=2)
+    assert Store.open(ckpt).steps() == [100, 110, 120]
+    proc = subprocess.run([sys.executable, "-c", FRESH_LOAD.format(tests=str(TESTS), ckpt=ckpt)],
+                          capture_output=True, text=True, timeout=120, cwd=str(REPO))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "120"
+
+
+def test_rollback_with_keep_last_1_keeps_the_new_save(tmp_path, monkeypatch):
+    monkeypatch.setattr(storage, "_RESUMED", {}, raising=False)
+    for step in (100, 200):
+        memsnap.save(str(tmp_path), small_state(step), step)
+    memsnap.load(str(tmp_path), small_state(99), step=100)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        memsnap.save(str(tmp_path), small_state(110), 110, keep_last=1)
+    assert Store.open(str(tmp_path)).steps() == [100, 110]
+    state = small_state(99)
+    assert memsnap.load(str(tmp_path), state) == 110
+    assert all(torch.equal(v, params(small_state(110)["model"])[k]) for k, v in state["model"].state_dict().items())
+
+
+def test_rollback_can_save_a_step_number_of_the_abandoned_run(tmp_path, monkeypatch):
+    monkeypatch.setattr(storage, "_RESUMED", {}, raising=False)
+    for step in (100, 200):
+        memsnap.save(str(tmp_path), small_state(step), step)
+    memsnap.load(str(tmp_path), small_state(99), step=100)
+    memsnap.save(str(tmp_path), small_state(7), 200)  # the same number, a different run
+    state = small_state(99)
+    assert memsnap.load(str(tmp_path), state) == 200
+    assert all(torch.equal(v, params(small_state(7)["model"])[k]) for k, v in state["model"].state_dict().items())
+    assert Store.open(str(tmp_path)).marker(200)["lineage"]["parent"] == 100
+    with pytest.raises(ConfigError, match="step 200 is already committed.*continues from it"):
+        memsnap.save(str(tmp_path), small_state(8), 200)  # but never over its own step
+
+
+def test_damaged_newest_step_can_be_saved_again(tmp_path, monkeypatch):
+    monkeypatch.setattr(storage, "_RESUMED", {}, raising=False)
+    for step in (1, 2):
+        memsnap.save(str(tmp_path), small_state(step), step)
+    path = Path(Store.open(str(tmp_path)).path(2, "rank_00000.bin"))
+    raw = bytearray(path.read_bytes())
+    raw[3] ^= 0x40
+    path.write_bytes(raw)
+    with pytest.warns(UserWarning, match="step 2 .*corrupted"):
+        assert memsnap.load(str(tmp_path), small_state(99)) == 1
+    memsnap.save(str(tmp_path), small_state(22), 2)
+    state = small_state(99)
+    assert memsnap.load(str(tmp_path), state) == 2
+    assert all(torch.equal(v, params(small_state(22)["model"])[k]) for k, v in state["model"].state_dict().items())
+
+
+def test_step_with_unreadable_marker_can_be_saved_again(tmp_path, monkeypatch):
+    monkeypatch.setattr(storage, "_RESUMED", {}, raising=False)
+    memsnap.save(str(tmp_path), small_state(1), 1)
+    Path(Store.open(str(tmp_path)).path(1, "COMMITTED")).write_text('{"format": "mem')
+    monkeypatch.setattr(storage, "_RESUMED", {}, raising=False)  # a new process
+    memsnap.save(str(tmp_path), small_state(11), 1)
+    assert memsnap.load(str(tmp_path), small_state(99)) == 1
