@@ -35,7 +35,7 @@ class Claim:
         return {"run": self.run, "process": self.process}
 
     @classmethod
-    def from_wire(cls, d: dict | None) -> "Claim":
+    def from_wire(cls, d: dict | None) -> Claim:
         d = d or {}
         return cls(d.get("run"), str(d.get("process", "")))
 

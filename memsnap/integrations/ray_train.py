@@ -33,7 +33,7 @@ def run_identity(ctx, v2_run_id=None) -> tuple[str, str]:
 
     try:
         trial, trial_id = ctx.get_trial_name(), ctx.get_trial_id()
-    except Exception:  # Ray Train v2 has no trials: its run has a name and an id
+    except (DeprecationWarning, AttributeError):  # Ray Train v2 has no trials: its run has a name and an id
         trial, trial_id = None, None
     if trial and trial_id:
         return job_name(trial), job_name(trial_id)
@@ -50,7 +50,7 @@ def _v2_run_id() -> str | None:
         from ray.train.v2._internal.execution.context import get_train_context
 
         return str(get_train_context().train_run_context.run_id)
-    except Exception:
+    except Exception:  # noqa: BLE001 (a private API: any failure means "not readable")
         return None
 
 
