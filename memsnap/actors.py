@@ -23,6 +23,7 @@ from memsnap.config import SnapshotConfig, tunable
 from memsnap.coordinator import CoordinatorCore, rebuild_state
 from memsnap.directory import find_agent
 from memsnap.errors import CommitError
+from memsnap.identity import Claim
 from memsnap.records import CommitNotice, RankSource
 from memsnap.relay import NodeRelay
 from memsnap.secret import job_secret
@@ -79,10 +80,23 @@ class Coordinator:
     async def config(self) -> dict:
         return {"config": self.core.cfg.to_dict(), "world_size": self.core.world}
 
-    async def join(self, node: str, address: dict, ranks: list[int], world: int | None = None) -> dict:
-        if world in (None, self.core.world) and self.core.membership.needs_a_dead_node(node):
+    async def join(self, node: str, address: dict, ranks: list[int], world: int | None = None,
+                   claims: dict | None = None) -> dict:
+        rivals_left = await self._rivals_gone(ranks, world, claims or {})
+        if not rivals_left and world in (None, self.core.world) and self.core.membership.needs_a_dead_node(node):
             await self._a_dead_node()
-        return await self.pool.run(self.core.join, node, address, ranks, world)
+        return await self.pool.run(self.core.join, node, address, ranks, world, claims)
+
+    async def _rivals_gone(self, ranks: list[int], world: int | None, claims: dict) -> bool:
+        """Ranks a live rank of another run holds: wait (bounded) until those processes are
+        gone, since a killed rank's process may still be exiting. True if some still run."""
+        parsed = {rank: Claim.from_wire(claims.get(rank)) for rank in ranks}
+        deadline = time.monotonic() + tunable("claim_wait_s")
+        while await self.pool.run(self.core.refusals, parsed, world):
+            if time.monotonic() >= deadline:
+                return True
+            await asyncio.sleep(0.25)  # a process's exit has no event to wait on from here
+        return False
 
     async def _a_dead_node(self) -> None:
         """A new node is joining: wait (bounded) until Ray has marked a placed node dead. Ray
@@ -219,12 +233,17 @@ class SnapshotAgent:
         """The job configuration this agent was started with (a rank checks it matches its own)."""
         return self.core.cfg.to_dict()
 
-    async def join(self, rank: int, world_size: int) -> dict:
-        nbytes = await self.relay.join(rank, world_size)
+    async def join(self, rank: int, world_size: int, claim: dict | None = None) -> dict:
+        nbytes, run = await self.relay.join(rank, world_size, claim)
         direct = self.core.cfg.transport == "tcp" and bool(tunable("direct_restore"))
         if nbytes and not direct:  # the restore will land in an arena here: back it meanwhile
             asyncio.ensure_future(self.pool.run(self.core.prepare, rank, nbytes))
-        return {"address": self.core.address}
+        return {"address": self.core.address, "run": run}
+
+    async def running(self, tokens: list[str]) -> list[str]:
+        """Which of these rank processes still run here (the coordinator asks before a rank of
+        another run takes over one of theirs)."""
+        return self.core.running(tokens)
 
     async def members(self, timeout: float) -> dict:
         answer = await self.relay.answer(timeout)

@@ -17,6 +17,8 @@ TUNABLES: dict[str, float] = {
     "call_timeout_s": 30.0,         # a small remote call (begin, captured, status, ...)
     "push_timeout_s": 120.0,        # pushing one node's chunks to one holder
     "membership_timeout_s": 180.0,  # waiting for every rank to register
+    "claim_wait_s": 10.0,           # a rank held by a live rank of another run waits this long for
+                                    # that process to exit (a killed rank's may be exiting) before refusal
     "restore_timeout_s": 300.0,     # one collective restore round, all ranks
     "commit_notify_timeout_s": 30.0,
     "spill_retry_s": 5.0,           # pause before a failed spill is tried again
