@@ -43,23 +43,32 @@ def verify_checksums(manifest: Manifest, mv: memoryview) -> None:
 
 
 def _live_tensors(value: Any, key: str) -> dict[str, torch.Tensor]:
+    """Every tensor of the live value of state key ``key``, by its name (``tree.segment``)."""
     found: dict[str, torch.Tensor] = {}
 
     def on_tensor(t: torch.Tensor, path: str) -> int:
+        if path in found:
+            raise StateMismatchError(
+                f"two live tensors are both named {path!r}: their dict keys differ but are written "
+                "out alike (e.g. two nan keys); give the keys distinct values")
         found[path] = t
         return 0
 
-    tree.encode(value, on_tensor, key)
+    tree.encode(value, on_tensor, tree.segment(key))
     return found
 
 
 def _saved_tensors(subtree: Any, key: str) -> dict[str, int]:
+    """Every tensor of the snapshot's value of state key ``key``: name -> manifest index."""
     found: dict[str, int] = {}
 
     def tensor_at(i: int, path: str) -> None:
+        if path in found:
+            raise FormatError(f"the snapshot names two tensors {path!r}; the manifest is damaged or was "
+                              "written from keys that differ but write out alike (two nan keys)")
         found[path] = i
 
-    tree.decode(subtree, tensor_at, key)
+    tree.decode(subtree, tensor_at, tree.segment(key))
     return found
 
 
@@ -278,7 +287,7 @@ def _run(p: _ObjectPlan, src: _Source, state: Any, strict: bool) -> None:
         src.copy_into(i, local_tensor(live))
         return live
 
-    value = tree.decode(p.subtree, tensor_at, p.key)
+    value = tree.decode(p.subtree, tensor_at, tree.segment(p.key))
     if not is_stateful(p.obj):
         if not isinstance(p.obj, torch.Tensor):
             state[p.key] = value
@@ -308,7 +317,8 @@ def _damaged_rng(exc: ValueError, what: str) -> FormatError:
 
 
 def _check_rng(saved: Any, manifest: Manifest) -> None:
-    value = tree.decode(saved, lambda i, p: manifest.tensors[i], RNG_KEY)  # entries stand in for tensors
+    # manifest entries stand in for the tensors
+    value = tree.decode(saved, lambda i, p: manifest.tensors[i], tree.segment(RNG_KEY))
     try:
         rng_state.check_state(value, lambda e: isinstance(e, TensorEntry) and e.dtype == "uint8"
                               and len(e.shape) == 1)
@@ -373,7 +383,7 @@ def finish(pl: Plan, src: _Source, state: Any) -> None:
     """Write the snapshot's values from ``src`` into ``state`` as ``pl`` decided."""
     saved_rng = None
     if pl.rng and pl.saved_rng is not None:
-        saved_rng = tree.decode(pl.saved_rng, lambda i, p: src.new_tensor(i), RNG_KEY)
+        saved_rng = tree.decode(pl.saved_rng, lambda i, p: src.new_tensor(i), tree.segment(RNG_KEY))
         try:
             rng_state.check_generator_bytes(saved_rng)
         except ValueError as exc:

@@ -344,3 +344,35 @@ def test_any_nested_state_roundtrips_bit_for_bit():
         assert bytes(buf2) == bytes(buf) and m2.tree == m.tree and m2.tensors == m.tensors
 
     check()
+
+
+def test_keys_that_join_alike_as_text_restore_each_tensor_into_its_own_place():
+    src = {"x": {"a/b": torch.full((2,), 1.0), "a": {"b": torch.full((2,), 2.0)},
+                 0: torch.full((2,), 3.0), "0": torch.full((2,), 4.0)}}
+    m, buf = capture(src, rng=False)
+    live = {"x": {"a/b": torch.zeros(2), "a": {"b": torch.zeros(2)}, 0: torch.zeros(2), "0": torch.zeros(2)}}
+    before = [live["x"]["a/b"], live["x"]["a"]["b"], live["x"][0], live["x"]["0"]]
+    apply(live, m, buf)
+    after = [live["x"]["a/b"], live["x"]["a"]["b"], live["x"][0], live["x"]["0"]]
+    assert all(a is b for a, b in zip(after, before))
+    assert [t.tolist() for t in after] == [[1.0, 1.0], [2.0, 2.0], [3.0, 3.0], [4.0, 4.0]]
+
+
+def test_state_with_keys_that_join_alike_roundtrips_bit_for_bit():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    keys = st.sampled_from(["a", "a/b", "b", "0", "%30", "<0>"]) | st.just(0)
+    nested = st.recursive(_tensors_of(["float32", "int8"]), lambda inner: st.lists(inner, max_size=2)
+                          | st.dictionaries(keys, inner, min_size=1, max_size=4), max_leaves=10)
+
+    @settings(max_examples=100, deadline=None)
+    @given(nested)
+    def check(value):
+        m, buf = capture({"v": value}, rng=False, checksums=True)
+        live = {"v": _zeroed(value)}
+        apply(live, m, buf)
+        m2, buf2 = capture(live, rng=False, checksums=True)
+        assert bytes(buf2) == bytes(buf) and m2.tensors == m.tensors
+
+    check()
