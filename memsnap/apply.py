@@ -95,6 +95,25 @@ def _check_tensor(path: str, entry: TensorEntry, live: torch.Tensor) -> None:
         raise StateMismatchError(
             f"{path!r}: snapshot shard is of a global tensor {list(entry.global_shape)}, live DTensor is "
             f"{list(live.shape)}; resharding is not done by apply")
+    _check_destination(path, local)
+
+
+def _check_destination(path: str, t: torch.Tensor) -> None:
+    """Refuse a live tensor the snapshot's bytes cannot be written into in place, before any
+    tensor is written (so a refused apply leaves every tensor as it was)."""
+    if t.is_meta:
+        raise StateMismatchError(
+            f"{path!r} is on the meta device (deferred init) and cannot receive the snapshot's bytes; "
+            "materialise the model first, e.g. model.to_empty(device='cpu'), then restore")
+    if t.layout is not torch.strided or t.is_nested:
+        kind = "nested" if t.is_nested else str(t.layout).removeprefix("torch.")
+        raise StateMismatchError(f"{path!r}: the live tensor is a {kind} tensor, which a snapshot's dense "
+                                 "bytes cannot be written into; make it dense before restoring")
+    if t.numel() > 1 and any(stride == 0 and n > 1 for n, stride in zip(t.shape, t.stride())):
+        raise StateMismatchError(
+            f"{path!r}: elements of the live tensor share memory (shape {list(t.shape)}, stride "
+            f"{list(t.stride())}, e.g. made by expand()), so it cannot be written in place; give it "
+            "its own memory (t.clone()) before restoring")
 
 
 def _check_keys(path_kind: str, missing: list[str], extra: list[str]) -> None:
@@ -204,6 +223,13 @@ def _check_span(e: TensorEntry, size: int, dst: torch.Tensor) -> None:
             f"into a {dst.numel() * dst.element_size()}-byte tensor; the manifest does not match its buffer")
 
 
+def _write(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` outside autograd: a live leaf that requires grad (or a view of one) is
+    written in place like any other tensor, an inference tensor inside inference mode."""
+    with torch.inference_mode() if dst.is_inference() else torch.no_grad():
+        dst.copy_(src)
+
+
 class _Source:
     """Typed views of the snapshot bytes, following aliases to the entry that holds them."""
 
@@ -226,7 +252,7 @@ class _Source:
             _check_span(e, self.size, dst)
             ctypes.memmove(dst.data_ptr(), self.address + e.offset, e.nbytes)  # one plain memcpy
         else:
-            dst.copy_(self.view(i))
+            _write(dst, self.view(i))
 
     def holder(self, i: int) -> int:
         alias = self.manifest.tensors[i].alias_of
@@ -262,7 +288,7 @@ class _Received(_Source):
         src = self.received.get(h)
         if src is not None and h in self.live and src.data_ptr() == dst.data_ptr():
             return  # received in place
-        dst.copy_(self.view(i))
+        _write(dst, self.view(i))
 
     def view(self, i: int) -> torch.Tensor:
         h = self.holder(i)

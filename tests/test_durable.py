@@ -14,8 +14,8 @@ import torch
 
 import memsnap
 from memsnap import meta, storage
-from memsnap.errors import (ChecksumError, ConfigError, SnapshotNotFoundError, StorageError,
-                            UnsupportedStateError, WeightsOnlyError)
+from memsnap.errors import (ChecksumError, ConfigError, SnapshotNotFoundError, StateMismatchError,
+                            StorageError, UnsupportedStateError, WeightsOnlyError)
 from memsnap.storage import Store
 
 TESTS = Path(__file__).parent
@@ -239,7 +239,7 @@ def test_multi_rank_without_barrier_refused(tmp_path):
         memsnap.save(str(tmp_path), small_state(), 1, rank=0, world_size=2)
 
 
-# --- tensor names, what a save refuses -------------------------------------------
+# --- tensor names, meta-device models, what a save refuses -------------------------------------------
 def tricky_state(seed: int) -> dict:
     """A state whose keys join alike as text: "a/b" beside a -> b, 0 beside "0"."""
     state = small_state(seed)
@@ -310,6 +310,22 @@ def test_checkpoints_with_the_older_text_names_still_load_by_position(tmp_path):
         held = tricky_tensors(live)
         assert memsnap.load(str(tmp_path), live, rank=0, world_size=world) == 1
         assert_loaded(saved, live, held)
+
+
+def test_loading_into_a_model_on_the_meta_device_is_refused_naming_the_fix(tmp_path):
+    memsnap.save(str(tmp_path), small_state(0), 1)
+    memsnap.save(str(tmp_path), small_state(0), 2)
+    with torch.device("meta"):
+        model = torch.nn.Linear(8, 4)
+    live = {"model": model, "optim": torch.optim.AdamW(model.parameters(), lr=0.1)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback to step 1: no older step would fare better
+        with pytest.raises(StateMismatchError, match=r"'model/weight' is on the meta device.*to_empty"):
+            memsnap.load(str(tmp_path), live)
+    model.to_empty(device="cpu")
+    assert memsnap.load(str(tmp_path), live) == 2
+    want = params(small_state(0)["model"])
+    assert all(torch.equal(t, want[k]) for k, t in params(model).items())
 
 
 @pytest.mark.parametrize("value", [torch.eye(2).to_sparse(), torch.empty(2, device="meta"), 10 ** 5000,
