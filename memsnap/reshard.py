@@ -16,6 +16,7 @@ from typing import Any, Mapping
 
 import torch
 
+from memsnap import tree
 from memsnap.capture import plan
 from memsnap.checksum import checksum
 from memsnap.dtypes import dtype_of
@@ -136,11 +137,20 @@ def _fill_sharded(dst: torch.Tensor, e: TensorEntry, reader) -> None:
         dst[_slices(box, e.global_offset or (0,) * len(e.shape))] = reader.tensor(rank, e.path)[_slices(box, src_box[0])]
 
 
+def _by_position(template: Manifest, live: Manifest) -> dict[str, TensorEntry]:
+    """``{template entry path: live entry}`` for the tensors at the same skeleton position in
+    both (matched by ``tree.tensor_names``, not by the stored entry names, which an older
+    memsnap wrote ambiguously for some keys)."""
+    at = {name: live.tensors[i] for i, name in tree.tensor_names(live.tree).items()}
+    return {template.tensors[i].path: at[name] for i, name in tree.tensor_names(template.tree).items()
+            if name in at}
+
+
 def layout(saved: list[Manifest], live: Manifest, rank: int) -> Manifest:
     """Rank ``rank``'s manifest of the saved step in the layout of the ``live`` plan (no
     checksums, no bytes): which tensors it loads and where they sit in its buffer."""
     template = saved[rank % len(saved)]
-    entries = _layout(template, {e.path: e for e in live.tensors})
+    entries = _layout(template, _by_position(template, live))
     nbytes = align_up(max((e.offset + e.nbytes for e in entries), default=0))
     return Manifest(entries, template.tree, nbytes, dict(template.meta))
 

@@ -100,7 +100,10 @@ def weight_paths(manifest: Manifest, key: str | None) -> tuple[str, list[str]]:
     if key is None or key not in keys:
         raise ConfigError(f"cannot tell which state key holds the weights (keys: {keys}); "
                           "pass --key NAME")
-    paths = [t.path for t in manifest.tensors if t.path.startswith(key + "/")]
+    # memsnap.tree imports torch: only the commands that read tensors get here
+    from memsnap.tree import segment
+
+    paths = [t.path for t in manifest.tensors if t.path.startswith(segment(key) + "/")]
     if not paths:
         raise ConfigError(f"state key {key!r} holds no tensors; pass --key with one of {keys}")
     return key, paths
