@@ -11,6 +11,7 @@ runs in each actor's own thread pool. The call protocols are in ``agent.py`` and
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -128,6 +129,15 @@ class Coordinator:
 
     async def node_skipped(self, step: int, node: str, why: str) -> None:
         self.core.node_skipped(step, node, why)
+
+    async def node_lost(self, node: str, why: str) -> bool:
+        fenced = await self.pool.run(self.core.node_lost, node, why)
+        if fenced:  # the node's agent stops serving and committing, even if it was only paused
+            agent = find_agent(self.core.cfg.job, node)
+            if agent is not None:
+                with contextlib.suppress(Exception):
+                    ray.kill(agent, no_restart=True)
+        return fenced
 
     async def wait_committed(self, step: int, timeout: float) -> int | None:
         await self.signal.wait_for(lambda: self.core.resolved(step), timeout)

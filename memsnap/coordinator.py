@@ -61,6 +61,7 @@ class CoordinatorCore:
         self.restored = threading.Condition(self.lock)  # a restore round completed
         self.changed = lambda: None  # the Ray face wakes its waiters with this
         self.dir = directory or Directory(self.cfg.job)
+        self.fenced: set[str] = set()  # nodes memsnap declared lost (``node_lost``); never un-fenced
         self.membership = Membership(self.cfg, world_size, self._alive, self.find_spares)
         self.log = CommitLog(self.cfg)
         self.rounds = RestoreRounds(world_size)
@@ -72,7 +73,31 @@ class CoordinatorCore:
         self._sender: threading.Thread | None = None
 
     def _alive(self) -> set[str]:
-        return self.dir.alive()
+        """The nodes memsnap counts as alive: Ray's live nodes less the fenced ones (memsnap's
+        own verdict comes first; Ray's health checks only confirm it, seconds later)."""
+        return self.dir.alive() - self.fenced
+
+    def node_lost(self, node: str, why: str) -> bool:
+        """memsnap's own verdict that ``node`` is lost (its ranks' process group saw it go, or
+        its heartbeats stopped): it is fenced for good. Its agent is never asked again (the
+        restore plan, placement and re-protection use the live nodes less the fenced ones),
+        its phase-one reports are ignored, and a placement that holds it as a spare is
+        redone without it. A node id is never un-fenced: a paused host that comes back has
+        to join as a new node. False when ``node`` was fenced already (idempotent: Ray
+        declaring the same node dead later changes nothing)."""
+        with self.lock:
+            if node in self.fenced:
+                return False
+            self.fenced.add(node)
+            self.dir.forget(node)
+            replaced = self.membership.drop_lost_spares()
+            self.changed()
+        log.warning("job %r: node %s is lost (%s): fenced", self.cfg.job, node[:12], why)
+        if replaced:
+            self.broadcast("layout_changed")
+            if self.log.records:
+                self.reprotect.kick()
+        return True
 
     def find_spares(self, busy: set[str]) -> dict[str, dict]:
         """``{node: address}`` of the job's agents on live nodes that run no rank (spares)."""
@@ -100,7 +125,13 @@ class CoordinatorCore:
             if resized:
                 self.resize(world)
             self._hold(node, {rank: claims[rank] for rank in ranks})
+            if node in self.fenced:
+                raise CommitError(f"node {node[:12]} was declared lost and is fenced: its processes must not "
+                                  "rejoin the job (a host that comes back joins as a new node)")
             replaced = self.membership.join(node, address, ranks)
+            # a rank moved onto a placed node (a standby taking over): a lost node it left behind
+            # holds no rank now, and leaves the placement like a lost spare
+            replaced = self.membership.drop_lost_spares() or replaced
             self.changed()
             record = self.log.records.get(self.log.newest()) if self.log.records else None
             if record is not None and record.world != self.world:
@@ -184,6 +215,8 @@ class CoordinatorCore:
     def node_ready(self, wire: dict) -> None:
         info = NodeReady.from_wire(wire)
         with self.lock:
+            if info.node in self.fenced:  # a fenced node's snapshot never commits
+                return
             record = self.log.ready(info, self.membership.owners(), self.world)
             if record is None:
                 return
