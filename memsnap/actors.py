@@ -130,6 +130,9 @@ class Coordinator:
     async def node_skipped(self, step: int, node: str, why: str) -> None:
         self.core.node_skipped(step, node, why)
 
+    async def recovered(self, record: dict) -> None:
+        self.core.recovered(record)
+
     async def node_lost(self, node: str, why: str) -> bool:
         fenced = await self.pool.run(self.core.node_lost, node, why)
         if fenced:  # the node's agent stops serving and committing, even if it was only paused

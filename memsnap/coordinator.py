@@ -62,6 +62,7 @@ class CoordinatorCore:
         self.changed = lambda: None  # the Ray face wakes its waiters with this
         self.dir = directory or Directory(self.cfg.job)
         self.fenced: set[str] = set()  # nodes memsnap declared lost (``node_lost``); never un-fenced
+        self.recoveries: list[dict] = []  # the newest in-place recoveries, as their controller reported them
         self.membership = Membership(self.cfg, world_size, self._alive, self.find_spares)
         self.log = CommitLog(self.cfg)
         self.rounds = RestoreRounds(world_size)
@@ -76,6 +77,13 @@ class CoordinatorCore:
         """The nodes memsnap counts as alive: Ray's live nodes less the fenced ones (memsnap's
         own verdict comes first; Ray's health checks only confirm it, seconds later)."""
         return self.dir.alive() - self.fenced
+
+    def recovered(self, record: dict) -> None:
+        """An in-place recovery's record (who was lost, who took over, where the seconds went),
+        kept for ``status()`` (the newest 20)."""
+        with self.lock:
+            self.recoveries = [*self.recoveries, dict(record)][-20:]
+        metrics.recovered(self.cfg.job, dict(record.get("split") or {}))
 
     def node_lost(self, node: str, why: str) -> bool:
         """memsnap's own verdict that ``node`` is lost (its ranks' process group saw it go, or
@@ -424,6 +432,8 @@ class CoordinatorCore:
                 "run": self.run,
                 "durable_step": log_.durable_step,
                 "last_restore": dict(self.last_restore),
+                "recoveries": list(self.recoveries),
+                "fenced": sorted(self.fenced),
                 "reprotect": self.reprotect.status(),
                 "agents": {n: dict(inv.bytes) | {"counters": dict(inv.counters), "spill": inv.spill}
                            for n, inv in inventories.items()},

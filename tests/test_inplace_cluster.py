@@ -43,8 +43,8 @@ def test_a_killed_node_is_replaced_by_the_standby_and_the_survivors_keep_their_p
     import memsnap
 
     lc = cluster
-    ranks = [lc.nodes[1], lc.nodes[2], lc.nodes[3]]
-    spare = lc.nodes[4]
+    ranks = lc.nodes[-4:-1]
+    spare = lc.nodes[-1]
     job = f"inplace-{uuid.uuid4().hex[:6]}"
     steps = 60
     j = InplaceJob(job, inplace_job.setup, inplace_job.make_train(steps, step_s=0.05),
@@ -75,9 +75,95 @@ def test_a_killed_node_is_replaced_by_the_standby_and_the_survivors_keep_their_p
         assert not any(j.store.check([f"test/mismatch/{r}/{s}"]) for r in range(3) for s in range(steps))
         # and the three ranks end identical (data parallel), each having trained every step
         assert len({v["digest"] for v in out["results"].values()}) == 1
+        import ray
+
+        from memsnap import naming
+
+        coord = ray.get_actor(naming.coordinator(job), namespace=naming.NAMESPACE)
+        status = ray.get(coord.status.remote(), timeout=60)
+        assert status["fenced"] == [ranks[1].node_id]
+        assert [r["gen"] for r in status["recoveries"]] == [1]
         split = rec["split"]
         print("recovery split:", {k: None if v is None else round(v, 3) for k, v in split.items()})
         assert None not in split.values()
     finally:
         runner.join(timeout=60)
+        memsnap.shutdown(job, timeout=30)
+
+
+def run_in_thread(j, out):
+    t = threading.Thread(target=lambda: out.update(results=j.run(timeout_s=600)), daemon=True)
+    t.start()
+    return t
+
+
+def progress(j, rank: int, at_least: int) -> bool:
+    key = f"test/progress/{rank}"
+    return j.store is not None and j.store.check([key]) and int(j.store.get(key)) >= at_least
+
+
+def test_a_hung_rank_is_noticed_by_its_heartbeat_fenced_and_replaced(cluster):
+    """SIGSTOP: no socket closes, no collective error; only the beats stop."""
+    from memsnap.inplace import InplaceJob
+
+    import memsnap
+
+    lc = cluster
+    while len(lc.nodes) < 5:
+        lc.add_node()
+    ranks, spare = lc.nodes[-4:-1], lc.nodes[-1]
+    job = f"inplace-{uuid.uuid4().hex[:6]}"
+    steps = 40
+    j = InplaceJob(job, inplace_job.setup, inplace_job.make_train(steps, step_s=0.05),
+                   rank_nodes=[n.node_id for n in ranks], standby_nodes=[spare.node_id], options=OPTIONS,
+                   backend_timeout_s=300)
+    out: dict = {}
+    runner = run_in_thread(j, out)
+    stopped = None
+    try:
+        wait_for(lambda: progress(j, 2, 8), timeout=300, what="rank 2 to train 8 steps")
+        stopped = psutil.Process(j.members()[2]["pid"])
+        stopped.suspend()
+        runner.join(timeout=600)
+        assert not runner.is_alive() and sorted(out["results"]) == [0, 1, 2]
+        rec, = j.collect()
+        assert rec["lost"] == {2: "r2"} and rec["why"].startswith("rank 2: no heartbeat")
+        assert rec["tiers"] == {0: "local", 1: "local", 2: "peer"}
+        assert not any(j.store.check([f"test/mismatch/{r}/{s}"]) for r in range(3) for s in range(steps))
+        assert len({v["digest"] for v in out["results"].values()}) == 1
+        # fenced: the frozen process was killed, so it cannot wake up into the job
+        wait_for(lambda: not stopped.is_running() or stopped.status() == psutil.STATUS_ZOMBIE,
+                 timeout=60, what="the hung rank's process to be killed")
+    finally:
+        if stopped is not None:
+            try:
+                stopped.resume()
+            except psutil.Error:
+                pass
+        runner.join(timeout=60)
+        memsnap.shutdown(job, timeout=30)
+
+
+def test_a_slow_rank_is_not_taken_for_a_lost_one(cluster):
+    """One step of one rank takes 3x the time after which silent beats mean a loss; its beats
+    go on from their own thread, so nothing is recovered (with no standby, a false verdict
+    would end the job)."""
+    from memsnap.inplace import InplaceJob
+
+    import memsnap
+
+    lc = cluster
+    ranks = lc.nodes[-3:]
+    job = f"inplace-{uuid.uuid4().hex[:6]}"
+    j = InplaceJob(job, inplace_job.setup, inplace_job.make_train(20, slow=(1, 5, 3.0)),
+                   rank_nodes=[n.node_id for n in ranks], options=OPTIONS, lost_after_s=1.0,
+                   on_no_standby="fail")
+    out: dict = {}
+    try:
+        runner = run_in_thread(j, out)
+        runner.join(timeout=600)
+        assert not runner.is_alive() and sorted(out["results"]) == [0, 1, 2]
+        assert j.store.check(["test/slow"])  # the slow step happened
+        assert j.collect() == []
+    finally:
         memsnap.shutdown(job, timeout=30)

@@ -41,6 +41,19 @@ def _restore_line(last: dict) -> str:
     return f"last restore: step {_dash(last.get('step'))} from {last['tier']} in {total:.2f} s"
 
 
+def _recovery_line(recoveries: list) -> str | None:
+    """The newest in-place recovery: who was lost, who took over, where the seconds went."""
+    if not recoveries:
+        return None
+    rec = recoveries[-1]
+    split = rec.get("split") or {}
+    parts = ", ".join(f"{k} {v:.2f} s" for k, v in split.items() if k != "total" and v is not None)
+    total = split.get("total")
+    lost = ", ".join(f"rank {r}" for r in sorted(rec.get("lost") or {}, key=int)) or "none"
+    return (f"last in-place recovery ({len(recoveries)} in all): lost {lost}, generation {rec.get('gen')}, "
+            f"{parts}" + (f"; {total:.2f} s to every rank's first step" if total is not None else ""))
+
+
 def _reprotect_line(rp: dict) -> str:
     state = "running" if rp.get("running") else "idle"
     line = (f"re-protection: {state}, {rp.get('rebuilt_chunks', 0)} chunk(s) rebuilt, "
@@ -92,8 +105,9 @@ def render(s: dict, now: float | None = None) -> str:
         f"protection (further node losses survived): {prot}",
         counts,
         _restore_line(s.get("last_restore") or {}),
+        _recovery_line(s.get("recoveries") or []),
         _reprotect_line(s.get("reprotect") or {}),
-    )] + [
+    ) if line is not None] + [
         "",
         table(["NODE", "RANKS", "RAM USED", "BUDGET", "USE", "LOCAL", "PEER", "SPILLED", "SPILL"], node_rows(s)),
     ]

@@ -37,7 +37,7 @@ from memsnap.inplace.member import Member, gen_key, report_key
 
 log = logging.getLogger("memsnap.inplace")
 
-_POLL_S = 0.02
+_POLL_S = 0.05
 
 
 class RecoveryError(MemsnapError):
@@ -56,6 +56,7 @@ class Recovery:
     noticed: float  # the controller saw the first sign
     decided: float  # the next generation was written
     reports: dict[int, dict] = dataclasses.field(default_factory=dict)
+    sent: bool = False  # reported to the coordinator and the event log
 
     def split(self) -> dict[str, float | None]:
         """``detect`` (first sign -> decision), ``reform`` (decision -> every member formed the
@@ -181,7 +182,11 @@ class InplaceJob:
 
         results: dict[int, Any] = {}
         reported_at: float | None = None
+        next_report = 0.0
         while True:
+            if time.monotonic() >= next_report:
+                self._report_finished()
+                next_report = time.monotonic() + 0.5
             if time.monotonic() > deadline:
                 raise RecoveryError(f"job {self.job!r} did not finish within its timeout")
             by_ref = {s.ref: (rank, s) for rank, s in self._ranks.items() if rank not in results}
@@ -328,6 +333,25 @@ class InplaceJob:
                     rec.reports[rank] = json.loads(self.store.get(key))
         return [rec.to_dict() for rec in self.recoveries]
 
+    def _report_finished(self) -> None:
+        """Recoveries whose every rank has taken its first step go to the coordinator
+        (``status()``, ``memsnap status``, the metrics) and the event log, once each."""
+        import ray
+
+        from memsnap import naming
+
+        self.collect()
+        for rec in self.recoveries:
+            if rec.sent or len(rec.reports) < self.world or rec.split()["total"] is None:
+                continue
+            rec.sent = True
+            self._event({"event": "recovered", **rec.to_dict()})
+            try:
+                coord = ray.get_actor(naming.coordinator(self.job), namespace=naming.NAMESPACE)
+                coord.recovered.remote(rec.to_dict())
+            except Exception as exc:  # the record is for the record: never stop the job for it
+                log.warning("job %r: recovery not reported to the coordinator: %s", self.job, exc)
+
     def members(self) -> dict[int, dict]:
         """``{rank: member info}`` (pid, threads, fds, RSS) of the current generation."""
         import ray
@@ -345,7 +369,7 @@ class InplaceJob:
         if self.store is None:
             return
         try:
-            self.collect()
+            self._report_finished()
         except Exception:
             pass
         for t in self._warming:

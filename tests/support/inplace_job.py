@@ -33,7 +33,9 @@ def digest(state) -> str:
     return h.hexdigest()
 
 
-def make_train(steps: int, step_s: float = 0.0):
+def make_train(steps: int, step_s: float = 0.0, slow: tuple[int, int, float] | None = None):
+    """``slow``: (rank, step, seconds) — that rank spends that long in that step, once (a slow
+    rank, which must not be taken for a lost one)."""
     def train(ctx, state):
         import torch
 
@@ -46,6 +48,9 @@ def make_train(steps: int, step_s: float = 0.0):
             loss = model(x).square().mean()
             opt.zero_grad(set_to_none=False)
             loss.backward()
+            if slow is not None and (ctx.rank, step) == slow[:2] and not store.check(["test/slow"]):
+                store.set("test/slow", str(ctx.rank))
+                time.sleep(slow[2])  # a long step (compute stand-in); its heartbeat thread runs on
             ctx.average_gradients(model.parameters())
             opt.step()
             state["extra"]["bulk"][step % 4096] += 1.0
