@@ -149,11 +149,21 @@ class Coordinator:
     async def restore_arrive(self, node: str, attempt: int, ranks: list[int]) -> None:
         self.core.restore_arrive(attempt, ranks)
 
+    async def cancel_restore(self, why: str) -> list[int]:
+        return self.core.cancel_restore(why)
+
+    def _not_cancelled(self, attempt: int) -> None:
+        why = self.core.rounds.cancelled(attempt)
+        if why is not None:
+            raise CommitError(f"restore: the round was cancelled: {why}")
+
     async def restore_plans(self, node: str, attempt: int) -> dict:
         timeout = tunable("restore_timeout_s")
-        if not await self.signal.wait_for(lambda: self.core.rounds.all_arrived(attempt), timeout):
+        rounds = self.core.rounds
+        if not await self.signal.wait_for(lambda: rounds.all_arrived(attempt) or rounds.cancelled(attempt), timeout):
             raise CommitError(f"restore: timed out after {timeout:.0f} s waiting for ranks "
                               f"{self.core.rounds.missing(attempt)}")
+        self._not_cancelled(attempt)
         async with self.planning.setdefault(attempt, asyncio.Lock()):  # one plan, made once
             await self.pool.run(self.core.plan, attempt)
         return await self.pool.run(self.core.plans_for, node, attempt)
@@ -163,9 +173,11 @@ class Coordinator:
 
     async def restore_result(self, node: str, attempt: int) -> dict:
         timeout = tunable("restore_timeout_s")
-        if not await self.signal.wait_for(lambda: self.core.rounds.all_done(attempt), timeout):
+        rounds = self.core.rounds
+        if not await self.signal.wait_for(lambda: rounds.all_done(attempt) or rounds.cancelled(attempt), timeout):
             raise CommitError(f"restore: timed out waiting for ranks {self.core.rounds.missing(attempt, 'done')} "
                               "to finish")
+        self._not_cancelled(attempt)
         return self.core.restore_result(attempt)
 
     async def spilled(self, step: int, ranks: list[int]) -> bool:

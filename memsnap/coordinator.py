@@ -295,6 +295,17 @@ class CoordinatorCore:
             self.dir.call_all(nodes, method, *args, timeout=tunable("commit_notify_timeout_s"))
 
     # --- 5. restore rounds ----------------------------------------------------------------------
+    def cancel_restore(self, why: str) -> list[int]:
+        """A member was lost while a restore round was open: every rank waiting in it fails
+        (``CommitError``) instead of waiting out ``restore_timeout_s``; the next generation's
+        restore starts a new round."""
+        with self.lock:
+            cancelled = self.rounds.cancel(why)
+            self.changed()
+        if cancelled:
+            log.warning("job %r: restore round(s) %s cancelled: %s", self.cfg.job, cancelled, why)
+        return cancelled
+
     def restore_arrive(self, attempt: int, ranks: list[int]) -> None:
         with self.lock:
             self.rounds.arrive(attempt, ranks)

@@ -123,7 +123,11 @@ class NodeRelay:
         if rnd.plans is None:
             rnd.plans = asyncio.ensure_future(self.call("restore_plans", self.node, attempt,
                                                         timeout=tunable("restore_timeout_s") + 30))
-        plans = await asyncio.shield(rnd.plans)
+        try:
+            plans = await asyncio.shield(rnd.plans)
+        except Exception:
+            rnd.closed = True  # a failed or cancelled round: the next attempt 0 starts afresh
+            raise
         if rank not in plans:
             raise CommitError(f"restore: the plan names no part for rank {rank} on node {self.node[:12]}; "
                               "it registered on another node")
@@ -138,6 +142,8 @@ class NodeRelay:
         if rnd.result is None:
             rnd.result = asyncio.ensure_future(self.call("restore_result", self.node, attempt,
                                                          timeout=tunable("restore_timeout_s") + 30))
-        result = await asyncio.shield(rnd.result)
-        rnd.closed = True
+        try:
+            result = await asyncio.shield(rnd.result)
+        finally:
+            rnd.closed = True
         return result

@@ -128,7 +128,10 @@ def test_a_hung_rank_is_noticed_by_its_heartbeat_fenced_and_replaced(cluster):
         assert not runner.is_alive() and sorted(out["results"]) == [0, 1, 2]
         rec, = j.collect()
         assert rec["lost"] == {2: "r2"} and rec["why"].startswith("rank 2: no heartbeat")
-        assert rec["tiers"] == {0: "local", 1: "local", 2: "peer"}
+        # only the process hung: its node's agent still answers, so the node is not fenced and
+        # the standby reads the rank's whole copy from it (one read, no decode)
+        assert rec["fenced_nodes"] == []
+        assert rec["tiers"] == {0: "local", 1: "local", 2: "copy"}
         assert not any(j.store.check([f"test/mismatch/{r}/{s}"]) for r in range(3) for s in range(steps))
         assert len({v["digest"] for v in out["results"].values()}) == 1
         # fenced: the frozen process was killed, so it cannot wake up into the job
@@ -166,4 +169,40 @@ def test_a_slow_rank_is_not_taken_for_a_lost_one(cluster):
         assert j.store.check(["test/slow"])  # the slow step happened
         assert j.collect() == []
     finally:
+        memsnap.shutdown(job, timeout=30)
+
+
+def test_a_standby_that_dies_as_it_takes_over_is_replaced_by_the_next(cluster):
+    """The survivors wait in the restore round for the first standby, which dies: the round
+    is cancelled (no 300 s wait), and the second standby takes the rank."""
+    from memsnap.inplace import InplaceJob
+
+    import memsnap
+
+    lc = cluster
+    while len(lc.nodes) < 6:
+        lc.add_node()
+    ranks, spares = lc.nodes[-5:-2], lc.nodes[-2:]
+    job = f"inplace-{uuid.uuid4().hex[:6]}"
+    steps = 40
+    j = InplaceJob(job, inplace_job.setup, inplace_job.make_train(steps, step_s=0.05),
+                   rank_nodes=[n.node_id for n in ranks], standby_nodes=[s.node_id for s in spares],
+                   options=OPTIONS)
+    out: dict = {}
+    runner = run_in_thread(j, out)
+    try:
+        wait_for(lambda: progress(j, 1, 8), timeout=300, what="rank 1 to train 8 steps")
+        j.store.set("test/die_on_takeover", "1")
+        kill_hard(lc, ranks[1])
+        runner.join(timeout=600)
+        assert not runner.is_alive() and sorted(out["results"]) == [0, 1, 2]
+        first, second = j.collect()
+        assert first["lost"] == {1: "r1"} and first["takeover"] == {1: "s0"}
+        assert second["lost"] == {1: "s0"} and second["takeover"] == {1: "s1"}
+        assert second["fenced_nodes"] == []  # the standby's node and agent were fine
+        assert second["tiers"] == {0: "local", 1: "peer", 2: "local"}
+        assert not any(j.store.check([f"test/mismatch/{r}/{s}"]) for r in range(3) for s in range(steps))
+        assert len({v["digest"] for v in out["results"].values()}) == 1
+    finally:
+        runner.join(timeout=60)
         memsnap.shutdown(job, timeout=30)

@@ -106,7 +106,7 @@ class InplaceJob:
                  standby_nodes: list[str] = (), options: dict | None = None, beat_s: float = 0.1,
                  lost_after_s: float = 1.0, suspect_after_s: float = 0.3, backend: str = "gloo",
                  backend_timeout_s: float = 60.0, on_no_standby: str = "wait", wait_for_node_s: float = 120.0,
-                 events: str | None = None):
+                 agent_ping_s: float = 0.5, events: str | None = None):
         if not rank_nodes:
             raise ConfigError("rank_nodes=[]: give the Ray node id of every rank")
         if on_no_standby not in ("wait", "fail"):
@@ -123,6 +123,7 @@ class InplaceJob:
         self.backend, self.backend_timeout_s = backend, backend_timeout_s
         self.on_no_standby, self.wait_for_node_s = on_no_standby, wait_for_node_s
         self.events = events
+        self.agent_ping_s = float(agent_ping_s)
         self.recoveries: list[Recovery] = []
         self.gen = 0
         self._ranks: dict[int, _Slot] = {}
@@ -236,6 +237,7 @@ class InplaceJob:
             except Exception:
                 pass
         fenced = self._fence_nodes(lost_slots, why)
+        self._cancel_restore(why)
         takeover = {}
         for rank in sorted(lost_slots):
             standby = self._next_standby()
@@ -252,19 +254,51 @@ class InplaceJob:
             self._warm_a_standby()
 
     def _fence_nodes(self, lost: dict[int, _Slot], why: str) -> list[str]:
-        """Nodes all of whose ranks were lost: memsnap's coordinator fences them."""
+        """Nodes all of whose ranks were lost and whose agent is silent: memsnap's coordinator
+        fences them."""
         import ray
 
         from memsnap import naming
 
+        from memsnap.directory import find_agent
+
         live_ranks = {s.node for r, s in self._ranks.items() if r not in lost}
-        nodes = sorted({s.node for s in lost.values()} - live_ranks)
+        candidates = sorted({s.node for s in lost.values()} - live_ranks)
+        # a rank's process can die on a healthy node: a node whose agent still answers within
+        # agent_ping_s keeps its place (and the RAM it holds for its peers)
+        pings = {}
+        for node in candidates:
+            agent = find_agent(self.job, node)
+            if agent is not None:
+                pings[agent.address.remote()] = node
+        ready, _ = ray.wait(list(pings), num_returns=len(pings), timeout=self.agent_ping_s) if pings else ([], [])
+        answered = set()
+        for ref in ready:
+            try:
+                ray.get(ref)
+                answered.add(pings[ref])
+            except Exception:
+                pass
+        nodes = [n for n in candidates if n not in answered]
         if not nodes:
             return []
         coord = ray.get_actor(naming.coordinator(self.job), namespace=naming.NAMESPACE)
         ray.get([coord.node_lost.remote(node, why) for node in nodes], timeout=30)
         self._fenced.update(nodes)
         return nodes
+
+    def _cancel_restore(self, why: str) -> None:
+        """Ranks waiting in a restore round for a member that is gone leave it now (before the
+        next generation, whose restore starts a new round)."""
+        import ray
+
+        from memsnap import naming
+
+        try:
+            coord = ray.get_actor(naming.coordinator(self.job), namespace=naming.NAMESPACE)
+        except ValueError:
+            return  # no rank registered yet: no round to cancel
+        ray.get(coord.cancel_restore.remote(why), timeout=30)
 
     def _next_standby(self) -> _Slot:
         with self._lock:

@@ -29,6 +29,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 from datetime import timedelta
 
 log = logging.getLogger("memsnap.inplace")
@@ -135,6 +136,18 @@ class RecoverableGroup:
     def failure(self) -> str | None:
         """Why the current generation ended, or None while it is healthy."""
         with self._wake:
+            return None if self.gen is None else self._failed.get(self.gen)
+
+    def wait_failure(self, timeout_s: float) -> str | None:
+        """Why the current generation ended, waiting up to ``timeout_s`` for a failure to be
+        told (an error seen elsewhere may reach this member a moment before the key does)."""
+        deadline = time.monotonic() + timeout_s
+        with self._wake:
+            while self.gen is not None and self._failed.get(self.gen) is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._wake.wait(left)
             return None if self.gen is None else self._failed.get(self.gen)
 
     def fail(self, why: str) -> None:

@@ -81,7 +81,15 @@ class Context:
 
     def restore(self, state) -> int:
         """(collective) Roll ``state`` back to the newest committed step: the step to train next."""
-        step = self._m.snap.restore(state)
+        try:
+            step = self._m.snap.restore(state)
+        except Exception as exc:
+            why = self._m.group.wait_failure(5.0)
+            if why is None:
+                raise
+            # a member was lost while the others restored: the round was cancelled
+            raise PeerLost(f"generation {self._m.gen} is over during the restore: {why} ({exc})",
+                           self._m.gen) from None
         self._m.restored(step)
         return 0 if step is None else step + 1
 

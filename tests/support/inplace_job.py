@@ -6,6 +6,8 @@ a run that never failed)."""
 from __future__ import annotations
 
 import hashlib
+import os
+import signal
 import time
 
 WIDTH = 64
@@ -40,6 +42,9 @@ def make_train(steps: int, step_s: float = 0.0, slow: tuple[int, int, float] | N
         import torch
 
         store = ctx.store
+        if ctx.generation and ctx.recoveries == 0 and store.check(["test/die_on_takeover"]) \
+                and store.add("test/takeovers", 1) == 1:
+            os.kill(os.getpid(), signal.SIGKILL)  # the first standby dies as it takes over
         start = ctx.restore(state)
         model, opt = state["model"], state["optim"]
         for step in range(start, steps):
