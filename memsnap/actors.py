@@ -194,11 +194,18 @@ class Coordinator:
         return await self.pool.run(self.core.status)
 
 
-def coordinator_for(cfg: SnapshotConfig, world_size: int):
-    """The job's coordinator: the existing one, or a new one (rebuilt from the agents)."""
+def coordinator_for(cfg: SnapshotConfig, world_size: int, node: str | None = None):
+    """The job's coordinator: the existing one, or a new one (rebuilt from the agents).
+    ``node``: where a new one should run (a node no rank runs on, so that no node loss takes
+    the coordinator with it); a restart after that node's loss goes wherever Ray puts it."""
+    extra = {}
+    if node is not None:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        extra["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=True)
     return Coordinator.options(
         name=naming.coordinator(cfg.job), namespace=naming.NAMESPACE, lifetime="detached",
-        get_if_exists=True, num_cpus=0, max_restarts=-1, max_concurrency=100_000,
+        get_if_exists=True, num_cpus=0, max_restarts=-1, max_concurrency=100_000, **extra,
     ).remote(cfg.to_dict(), world_size)
 
 

@@ -37,7 +37,7 @@ def kill_hard(lc: LocalCluster, node) -> None:
             pass
 
 
-def test_a_killed_node_is_replaced_by_the_standby_and_the_survivors_keep_their_processes(cluster):
+def test_a_killed_node_is_replaced_by_the_standby_and_the_survivors_keep_their_processes_under_ddp(cluster):
     from memsnap.inplace import InplaceJob
 
     import memsnap
@@ -47,7 +47,8 @@ def test_a_killed_node_is_replaced_by_the_standby_and_the_survivors_keep_their_p
     spare = lc.nodes[-1]
     job = f"inplace-{uuid.uuid4().hex[:6]}"
     steps = 60
-    j = InplaceJob(job, inplace_job.setup, inplace_job.make_train(steps, step_s=0.05),
+    # DDP, built once per process in setup, its gradients through the re-formable group
+    j = InplaceJob(job, inplace_job.setup_ddp, inplace_job.make_train(steps, step_s=0.05),
                    rank_nodes=[n.node_id for n in ranks], standby_nodes=[spare.node_id], options=OPTIONS)
     out: dict = {}
     runner = threading.Thread(target=lambda: out.update(results=j.run(timeout_s=600)), daemon=True)
@@ -72,7 +73,8 @@ def test_a_killed_node_is_replaced_by_the_standby_and_the_survivors_keep_their_p
         assert len(set(rec["steps"].values())) == 1
         # every step trained again after the rollback gave the digest it gave the first time
         assert int(j.store.get("test/replayed")) > 0 if j.store.check(["test/replayed"]) else True
-        assert not any(j.store.check([f"test/mismatch/{r}/{s}"]) for r in range(3) for s in range(steps))
+        mismatched = [(r, s) for r in range(3) for s in range(steps) if j.store.check([f"test/mismatch/{r}/{s}"])]
+        assert mismatched == [], (mismatched, rec)
         # and the three ranks end identical (data parallel), each having trained every step
         assert len({v["digest"] for v in out["results"].values()}) == 1
         import ray

@@ -147,6 +147,7 @@ class InplaceJob:
         try:
             import memsnap
 
+            self._pin_coordinator()
             for node in self.standby_nodes:
                 memsnap.start_spare(self.job, node, **{k: v for k, v in self.options.items() if k != "run"})
             for rank, node in enumerate(self.rank_nodes):
@@ -159,6 +160,42 @@ class InplaceJob:
             return self._watch(time.monotonic() + timeout_s)
         finally:
             self._close()
+
+    def _pin_coordinator(self) -> None:
+        """The job's coordinator runs beside this controller, on a node no rank runs on (a
+        rank node's loss must not take the coordinator with it)."""
+        import ray
+
+        from memsnap import actors
+        from memsnap.options import resolve
+        from memsnap.snapshotter import job_config
+
+        opts = {k: v for k, v in self.options.items() if k != "run"}
+        groups = {g: opts.pop(g) for g in list(opts) if g in ("protection", "memory", "spill", "when",
+                                                              "failures", "wire", "device")}
+        cfg = job_config(self.job, resolve(groups, opts))
+        here = ray.get_runtime_context().get_node_id()
+        ray.get(actors.coordinator_for(cfg, self.world, node=here).config.remote(), timeout=120)
+
+    def _coordinator_call(self, method: str, *args, timeout_s: float = 60.0):
+        """``method(*args)`` on the job's coordinator, through its restart if it was lost
+        (it is rebuilt from the agents; the calls made here are idempotent)."""
+        import ray
+
+        from memsnap import naming
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                coord = ray.get_actor(naming.coordinator(self.job), namespace=naming.NAMESPACE)
+                return ray.get(getattr(coord, method).remote(*args), timeout=max(1.0, deadline - time.monotonic()))
+            except ValueError:
+                return None  # no coordinator (no rank registered yet)
+            except (ray.exceptions.ActorUnavailableError, ray.exceptions.ActorDiedError) as exc:
+                if time.monotonic() >= deadline:
+                    raise RecoveryError(f"job {self.job!r}: the coordinator did not come back within "
+                                        f"{timeout_s:.0f} s ({exc})") from None
+                time.sleep(0.1)  # it is restarting; Ray has no event to wait on for that
 
     def _start(self, name: str, node: str) -> _Slot:
         import ray
@@ -282,23 +319,15 @@ class InplaceJob:
         nodes = [n for n in candidates if n not in answered]
         if not nodes:
             return []
-        coord = ray.get_actor(naming.coordinator(self.job), namespace=naming.NAMESPACE)
-        ray.get([coord.node_lost.remote(node, why) for node in nodes], timeout=30)
+        for node in nodes:
+            self._coordinator_call("node_lost", node, why)
         self._fenced.update(nodes)
         return nodes
 
     def _cancel_restore(self, why: str) -> None:
         """Ranks waiting in a restore round for a member that is gone leave it now (before the
         next generation, whose restore starts a new round)."""
-        import ray
-
-        from memsnap import naming
-
-        try:
-            coord = ray.get_actor(naming.coordinator(self.job), namespace=naming.NAMESPACE)
-        except ValueError:
-            return  # no rank registered yet: no round to cancel
-        ray.get(coord.cancel_restore.remote(why), timeout=30)
+        self._coordinator_call("cancel_restore", why)
 
     def _next_standby(self) -> _Slot:
         with self._lock:

@@ -94,7 +94,12 @@ class Context:
         return 0 if step is None else step + 1
 
     def save(self, step: int, state, **kwargs: Any):
-        """Snapshot ``state`` after ``step`` (the Snapshotter's ``save``)."""
+        """Snapshot ``state`` after ``step`` (the Snapshotter's ``save``). A step whose
+        gradients were not averaged because a peer was lost (``ddp``) is not saved: it ends
+        in ``PeerLost`` here, and the rollback undoes it."""
+        why = self._m.group.failure()
+        if why is not None:
+            raise PeerLost(f"generation {self._m.gen} is over: {why}", self._m.gen)
         self._m.stepped(step)
         return self._m.snap.save(step, state, **kwargs)
 
@@ -105,6 +110,13 @@ class Context:
 
     def all_reduce(self, tensor, op=None):
         return self._m.group.all_reduce(tensor, op)
+
+    def ddp(self, model, **ddp_options):
+        """``model`` in DistributedDataParallel whose gradients go through the re-formable
+        group (``memsnap.inplace.ddp``): build it once, in ``setup``; it is never rebuilt."""
+        from memsnap.inplace.ddp import replicate
+
+        return replicate(model, self._m.group, **ddp_options)
 
 
 class Member:
@@ -182,7 +194,11 @@ class Member:
             self._report["registered"] = time.time()
         try:
             result = self.train_fn(Context(self), self.state)
-        except PeerLost as exc:
+        except Exception as exc:
+            # a lost peer ends a generation in PeerLost; anything else raised while the
+            # generation was failing (a collective inside a library, a cancelled restore) too
+            if not isinstance(exc, PeerLost) and self.group.wait_failure(2.0) is None:
+                raise
             log.warning("member %s (rank %d): generation %d is over (%s): waiting for the next",
                         self.name, rank, gen, exc)
             self._report.setdefault("lost", time.time())

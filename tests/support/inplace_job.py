@@ -13,14 +13,25 @@ import time
 WIDTH = 64
 
 
-def setup(ctx):
+def setup(ctx, ddp: bool = False):
     import torch
 
     torch.set_num_threads(1)
     torch.manual_seed(1234)
     model = torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU(), torch.nn.Linear(WIDTH, WIDTH))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    return {"model": model, "optim": opt, "extra": {"bulk": torch.zeros(4096), "seen": 0}}
+    state = {"model": model, "optim": opt, "extra": {"bulk": torch.zeros(4096), "seen": 0}}
+    if ddp:
+        state["ddp"] = ctx.ddp(model)  # not part of the snapshot: the runner drops it (below)
+    return state
+
+
+def setup_ddp(ctx):
+    return setup(ctx, ddp=True)
+
+
+def snapshot_of(state) -> dict:
+    return {k: v for k, v in state.items() if k != "ddp"}
 
 
 def digest(state) -> str:
@@ -42,6 +53,8 @@ def make_train(steps: int, step_s: float = 0.0, slow: tuple[int, int, float] | N
         import torch
 
         store = ctx.store
+        forward = state.get("ddp")
+        state = snapshot_of(state)
         if ctx.generation and ctx.recoveries == 0 and store.check(["test/die_on_takeover"]) \
                 and store.add("test/takeovers", 1) == 1:
             os.kill(os.getpid(), signal.SIGKILL)  # the first standby dies as it takes over
@@ -50,16 +63,18 @@ def make_train(steps: int, step_s: float = 0.0, slow: tuple[int, int, float] | N
         for step in range(start, steps):
             g = torch.Generator().manual_seed(1_000_003 * (ctx.rank + 1) + step)
             x = torch.randn(16, WIDTH, generator=g)
-            loss = model(x).square().mean()
+            loss = (forward or model)(x).square().mean()
             opt.zero_grad(set_to_none=False)
             loss.backward()
             if slow is not None and (ctx.rank, step) == slow[:2] and not store.check(["test/slow"]):
                 store.set("test/slow", str(ctx.rank))
                 time.sleep(slow[2])  # a long step (compute stand-in); its heartbeat thread runs on
-            ctx.average_gradients(model.parameters())
+            if forward is None:
+                ctx.average_gradients(model.parameters())
             opt.step()
             state["extra"]["bulk"][step % 4096] += 1.0
             state["extra"]["seen"] += 1
+            ctx.save(step, state)  # a step whose collective failed ends here, before it is recorded
             d = digest(state)
             key = f"test/d/{ctx.rank}/{step}"
             if store.check([key]):
@@ -69,7 +84,6 @@ def make_train(steps: int, step_s: float = 0.0, slow: tuple[int, int, float] | N
             else:
                 store.set(key, d)
             store.set(f"test/progress/{ctx.rank}", str(step))
-            ctx.save(step, state)
             if step_s:
                 time.sleep(step_s)  # a stand-in for the step's compute, so a kill lands mid-run
         return {"rank": ctx.rank, "digest": digest(state), "recoveries": ctx.recoveries}
