@@ -208,3 +208,39 @@ def test_a_standby_that_dies_as_it_takes_over_is_replaced_by_the_next(cluster):
     finally:
         runner.join(timeout=60)
         memsnap.shutdown(job, timeout=30)
+
+
+def test_a_handover_moves_a_rank_to_the_standby_with_nothing_rolled_back(cluster):
+    """A preemption notice (here asked of the controller, as a drain of the node would): the
+    rank hands over at the next step boundary; every rank restores the step it just took."""
+    from memsnap.inplace import InplaceJob
+
+    import memsnap
+
+    lc = cluster
+    while len(lc.nodes) < 5:
+        lc.add_node()
+    ranks, spare = lc.nodes[-4:-1], lc.nodes[-1]
+    job = f"inplace-{uuid.uuid4().hex[:6]}"
+    steps = 30
+    j = InplaceJob(job, inplace_job.setup, inplace_job.make_train(steps, step_s=0.05),
+                   rank_nodes=[n.node_id for n in ranks], standby_nodes=[spare.node_id], options=OPTIONS)
+    out: dict = {}
+    runner = run_in_thread(j, out)
+    try:
+        wait_for(lambda: progress(j, 0, 6), timeout=300, what="rank 0 to train 6 steps")
+        pids = j.members()
+        j.hand_over(2)
+        runner.join(timeout=600)
+        assert not runner.is_alive() and sorted(out["results"]) == [0, 1, 2]
+        rec, = j.collect()
+        assert rec["lost"] == {2: "r2"} and "handed over" in rec["why"]
+        assert rec["takeover"] == {2: "s0"}
+        assert rec["fenced_nodes"] == []  # the node was still there: it left cleanly
+        assert rec["pids"][0] == pids[0]["pid"] and rec["pids"][1] == pids[1]["pid"]
+        # nothing rolled back: no step was trained twice
+        assert not j.store.check(["test/replayed"])
+        assert len({v["digest"] for v in out["results"].values()}) == 1
+    finally:
+        runner.join(timeout=60)
+        memsnap.shutdown(job, timeout=30)

@@ -241,6 +241,8 @@ class InplaceJob:
                     continue
                 if out.get("outcome") == "finished":
                     results[rank] = out.get("result")
+                elif out.get("outcome") == "handed_over":
+                    lost[rank] = "handed over (a preemption notice)"
             if self.store.check([failed_key(self.job, self.gen)]) and reported_at is None:
                 reported_at = time.time()
             ages = self.monitor.poll()
@@ -258,6 +260,13 @@ class InplaceJob:
                 self._recover({}, reported_at)
                 reported_at = None
                 results = {}
+
+    def hand_over(self, rank: int) -> None:
+        """Move ``rank`` to a standby at its next step boundary, with nothing rolled back (what
+        a preemption notice on its node does by itself)."""
+        from memsnap.inplace.member import leave_key
+
+        self.store.set(leave_key(self.job, self._ranks[rank].name), "1")
 
     # --- recovering -------------------------------------------------------------------------------
     def _recover(self, lost: dict[int, str], noticed: float) -> None:

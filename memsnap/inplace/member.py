@@ -13,6 +13,15 @@ Store keys (the controller writes the first, members the rest):
   ``memsnap/<job>/gen/<g>``            JSON ``{"world": W, "members": {member: rank}, "done": false}``
   ``memsnap/<job>/gen/<g>/report/<r>`` JSON: what rank r's member did in generation g
   ``memsnap/<job>/done/<r>``           JSON: rank r finished training (the result's summary)
+  ``memsnap/<job>/leave/<member>``     set by ``InplaceJob.hand_over``: that member is to leave
+  ``memsnap/<job>/gen/<g>/handover``   the step after which generation g ends for a handover
+
+**Handover** (a preemption notice: SIGTERM, a Ray drain of the node, or ``hand_over(rank)``):
+the leaving member, at its next ``save(S)``, names ``S+1`` as the generation's last step. Every
+rank sees it at its own ``save(S+1)`` (none can be past it: step ``S+1``'s collective needs
+the leaving rank, which named it first) and takes a forced snapshot of ``S+1``, waits for its
+commit, and ends the generation; the leaving member returns, a standby takes its rank, and
+everyone restores ``S+1``: nothing is rolled back.
 """
 from __future__ import annotations
 
@@ -40,6 +49,18 @@ def report_key(job: str, gen: int, rank: int) -> str:
 
 def done_key(job: str, rank: int) -> str:
     return f"memsnap/{job}/done/{rank}"
+
+
+def leave_key(job: str, member: str) -> str:
+    return f"memsnap/{job}/leave/{member}"
+
+
+def handover_key(job: str, gen: int) -> str:
+    return f"memsnap/{job}/gen/{gen}/handover"
+
+
+class HandedOver(Exception):
+    """This member handed its rank over at a step boundary (it leaves the job cleanly)."""
 
 
 class Context:
@@ -101,7 +122,11 @@ class Context:
         if why is not None:
             raise PeerLost(f"generation {self._m.gen} is over: {why}", self._m.gen)
         self._m.stepped(step)
-        return self._m.snap.save(step, state, **kwargs)
+        at = self._m.handover_step(step)
+        if at != step:
+            return self._m.snap.save(step, state, **kwargs)
+        self._m.hand_over(step, state)  # every rank: this step is the last of the generation
+        return None
 
     def average_gradients(self, params) -> None:
         """Average the gradients across the ranks (a lost peer ends it in ``PeerLost``, which the
@@ -124,12 +149,15 @@ class Member:
 
     def __init__(self, job: str, name: str, store_addr: tuple[str, int], setup: Callable, train: Callable,
                  snapshot_options: dict, *, beat_s: float = 0.1, backend: str = "gloo",
-                 backend_timeout_s: float = 60.0, assign_timeout_s: float = 3600.0):
+                 backend_timeout_s: float = 60.0, assign_timeout_s: float = 3600.0,
+                 preemption_poll_s: float | None = 1.0, handover_commit_s: float = 120.0):
         import torch.distributed as dist
 
         self.job, self.name = job, name
         self.setup_fn, self.train_fn = setup, train
-        self.options = dict(snapshot_options)
+        # the member, not the Snapshotter, acts on a preemption notice (a handover, not an exit)
+        self.options = {**snapshot_options, "preemption": False}
+        self.handover_commit_s = float(handover_commit_s)
         self.assign_timeout_s = float(assign_timeout_s)
         host, port = store_addr
         self.group = RecoverableGroup(job, store_addr, backend=backend, timeout_s=backend_timeout_s)
@@ -144,6 +172,48 @@ class Member:
         self.recoveries = 0
         self._report: dict = {}
         self._lock = threading.Lock()
+        self._leaving = threading.Event()  # a preemption notice: hand over at the next step boundary
+        self._watcher = self._watch_preemption(preemption_poll_s)
+
+    def _watch_preemption(self, poll_s: float | None):
+        from memsnap.preempt import PreemptionWatcher
+
+        try:
+            import ray
+
+            node = ray.get_runtime_context().get_node_id()
+            return PreemptionWatcher(lambda deadline: self._leaving.set(), poll_seconds=poll_s,
+                                     node_id=node).start()
+        except Exception as exc:  # never let the watcher stop the member from starting
+            log.warning("member %s: preemption watcher not started: %s", self.name, exc)
+            return None
+
+    # --- handover ---------------------------------------------------------------------------------
+    def handover_step(self, step: int) -> int | None:
+        """The step at which this generation ends for a handover, if one is named; a leaving
+        member names ``step + 1`` (the next boundary every rank reaches after it)."""
+        key = handover_key(self.job, self.gen)
+        if self.store.check([key]):
+            return int(self.store.get(key))
+        if self._leaving.is_set() or self.store.check([leave_key(self.job, self.name)]):
+            self._leaving.set()
+            self.store.compare_set(key, "", str(step + 1))
+            log.warning("member %s (rank %d): leaving: the job hands rank %d over after step %d",
+                        self.name, self.rank, self.rank, step + 1)
+        return None
+
+    def hand_over(self, step: int, state) -> None:
+        """Take the generation's last snapshot (forced, every rank) and end the generation:
+        ``HandedOver`` for the leaving member, ``PeerLost`` for the others."""
+        self.snap.save(step, state, force=True)
+        committed = self.snap.wait(step, timeout=self.handover_commit_s)
+        self._report["handover_step"] = step
+        if committed is None or committed < step:
+            log.warning("member %s: the handover snapshot of step %d did not commit (newest %s): the "
+                        "job rolls back to the newest committed step", self.name, step, committed)
+        if self._leaving.is_set():
+            raise HandedOver(f"member {self.name} handed rank {self.rank} over after step {step}")
+        raise PeerLost(f"generation {self.gen} ends after step {step}: a rank is handed over", self.gen)
 
     # --- called by the controller --------------------------------------------------------------
     def info(self) -> dict:
@@ -174,6 +244,8 @@ class Member:
             if self.rank is not None and rank != self.rank:
                 raise RuntimeError(f"member {self.name}: rank {self.rank} cannot become rank {rank} in place")
             outcome = self._generation(gen, rank, int(assignment["world"]))
+            if outcome is HandedOver:
+                return {**self.info(), "outcome": "handed_over", "result": None}
             if outcome is not PeerLost:
                 return {**self.info(), "outcome": "finished", "result": outcome}
             self.recoveries += 1
@@ -194,6 +266,11 @@ class Member:
             self._report["registered"] = time.time()
         try:
             result = self.train_fn(Context(self), self.state)
+        except HandedOver as exc:
+            log.warning("%s", exc)
+            self._report["handed_over"] = time.time()
+            self._publish()
+            return HandedOver
         except Exception as exc:
             # a lost peer ends a generation in PeerLost; anything else raised while the
             # generation was failing (a collective inside a library, a cancelled restore) too
@@ -233,6 +310,8 @@ class Member:
             log.warning("member %s: report not written: %s", self.name, exc)
 
     def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.stop()
         self._beater.close()
         if self.snap is not None:
             self.snap.close()
