@@ -284,6 +284,10 @@ class InplaceJob:
                 pass
         fenced = self._fence_nodes(lost_slots, why)
         self._cancel_restore(why)
+        busy = {s.node for r, s in self._ranks.items() if r not in lost} | {s.node for s in self._standbys}
+        for slot in lost_slots.values():  # a healthy node a lost process leaves free can warm a standby
+            if slot.node not in fenced and slot.node not in busy:
+                self._used_nodes.discard(slot.node)
         takeover = {}
         for rank in sorted(lost_slots):
             standby = self._next_standby()

@@ -163,7 +163,10 @@ class Member:
         self.group = RecoverableGroup(job, store_addr, backend=backend, timeout_s=backend_timeout_s)
         self.store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
                                    timeout=timedelta(seconds=self.assign_timeout_s))
-        self._beater = Beater(self.group.store, job, name, beat_s)
+        # the beats have a store client of their own: the group's is held for the whole of a
+        # rendezvous (a blocking wait), and a member must beat while it waits for its peers
+        self._beater = Beater(dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                                            timeout=timedelta(seconds=30)), job, name, beat_s)
         self.rank: int | None = None
         self.world: int | None = None
         self.gen: int | None = None
