@@ -11,6 +11,7 @@ runs in each actor's own thread pool. The call protocols are in ``agent.py`` and
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +24,7 @@ from memsnap.config import SnapshotConfig, tunable
 from memsnap.coordinator import CoordinatorCore, rebuild_state
 from memsnap.directory import find_agent
 from memsnap.errors import CommitError
+from memsnap.identity import Claim
 from memsnap.records import CommitNotice, RankSource
 from memsnap.relay import NodeRelay
 from memsnap.secret import job_secret
@@ -79,10 +81,23 @@ class Coordinator:
     async def config(self) -> dict:
         return {"config": self.core.cfg.to_dict(), "world_size": self.core.world}
 
-    async def join(self, node: str, address: dict, ranks: list[int], world: int | None = None) -> dict:
-        if world in (None, self.core.world) and self.core.membership.needs_a_dead_node(node):
+    async def join(self, node: str, address: dict, ranks: list[int], world: int | None = None,
+                   claims: dict | None = None) -> dict:
+        rivals_left = await self._rivals_gone(ranks, world, claims or {})
+        if not rivals_left and world in (None, self.core.world) and self.core.membership.needs_a_dead_node(node):
             await self._a_dead_node()
-        return await self.pool.run(self.core.join, node, address, ranks, world)
+        return await self.pool.run(self.core.join, node, address, ranks, world, claims)
+
+    async def _rivals_gone(self, ranks: list[int], world: int | None, claims: dict) -> bool:
+        """Ranks a live rank of another run holds: wait (bounded) until those processes are
+        gone, since a killed rank's process may still be exiting. True if some still run."""
+        parsed = {rank: Claim.from_wire(claims.get(rank)) for rank in ranks}
+        deadline = time.monotonic() + tunable("claim_wait_s")
+        while await self.pool.run(self.core.refusals, parsed, world):
+            if time.monotonic() >= deadline:
+                return True
+            await asyncio.sleep(0.25)  # a process's exit has no event to wait on from here
+        return False
 
     async def _a_dead_node(self) -> None:
         """A new node is joining: wait (bounded) until Ray has marked a placed node dead. Ray
@@ -115,6 +130,18 @@ class Coordinator:
     async def node_skipped(self, step: int, node: str, why: str) -> None:
         self.core.node_skipped(step, node, why)
 
+    async def recovered(self, record: dict) -> None:
+        self.core.recovered(record)
+
+    async def node_lost(self, node: str, why: str) -> bool:
+        fenced = await self.pool.run(self.core.node_lost, node, why)
+        if fenced:  # the node's agent stops serving and committing, even if it was only paused
+            agent = find_agent(self.core.cfg.job, node)
+            if agent is not None:
+                with contextlib.suppress(Exception):
+                    ray.kill(agent, no_restart=True)
+        return fenced
+
     async def wait_committed(self, step: int, timeout: float) -> int | None:
         await self.signal.wait_for(lambda: self.core.resolved(step), timeout)
         return self.core.newest()
@@ -122,11 +149,21 @@ class Coordinator:
     async def restore_arrive(self, node: str, attempt: int, ranks: list[int]) -> None:
         self.core.restore_arrive(attempt, ranks)
 
+    async def cancel_restore(self, why: str) -> list[int]:
+        return self.core.cancel_restore(why)
+
+    def _not_cancelled(self, attempt: int) -> None:
+        why = self.core.rounds.cancelled(attempt)
+        if why is not None:
+            raise CommitError(f"restore: the round was cancelled: {why}")
+
     async def restore_plans(self, node: str, attempt: int) -> dict:
         timeout = tunable("restore_timeout_s")
-        if not await self.signal.wait_for(lambda: self.core.rounds.all_arrived(attempt), timeout):
+        rounds = self.core.rounds
+        if not await self.signal.wait_for(lambda: rounds.all_arrived(attempt) or rounds.cancelled(attempt), timeout):
             raise CommitError(f"restore: timed out after {timeout:.0f} s waiting for ranks "
                               f"{self.core.rounds.missing(attempt)}")
+        self._not_cancelled(attempt)
         async with self.planning.setdefault(attempt, asyncio.Lock()):  # one plan, made once
             await self.pool.run(self.core.plan, attempt)
         return await self.pool.run(self.core.plans_for, node, attempt)
@@ -136,9 +173,11 @@ class Coordinator:
 
     async def restore_result(self, node: str, attempt: int) -> dict:
         timeout = tunable("restore_timeout_s")
-        if not await self.signal.wait_for(lambda: self.core.rounds.all_done(attempt), timeout):
+        rounds = self.core.rounds
+        if not await self.signal.wait_for(lambda: rounds.all_done(attempt) or rounds.cancelled(attempt), timeout):
             raise CommitError(f"restore: timed out waiting for ranks {self.core.rounds.missing(attempt, 'done')} "
                               "to finish")
+        self._not_cancelled(attempt)
         return self.core.restore_result(attempt)
 
     async def spilled(self, step: int, ranks: list[int]) -> bool:
@@ -155,11 +194,18 @@ class Coordinator:
         return await self.pool.run(self.core.status)
 
 
-def coordinator_for(cfg: SnapshotConfig, world_size: int):
-    """The job's coordinator: the existing one, or a new one (rebuilt from the agents)."""
+def coordinator_for(cfg: SnapshotConfig, world_size: int, node: str | None = None):
+    """The job's coordinator: the existing one, or a new one (rebuilt from the agents).
+    ``node``: where a new one should run (a node no rank runs on, so that no node loss takes
+    the coordinator with it); a restart after that node's loss goes wherever Ray puts it."""
+    extra = {}
+    if node is not None:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        extra["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=True)
     return Coordinator.options(
         name=naming.coordinator(cfg.job), namespace=naming.NAMESPACE, lifetime="detached",
-        get_if_exists=True, num_cpus=0, max_restarts=-1, max_concurrency=100_000,
+        get_if_exists=True, num_cpus=0, max_restarts=-1, max_concurrency=100_000, **extra,
     ).remote(cfg.to_dict(), world_size)
 
 
@@ -219,12 +265,17 @@ class SnapshotAgent:
         """The job configuration this agent was started with (a rank checks it matches its own)."""
         return self.core.cfg.to_dict()
 
-    async def join(self, rank: int, world_size: int) -> dict:
-        nbytes = await self.relay.join(rank, world_size)
+    async def join(self, rank: int, world_size: int, claim: dict | None = None) -> dict:
+        nbytes, run = await self.relay.join(rank, world_size, claim)
         direct = self.core.cfg.transport == "tcp" and bool(tunable("direct_restore"))
         if nbytes and not direct:  # the restore will land in an arena here: back it meanwhile
             asyncio.ensure_future(self.pool.run(self.core.prepare, rank, nbytes))
-        return {"address": self.core.address}
+        return {"address": self.core.address, "run": run}
+
+    async def running(self, tokens: list[str]) -> list[str]:
+        """Which of these rank processes still run here (the coordinator asks before a rank of
+        another run takes over one of theirs)."""
+        return self.core.running(tokens)
 
     async def members(self, timeout: float) -> dict:
         answer = await self.relay.answer(timeout)

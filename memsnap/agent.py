@@ -98,6 +98,8 @@ class AgentCore:
         self.coordinator = None  # -> the coordinator's handle (set by the Ray face)
         self.changed = lambda: None  # wakes the relay's waiters (set by the Ray face)
         self.ranks: set[int] = set()
+        self.holders: dict[int, dict] = {}  # rank -> {"run", "process"} of the rank registered here
+        self.run: str | None = None  # the job's run id, as the coordinator answered this node's last join
         self._rank_bytes: dict[int, int] = {}  # each rank's newest snapshot size (the budget check)
         self._warned_need = 0  # the largest budget need warned about so far
         self.world: int | None = None
@@ -318,14 +320,27 @@ class AgentCore:
             infos = [i.to_wire() for i in self.infos.values()] + [m[0].to_wire()
                                                                   for m in self.repair.held_meta.values()]
             return {"address": self.address, "gen": self.gen, "ranks": sorted(self.ranks),
-                    "committed": sorted(self.committed), "infos": infos}
+                    "committed": sorted(self.committed), "infos": infos, "run": self.run,
+                    "holders": {r: dict(h) for r, h in self.holders.items()}}
 
-    def joined(self, rank: int, world: int) -> None:
+    def joined(self, rank: int, world: int, claim: dict | None = None) -> None:
+        """The coordinator accepted ``rank`` (of ``world``) here; ``claim``: its run id and process."""
         with self.lock:
             if self.world is not None and world != self.world:
                 self.ranks = set()  # the job came back with another world size: its ranks are new
+                self.holders = {}
             self.ranks.add(rank)
             self.world = world
+            if claim is not None:
+                self.holders[rank] = {"run": claim.get("run"), "process": claim.get("process", "")}
+                self.run = claim.get("run") or self.run
+
+    @staticmethod
+    def running(tokens: list[str]) -> list[str]:
+        """The process tokens (``identity.process_token``) whose process still runs here."""
+        from memsnap.identity import running
+
+        return running(tokens)
 
     def placed(self, answer: dict) -> None:
         """The coordinator's placement answer: cache this node's layout for its sends."""

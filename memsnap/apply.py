@@ -43,23 +43,32 @@ def verify_checksums(manifest: Manifest, mv: memoryview) -> None:
 
 
 def _live_tensors(value: Any, key: str) -> dict[str, torch.Tensor]:
+    """Every tensor of the live value of state key ``key``, by its name (``tree.segment``)."""
     found: dict[str, torch.Tensor] = {}
 
     def on_tensor(t: torch.Tensor, path: str) -> int:
+        if path in found:
+            raise StateMismatchError(
+                f"two live tensors are both named {path!r}: their dict keys differ but are written "
+                "out alike (e.g. two nan keys); give the keys distinct values")
         found[path] = t
         return 0
 
-    tree.encode(value, on_tensor, key)
+    tree.encode(value, on_tensor, tree.segment(key))
     return found
 
 
 def _saved_tensors(subtree: Any, key: str) -> dict[str, int]:
+    """Every tensor of the snapshot's value of state key ``key``: name -> manifest index."""
     found: dict[str, int] = {}
 
     def tensor_at(i: int, path: str) -> None:
+        if path in found:
+            raise FormatError(f"the snapshot names two tensors {path!r}; the manifest is damaged or was "
+                              "written from keys that differ but write out alike (two nan keys)")
         found[path] = i
 
-    tree.decode(subtree, tensor_at, key)
+    tree.decode(subtree, tensor_at, tree.segment(key))
     return found
 
 
@@ -86,6 +95,25 @@ def _check_tensor(path: str, entry: TensorEntry, live: torch.Tensor) -> None:
         raise StateMismatchError(
             f"{path!r}: snapshot shard is of a global tensor {list(entry.global_shape)}, live DTensor is "
             f"{list(live.shape)}; resharding is not done by apply")
+    _check_destination(path, local)
+
+
+def _check_destination(path: str, t: torch.Tensor) -> None:
+    """Refuse a live tensor the snapshot's bytes cannot be written into in place, before any
+    tensor is written (so a refused apply leaves every tensor as it was)."""
+    if t.is_meta:
+        raise StateMismatchError(
+            f"{path!r} is on the meta device (deferred init) and cannot receive the snapshot's bytes; "
+            "materialise the model first, e.g. model.to_empty(device='cpu'), then restore")
+    if t.layout is not torch.strided or t.is_nested:
+        kind = "nested" if t.is_nested else str(t.layout).removeprefix("torch.")
+        raise StateMismatchError(f"{path!r}: the live tensor is a {kind} tensor, which a snapshot's dense "
+                                 "bytes cannot be written into; make it dense before restoring")
+    if t.numel() > 1 and any(stride == 0 and n > 1 for n, stride in zip(t.shape, t.stride())):
+        raise StateMismatchError(
+            f"{path!r}: elements of the live tensor share memory (shape {list(t.shape)}, stride "
+            f"{list(t.stride())}, e.g. made by expand()), so it cannot be written in place; give it "
+            "its own memory (t.clone()) before restoring")
 
 
 def _check_keys(path_kind: str, missing: list[str], extra: list[str]) -> None:
@@ -195,6 +223,13 @@ def _check_span(e: TensorEntry, size: int, dst: torch.Tensor) -> None:
             f"into a {dst.numel() * dst.element_size()}-byte tensor; the manifest does not match its buffer")
 
 
+def _write(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` outside autograd: a live leaf that requires grad (or a view of one) is
+    written in place like any other tensor, an inference tensor inside inference mode."""
+    with torch.inference_mode() if dst.is_inference() else torch.no_grad():
+        dst.copy_(src)
+
+
 class _Source:
     """Typed views of the snapshot bytes, following aliases to the entry that holds them."""
 
@@ -217,7 +252,7 @@ class _Source:
             _check_span(e, self.size, dst)
             ctypes.memmove(dst.data_ptr(), self.address + e.offset, e.nbytes)  # one plain memcpy
         else:
-            dst.copy_(self.view(i))
+            _write(dst, self.view(i))
 
     def holder(self, i: int) -> int:
         alias = self.manifest.tensors[i].alias_of
@@ -253,7 +288,7 @@ class _Received(_Source):
         src = self.received.get(h)
         if src is not None and h in self.live and src.data_ptr() == dst.data_ptr():
             return  # received in place
-        dst.copy_(self.view(i))
+        _write(dst, self.view(i))
 
     def view(self, i: int) -> torch.Tensor:
         h = self.holder(i)
@@ -278,7 +313,7 @@ def _run(p: _ObjectPlan, src: _Source, state: Any, strict: bool) -> None:
         src.copy_into(i, local_tensor(live))
         return live
 
-    value = tree.decode(p.subtree, tensor_at, p.key)
+    value = tree.decode(p.subtree, tensor_at, tree.segment(p.key))
     if not is_stateful(p.obj):
         if not isinstance(p.obj, torch.Tensor):
             state[p.key] = value
@@ -308,7 +343,8 @@ def _damaged_rng(exc: ValueError, what: str) -> FormatError:
 
 
 def _check_rng(saved: Any, manifest: Manifest) -> None:
-    value = tree.decode(saved, lambda i, p: manifest.tensors[i], RNG_KEY)  # entries stand in for tensors
+    # manifest entries stand in for the tensors
+    value = tree.decode(saved, lambda i, p: manifest.tensors[i], tree.segment(RNG_KEY))
     try:
         rng_state.check_state(value, lambda e: isinstance(e, TensorEntry) and e.dtype == "uint8"
                               and len(e.shape) == 1)
@@ -373,7 +409,7 @@ def finish(pl: Plan, src: _Source, state: Any) -> None:
     """Write the snapshot's values from ``src`` into ``state`` as ``pl`` decided."""
     saved_rng = None
     if pl.rng and pl.saved_rng is not None:
-        saved_rng = tree.decode(pl.saved_rng, lambda i, p: src.new_tensor(i), RNG_KEY)
+        saved_rng = tree.decode(pl.saved_rng, lambda i, p: src.new_tensor(i), tree.segment(RNG_KEY))
         try:
             rng_state.check_generator_bytes(saved_rng)
         except ValueError as exc:

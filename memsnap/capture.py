@@ -28,7 +28,7 @@ from memsnap import rng as rng_state
 from memsnap import tree
 from memsnap.checksum import checksum, fill_checksums  # noqa: F401 (re-exported)
 from memsnap.dtypes import NAME_OF, dtype_name
-from memsnap.errors import SnapshotBufferError, StateMismatchError
+from memsnap.errors import SnapshotBufferError, StateMismatchError, UnsupportedStateError
 from memsnap.manifest import Manifest, TensorEntry, align_up, compact_json
 
 RNG_KEY = "__rng__"
@@ -93,21 +93,37 @@ def _sharding(t: torch.Tensor) -> dict[str, Any]:
 
 # --- planning --------------------------------------------------------------------------------
 def _walk(values: dict[str, Any]) -> tuple[Any, list[str], list[torch.Tensor]]:
-    """The skeleton, plus every tensor (as found: DTensors stay DTensors) and its unique path."""
+    """The skeleton, plus every tensor (as found: DTensors stay DTensors) and its name (its
+    position in the skeleton, ``tree.segment``); tensors that hold no plain bytes are refused."""
     paths: list[str] = []
     tensors: list[torch.Tensor] = []
     seen: set[str] = set()
 
     def on_tensor(t: torch.Tensor, path: str) -> int:
-        unique, n = path, 1
-        while unique in seen:
-            unique, n = f"{path}#{n}", n + 1
-        seen.add(unique)
-        paths.append(unique)
+        check_storable(local_tensor(t), path)
+        if path in seen:  # only keys that differ yet write out alike (two nan keys) get here
+            raise UnsupportedStateError(
+                f"two tensors of the state are both named {path!r}: their dict keys differ but are "
+                "written out alike (e.g. two nan keys); give the keys distinct values")
+        seen.add(path)
+        paths.append(path)
         tensors.append(t)
         return len(tensors) - 1
 
     return tree.encode(values, on_tensor), paths, tensors
+
+
+def check_storable(t: torch.Tensor, path: str) -> None:
+    """Refuse a tensor a snapshot cannot copy bytes from: not dense, or on the meta device."""
+    if t.layout is not torch.strided or t.is_nested:
+        kind = "nested" if t.is_nested else str(t.layout).removeprefix("torch.")
+        raise UnsupportedStateError(
+            f"tensor at {path!r} is a {kind} tensor, which a snapshot cannot store; store t.to_dense() "
+            "(or its parts, e.g. indices() and values(), as separate tensors)")
+    if t.is_meta:
+        raise UnsupportedStateError(
+            f"tensor at {path!r} is on the meta device and holds no data; materialise it before saving "
+            "(e.g. model.to_empty(device='cpu'), then initialise or load it)")
 
 
 def _alias_key(t: torch.Tensor) -> tuple | None:

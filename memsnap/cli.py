@@ -5,7 +5,7 @@ import argparse
 import sys
 
 from memsnap import __version__, commands
-from memsnap.commands._common import DAMAGED
+from memsnap.commands._common import DAMAGED, printable
 from memsnap.errors import ChecksumError, FormatError, MemsnapError
 
 
@@ -20,16 +20,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one command; errors memsnap raises on purpose print as one line, exit code 1, or 2
-    when the checkpoint is damaged (a malformed file or a checksum mismatch)."""
+    """Run one command; errors memsnap raises on purpose print as one line (controls escaped),
+    exit code 1, or 2 when the checkpoint is damaged (a malformed file or a checksum mismatch)."""
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except (ChecksumError, FormatError) as exc:
-        print(f"memsnap {args.command}: damaged checkpoint: {exc}", file=sys.stderr)
+        print(f"memsnap {args.command}: damaged checkpoint: {printable(exc)}", file=sys.stderr)
         return DAMAGED
     except MemsnapError as exc:
-        print(f"memsnap {args.command}: error: {exc}", file=sys.stderr)
+        print(f"memsnap {args.command}: error: {printable(exc)}", file=sys.stderr)
         return 1
     except BrokenPipeError:  # `memsnap ls URI | head`
         return 0

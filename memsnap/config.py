@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from memsnap.errors import ConfigError
 
-_JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_JOB_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # fullmatch: "$" would let "train\n" by
 TRANSPORTS = ("tcp", "objstore")
 WIRES = ("mac", "encrypt")
 
@@ -17,6 +17,8 @@ TUNABLES: dict[str, float] = {
     "call_timeout_s": 30.0,         # a small remote call (begin, captured, status, ...)
     "push_timeout_s": 120.0,        # pushing one node's chunks to one holder
     "membership_timeout_s": 180.0,  # waiting for every rank to register
+    "claim_wait_s": 10.0,           # a rank held by a live rank of another run waits this long for
+                                    # that process to exit (a killed rank's may be exiting) before refusal
     "restore_timeout_s": 300.0,     # one collective restore round, all ranks
     "commit_notify_timeout_s": 30.0,
     "spill_retry_s": 5.0,           # pause before a failed spill is tried again
@@ -31,8 +33,13 @@ TUNABLES: dict[str, float] = {
     "direct_restore": 1,            # 1: a peer restore reads into the rank's tensors (TCP only);
                                     # 0: through the agent's arena, then copied (as the objstore does)
     # the TCP data plane's server side (memsnap/transport/server.py)
-    "tcp_handshake_timeout_s": 10.0,  # a new connection must finish the whole handshake by then
-    "tcp_max_unauthenticated": 64,    # connections still in their handshake; more are closed at once
+    "tcp_handshake_timeout_s": 1.0,   # a new connection must finish the whole handshake by then: the
+                                      # client's 73-byte hello is one round trip behind the greeting
+                                      # (well under 10 ms on a LAN); the rest is room for a loaded host
+    "tcp_max_unauthenticated": 64,    # connections still in their handshake; when full, a newcomer
+                                      # evicts the oldest of the source address holding the most
+    "tcp_max_unauthenticated_per_source": 32,  # of those, from one source address; a newcomer from an
+                                      # address at it evicts that address's oldest
     "tcp_idle_timeout_s": 300.0,      # an authenticated connection with no new request for this long is closed
     "tcp_frame_timeout_s": 60.0,      # a frame must arrive (or leave) whole this long after it began
     "tcp_max_frame_bytes": 64 << 20,  # the largest payload accepted when the runtime passes no chunk bound
@@ -104,7 +111,7 @@ class SnapshotConfig:
     device_backend: str = "auto"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.job, str) or not _JOB_RE.match(self.job):
+        if not isinstance(self.job, str) or not _JOB_RE.fullmatch(self.job):
             raise ConfigError(f"job={self.job!r}: use 1-64 characters of letters, digits, '_', '.', '-'")
         _positive("k", self.k)
         if isinstance(self.m, bool) or not isinstance(self.m, int) or self.m < 0:

@@ -5,11 +5,13 @@ call it: each node's agent speaks for its ranks, so every call below arrives at 
 per node (a few per node at worst, when ranks arrive while a call is in flight) and its
 size does not grow with the tensor count. Call protocol (who calls in brackets):
 
-  1. [agent, for its ranks]  ``join(node, address, ranks, world)``: once every rank of the job is
+  1. [agent, for its ranks]  ``join(node, address, ranks, world, claims)``: once every rank of the job is
      known, the nodes (spares included) are placed; a node that comes back new takes a lost
      node's slot, which starts re-protection. Ranks that join with another world size start
      a new membership of that size (an elastic restart: the job came back with more or fewer
-     ranks); the committed steps stay, and the restore reshards them (``elastic.py``).
+     ranks); the committed steps stay, and the restore reshards them (``elastic.py``). Each
+     rank's claim names its run (``identity``): a rank held by a live rank of another run is
+     refused (``membership.rivals``), and every accepted rank learns the job's run id.
   2. [agent]  ``answer(node)`` once placed (awaited): the node's ranks, whether pieces go to
      peers, its holders and their addresses (the agent caches them until the epoch changes).
   3. [agent]  ``node_ready(NodeReady)`` (phase one: every chunk acknowledged; a few hundred
@@ -39,7 +41,8 @@ from memsnap.commit import CommitLog
 from memsnap.config import SnapshotConfig, tunable
 from memsnap.directory import Directory
 from memsnap.errors import CommitError
-from memsnap.membership import Membership
+from memsnap.identity import Claim, new_run_id
+from memsnap.membership import Holder, Membership, refusal, rivals
 from memsnap.records import CommitRecord, Inventory, NodeReady, RankPlan
 from memsnap.reprotect import Reprotector
 from memsnap.rounds import RestoreRounds
@@ -58,16 +61,51 @@ class CoordinatorCore:
         self.restored = threading.Condition(self.lock)  # a restore round completed
         self.changed = lambda: None  # the Ray face wakes its waiters with this
         self.dir = directory or Directory(self.cfg.job)
+        self.fenced: set[str] = set()  # nodes memsnap declared lost (``node_lost``); never un-fenced
+        self.recoveries: list[dict] = []  # the newest in-place recoveries, as their controller reported them
         self.membership = Membership(self.cfg, world_size, self._alive, self.find_spares)
         self.log = CommitLog(self.cfg)
         self.rounds = RestoreRounds(world_size)
         self.reprotect = Reprotector(self)
         self.last_restore: dict = {"tier": "none", "step": None, "seconds": {}}
+        self.run: str | None = None  # the run id of the ranks registered last (identity.py)
+        self.step_runs: dict[int, str] = {}  # committed step -> the run that took it (the spill records it)
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sender: threading.Thread | None = None
 
     def _alive(self) -> set[str]:
-        return self.dir.alive()
+        """The nodes memsnap counts as alive: Ray's live nodes less the fenced ones (memsnap's
+        own verdict comes first; Ray's health checks only confirm it, seconds later)."""
+        return self.dir.alive() - self.fenced
+
+    def recovered(self, record: dict) -> None:
+        """An in-place recovery's record (who was lost, who took over, where the seconds went),
+        kept for ``status()`` (the newest 20)."""
+        with self.lock:
+            self.recoveries = [*self.recoveries, dict(record)][-20:]
+        metrics.recovered(self.cfg.job, dict(record.get("split") or {}))
+
+    def node_lost(self, node: str, why: str) -> bool:
+        """memsnap's own verdict that ``node`` is lost (its ranks' process group saw it go, or
+        its heartbeats stopped): it is fenced for good. Its agent is never asked again (the
+        restore plan, placement and re-protection use the live nodes less the fenced ones),
+        its phase-one reports are ignored, and a placement that holds it as a spare is
+        redone without it. A node id is never un-fenced: a paused host that comes back has
+        to join as a new node. False when ``node`` was fenced already (idempotent: Ray
+        declaring the same node dead later changes nothing)."""
+        with self.lock:
+            if node in self.fenced:
+                return False
+            self.fenced.add(node)
+            self.dir.forget(node)
+            replaced = self.membership.drop_lost_spares()
+            self.changed()
+        log.warning("job %r: node %s is lost (%s): fenced", self.cfg.job, node[:12], why)
+        if replaced:
+            self.broadcast("layout_changed")
+            if self.log.records:
+                self.reprotect.kick()
+        return True
 
     def find_spares(self, busy: set[str]) -> dict[str, dict]:
         """``{node: address}`` of the job's agents on live nodes that run no rank (spares)."""
@@ -75,15 +113,33 @@ class CoordinatorCore:
         return self.dir.call_all(spare, "address", timeout=tunable("call_timeout_s"))
 
     # --- 1-2. membership ------------------------------------------------------------------------
-    def join(self, node: str, address: dict, ranks: list[int], world: int | None = None) -> dict:
-        """Ranks ``ranks`` (of ``world``) run on ``node``. Answers ``{rank: nbytes}`` for those
-        ranks whose newest committed bytes this node has no copy of (it is new to them): its
-        agent can back the memory a restore will fill before the restore starts."""
+    def join(self, node: str, address: dict, ranks: list[int], world: int | None = None,
+             claims: dict | None = None) -> dict:
+        """Ranks ``ranks`` (of ``world``) run on ``node``; ``claims``: each rank's
+        ``identity.Claim`` on the wire (none: a claim that never conflicts). Answers
+        ``{"hints": {rank: nbytes}, "run": run id, "refused": {rank: why}}``: hints for those ranks
+        whose newest committed bytes this node has no copy of (it is new to them: its agent can
+        back the memory a restore will fill before the restore starts); refused, the ranks a
+        live rank of another run holds (they are not registered)."""
+        claims = {rank: Claim.from_wire((claims or {}).get(rank)) for rank in ranks}
+        refused = self.refusals(claims, world)
+        if refused:
+            log.warning("job %r: refused ranks %s: %s", self.cfg.job, sorted(refused), next(iter(refused.values())))
+        ranks = [rank for rank in ranks if rank not in refused]
+        if not ranks:
+            return {"hints": {}, "run": self.run, "refused": refused}
         with self.lock:
             resized = world is not None and world != self.world
             if resized:
                 self.resize(world)
+            self._hold(node, {rank: claims[rank] for rank in ranks})
+            if node in self.fenced:
+                raise CommitError(f"node {node[:12]} was declared lost and is fenced: its processes must not "
+                                  "rejoin the job (a host that comes back joins as a new node)")
             replaced = self.membership.join(node, address, ranks)
+            # a rank moved onto a placed node (a standby taking over): a lost node it left behind
+            # holds no rank now, and leaves the placement like a lost spare
+            replaced = self.membership.drop_lost_spares() or replaced
             self.changed()
             record = self.log.records.get(self.log.newest()) if self.log.records else None
             if record is not None and record.world != self.world:
@@ -94,11 +150,54 @@ class CoordinatorCore:
                 if owner is not None and (owner != node or not self.cfg.local_copy):
                     hints[rank] = record.nodes[owner].region(rank).nbytes
             placed = self.membership.placement is not None
+            run = self.run
         if replaced or resized:
             self.broadcast("layout_changed")
         if placed and self.log.records:
             self.reprotect.kick()
-        return hints
+        return {"hints": hints, "run": run, "refused": refused}
+
+    def refusals(self, claims: dict[int, Claim], world: int | None = None) -> dict[int, str]:
+        """``{rank: why}`` for the newcomers ``claims`` whose rank (any rank, for another world
+        size) a rank of another run holds whose process still runs."""
+        with self.lock:
+            every = world is not None and world != self.world
+            found = rivals(self.membership.holders, claims, every)
+        if not found:
+            return {}
+        live = self.running_holders({r: h for theirs in found.values() for r, h in theirs.items()})
+        out = {}
+        for rank, theirs in sorted(found.items()):
+            held = next((r for r in sorted(theirs) if r in live), None)
+            if held is not None:
+                out[rank] = refusal(self.cfg.job, rank, claims[rank], held, theirs[held])
+        if every and out:  # one membership: an elastic restart takes every rank or none
+            why = next(iter(out.values()))
+            out = {rank: out.get(rank, why) for rank in claims}
+        return out
+
+    def running_holders(self, holders: dict[int, Holder]) -> set[int]:
+        """The ranks in ``holders`` whose process still runs: on a live node whose agent sees it
+        (an agent that does not answer in time counts its ranks as gone)."""
+        nodes = sorted({h.node for h in holders.values()} & self._alive())
+        tokens = sorted({h.process for h in holders.values()})
+        answers = self.dir.call_all(nodes, "running", tokens, timeout=tunable("call_timeout_s"))
+        return {r for r, h in holders.items() if h.process in answers.get(h.node, ())}
+
+    def _hold(self, node: str, claims: dict[int, Claim]) -> None:
+        """The accepted ``claims`` hold their ranks; a newcomer's run id becomes the job's (a new
+        run taking over one whose ranks are gone), and one with none takes the job's (made now
+        at the first registration). Call under the lock."""
+        for rank, claim in sorted(claims.items()):
+            if claim.run is not None and claim.run != self.run:
+                if self.run is not None:
+                    log.warning("job %r: run %r takes over from run %r, whose ranks are gone; it resumes from "
+                                "that run's snapshots", self.cfg.job, claim.run, self.run)
+                self.run = claim.run
+            elif self.run is None:
+                self.run = new_run_id()
+                log.info("job %r: run id %s", self.cfg.job, self.run)
+            self.membership.holders[rank] = Holder(self.run, claim.process, node)
 
     def resize(self, world: int) -> None:
         """The job came back with ``world`` ranks: a new membership of that size (its ranks
@@ -124,10 +223,15 @@ class CoordinatorCore:
     def node_ready(self, wire: dict) -> None:
         info = NodeReady.from_wire(wire)
         with self.lock:
+            if info.node in self.fenced:  # a fenced node's snapshot never commits
+                return
             record = self.log.ready(info, self.membership.owners(), self.world)
             if record is None:
                 return
             notice = self.log.notice(record)
+            self.step_runs[record.step] = self.run
+            for old in sorted(self.step_runs)[:-64]:
+                del self.step_runs[old]
             self.changed()
         metrics.committed(self.cfg.job, record.step)
         self.broadcast("commit", notice.to_wire())
@@ -191,6 +295,17 @@ class CoordinatorCore:
             self.dir.call_all(nodes, method, *args, timeout=tunable("commit_notify_timeout_s"))
 
     # --- 5. restore rounds ----------------------------------------------------------------------
+    def cancel_restore(self, why: str) -> list[int]:
+        """A member was lost while a restore round was open: every rank waiting in it fails
+        (``CommitError``) instead of waiting out ``restore_timeout_s``; the next generation's
+        restore starts a new round."""
+        with self.lock:
+            cancelled = self.rounds.cancel(why)
+            self.changed()
+        if cancelled:
+            log.warning("job %r: restore round(s) %s cancelled: %s", self.cfg.job, cancelled, why)
+        return cancelled
+
     def restore_arrive(self, attempt: int, ranks: list[int]) -> None:
         with self.lock:
             self.rounds.arrive(attempt, ranks)
@@ -296,7 +411,8 @@ class CoordinatorCore:
                 return False
         from memsnap.storage import Store
 
-        Store.open(self.cfg.spill).commit(step, self.world, spill_metadata(self.cfg, step))
+        run = self.step_runs.get(step, self.run)
+        Store.open(self.cfg.spill).commit(step, self.world, spill_metadata(self.cfg, step, run))
         with self.lock:
             self.log.durable(step)
             self.changed()
@@ -324,8 +440,11 @@ class CoordinatorCore:
                 "members": {str(r): n for r, n in mem.members.items()},
                 "epoch": mem.epoch,
                 "generation": log_.gen,
+                "run": self.run,
                 "durable_step": log_.durable_step,
                 "last_restore": dict(self.last_restore),
+                "recoveries": list(self.recoveries),
+                "fenced": sorted(self.fenced),
                 "reprotect": self.reprotect.status(),
                 "agents": {n: dict(inv.bytes) | {"counters": dict(inv.counters), "spill": inv.spill}
                            for n, inv in inventories.items()},
@@ -347,8 +466,9 @@ class CoordinatorCore:
         return out
 
 
-def spill_metadata(cfg: SnapshotConfig, step: int) -> dict:
-    """What a spilled step records about how it was made: job, config, package versions."""
+def spill_metadata(cfg: SnapshotConfig, step: int, run: str | None = None) -> dict:
+    """What a spilled step records about how it was made: job, the run that took it (its
+    ``identity`` run id), config, package versions."""
     from importlib import metadata
 
     versions = {}
@@ -357,16 +477,18 @@ def spill_metadata(cfg: SnapshotConfig, step: int) -> dict:
             versions[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:
             versions[pkg] = None
-    return {"job": cfg.job, "step": step, "source": "memsnap spill", "config": cfg.to_dict(),
+    return {"job": cfg.job, "run": run, "step": step, "source": "memsnap spill", "config": cfg.to_dict(),
             "versions": versions, "time": time.time()}
 
 
 def rebuild_state(core: CoordinatorCore) -> None:
-    """Fill a fresh coordinator from the live agents: ranks, addresses, committed records
-    (each committed step's NodeReady from its owner, or from a holder when the owner is gone)."""
+    """Fill a fresh coordinator from the live agents: ranks and who holds them (the job's run
+    id is the one most agents served), addresses, committed records (each committed step's
+    NodeReady from its owner, or from a holder when the owner is gone)."""
     answers = core.dir.call_all(sorted(core._alive()), "committed_infos", timeout=tunable("call_timeout_s"))
     infos: dict[int, dict[str, NodeReady]] = {}
     committed: set[int] = set()
+    runs: list[str | None] = []
     for node, ans in answers.items():
         core.membership.addrs[node] = ans["address"]
         # the restore generation goes on from the agents': restarting it at 0 would let the next
@@ -375,6 +497,9 @@ def rebuild_state(core: CoordinatorCore) -> None:
         core.log.gen = max(core.log.gen, int(ans["gen"]))
         for rank in ans["ranks"]:
             core.membership.members.setdefault(rank, node)
+        for rank, held in ans.get("holders", {}).items():
+            core.membership.holders.setdefault(int(rank), Holder(held["run"], held["process"], node))
+        runs.append(ans.get("run"))
         committed.update(ans["committed"])
         for wire in ans["infos"]:
             info = NodeReady.from_wire(wire)
@@ -384,6 +509,8 @@ def rebuild_state(core: CoordinatorCore) -> None:
         record = CommitRecord(step, core.cfg.k, core.cfg.m, nodes)
         if record.complete():
             core.log.records[step] = record
+    known = [r for r in runs if r is not None]
+    core.run = max(set(known), key=known.count) if known else core.run  # the run most agents served
     if answers:
         core.membership.maybe_place()
         log.warning("coordinator rebuilt from %d agents: ranks %s, committed steps %s, restore generation %d",

@@ -3,12 +3,13 @@
 ``save`` lays the state out (``capture.plan_sources``), writes this rank's files through
 ``storage.Store`` straight from the tensors (``stream.TensorStream``: no staging copy, each
 byte read once for both checksums and the write) and, after a barrier, rank 0 commits the
-step and applies retention. ``load`` picks the step (the newest committed when ``step`` is
-None), reads and verifies this rank's bytes (``Store.read_rank``: the whole file's xxh3 against
-the commit marker and every tensor's checksum in one pass), checks the manifest against the live state (``apply.plan``) and applies them
-(``apply.apply_plan``); a checkpoint saved by a different number of ranks goes through
+step and applies retention. ``load`` picks the step (when ``step`` is None: the newest
+commit, i.e. the newest step of the newest lineage), reads and verifies this rank's bytes
+(``Store.read_rank``: the whole file's xxh3 against the commit marker and every tensor's
+checksum in one pass), checks the manifest against the live state (``apply.plan``) and applies
+them (``apply.apply_plan``); a checkpoint saved by a different number of ranks goes through
 ``reshard``. With ``step=None`` a damaged or malformed step is skipped, with a warning, for
-the one before it; under ``torch.distributed`` the ranks agree on the step (and on raising)
+the one it descends from; under ``torch.distributed`` the ranks agree on the step (and on raising)
 before anything is applied.
 """
 from __future__ import annotations
@@ -26,7 +27,7 @@ from memsnap.capture import plan_sources
 from memsnap.errors import (ChecksumError, ConfigError, MemsnapError, SnapshotNotFoundError,
                             StateMismatchError, UnsupportedStateError, WeightsOnlyError)
 from memsnap.manifest import Manifest
-from memsnap.storage import MARKER, Progress, Retention, Store
+from memsnap.storage import Progress, Retention, Store
 from memsnap.stream import TensorStream
 
 BAR_MIN_BYTES = 256 << 20  # a progress bar for transfers likely to take a second or more
@@ -121,8 +122,11 @@ def save(uri: str, state: Mapping[str, Any], step: int, metadata: Mapping[str, A
 
     Every rank calls it; rank and world size come from ``torch.distributed`` when initialised.
     ``metadata`` (JSON: loss, config...) is recorded with the automatic metadata
-    (``meta.collect``). ``keep_last`` turns on retention: the newest ``keep_last`` steps plus
-    milestones (``milestone_every``, or ``milestone=True`` on this save) are kept.
+    (``meta.collect``). ``keep_last`` turns on retention: the newest ``keep_last`` steps of
+    this run's lineage, the step it resumed from, plus milestones (``milestone_every``, or
+    ``milestone=True`` on this save) are kept (``storage.Retention``). After a ``load`` of an
+    older step the run is a new lineage: a step of another lineage with this number is
+    replaced, and ``load(step=None)`` resumes this lineage from then on.
     """
     _check_save(state, step, weights_only)
     rank, world = _rank_world(rank, world_size)
@@ -130,9 +134,10 @@ def save(uri: str, state: Mapping[str, Any], step: int, metadata: Mapping[str, A
     info = meta.collect(step, world, state, metadata, milestone, git=False)
     policy = Retention(keep_last, milestone_every) if keep_last is not None else None
     store = Store.open(uri, endpoint)
-    if store.fs.get_file_info(store.path(step, MARKER)).is_file:
-        raise ConfigError(f"step {step} is already committed under {uri}; save under a new step "
-                          "(committed steps are never overwritten)")
+    if store.descends_from(step):
+        raise ConfigError(f"step {step} is already committed under {uri} and this run continues "
+                          "from it; save under a new step (a run never overwrites the steps it "
+                          "descends from; load an earlier step first to roll back)")
     git = _background(meta.git_commit, os.getcwd()) if rank == 0 else None  # runs during the write
     layout, sources = plan_sources(state)
     if len(layout.tensors) > validate.MAX_TENSORS:  # a load would refuse such a manifest
@@ -203,17 +208,18 @@ def read_step(store: Store, step: int, rank: int, world: int, state: Mapping[str
 def _candidates(store: Store, step: int | None) -> list[int]:
     if step is not None:
         return [step]
-    steps = store.steps()
+    steps = store.resume_order()
     if not steps:
         raise SnapshotNotFoundError(f"no committed step under {store.uri}; nothing to load "
                                     "(check the URI, or start fresh)")
-    return steps[::-1]
+    return steps
 
 
 def load(uri: str, state: Mapping[str, Any], step: int | None = None, *, rank: int | None = None,
          world_size: int | None = None, strict: bool = True, rng: bool = True,
          endpoint: str | None = None, progress: bool | None = None) -> int:
-    """Load step ``step`` (None: the newest intact committed step) into ``state``; return it."""
+    """Load step ``step`` (None: the newest intact step of the newest lineage, then the steps
+    it descends from) into ``state``; return it. This process's next save continues from it."""
     rank, world = _rank_world(rank, world_size)
     store = Store.open(uri, endpoint)
     last_error: Exception | None = None
@@ -228,6 +234,7 @@ def load(uri: str, state: Mapping[str, Any], step: int | None = None, *, rank: i
         if worst == _OK:
             _warn_weights_only(marker, manifest, s, uri)
             applying.apply_plan(state, pl, buf)
+            store.resumed(s)
             return s
         if worst == _FATAL or step is not None:
             raise error or _failed_elsewhere(s, uri, worst)

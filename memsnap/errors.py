@@ -82,6 +82,11 @@ class CommitError(MemsnapError):
     """A snapshot could not be committed (a rank or holder failed before acknowledging)."""
 
 
+class JobInUseError(ConfigError):
+    """A rank of another run that still runs holds this rank under the same job name: the two
+    runs would share their snapshots (a distinct job name, or the same run id, fixes it)."""
+
+
 class StalenessError(MemsnapError):
     """The newest committed snapshot is older than the configured staleness bound."""
 

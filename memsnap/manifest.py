@@ -30,7 +30,9 @@ def align_up(n: int, align: int = ALIGN) -> int:
 class TensorEntry:
     """One tensor of the snapshot.
 
-    ``path`` names the tensor inside the state (e.g. ``"model/fc1.weight"``).
+    ``path`` names the tensor by its position in the state, one name per position (the keys
+    joined by ``/``, written by ``tree.segment``: ``"model/fc1.weight"``, ``"optim/state/0/exp_avg"``,
+    a string key ``"a/b"`` as ``"a%2Fb"``, ``"0"`` as ``"%30"``).
     ``offset``/``nbytes`` locate its bytes in the snapshot buffer; ``alias_of`` is set (and
     ``nbytes`` is 0) for a tensor that shares storage with an earlier one (tied weights).
     ``checksum`` is the xxh3-64 of its bytes as 16 hex digits, or None until computed.

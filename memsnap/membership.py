@@ -7,17 +7,62 @@ Placement waits until every rank registered: until a restarted worker group has 
 re-registered, ranks can still name nodes of the old group (Ray Train moves ranks).
 A rank that comes back on a new node takes a lost node's slot (``placement.replace_node``);
 a lost spare, whose slot nobody comes back to, leaves the placement (``drop_lost_spares``).
+
+Every rank is *held* by a run (``identity``): a newcomer of the same run takes its rank back
+(a restart, on any node), and so does any newcomer once the holder's process is gone; a
+holder of another run that still runs is a *rival*, and the newcomer is refused
+(``rivals``, ``refusal``). A newcomer with another world size (an elastic restart) must find
+every holder gone or of its own run.
 """
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Callable
 
 from memsnap.config import SnapshotConfig
 from memsnap.errors import CommitError
+from memsnap.identity import Claim
 from memsnap.placement import NodeInfo, Placement, place, place_local, replace_node
 
 log = logging.getLogger("memsnap.coordinator")
+
+
+@dataclass(frozen=True)
+class Holder:
+    """Who holds a rank: its run id, its process (``identity.process_token``) and its node."""
+
+    run: str
+    process: str
+    node: str
+
+    def to_wire(self) -> dict:
+        return {"run": self.run, "process": self.process, "node": self.node}
+
+
+def rivals(holders: dict[int, Holder], claims: dict[int, Claim], every: bool = False) -> dict[int, dict[int, Holder]]:
+    """``{newcomer rank: {rank: holder}}``: the holders each newcomer may only replace once
+    their process is gone. Its own rank's holder (with ``every``, an elastic restart: every
+    holder) unless that holder is of the newcomer's run or, for a newcomer that came with no
+    run id, its very process (a rank registering again)."""
+    out: dict[int, dict[int, Holder]] = {}
+    for rank, claim in claims.items():
+        held = holders.items() if every else [(rank, holders[rank])] if rank in holders else []
+        theirs = {r: h for r, h in held if not (h.run == claim.run if claim.run is not None
+                                                else h.process == claim.process)}
+        if theirs:
+            out[rank] = theirs
+    return out
+
+
+def refusal(job: str, rank: int, claim: Claim, holder_rank: int, holder: Holder) -> str:
+    """The one-line reason a newcomer is refused: both runs, and the fixes."""
+    mine = f"run {claim.run!r}" if claim.run is not None else "a process with no run id"
+    return (f"job {job!r}: rank {rank} of {mine} cannot register: rank {holder_rank} is held by run "
+            f"{holder.run!r}, still running (process {holder.process} on node {holder.node[:12]}), and two runs "
+            f"with one job name would share their snapshots. Give this run its own job name, or pass the "
+            f"same run id (run={holder.run!r} or MEMSNAP_RUN_ID) if it is a restart of that run, "
+            f"or stop the old run first (memsnap.shutdown({job!r}))")
 
 
 class Membership:
@@ -29,6 +74,7 @@ class Membership:
         self.cfg, self.world = cfg, world
         self.alive, self.find_spares = alive, find_spares
         self.members: dict[int, str] = {}
+        self.holders: dict[int, Holder] = {}  # rank -> the run and process that registered it last
         self.addrs: dict[str, dict] = {}
         self.placement: Placement | None = None
         self.epoch = 0

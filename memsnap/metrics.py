@@ -40,6 +40,11 @@ DEFINITIONS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "memsnap_snapshots_failed": ("counter", ("job", "node"), "Snapshot steps that failed (by the node that failed)"),
     "memsnap_snapshots_skipped": ("counter", ("job", "node"),
                                   "Snapshot steps skipped or replaced because the pipeline was busy"),
+    "memsnap_recovery_seconds": ("histogram", ("job", "phase"),
+                                 ("One in-place recovery by phase: detect (first sign -> decision), reform, "
+                                  "restore, first_step, total (first sign -> every rank's first step)")),
+    "memsnap_recoveries": ("counter", ("job", "kind"), "Recoveries of the job (kind: inplace)"),
+    "memsnap_fenced_nodes": ("gauge", ("job",), "Nodes memsnap declared lost and fenced"),
     "memsnap_reprotect_running": ("gauge", ("job",), "1 while re-protection rebuilds lost shards"),
     "memsnap_reprotect_rebuilt_chunks": ("gauge", ("job",), "Chunks re-protection rebuilt since the coordinator started"),
     "memsnap_reprotect_local_copies": ("gauge", ("job",), "Local copies re-protection gave back to nodes"),
@@ -112,6 +117,14 @@ def capture_took(job: str, node: str, seconds: float) -> None:
 
 def restored(job: str, node: str, tier: str, seconds: float) -> None:
     record("memsnap_restore_seconds", seconds, job=job, node=node, tier=tier)
+
+
+def recovered(job: str, split: dict) -> None:
+    """One in-place recovery's split (``controller.Recovery.split``)."""
+    record("memsnap_recoveries", 1, job=job, kind="inplace")
+    for phase, seconds in split.items():
+        if seconds is not None:
+            record("memsnap_recovery_seconds", seconds, job=job, phase=phase)
 
 
 # --- the agent ------------------------------------------------------------------------------------

@@ -6,7 +6,8 @@ import re
 
 NAMESPACE = "memsnap"
 SHM_DIR = "/dev/shm"  # the tmpfs arenas live on; MEMSNAP_SHM_DIR overrides it
-_ARENA_RE = re.compile(r"^memsnap-(?P<job>.+)-(?P<node>[^-/]+)-r(?P<rank>\d+)-s(?P<slot>[^-/]+)-g(?P<gen>\d+)$")
+# matched with fullmatch (a trailing newline is not the end of a name, as it is for ``$``)
+_ARENA_RE = re.compile(r"memsnap-(?P<job>.+)-(?P<node>[^-/]+)-r(?P<rank>\d+)-s(?P<slot>[^-/]+)-g(?P<gen>\d+)")
 
 
 def agent(job: str, node_id: str) -> str:
@@ -53,7 +54,7 @@ def parse_arena(name: str) -> dict | None:
     """``job``, ``node`` (its first 12 characters), ``rank``, ``slot``, ``gen`` of an arena
     file's base name, or None for any other name. A node id holds no ``-``, so a job's name
     (which may) is everything before the last five fields."""
-    m = _ARENA_RE.match(name)
+    m = _ARENA_RE.fullmatch(name)
     if m is None:
         return None
     out = m.groupdict()

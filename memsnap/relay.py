@@ -15,7 +15,7 @@ import logging
 from dataclasses import dataclass, field
 
 from memsnap.config import tunable
-from memsnap.errors import CommitError
+from memsnap.errors import CommitError, JobInUseError
 from memsnap.waiting import Batch, Signal
 
 log = logging.getLogger("memsnap.agent")
@@ -45,23 +45,41 @@ class NodeRelay:
         self.rounds: dict[int, _NodeRound] = {}
 
     # --- registration and placement -------------------------------------------------------------
-    async def join(self, rank: int, world: int) -> int | None:
-        """Register ``rank`` (of ``world``) through this node; the bytes a restore of it will
-        fill here if this node is new to it (None otherwise)."""
-        self.core.joined(rank, world)
+    async def join(self, rank: int, world: int, claim: dict | None = None) -> tuple[int | None, str | None]:
+        """Register ``rank`` (of ``world``; ``claim``: its ``identity.Claim`` on the wire) through
+        this node: the bytes a restore of it will fill here if this node is new to it (None
+        otherwise), and the job's run id. A rank that a live rank of another run holds is
+        refused (``JobInUseError``), and nothing here changes."""
+        claim = dict(claim or {"run": None, "process": ""})
+        self._answer = None
+        if self.core.world is None:  # a new agent: the coordinator it may have to start needs the size
+            self.core.world = world
+        got = await self._joins.add((rank, world, claim))
+        if rank in got["refused"]:
+            raise JobInUseError(got["refused"][rank])
+        self.core.joined(rank, world, dict(claim, run=got["run"]))
         self._answer = None  # the node's ranks changed: ask for the placement again
-        hints = await self._joins.add(rank)
-        return hints.get(rank)
+        return got["hints"].get(rank), got["run"]
 
-    async def _send_joins(self, ranks: list[int]) -> dict:
-        return await self.call("join", self.node, self.core.address, sorted(set(ranks)), self.core.world,
-                               timeout=tunable("membership_timeout_s") + 30)
+    async def _send_joins(self, items: list[tuple[int, int, dict]]) -> dict:
+        """One join call per world size among ``items`` (``(rank, world, claim)``); the answers merged."""
+        out: dict = {"hints": {}, "refused": {}, "run": None}
+        by_world: dict[int, dict[int, dict]] = {}
+        for rank, world, claim in items:
+            by_world.setdefault(world, {})[rank] = claim
+        for world, claims in by_world.items():
+            got = await self.call("join", self.node, self.core.address, sorted(claims), world, claims,
+                                  timeout=tunable("membership_timeout_s") + tunable("claim_wait_s") + 30)
+            out["hints"].update(got["hints"])
+            out["refused"].update(got["refused"])
+            out["run"] = got["run"]
+        return out
 
     async def rejoin(self) -> None:
-        """A new coordinator: tell it every rank of this node again."""
+        """A new coordinator: tell it every rank of this node again, with its claim."""
         ranks = sorted(self.core.ranks)
         if ranks:
-            await self._send_joins(ranks)
+            await self._send_joins([(r, self.core.world, self.core.holders.get(r)) for r in ranks])
 
     async def answer(self, timeout: float) -> dict:
         """The node's placement answer (its ranks, peers or not, its holders), asked once for
@@ -105,7 +123,11 @@ class NodeRelay:
         if rnd.plans is None:
             rnd.plans = asyncio.ensure_future(self.call("restore_plans", self.node, attempt,
                                                         timeout=tunable("restore_timeout_s") + 30))
-        plans = await asyncio.shield(rnd.plans)
+        try:
+            plans = await asyncio.shield(rnd.plans)
+        except Exception:
+            rnd.closed = True  # a failed or cancelled round: the next attempt 0 starts afresh
+            raise
         if rank not in plans:
             raise CommitError(f"restore: the plan names no part for rank {rank} on node {self.node[:12]}; "
                               "it registered on another node")
@@ -120,6 +142,8 @@ class NodeRelay:
         if rnd.result is None:
             rnd.result = asyncio.ensure_future(self.call("restore_result", self.node, attempt,
                                                          timeout=tunable("restore_timeout_s") + 30))
-        result = await asyncio.shield(rnd.result)
-        rnd.closed = True
+        try:
+            result = await asyncio.shield(rnd.result)
+        finally:
+            rnd.closed = True
         return result

@@ -5,8 +5,8 @@ A step saved by W ranks is loaded by rank r of W' ranks like this: the live stat
 local shape); for each saved shard of that tensor (from the saved manifests' global offsets)
 the overlapping box is computed and exactly the overlap is copied into a buffer laid out like
 the live state, from the saved rank's file as ``Store.read_rank`` read and verified it whole.
-The saved shards of a tensor must tile it exactly (no overlap, no gap), or the step is damaged. Replicated DTensors are read once (identical saved boxes are skipped);
-plain tensors and the non-tensor leaves come from saved rank ``r % W``. The result is a
+The saved shards of a tensor must tile it exactly (no overlap, no gap), or the step is damaged.
+Replicated DTensors are read once (identical saved boxes are skipped); plain tensors and the non-tensor leaves come from saved rank ``r % W``. The result is a
 normal ``(Manifest, buffer)`` for ``apply.apply``.
 """
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any, Mapping
 
 import torch
 
+from memsnap import tree
 from memsnap.capture import plan
 from memsnap.dtypes import dtype_of
 from memsnap.errors import FormatError, StateMismatchError
@@ -182,11 +183,20 @@ def _fill_sharded(dst: torch.Tensor, e: TensorEntry, reader) -> None:
         dst[_slices(box, e.global_offset or (0,) * len(e.shape))] = reader.tensor(rank, e.path)[_slices(box, src_box[0])]
 
 
+def _by_position(template: Manifest, live: Manifest) -> dict[str, TensorEntry]:
+    """``{template entry path: live entry}`` for the tensors at the same skeleton position in
+    both (matched by ``tree.tensor_names``, not by the stored entry names, which an older
+    memsnap wrote ambiguously for some keys)."""
+    at = {name: live.tensors[i] for i, name in tree.tensor_names(live.tree).items()}
+    return {template.tensors[i].path: at[name] for i, name in tree.tensor_names(template.tree).items()
+            if name in at}
+
+
 def layout(saved: list[Manifest], live: Manifest, rank: int) -> Manifest:
     """Rank ``rank``'s manifest of the saved step in the layout of the ``live`` plan (no
     checksums, no bytes): which tensors it loads and where they sit in its buffer."""
     template = saved[rank % len(saved)]
-    entries = _layout(template, {e.path: e for e in live.tensors})
+    entries = _layout(template, _by_position(template, live))
     nbytes = align_up(max((e.offset + e.nbytes for e in entries), default=0))
     return Manifest(entries, template.tree, nbytes, dict(template.meta))
 

@@ -16,6 +16,7 @@ class Round:
     done: dict[int, tuple[bool, dict]] = field(default_factory=dict)
     closed: bool = False
     gen: int | None = None  # the restore generation this round's success started
+    cancelled: str | None = None  # why the round was given up (a member was lost during it)
 
 
 class RestoreRounds:
@@ -33,6 +34,20 @@ class RestoreRounds:
                 self.rounds, self.bad = {}, set()
             rnd = self.rounds[attempt] = Round()
         return rnd
+
+    def cancel(self, why: str) -> list[int]:
+        """Give up every open round (a member was lost while the others waited in it): its
+        waiters fail with ``why``, and the next attempt 0 starts afresh. The attempts cancelled."""
+        out = []
+        for attempt, rnd in sorted(self.rounds.items()):
+            if not rnd.closed:
+                rnd.cancelled, rnd.closed = why, True
+                out.append(attempt)
+        return out
+
+    def cancelled(self, attempt: int) -> str | None:
+        rnd = self.rounds.get(attempt)
+        return None if rnd is None else rnd.cancelled
 
     def arrive(self, attempt: int, ranks: list[int]) -> Round:
         rnd = self.get(attempt)

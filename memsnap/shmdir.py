@@ -27,17 +27,32 @@ def check_dir(st: os.stat_result, path: str) -> None:
     """UnsafeShmError unless ``st`` (an lstat/fstat of ``path``) is a directory of this user
     with mode 0700."""
     fix = "remove it (it is not memsnap's), or point MEMSNAP_SHM_DIR at another tmpfs"
+    if st.st_uid != os.geteuid():
+        raise UnsafeShmError(_planted(st, path))
     if stat.S_ISLNK(st.st_mode):
         raise UnsafeShmError(f"arena directory {path} is a symlink; it is not followed: {fix}")
     if not stat.S_ISDIR(st.st_mode):
         raise UnsafeShmError(f"arena directory {path} is not a directory: {fix}")
-    if st.st_uid != os.geteuid():
-        raise UnsafeShmError(f"arena directory {path} belongs to uid {st.st_uid}, not to this user "
-                             f"(uid {os.geteuid()}); another user may have planted it: {fix}")
     mode = stat.S_IMODE(st.st_mode)
     if mode != 0o700:
         raise UnsafeShmError(f"arena directory {path} has mode {mode:04o}; it must be 0700 so no other "
                              f"user can read snapshots: chmod 700 {path}, or {fix}")
+
+
+def _planted(st: os.stat_result, path: str) -> str:
+    """The refusal of an entry of another user at the private directory's name, fix first: this
+    user cannot remove it from a sticky tmpfs such as /dev/shm, so another tmpfs is the way out."""
+    uid, parent = os.geteuid(), os.path.dirname(path)
+    kind = "symlink" if stat.S_ISLNK(st.st_mode) else "directory" if stat.S_ISDIR(st.st_mode) else "file"
+    try:
+        sticky = bool(os.stat(parent).st_mode & stat.S_ISVTX)
+    except OSError:
+        sticky = False
+    removal = (f"in the sticky {parent} only uid {st.st_uid} or root can remove it" if sticky
+               else "it is not used (remove it as its owner or root)")
+    return (f"set MEMSNAP_SHM_DIR=<a tmpfs directory of yours, e.g. /run/user/{uid}>: the arena "
+            f"directory {path} belongs to uid {st.st_uid}, not to this user (uid {uid}), and is a {kind}; "
+            f"another user may have planted it, and {removal}")
 
 
 def check_file(st: os.stat_result, path: str) -> None:

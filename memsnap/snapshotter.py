@@ -3,7 +3,9 @@
 Call protocol (every rank of the job, each in its own Ray worker or driver):
 
   1. ``snap = Snapshotter(job=..., rank=r, world_size=n, ...)`` — finds or creates the job's
-     coordinator and this node's agent, registers the rank.
+     coordinator and this node's agent, registers the rank under its run id (``run=``, else
+     the launcher's, else the job's; see ``memsnap.identity``): a rank of another run that still
+     runs under the same job name is refused (``JobInUseError``).
   2. ``snap.restore(state)`` at start (collective: every rank calls it) -> the restored step
      or None.
   3. ``snap.save(step, state)`` after every step; the policy decides which steps are
@@ -24,7 +26,7 @@ from typing import Any, Mapping
 
 import ray
 
-from memsnap import actors, metrics, naming
+from memsnap import actors, identity, metrics, naming
 from memsnap.arena import Arena
 from memsnap.config import SnapshotConfig, tcp_options, tunable
 from memsnap.errors import ChecksumError, ConfigError, MemsnapError
@@ -56,11 +58,15 @@ class Snapshotter:
     def __init__(self, job: str, rank: int, world_size: int, *, protection: Protection | None = None,
                  memory: Memory | None = None, spill: Spill | str | None = None, when: When | None = None,
                  failures: Failures | None = None, wire: Wire | None = None, device: Device | None = None,
-                 optimizers=(), **shorthand: Any):
+                 optimizers=(), run: str | None = None, **shorthand: Any):
         """Options come in groups (``memsnap.options``: ``protection``, ``memory``, ``spill``,
         ``when``, ``failures``, ``wire``), or as their flat shorthand keywords (``k=2, m=1,
         spill="s3://...", spill_every=100, every_steps=1, on_error="raise"``, ...).
-        ``optimizers``: for CUDA state, the optimizers whose step must wait for the side-stream copy."""
+        ``optimizers``: for CUDA state, the optimizers whose step must wait for the side-stream copy.
+        ``run``: this run's id, the same on every rank and every restart of the run (default
+        ``MEMSNAP_RUN_ID`` or torchrun's ``TORCHELASTIC_RUN_ID``; without one the job's run id,
+        made at its first registration, is taken): a rank of another run that still runs
+        under ``job`` is refused."""
         opts = resolve({"protection": protection, "memory": memory, "spill": spill, "when": when,
                         "failures": failures, "wire": wire, "device": device}, shorthand)
         if not isinstance(world_size, int) or world_size < 1:
@@ -73,12 +79,15 @@ class Snapshotter:
         if not ray.is_initialized():
             raise ConfigError("Snapshotter needs Ray: create it inside a Ray task/actor or after ray.init()")
         self.rank, self.world = rank, world_size
+        claim = identity.Claim(identity.check_run(run) or identity.run_from_env(), identity.process_token())
         self.node = ray.get_runtime_context().get_node_id()
         self._secret = job_secret(job)  # for this rank's own data-plane client (a peer restore)
         # every call goes to this node's agent, which speaks to the coordinator for the node
         self._agent = actors.agent_for(self.config, self.node)
         check_same_job(self.config, _get(self._agent.config.remote()))
-        _get(self._agent.join.remote(rank, world_size), tunable("membership_timeout_s") + 60)
+        joined = _get(self._agent.join.remote(rank, world_size, claim.to_wire()),
+                      tunable("membership_timeout_s") + tunable("claim_wait_s") + 60)
+        self.run: str | None = joined.get("run")  # the run id this rank registered under
         # A peer restore reads straight into this rank's tensors over TCP; through the object
         # store it goes through the agent, whose arena is backed early on a new node.
         self._direct = wi.transport == "tcp" and bool(tunable("direct_restore"))
@@ -93,6 +102,7 @@ class Snapshotter:
         self.counters = {"saves": 0, "failed_saves": 0, "skipped_saves": 0, "skipped_busy": 0}
         self.last_restore: dict = {"tier": "none", "step": None, "seconds": {}}
         self.last_plan: RankPlan | None = None  # this rank's part of the last restore plan
+        self._durable_run: str | None = None  # the run that spilled the step a durable restore read
         self.last_error: str | None = None
         self._policy = Scheduler(Policy(every_steps=wh.every_steps, every_seconds=wh.every_seconds, auto=wh.auto,
                                         mtbf_hours=wh.mtbf_hours, nodes=world_size), start_step=-1)
@@ -106,13 +116,19 @@ class Snapshotter:
         self._watcher = self._watch_preemption(fail.preemption_grace_s) if fail.preemption else None
 
     @classmethod
-    def from_ray_train(cls, job: str, **kwargs: Any) -> "Snapshotter":
+    def from_ray_train(cls, job: str | None = None, **kwargs: Any) -> "Snapshotter":
         """A Snapshotter for this Ray Train worker (call inside ``train_loop_per_worker``): rank
-        and world size from its Ray Train context."""
+        and world size from its Ray Train context, the run id from its run (a Tune trial's id),
+        and, unless ``job`` names one, a job name of its own per run or trial
+        (``integrations.ray_train.run_identity``), so trials of a sweep never share snapshots."""
         import ray.train
 
+        from memsnap.integrations.ray_train import run_identity
+
         ctx = ray.train.get_context()
-        return cls(job=job, rank=ctx.get_world_rank(), world_size=ctx.get_world_size(), **kwargs)
+        name, run = run_identity(ctx)
+        kwargs.setdefault("run", run)
+        return cls(job=job or name, rank=ctx.get_world_rank(), world_size=ctx.get_world_size(), **kwargs)
 
     @classmethod
     def from_env(cls, job: str, **kwargs: Any) -> "Snapshotter":
@@ -355,6 +371,8 @@ class Snapshotter:
 
     def _restored(self, plan: RankPlan, tier: str, seconds: dict) -> int | None:
         self.last_restore = {"tier": tier, "step": plan.step, "seconds": seconds}
+        if plan.plan == "durable" or tier == "durable":
+            self.last_restore["run"] = self._durable_run  # the run that spilled it (its COMMITTED metadata)
         self.last_plan = plan
         metrics.restored(self.config.job, self.node, tier, seconds.get("total", 0.0))
         resumed = -1 if plan.step is None else plan.step
@@ -362,8 +380,9 @@ class Snapshotter:
         if self._guard is not None:
             self._guard.start_step = resumed
         if plan.plan == "durable":
-            msg = (f"memsnap: restored step {plan.step} from durable storage {plan.spill}: "
-                   "the RAM tiers could not serve every rank")
+            wrote = self.last_restore.get("run")
+            msg = (f"memsnap: restored step {plan.step} from durable storage {plan.spill}"
+                   f"{f' (spilled by run {wrote!r})' if wrote else ''}: the RAM tiers could not serve every rank")
             self.last_restore["warning"] = msg
             warnings.warn(msg, RuntimeWarning, stacklevel=3)
         log.info("rank %d restored step %s from %s in %s", self.rank, plan.step, tier,
@@ -473,8 +492,9 @@ class Snapshotter:
         from memsnap.storage import Store
 
         t = time.perf_counter()
-        man, buf, _ = read_step(Store.open(plan.spill), plan.step, self.rank, self.world, state)
+        man, buf, marker = read_step(Store.open(plan.spill), plan.step, self.rank, self.world, state)
         seconds["fetch"] = time.perf_counter() - t
+        self._durable_run = marker.get("metadata", {}).get("run")
         t = time.perf_counter()
         apply(state, man, buf, verify=True)
         seconds["apply"] = time.perf_counter() - t
@@ -552,7 +572,8 @@ def job_config(job: str, opts: dict) -> SnapshotConfig:
     """The job-wide configuration the agents share, from a Snapshotter's resolved options."""
     pro, mem, sp, wi = opts["protection"], opts["memory"], opts["spill"], opts["wire"]
     dev = opts["device"]
-    return SnapshotConfig(job, pro.k, pro.m, pro.group_size, mem.keep, mem.budget, sp.uri, sp.every,
+    uri = None if sp.uri is None else sp.uri.replace("{job}", job)  # each job (a Tune trial) its own directory
+    return SnapshotConfig(job, pro.k, pro.m, pro.group_size, mem.keep, mem.budget, uri, sp.every,
                           sp.every_seconds, sp.bytes_per_s, wi.transport, wi.chunk,
                           local_copy=pro.local_copy, peers=pro.peers, wire=wi.mode,
                           device_buffer=dev.buffer, device_backend=dev.backend)

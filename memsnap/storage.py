@@ -36,6 +36,7 @@ import re
 import secrets
 import stat
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Protocol
 
@@ -45,13 +46,17 @@ import xxhash
 
 from memsnap import validate
 from memsnap.checksum import fill_checksums
-from memsnap.errors import ChecksumError, ConfigError, FormatError, SnapshotNotFoundError, StorageError
+from memsnap.errors import (ChecksumError, ConfigError, FormatError, MemsnapError, SnapshotNotFoundError,
+                            StorageError)
 from memsnap.manifest import Manifest
 
 MARKER = "COMMITTED"
 IO_CHUNK = 16 << 20  # every read and write is one sequential call of this size
 WRITEBACK = 32 << 20  # a local data file's pages are handed to the disk every this many bytes (0: off)
 _STEP_RE = re.compile(r"^step_(\d{12})$")
+_TAG_RE = re.compile(r"^r[0-9a-f]{16}$")  # the name tag of a re-saved step's rank files
+_RANK_FILE_RE = re.compile(r"^rank_\d{5}(\.r[0-9a-f]{16})?\.(bin|json)$")
+_LINEAGE_RE = re.compile(r"^[0-9a-f]{16}$")
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 
@@ -75,8 +80,9 @@ def step_name(step: int) -> str:
     return f"step_{step:012d}"
 
 
-def rank_name(rank: int, ext: str) -> str:
-    return f"rank_{rank:05d}.{ext}"
+def rank_name(rank: int, ext: str, tag: str | None = None) -> str:
+    """A rank's file name; ``tag`` (a re-saved step's files) goes before the extension."""
+    return f"rank_{rank:05d}.{ext}" if tag is None else f"rank_{rank:05d}.{tag}.{ext}"
 
 
 @dataclass(frozen=True)
@@ -95,10 +101,14 @@ class RankRecord:
 
 @dataclass(frozen=True)
 class Retention:
-    """Which committed steps to keep: the newest ``keep_last`` plus milestones.
+    """Which committed steps to keep: the newest ``keep_last`` of the current lineage, the
+    step that lineage resumed from, and milestones.
 
-    A milestone is every step divisible by ``milestone_every`` (0: none) or a step saved with
-    ``milestone=True`` in its metadata. The newest committed step is never deleted.
+    The current lineage is the run of the newest commit (see ``Lineage``); steps of other
+    lineages (a run abandoned by a rollback) are kept until the current one holds
+    ``keep_last`` steps of its own. A milestone is every step divisible by
+    ``milestone_every`` (0: none) or a step saved with ``milestone=True`` in its metadata.
+    The newest committed step is never deleted.
     """
 
     keep_last: int = 3
@@ -109,6 +119,62 @@ class Retention:
             raise ValueError(f"keep_last={self.keep_last} must be >= 1 (the newest step is always kept)")
         if self.milestone_every < 0:
             raise ValueError(f"milestone_every={self.milestone_every} must be >= 0 (0 turns it off)")
+
+
+@dataclass(frozen=True)
+class Lineage:
+    """Where a commit sits in its root's history, recorded in its marker as ``lineage``.
+
+    ``id``: the run (lineage) the step belongs to; a run that resumes from a step other than
+    the newest of that step's lineage (a rollback) starts a new one. ``seq``: the commit's
+    place in the root's commit order (1 + the highest recorded). ``parent``: the step the
+    save continued from (the lineage's previous commit, or for its first commit the step it
+    resumed from). ``base``: the step the lineage resumed from (None: it started from
+    nothing or continues a run saved without lineage). A marker without the field is of the
+    one legacy lineage (``id == ""``, ``seq == 0``), ordered by step.
+    """
+
+    id: str
+    seq: int
+    parent: int | None
+    base: int | None
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+    @classmethod
+    def parse(cls, doc: object) -> Lineage | None:
+        """The lineage recorded in a marker, or None if it has none (or a malformed one)."""
+        if not isinstance(doc, dict):
+            return None
+        lid, seq, parent, base = (doc.get(k) for k in ("id", "seq", "parent", "base"))
+        steps_ok = all(v is None or (type(v) is int and v >= 0) for v in (parent, base))
+        if isinstance(lid, str) and _LINEAGE_RE.match(lid) and type(seq) is int and seq >= 1 and steps_ok:
+            return cls(lid, seq, parent, base)
+        return None
+
+
+LEGACY = Lineage("", 0, None, None)
+
+
+@dataclass(frozen=True)
+class Commit:
+    """One committed step as the history sees it: its lineage and whether its marker is
+    intact (a malformed or unreadable one counts as legacy and may be saved over)."""
+
+    step: int
+    lineage: Lineage
+    intact: bool
+    milestone: bool = False
+
+    @property
+    def order(self) -> tuple[int, int]:
+        return self.lineage.seq, self.step
+
+
+_RESUMED: dict[str, int] = {}  # per root: the step this process's run continues from
+_WARNED: set[tuple[str, str]] = set()  # (root, lineage) warned about saving behind newer steps
+_HISTORY: dict[str, dict[int, tuple[tuple, Commit]]] = {}  # per root: marker stat -> parsed commit
 
 
 class _Throttle:
@@ -157,6 +223,8 @@ class Store:
     def __init__(self, fs: pafs.FileSystem, root: str, uri: str | None = None):
         self.fs, self.root, self.uri = fs, root.rstrip("/") or "/", uri or root
         self.local = isinstance(fs, pafs.LocalFileSystem)
+        self.key = f"{fs.type_name}:{self.root}"  # the root, for this process's lineage records
+        self._tags: dict[int, str | None] = {}  # per step read: its rank files' name tag
 
     @classmethod
     def open(cls, uri: str, endpoint: str | None = None) -> "Store":
@@ -180,9 +248,10 @@ class Store:
         if any(t.alias_of is None and t.checksum is None for t in manifest.tensors):
             manifest = fill_checksums(manifest, mv)  # every stored tensor's checksum is recorded
         self.fs.create_dir(self.path(step), recursive=True)
-        bin_path = self.path(step, rank_name(rank, "bin"))
+        tag = self._write_tag(step)
+        bin_path = self.path(step, rank_name(rank, "bin", tag))
         digest = self._write(bin_path, slices(mv), mv.nbytes, _Throttle(throttle_bps), progress)
-        return self._write_manifest(step, rank, manifest, digest)
+        return self._write_manifest(step, rank, manifest, digest, tag)
 
     def write_rank_stream(self, step: int, rank: int, stream: RankStream, *,
                           throttle_bps: float | None = None, progress: Progress | None = None) -> RankRecord:
@@ -190,11 +259,13 @@ class Store:
         ``stream`` yields it (no staging buffer), and the manifest (with the per-tensor
         checksums the stream computed on the way) written after it."""
         self.fs.create_dir(self.path(step), recursive=True)
-        bin_path = self.path(step, rank_name(rank, "bin"))
+        tag = self._write_tag(step)
+        bin_path = self.path(step, rank_name(rank, "bin", tag))
         digest = self._write(bin_path, iter(stream), stream.nbytes, _Throttle(throttle_bps), progress)
-        return self._write_manifest(step, rank, stream.manifest(), digest)
+        return self._write_manifest(step, rank, stream.manifest(), digest, tag)
 
-    def _write_manifest(self, step: int, rank: int, manifest: Manifest, digest: str) -> RankRecord:
+    def _write_manifest(self, step: int, rank: int, manifest: Manifest, digest: str,
+                        tag: str | None) -> RankRecord:
         """Write the rank's manifest, recording its data file's size and ``digest``."""
         missing = [t.path for t in manifest.tensors if t.alias_of is None and t.checksum is None]
         if missing:
@@ -202,31 +273,93 @@ class Store:
                              "tensor always has one (fill_checksums)")
         meta = dict(manifest.meta, data_file={"bytes": manifest.nbytes, "xxh3": digest})
         raw = Manifest(manifest.tensors, manifest.tree, manifest.nbytes, meta).to_json()
-        self._write(self.path(step, rank_name(rank, "json")), [memoryview(raw)], len(raw), _Throttle(None), None)
+        self._write(self.path(step, rank_name(rank, "json", tag)), [memoryview(raw)], len(raw),
+                    _Throttle(None), None)
         return RankRecord(rank, manifest.nbytes, digest, len(raw), xxhash.xxh3_64_hexdigest(raw))
 
+    def _write_tag(self, step: int) -> str | None:
+        """The name tag of the rank files a save of ``step`` writes: None for a new step; for
+        a committed one (a re-save: another lineage's step of that number, or a damaged one),
+        a tag derived from its current marker, so that every rank and the committer pick the
+        same one and the committed files stay whole until the new marker replaces the old."""
+        path = self.path(step, MARKER)
+        if not self.fs.get_file_info(path).is_file:
+            return None
+        return "r" + xxhash.xxh3_64_hexdigest(self._read_small(path))
+
     def commit(self, step: int, world_size: int, metadata: dict | None = None) -> dict:
-        """(one rank, after every rank's write_rank) Make ``step`` visible by writing its marker."""
-        ranks = [self._rank_record(step, r).to_dict() for r in range(world_size)]
+        """(one rank, after every rank's write_rank) Make ``step`` visible by writing its marker.
+
+        The marker records the step's ``Lineage`` (from the step this process resumed from,
+        or last committed, under this root; else the newest commit). A step of that number
+        committed before is replaced in one marker write: until it lands, the old marker and
+        files stay as they were. Saving behind newer steps of another lineage warns once."""
+        tag = self._write_tag(step)
+        ranks = [self._rank_record(step, r, tag).to_dict() for r in range(world_size)]
+        history = self.history()
+        lineage = _next_lineage(step, history, _RESUMED.get(self.key))
         doc = {"format": "memsnap", "version": 1, "step": step, "world_size": world_size,
-               "metadata": metadata or {}, "ranks": ranks}
+               "metadata": metadata or {}, "ranks": ranks, "lineage": lineage.to_dict()}
+        if tag is not None:
+            doc["files"] = tag
         raw = json.dumps(doc, indent=1, allow_nan=False).encode()
         self._write(self.path(step, MARKER), [memoryview(raw)], len(raw), _Throttle(None), None)
+        _HISTORY.get(self.key, {}).pop(step, None)
+        self._tags[step], _RESUMED[self.key] = tag, step
+        if tag is not None:
+            self._drop_replaced(step, {rank_name(r, ext, tag) for r in range(world_size) for ext in ("bin", "json")})
+        self._warn_behind(step, lineage, history)
         return doc
 
-    def _rank_record(self, step: int, rank: int) -> RankRecord:
-        jpath = self.path(step, rank_name(rank, "json"))
+    def _rank_record(self, step: int, rank: int, tag: str | None) -> RankRecord:
+        jpath = self.path(step, rank_name(rank, "json", tag))
+        bpath = self.path(step, rank_name(rank, "bin", tag))
         try:
             raw = self._read_small(jpath)
         except FileNotFoundError as exc:
             raise StorageError(f"cannot commit step {step}: rank {rank} has not written {jpath}; "
                                "call commit only after every rank's write_rank returned") from exc
         data = json.loads(raw)["meta"]["data_file"]
-        size = self.fs.get_file_info(self.path(step, rank_name(rank, "bin"))).size
+        size = self.fs.get_file_info(bpath).size
         if size != data["bytes"]:
-            raise StorageError(f"cannot commit step {step}: {self.path(step, rank_name(rank, 'bin'))} "
+            raise StorageError(f"cannot commit step {step}: {bpath} "
                                f"has {size} bytes, its manifest says {data['bytes']}")
         return RankRecord(rank, data["bytes"], data["xxh3"], len(raw), xxhash.xxh3_64_hexdigest(raw))
+
+    def _drop_replaced(self, step: int, live: set[str]) -> None:
+        """Delete the rank files of ``step`` its new marker does not name (the replaced save's)."""
+        infos = self.fs.get_file_info(pafs.FileSelector(self.path(step), allow_not_found=True))
+        for info in infos:
+            if _RANK_FILE_RE.match(info.base_name) and info.base_name not in live:
+                self._discard(info.path)
+
+    def _warn_behind(self, step: int, lineage: Lineage, history: list[Commit]) -> None:
+        """Warn (once per root and lineage in this process) when ``step`` was saved while
+        another lineage has newer steps: they stop being what ``load(step=None)`` resumes."""
+        newer = [c.step for c in history if c.step > step and c.lineage.id != lineage.id]
+        if not newer or (self.key, lineage.id) in _WARNED:
+            return
+        _WARNED.add((self.key, lineage.id))
+        top = max(newer)
+        warnings.warn(f"saving step {step} behind newer committed step {top} of another lineage "
+                      f"under {self.uri}; load(step=None) will resume this lineage; step {top} is "
+                      "kept until this lineage has keep_last steps of its own (retention) or it is "
+                      "deleted by hand", stacklevel=4)
+
+    def resumed(self, step: int) -> None:
+        """Record that this process's run continues from ``step`` (``load`` calls it): the
+        next commit under this root descends from it."""
+        _RESUMED[self.key] = step
+
+    def descends_from(self, step: int) -> bool:
+        """Whether this process's run continues from the intact committed ``step`` (the step it
+        resumed from, or last committed, or the newest commit, and their ancestors): such a
+        step is never saved over. Another lineage's step, or a damaged one, may be."""
+        history = self.history()
+        if not any(c.step == step and c.intact for c in history):
+            return False
+        start = _RESUMED.get(self.key, _head(history).step)
+        return step in _chain(_parents(history), start)
 
     def _write(self, path: str, parts: Iterable[memoryview], nbytes: int, throttle: _Throttle,
                progress: Progress | None) -> str:
@@ -255,11 +388,53 @@ class Store:
     # --- reading ---------------------------------------------------------------------------
     def steps(self) -> list[int]:
         """Every committed step, oldest first."""
+        return [s for s, _ in self._markers()]
+
+    def _markers(self) -> list[tuple[int, pafs.FileInfo]]:
+        """Every committed step with its marker's file info, by step."""
         found = sorted(s for s, _ in self._step_dirs())
         if not found:
             return []
         infos = self.fs.get_file_info([self.path(s, MARKER) for s in found])
-        return [s for s, info in zip(found, infos) if info.type == pafs.FileType.File]
+        return [(s, info) for s, info in zip(found, infos) if info.type == pafs.FileType.File]
+
+    def history(self) -> list[Commit]:
+        """Every committed step in commit order: legacy (and unreadable) markers first, by
+        step, then by recorded commit sequence. A marker is read once per process while its
+        size and modification time stay the same."""
+        cache = _HISTORY.setdefault(self.key, {})
+        markers = self._markers()
+        for gone in set(cache) - {s for s, _ in markers}:
+            cache.pop(gone, None)
+        out = []
+        for step, info in markers:
+            stat = (info.size, info.mtime_ns)
+            hit = cache.get(step)
+            if hit is None or hit[0] != stat or info.mtime_ns is None:
+                hit = cache[step] = (stat, self._read_commit(step))
+            out.append(hit[1])
+        return sorted(out, key=lambda c: c.order)
+
+    def _read_commit(self, step: int) -> Commit:
+        try:
+            doc = self.marker(step)
+        except (MemsnapError, OSError, ValueError):
+            return Commit(step, LEGACY, False)
+        metadata = doc.get("metadata", {})
+        return Commit(step, Lineage.parse(doc.get("lineage")) or LEGACY, True, bool(metadata.get("milestone")))
+
+    def resume_order(self) -> list[int]:
+        """The committed steps in the order ``load(step=None)`` tries them: a step whose marker
+        is damaged and numbered beyond every intact commit (its lineage is unknown: it may be
+        the newest), then the newest commit (the newest step of the newest lineage), the steps
+        it descends from, and the rest, newest commit first."""
+        history = self.history()
+        intact = [c for c in history if c.intact]
+        if not intact:
+            return [c.step for c in reversed(history)]
+        first = sorted((c.step for c in history if not c.intact and c.step > intact[-1].step), reverse=True)
+        chain = _chain(_parents(history), intact[-1].step)
+        return first + chain + [c.step for c in reversed(history) if c.step not in {*first, *chain}]
 
     def _step_dirs(self) -> list[tuple[int, str]]:
         try:
@@ -274,11 +449,13 @@ class Store:
         return out
 
     def latest(self) -> int:
-        steps = self.steps()
-        if not steps:
+        """The step ``load(step=None)`` tries first: the newest step of the newest lineage (the
+        step committed last), or a damaged one numbered beyond it (see ``resume_order``)."""
+        order = self.resume_order()
+        if not order:
             raise SnapshotNotFoundError(f"no committed step under {self.uri}; save one first "
                                         "(or check the URI)")
-        return steps[-1]
+        return order[0]
 
     def marker(self, step: int) -> dict:
         """The parsed, validated ``COMMITTED`` of ``step``; SnapshotNotFoundError if it is not
@@ -293,7 +470,19 @@ class Store:
                                         f"(committed steps: {have[-10:] or 'none'})") from None
         except ChecksumError as exc:  # nothing to compare against: the marker itself is damaged
             raise FormatError(str(exc)) from None
-        return validate.marker(validate.parse_json(raw, path), step, path)
+        doc = validate.marker(validate.parse_json(raw, path), step, path)
+        self._tags[step] = _files_tag(doc, path)
+        return doc
+
+    def _rank_path(self, step: int, rank: int, ext: str, marker: dict | None = None) -> str:
+        """The path of a rank's file of committed ``step`` (named as its marker says)."""
+        if marker is not None:
+            tag = _files_tag(marker, self.path(step, MARKER))
+        else:
+            if step not in self._tags:
+                self.marker(step)
+            tag = self._tags[step]
+        return self.path(step, rank_name(rank, ext, tag))
 
     def manifest(self, step: int, rank: int, marker: dict | None = None) -> Manifest:
         """Rank ``rank``'s manifest of ``step``, read only up to the size the marker records,
@@ -301,7 +490,7 @@ class Store:
         checksum for every stored tensor."""
         marker = marker or self.marker(step)
         rec = self._record(marker, rank)
-        path = self.path(step, rank_name(rank, "json"))
+        path = self._rank_path(step, rank, "json", marker)
         try:
             raw = self._read_small(path, validate.MAX_MANIFEST_BYTES, size=rec["json_bytes"])
         except FileNotFoundError:
@@ -342,7 +531,7 @@ class Store:
         marker = marker or self.marker(step)
         rec = self._record(marker, rank)
         manifest = manifest or self.manifest(step, rank, marker)
-        path = self.path(step, rank_name(rank, "bin"))
+        path = self._rank_path(step, rank, "bin", marker)
         check = _Verifier(path, manifest, rec)
         try:
             if out is None and self.local:
@@ -443,7 +632,7 @@ class Store:
     def read_range(self, step: int, rank: int, offset: int, out) -> None:
         """Read ``len(out)`` bytes at ``offset`` of a rank's data file (no checksum: the
         caller verifies what it reads; ``read_rank`` is the verified read)."""
-        path = self.path(step, rank_name(rank, "bin"))
+        path = self._rank_path(step, rank, "bin")
         mv = memoryview(out).cast("B")
         with self._open_data(path, None) as (f, _):
             f.seek(offset)
@@ -486,25 +675,91 @@ class Store:
 
     def retain(self, policy: Retention) -> list[int]:
         """Delete committed steps outside ``policy`` and debris of crashed saves older than the
-        newest committed step. Returns the deleted steps."""
-        committed = self.steps()
-        if not committed:
+        newest commit. Returns the deleted steps."""
+        history = self.history()
+        if not history:
             return []
-        newest = committed[-1]
-        keep = set(committed[-policy.keep_last:])
-        keep |= {s for s in committed if policy.milestone_every and s % policy.milestone_every == 0}
-        keep |= {s for s in committed if s not in keep and self._is_milestone(s)}
-        doomed = [s for s in committed if s not in keep]
-        doomed += [s for s, _ in self._step_dirs() if s < newest and s not in committed]
+        committed = {c.step for c in history}
+        doomed = sorted(committed - _kept(history, policy))
+        doomed += [s for s, _ in self._step_dirs() if s < _head(history).step and s not in committed]
         for s in sorted(doomed):
             self.delete_step(s)
         return sorted(doomed)
 
-    def _is_milestone(self, step: int) -> bool:
-        try:
-            return bool(self.marker(step).get("metadata", {}).get("milestone"))
-        except (ChecksumError, FormatError, SnapshotNotFoundError):
-            return False
+
+def _kept(history: list[Commit], policy: Retention) -> set[int]:
+    """The steps ``policy`` keeps of ``history`` (commit order): the newest ``keep_last`` of
+    the newest commit's lineage, the step that lineage resumed from, milestones, and every
+    other lineage's steps while the newest holds fewer than ``keep_last`` of its own (and a
+    damaged marker numbered beyond the newest commit: its lineage is unknown)."""
+    head = _head(history)
+    own = _chain(_parents(history), head.step, stop=head.lineage.base)
+    keep = set(own[:policy.keep_last])
+    if head.lineage.base is not None:
+        keep.add(head.lineage.base)
+    if len(own) < policy.keep_last:
+        keep |= {c.step for c in history}
+    keep |= {c.step for c in history if not c.intact and c.step > head.step}  # may be the newest
+    every = policy.milestone_every
+    keep |= {c.step for c in history if c.milestone or (every and c.step % every == 0)}
+    return keep
+
+
+def _parents(history: list[Commit]) -> dict[int, int | None]:
+    """Each committed step's parent: the recorded one, or for a legacy marker the legacy step
+    before it."""
+    out: dict[int, int | None] = {}
+    previous = None
+    for c in history:
+        if c.lineage.id:
+            out[c.step] = c.lineage.parent
+        else:
+            out[c.step], previous = previous, c.step
+    return out
+
+
+def _chain(parents: dict[int, int | None], start: int | None, stop: int | None = None) -> list[int]:
+    """``start`` and the committed steps it descends from, newest first, up to (without)
+    ``stop`` or the first that is not committed."""
+    out: list[int] = []
+    step = start
+    while step is not None and step in parents and step != stop and step not in out:
+        out.append(step)
+        step = parents[step]
+    return out
+
+
+def _next_lineage(step: int, history: list[Commit], resumed: int | None) -> Lineage:
+    """The lineage of a new commit of ``step``: it continues the lineage of the step the run
+    resumed from (``resumed``; None: the newest commit) when that step is the newest commit
+    and ``step`` lies beyond it (a run going on, or restarted from where it stopped); else
+    it starts a new lineage, resumed from that step (a rollback)."""
+    seq = max((c.lineage.seq for c in history), default=0) + 1
+    others = [c for c in history if c.step != step]  # a step of this number is being replaced
+    head = _head(others)
+    start = resumed if resumed is not None else _head(history).step if history else None
+    if start == step:
+        start = _parents(history).get(step)
+    if start is None:
+        return Lineage(secrets.token_hex(8), seq, None, None)
+    if head is not None and head.step == start and step > start:
+        return Lineage(head.lineage.id or secrets.token_hex(8), seq, start, head.lineage.base)
+    return Lineage(secrets.token_hex(8), seq, start, start)
+
+
+def _head(history: list[Commit]) -> Commit | None:
+    """The newest commit with an intact marker (else the newest): where a run goes on from."""
+    intact = [c for c in history if c.intact]
+    return intact[-1] if intact else history[-1] if history else None
+
+
+def _files_tag(marker: dict, where: str) -> str | None:
+    """The name tag a marker gives its rank files (None: the plain names)."""
+    tag = marker.get("files")
+    if tag is not None and not (isinstance(tag, str) and _TAG_RE.match(tag)):
+        raise FormatError(f"{where} files: must be 'r' and 16 hex digits, the name tag of the "
+                          f"step's rank files, got {tag!r}; the step is damaged, load another step")
+    return tag
 
 
 def _read_upto(f, n: int) -> bytes:

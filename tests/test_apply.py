@@ -344,3 +344,92 @@ def test_any_nested_state_roundtrips_bit_for_bit():
         assert bytes(buf2) == bytes(buf) and m2.tree == m.tree and m2.tensors == m.tensors
 
     check()
+
+
+def test_keys_that_join_alike_as_text_restore_each_tensor_into_its_own_place():
+    src = {"x": {"a/b": torch.full((2,), 1.0), "a": {"b": torch.full((2,), 2.0)},
+                 0: torch.full((2,), 3.0), "0": torch.full((2,), 4.0)}}
+    m, buf = capture(src, rng=False)
+    live = {"x": {"a/b": torch.zeros(2), "a": {"b": torch.zeros(2)}, 0: torch.zeros(2), "0": torch.zeros(2)}}
+    before = [live["x"]["a/b"], live["x"]["a"]["b"], live["x"][0], live["x"]["0"]]
+    apply(live, m, buf)
+    after = [live["x"]["a/b"], live["x"]["a"]["b"], live["x"][0], live["x"]["0"]]
+    assert all(a is b for a, b in zip(after, before))
+    assert [t.tolist() for t in after] == [[1.0, 1.0], [2.0, 2.0], [3.0, 3.0], [4.0, 4.0]]
+
+
+def test_state_with_keys_that_join_alike_roundtrips_bit_for_bit():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    keys = st.sampled_from(["a", "a/b", "b", "0", "%30", "<0>"]) | st.just(0)
+    nested = st.recursive(_tensors_of(["float32", "int8"]), lambda inner: st.lists(inner, max_size=2)
+                          | st.dictionaries(keys, inner, min_size=1, max_size=4), max_leaves=10)
+
+    @settings(max_examples=100, deadline=None)
+    @given(nested)
+    def check(value):
+        m, buf = capture({"v": value}, rng=False, checksums=True)
+        live = {"v": _zeroed(value)}
+        apply(live, m, buf)
+        m2, buf2 = capture(live, rng=False, checksums=True)
+        assert bytes(buf2) == bytes(buf) and m2.tensors == m.tensors
+
+    check()
+
+
+def test_a_model_still_on_the_meta_device_is_refused_naming_the_fix():
+    src = make(0)
+    train(src)
+    m, buf = capture(src)
+    dst = make(1)
+    with torch.device("meta"):
+        dst["model"] = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Linear(5, 2))
+    ema = dst["ema"].clone()
+    with pytest.raises(StateMismatchError, match=r"'model/0.weight' is on the meta device.*to_empty\(device="):
+        apply(dst, m, buf)
+    assert dst["model"][0].weight.is_meta and torch.equal(dst["ema"], ema) and dst["step"] == 0
+    dst["model"].to_empty(device="cpu")  # the fix the error names
+    apply(dst, m, buf)
+    assert all(torch.equal(a, b) for a, b in zip(params(dst), params(src)))
+
+
+@pytest.mark.parametrize("bad, pattern", [
+    (lambda: torch.zeros(1).expand(4), r"'z': elements of the live tensor share memory.*stride \[0\].*clone"),
+    (lambda: torch.zeros(2, 1).expand(2, 3), r"'z': elements of the live tensor share memory"),
+    (lambda: torch.empty(4, device="meta"), r"'z' is on the meta device"),
+    (lambda: torch.zeros(4).to_sparse(), r"'z': the live tensor is a sparse_coo tensor"),
+], ids=["expanded", "broadcast", "meta", "sparse"])
+def test_a_refused_apply_leaves_every_earlier_tensor_as_it_was(bad, pattern):
+    src = make(0)
+    train(src)
+    z = bad()
+    src["z"] = torch.arange(float(z.numel())).reshape(z.shape)
+    m, buf = capture(src)
+    dst = make(1)
+    train(dst, 1)
+    dst["z"] = z
+    before = {k: v.clone() for k, v in dst["model"].state_dict().items()}
+    moments = [{k: v.clone() for k, v in s.items()} for s in dst["optim"].state.values()]
+    ema = dst["ema"].clone()
+    with pytest.raises(StateMismatchError, match=pattern):
+        apply(dst, m, buf)
+    assert all(torch.equal(v, before[k]) for k, v in dst["model"].state_dict().items())
+    for s, was in zip(dst["optim"].state.values(), moments):
+        assert all(torch.equal(v, was[k]) for k, v in s.items())
+    assert torch.equal(dst["ema"], ema) and dst["step"] == 1
+
+
+def test_tensors_autograd_or_inference_mode_guard_are_restored_in_place():
+    with torch.inference_mode():
+        frozen = torch.zeros(4, 3).t()  # not contiguous: written by copy_, not memcpy
+    leaf = torch.zeros(4, 3).t().requires_grad_()
+    src = {"leaf": torch.randn(3, 4), "frozen": torch.randn(3, 4), "view": torch.randn(3)}
+    m, buf = capture(src, rng=False)
+    base = torch.zeros(3, 2, requires_grad=True)
+    live = {"leaf": leaf, "frozen": frozen, "view": base[:, 0]}
+    view = live["view"]
+    apply(live, m, buf)
+    assert live["leaf"] is leaf and live["frozen"] is frozen and live["view"] is view
+    assert torch.equal(leaf.detach(), src["leaf"]) and torch.equal(frozen, src["frozen"])
+    assert torch.equal(base.detach()[:, 0], src["view"]) and leaf.requires_grad

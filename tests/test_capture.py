@@ -215,3 +215,60 @@ def test_the_plan_cache_lays_out_again_only_when_the_tensors_change():
     assert cache.replans == 2  # the first save, and once the optimizer's moments appeared
     model.weight.data = torch.zeros(4, 8, dtype=torch.float64)  # a tensor changed: laid out again
     assert cache.plan(state)[0].entry("model/weight").dtype == "float64" and cache.replans == 3
+
+
+# --- tensor names and what a save refuses --------------------------------------------------------
+def test_each_position_gets_its_own_name_and_the_skeleton_gives_it_back():
+    """Keys that join alike as text ("a/b" beside a -> b, 0 beside "0") name distinct tensors."""
+    t = [torch.full((2,), float(i)) for i in range(7)]
+    state = {"x": {"a/b": t[0], "a": {"b": t[1]}, 0: t[2], "0": t[3], 1.5: t[4], "<1.5>": t[5], "%": t[6]}}
+    m, _ = capture(state, rng=False)
+    assert [e.path for e in m.tensors] == ["x/a%2Fb", "x/a/b", "x/0", "x/%30", "x/<1.5>", "x/%3C1.5>", "x/%25"]
+    assert tree.tensor_names(m.tree) == {i: e.path for i, e in enumerate(m.tensors)}
+    assert [tree.unquote(e.path.split("/")[1]) for e in m.tensors[:2]] == ["a/b", "a"]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.recursive(st.just("T"), lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
+    st.sampled_from(["a", "b", "a/b", "0", "1", "%30", "%", "<0>", "-1", ""]) | st.integers(-1, 1)
+    | st.sampled_from([1.5, -0.5, True, None]), inner, max_size=4), max_leaves=12))
+def test_tensor_names_never_collide(value):
+    def with_tensors(v):
+        if v == "T":
+            return torch.zeros(1)
+        if isinstance(v, list):
+            return [with_tensors(x) for x in v]
+        return {k: with_tensors(x) for k, x in v.items()} if isinstance(v, dict) else v
+
+    m, _ = capture({"v": with_tensors(value)}, rng=False)
+    names = [e.path for e in m.tensors]
+    assert len(set(names)) == len(names) and tree.tensor_names(m.tree) == dict(enumerate(names))
+
+
+@pytest.mark.parametrize("value, pattern", [
+    (torch.eye(3).to_sparse(), r"tensor at 'v/w' is a sparse_coo tensor.*to_dense"),
+    (torch.empty(3, device="meta"), r"tensor at 'v/w' is on the meta device.*to_empty"),
+    (10 ** 4300, r"integer at 'v/w' has about 4301 digits, more than the 4300"),
+    (-(10 ** 5000), r"integer at 'v/w' has about 5001 digits"),
+    (bytearray(b"ab"), r"value at 'v/w' is a bytearray.*bytes\(value\)"),
+    (np.zeros(2, dtype=[("a", "<i4"), ("b", "<f8")]), r"numpy value at 'v/w' has dtype.*structured"),
+    (np.zeros(1, dtype=[("a", "<i4")])[0], r"numpy value at 'v/w' has dtype.*structured"),
+    (np.zeros(2, dtype="V0"), r"numpy value at 'v/w' has dtype.*zero-sized"),
+], ids=["sparse", "meta", "bigint", "neg-bigint", "bytearray", "structured", "void", "V0"])
+def test_values_a_snapshot_cannot_give_back_exactly_are_refused_in_one_line(value, pattern):
+    with pytest.raises(UnsupportedStateError, match=pattern) as err:
+        plan({"v": {"w": value}}, rng=False)
+    assert "\n" not in str(err.value)
+
+
+def test_an_integer_of_4300_digits_is_kept_and_one_of_4301_refused():
+    n = 10 ** 4300 - 1
+    m, _ = capture({"v": [n, -n]}, rng=False)
+    assert tree.decode(Manifest.from_json(m.to_json()).tree, None)["v"] == [n, -n]
+    with pytest.raises(UnsupportedStateError, match="'v/0'"):
+        plan({"v": {0: n + 1}}, rng=False)  # as a dict key too
+
+
+def test_keys_that_write_out_alike_are_refused_rather_than_merged():
+    with pytest.raises(UnsupportedStateError, match=r"both named 'v/<\{\"__float__\":\"nan\"\}>'"):
+        plan({"v": {float("nan"): torch.zeros(1), float("nan"): torch.ones(1)}}, rng=False)

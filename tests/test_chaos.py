@@ -336,6 +336,22 @@ def test_cli_prints_a_timeline_from_a_log(tmp_path, capsys):
     assert "seed 2, 1 fault(s) planned" in out and "kill_node" in out and A[:12] in out and " ok " in out
 
 
+@pytest.mark.parametrize("fail, code", [({}, 0), ({"kill_node": "refused\x1b[2J"}, 1)])
+def test_cli_exits_1_when_a_fault_failed_to_land(monkeypatch, tmp_path, capsys, fail, code):
+    def injector(schedule, **kw):  # the CLI's own arguments, on a recording backend
+        assert kw["confirm"] is True
+        return Injector(schedule, log=kw["log"], job=kw["job"], allow_head=kw["allow_head"],
+                        backend=Recorder(fail))
+
+    monkeypatch.setattr(chaos, "Injector", injector)
+    argv = ["chaos", "--yes-kill-nodes", "--log", str(tmp_path / "t.jsonl"), "--fault", f"kill_node at_s=0 target={A}"]
+    assert main(argv) == code
+    out, err = capsys.readouterr()
+    assert f"{code} failed" in err
+    if fail:  # the failure's text is shown escaped
+        assert "FAILED" in out and "refused\\x1b[2J" in out and "\x1b" not in out
+
+
 def test_the_package_exports_the_names_the_benchmarks_use():
     assert {"Fault", "Schedule", "Injector", "read_log", "KINDS"} <= set(chaos.__all__)
 

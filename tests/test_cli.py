@@ -1,6 +1,7 @@
 """The ``memsnap`` CLI over a real checkpoint: ls, inspect, verify, export, average."""
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -99,7 +100,63 @@ def test_verify_ok_then_damaged(capsys, ckpt, tmp_path):
     raw[-100] ^= 1
     path.write_bytes(raw)
     rc, out, _ = cli(capsys, "verify", root)
-    assert rc == 1 and "step 1: DAMAGED" in out and "rank_00000.bin is corrupted" in out
+    assert rc == 2 and "step 1: DAMAGED" in out and "rank_00000.bin is corrupted" in out
+    rc, out, _ = cli(capsys, "verify", root, "--all")
+    assert rc == 2 and "step 1: DAMAGED" in out
+
+
+# --- exit codes: 0 intact, 1 an error (one line), 2 a damaged or malformed checkpoint -------------
+def malformed_marker_root(tmp_path) -> str:
+    """A root with an intact step 1 and a step 2 whose COMMITTED is not a valid marker."""
+    root = str(tmp_path / "mal")
+    memsnap.save(root, state(1), 1)
+    memsnap.save(root, state(2), 2)
+    Path(Store.open(root).path(2, "COMMITTED")).write_text('{"format": "memsnap", "version": 1}')
+    return root
+
+
+def test_a_malformed_step_exits_2_from_ls_verify_and_inspect(capsys, tmp_path):
+    root = malformed_marker_root(tmp_path)
+    rc, out, err = cli(capsys, "ls", root)
+    assert rc == 2 and re.search(r"^2\s+DAMAGED", out, re.M) and "damaged checkpoint" in err
+    rc, out, _ = cli(capsys, "verify", root, "--all")
+    assert rc == 2 and "step 1: OK" in out and "step 2: DAMAGED" in out
+    rc, out, _ = cli(capsys, "verify", root + "/1")
+    assert rc == 0 and "step 1: OK" in out
+    rc, _, err = cli(capsys, "inspect", root + "/2")
+    assert rc == 2 and err.startswith("memsnap inspect: damaged checkpoint:") and len(err.splitlines()) == 1
+
+
+def test_other_errors_exit_1_and_bad_arguments_exit_2(capsys, ckpt, tmp_path):
+    rc, _, err = cli(capsys, "verify", str(tmp_path / "nothing-here"))
+    assert rc == 1 and "no committed step under" in err and len(err.splitlines()) == 1
+    rc, _, err = cli(capsys, "verify", ckpt[0], "--all", "--step", "10")
+    assert rc == 1 and "--all and --step 10" in err
+    with pytest.raises(SystemExit) as info:
+        main(["inspect"])
+    assert info.value.code == 2
+
+
+# --- strings from the checkpoint never reach the terminal raw --------------------------------------
+HOSTILE = "\x1b[2J\x1b]52;c;SGk=\x07\u202eevil\x9b\x7f\n"
+
+
+def test_ls_and_inspect_escape_control_characters_from_the_checkpoint(capsys, tmp_path):
+    root = str(tmp_path / "hostile")
+    memsnap.save(root, {"model": {"w" + HOSTILE: torch.ones(2), "größe": torch.zeros(1)}}, 1,
+                 {"note": HOSTILE, "k" + HOSTILE: 1, "plain": "größe ✓"}, weights_only=True)
+    marker_path = Path(Store.open(root).path(1, "COMMITTED"))
+    marker = json.loads(marker_path.read_text())
+    marker["metadata"].update(time_utc=HOSTILE, git={"commit": HOSTILE})
+    marker_path.write_text(json.dumps(marker))
+    escaped = "\\x1b[2J\\x1b]52;c;SGk=\\x07\\u202eevil\\x9b\\x7f\\n"
+    for argv in (["ls", root], ["inspect", root]):
+        rc, out, err = cli(capsys, *argv)
+        assert rc == 0, err
+        assert not re.search("[\x00-\x09\x0b-\x1f\x7f-\x9f\u202e]", out + err)
+        assert escaped in out  # time_utc, in both
+    assert re.search(r"^user\.note\s+" + re.escape(escaped), out, re.M) and f"user.k{escaped}" in out
+    assert f"model/w{escaped}" in out and "model/größe" in out and "größe ✓" in out
 
 
 def test_console_entry_point(ckpt):
@@ -114,3 +171,20 @@ def test_location_parsing():
     assert split_location("s3://b/run/step_000000000012") == ("s3://b/run", 12)
     assert split_location("/ck/7/") == ("/ck", 7)
     assert split_location("/ck/run") == ("/ck/run", None)
+    assert split_location("/ck/7\n") == ("/ck/7\n", None)  # the whole last component, or no step
+
+
+def test_a_root_named_like_a_step_is_a_root(capsys, tmp_path):
+    data = str(tmp_path / "data")
+    memsnap.save(data, state(1), 2024, {"loss": 0.5})
+    memsnap.save(data + "/2024", state(2), 5, {"loss": 0.25})  # a checkpoint root named 2024 inside it
+    rc, out, err = cli(capsys, "inspect", data + "/2024")
+    assert rc == 0 and out.startswith(f"step 5 of {data}/2024 "), err
+    rc, out, _ = cli(capsys, "inspect", data + "/step_000000002024")
+    assert rc == 0 and out.startswith(f"step 2024 of {data} ")
+    rc, out, _ = cli(capsys, "inspect", data, "--step", "2024")
+    assert rc == 0 and out.startswith(f"step 2024 of {data} ")
+    rc, out, _ = cli(capsys, "verify", data + "/2024", "--all")
+    assert rc == 0 and out.splitlines() == [out.splitlines()[0]] and out.startswith("step 5: OK")
+    rc, out, _ = cli(capsys, "inspect", data + "/2024/5")
+    assert rc == 0 and out.startswith(f"step 5 of {data}/2024 ")

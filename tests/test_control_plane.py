@@ -115,6 +115,31 @@ def test_ranks_that_moved_between_live_nodes_read_their_old_nodes_copy(c):
     finish("cp-moved", again)
 
 
+def test_a_second_live_run_under_the_same_job_name_is_refused_and_the_first_runs_restart_is_not(c):
+    """Two trials of a sweep with one hard-coded job name and the same options: the second's
+    ranks are refused (naming both runs and the fix) instead of restoring the first's weights,
+    while the first keeps committing; once the first's processes are gone, its restart (new
+    processes, no run id given) takes the ranks back under the same run id and restores them."""
+    job, layout = "cp-two-runs", {1: [0], 2: [1]}
+    first, _ = run_job(job, layout)
+    run = ray.get(first[0].status.remote(), timeout=60)["run"]
+    with pytest.raises(Exception, match=rf"(?s)JobInUseError.*a process with no run id.*held by run '{run}', "
+                                        r"still running.*its own job name"):
+        start_node_ranks(job, layout, OPTS)
+    saved = merged(ray.get([a.train_and_save.remote(2) for a in first], timeout=240))
+    assert ray.get(first[0].wait.remote(2), timeout=180) == 2
+    st = ray.get(first[0].status.remote(), timeout=60)
+    assert st["committed_step"] == 2 and st["failed_snapshots"] == 0 and st["run"] == run
+    for a in first:
+        ray.kill(a, no_restart=True)
+    again = start_node_ranks(job, layout, OPTS)
+    restored = merged(ray.get([a.restore.remote() for a in again], timeout=300))
+    assert {r: s for r, (s, _, _) in restored.items()} == {0: 2, 1: 2}
+    assert {r: d for r, (_, _, d) in restored.items()} == {r: d for r, (_, d) in saved.items()}
+    assert ray.get(again[0].status.remote(), timeout=60)["run"] == run
+    finish(job, again)
+
+
 def test_every_node_and_agent_address_is_loopback(c):
     actors, _ = run_job("cp-loopback", {1: [0], 2: [1]}, steps=(0,))
     assert {n["NodeManagerAddress"] for n in ray.nodes()} == {"127.0.0.1"}

@@ -14,8 +14,8 @@ import torch
 
 import memsnap
 from memsnap import meta, storage
-from memsnap.errors import (ChecksumError, ConfigError, SnapshotNotFoundError, StorageError,
-                            WeightsOnlyError)
+from memsnap.errors import (ChecksumError, ConfigError, SnapshotNotFoundError, StateMismatchError,
+                            StorageError, UnsupportedStateError, WeightsOnlyError)
 from memsnap.storage import Store
 
 TESTS = Path(__file__).parent
@@ -237,3 +237,184 @@ def test_retention_through_save(tmp_path):
 def test_multi_rank_without_barrier_refused(tmp_path):
     with pytest.raises(ConfigError, match="barrier="):
         memsnap.save(str(tmp_path), small_state(), 1, rank=0, world_size=2)
+
+
+FRESH_LOAD = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+import memsnap
+from test_durable import small_state
+print(memsnap.load({ckpt!r}, small_state(99)))
+"""
+
+
+def test_rollback_then_crash_resumes_the_new_run(tmp_path, monkeypatch):
+    monkeypatch.setattr(storage, "_RESUMED", {}, raising=False)
+    monkeypatch.setattr(storage, "_WARNED", set(), raising=False)
+    ckpt = str(tmp_path)
+    for step in (100, 200):
+        memsnap.save(ckpt, small_state(step), step, keep_last=2)
+    state = small_state(99)
+    assert memsnap.load(ckpt, state, step=100) == 100  # a loss spike: roll back
+    with pytest.warns(UserWarning, match=r"saving step 110 behind newer committed step 200 of another "
+                                         r"lineage.*load\(step=None\) will resume this lineage; step 200 is kept"):
+        memsnap.save(ckpt, small_state(110), 110, keep_last=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per process and lineage
+        memsnap.save(ckpt, small_state(120), 120, keep_last=2)
+    assert Store.open(ckpt).steps() == [100, 110, 120]
+    proc = subprocess.run([sys.executable, "-c", FRESH_LOAD.format(tests=str(TESTS), ckpt=ckpt)],
+                          capture_output=True, text=True, timeout=120, cwd=str(REPO))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "120"
+
+
+def test_rollback_with_keep_last_1_keeps_the_new_save(tmp_path, monkeypatch):
+    monkeypatch.setattr(storage, "_RESUMED", {}, raising=False)
+    for step in (100, 200):
+        memsnap.save(str(tmp_path), small_state(step), step)
+    memsnap.load(str(tmp_path), small_state(99), step=100)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        memsnap.save(str(tmp_path), small_state(110), 110, keep_last=1)
+    assert Store.open(str(tmp_path)).steps() == [100, 110]
+    state = small_state(99)
+    assert memsnap.load(str(tmp_path), state) == 110
+    assert all(torch.equal(v, params(small_state(110)["model"])[k]) for k, v in state["model"].state_dict().items())
+
+
+def test_rollback_can_save_a_step_number_of_the_abandoned_run(tmp_path, monkeypatch):
+    monkeypatch.setattr(storage, "_RESUMED", {}, raising=False)
+    for step in (100, 200):
+        memsnap.save(str(tmp_path), small_state(step), step)
+    memsnap.load(str(tmp_path), small_state(99), step=100)
+    memsnap.save(str(tmp_path), small_state(7), 200)  # the same number, a different run
+    state = small_state(99)
+    assert memsnap.load(str(tmp_path), state) == 200
+    assert all(torch.equal(v, params(small_state(7)["model"])[k]) for k, v in state["model"].state_dict().items())
+    assert Store.open(str(tmp_path)).marker(200)["lineage"]["parent"] == 100
+    with pytest.raises(ConfigError, match="step 200 is already committed.*continues from it"):
+        memsnap.save(str(tmp_path), small_state(8), 200)  # but never over its own step
+
+
+def test_damaged_newest_step_can_be_saved_again(tmp_path, monkeypatch):
+    monkeypatch.setattr(storage, "_RESUMED", {}, raising=False)
+    for step in (1, 2):
+        memsnap.save(str(tmp_path), small_state(step), step)
+    path = Path(Store.open(str(tmp_path)).path(2, "rank_00000.bin"))
+    raw = bytearray(path.read_bytes())
+    raw[3] ^= 0x40
+    path.write_bytes(raw)
+    with pytest.warns(UserWarning, match="step 2 .*corrupted"):
+        assert memsnap.load(str(tmp_path), small_state(99)) == 1
+    memsnap.save(str(tmp_path), small_state(22), 2)
+    state = small_state(99)
+    assert memsnap.load(str(tmp_path), state) == 2
+    assert all(torch.equal(v, params(small_state(22)["model"])[k]) for k, v in state["model"].state_dict().items())
+
+
+def test_step_with_unreadable_marker_can_be_saved_again(tmp_path, monkeypatch):
+    monkeypatch.setattr(storage, "_RESUMED", {}, raising=False)
+    memsnap.save(str(tmp_path), small_state(1), 1)
+    Path(Store.open(str(tmp_path)).path(1, "COMMITTED")).write_text('{"format": "mem')
+    monkeypatch.setattr(storage, "_RESUMED", {}, raising=False)  # a new process
+    memsnap.save(str(tmp_path), small_state(11), 1)
+    assert memsnap.load(str(tmp_path), small_state(99)) == 1
+
+
+# --- tensor names, meta-device models, what a save refuses -------------------------------------------
+def tricky_state(seed: int) -> dict:
+    """A state whose keys join alike as text: "a/b" beside a -> b, 0 beside "0"."""
+    state = small_state(seed)
+    g = torch.Generator().manual_seed(seed)
+    state["extra"] = {"a/b": torch.randn(3, generator=g), "a": {"b": torch.randn(3, generator=g)},
+                      0: torch.randn(3, generator=g), "0": torch.randn(3, generator=g)}
+    return state
+
+
+def tricky_tensors(state: dict) -> list[torch.Tensor]:
+    x = state["extra"]
+    return [x["a/b"], x["a"]["b"], x[0], x["0"]]
+
+
+def assert_loaded(saved: dict, live: dict, held: list[torch.Tensor]) -> None:
+    got = tricky_tensors(live)
+    assert all(a is b for a, b in zip(got, held)), "each tensor is restored in place, into its own object"
+    assert all(torch.equal(a, b) for a, b in zip(got, tricky_tensors(saved)))
+    want = params(saved["model"])
+    assert all(torch.equal(t, want[k]) for k, t in params(live["model"]).items())
+
+
+def save_two_ranks(root: str, state: dict, step: int) -> None:
+    for rank in (1, 0):  # rank 0 commits once rank 1's files exist
+        memsnap.save(root, state, step, rank=rank, world_size=2, barrier=lambda: None)
+
+
+def test_keys_that_join_alike_load_back_into_their_own_tensors(tmp_path):
+    saved = tricky_state(0)
+    memsnap.save(str(tmp_path), saved, 1)
+    live = tricky_state(1)
+    held = tricky_tensors(live)
+    assert memsnap.load(str(tmp_path), live) == 1
+    assert_loaded(saved, live, held)
+
+
+def test_keys_that_join_alike_survive_a_load_by_another_world_size(tmp_path):
+    saved = tricky_state(0)
+    save_two_ranks(str(tmp_path), saved, 1)
+    live = tricky_state(1)
+    held = tricky_tensors(live)
+    assert memsnap.load(str(tmp_path), live) == 1  # 2 saved ranks -> 1: through reshard
+    assert_loaded(saved, live, held)
+
+
+OLD_NAMES = {"extra/a%2Fb": "extra/a/b", "extra/a/b": "extra/a/b#1", "extra/%30": "extra/0#1"}
+
+
+def test_checkpoints_with_the_older_text_names_still_load_by_position(tmp_path):
+    """An older memsnap joined keys as text and numbered repeats ("extra/a/b#1"); the tensors of
+    such a step are still matched by their position in the skeleton, at any world size."""
+    sys.path.insert(0, str(TESTS))
+    from test_validate import forge_manifest
+
+    saved = tricky_state(0)
+    save_two_ranks(str(tmp_path), saved, 1)
+    store = Store.open(str(tmp_path))
+    for rank in (0, 1):
+        with open(store.path(1, storage.rank_name(rank, "json"))) as f:
+            doc = json.load(f)
+        for e in doc["tensors"]:
+            e["path"] = OLD_NAMES.get(e["path"], e["path"])
+        assert [e["path"] for e in doc["tensors"] if e["path"].startswith("extra/")] == \
+            ["extra/a/b", "extra/a/b#1", "extra/0", "extra/0#1"]
+        forge_manifest(str(tmp_path), 1, rank, doc)
+    for world in (1, 2):
+        live = tricky_state(1)
+        held = tricky_tensors(live)
+        assert memsnap.load(str(tmp_path), live, rank=0, world_size=world) == 1
+        assert_loaded(saved, live, held)
+
+
+def test_loading_into_a_model_on_the_meta_device_is_refused_naming_the_fix(tmp_path):
+    memsnap.save(str(tmp_path), small_state(0), 1)
+    memsnap.save(str(tmp_path), small_state(0), 2)
+    with torch.device("meta"):
+        model = torch.nn.Linear(8, 4)
+    live = {"model": model, "optim": torch.optim.AdamW(model.parameters(), lr=0.1)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback to step 1: no older step would fare better
+        with pytest.raises(StateMismatchError, match=r"'model/weight' is on the meta device.*to_empty"):
+            memsnap.load(str(tmp_path), live)
+    model.to_empty(device="cpu")
+    assert memsnap.load(str(tmp_path), live) == 2
+    want = params(small_state(0)["model"])
+    assert all(torch.equal(t, want[k]) for k, t in params(model).items())
+
+
+@pytest.mark.parametrize("value", [torch.eye(2).to_sparse(), torch.empty(2, device="meta"), 10 ** 5000,
+                                   bytearray(b"x")], ids=["sparse", "meta", "bigint", "bytearray"])
+def test_a_save_of_what_cannot_come_back_exactly_is_refused_in_one_line(tmp_path, value):
+    state = dict(small_state(), extra={"v": value})
+    with pytest.raises(UnsupportedStateError, match=r"at 'extra/v'") as err:
+        memsnap.save(str(tmp_path), state, 1)
+    assert "\n" not in str(err.value) and Store.open(str(tmp_path)).steps() == []

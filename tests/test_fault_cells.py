@@ -108,6 +108,41 @@ def test_a_coordinator_lost_during_phase_two_keeps_the_commit_some_agents_heard(
     assert second.log.records[7].holders(NODES[0]) == record.holders(NODES[0])
 
 
+def test_a_rebuilt_coordinator_knows_which_run_holds_each_rank_and_what_run_spilled_a_step(job, tmp_path):
+    """The coordinator is lost: the one rebuilt from the agents still refuses a second live run,
+    and a step the first run took is spilled naming that run, even after another took over."""
+    from dataclasses import replace
+
+    from memsnap.capture import capture
+    from memsnap.identity import process_token
+
+    cfg, cores = job
+    cfg = replace(cfg, spill=str(tmp_path / "spill"))
+    live = process_token()  # the ranks of run trial-a are this (live) process
+    first = CoordinatorCore(cfg.to_dict(), 4, directory=Agents(cores))
+    first.broadcast = lambda *args: None
+    for i, node in enumerate(NODES):
+        cores[node].joined(i, 4, {"run": "trial-a", "process": live})
+        first.join(node, {"port": i}, [i], 4, {i: {"run": "trial-a", "process": live}})
+    for rep in sent(cores, 7):
+        first.node_ready(rep)
+    second = CoordinatorCore(cfg.to_dict(), 4, directory=Agents(cores))
+    rebuild_state(second)
+    assert second.run == "trial-a" and second.membership.holders[2].node == NODES[2]
+    assert second.membership.holders[2].process == live
+    got = second.join(NODES[0], {"port": 0}, [0], 4, {0: {"run": "trial-b", "process": "1-1"}})
+    assert "held by run 'trial-a', still running" in got["refused"][0]
+    gone = {r: {"run": "trial-b", "process": "1-1"} for r in range(4)}  # pid 1, started at tick 1: no such process
+    first.running_holders = lambda holders: set()  # trial-a's processes have exited
+    assert first.join(NODES[0], {"port": 0}, [0, 1, 2, 3], 4, gone)["refused"] == {} and first.run == "trial-b"
+    store = Store.open(cfg.spill)
+    man, raw = capture({"w": torch.ones(4)})
+    for rank in range(4):
+        store.write_rank(7, rank, man, raw)
+    assert first.spilled(7, [0, 1, 2, 3])
+    assert store.marker(7)["metadata"]["run"] == "trial-a"
+
+
 SPILL_AND_DIE = """
 import os, sys, threading, types
 import torch

@@ -132,8 +132,9 @@ def test_agent_refuses_a_snapshot_over_budget_naming_the_setting(core):
 def test_spilled_steps_record_their_config_and_versions():
     import json
 
-    meta = spill_metadata(SnapshotConfig("j", spill="/tmp/x", spill_every=5), 10)
+    meta = spill_metadata(SnapshotConfig("j", spill="/tmp/x", spill_every=5), 10, "trial-a")
     assert meta["step"] == 10 and meta["config"]["spill_every"] == 5 and meta["versions"]["ray"]
+    assert meta["run"] == "trial-a"
     json.dumps(meta)
 
 
@@ -498,3 +499,76 @@ def test_a_forced_save_ignores_the_policy_and_lets_the_agent_wait_for_a_slot(mon
     assert snap.save(7, {}) is False and begun == [] and snap.counters["skipped_saves"] == 1  # not due
     assert snap.save(7, {}, force=True) is False  # taken to the agent, which skipped it all the same
     assert begun == [(7, 0, 64, 42.0)] and snap.counters["skipped_busy"] == 1
+
+
+# --- runs (identity.py) ----------------------------------------------------------------------------
+def test_a_process_token_runs_until_its_process_is_gone_and_a_zombie_or_reused_pid_does_not():
+    import subprocess
+    import sys
+
+    from memsnap.identity import process_token, running
+
+    me = process_token()
+    assert running([me]) == [me]
+    assert running([f"{os.getpid()}-1"]) == []  # the same pid, another start time: a reused pid
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    token = process_token(child.pid)
+    assert running([token, me]) == [token, me]
+    child.stdin.close()
+    os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)  # exited, not yet reaped: a zombie
+    assert running([token]) == []
+    child.wait()
+    assert running([token]) == []
+
+
+def test_a_refused_rank_leaves_the_agent_as_the_live_run_left_it(core):
+    import asyncio
+
+    from memsnap.errors import JobInUseError
+    from memsnap.relay import NodeRelay
+    from memsnap.waiting import Signal
+
+    core.joined(0, 2, {"run": "trial-a", "process": "p0"})
+    answers = {4: {"hints": {}, "run": "trial-a", "refused": {0: "job 'unit-agent': rank 0 of run 'trial-b' ..."}},
+               2: {"hints": {1: 64}, "run": "trial-a", "refused": {}}}
+
+    async def call(method, node, address, ranks, world, claims, timeout):
+        assert method == "join" and list(claims) == ranks
+        return answers[world]
+
+    relay = NodeRelay(core, call, Signal())
+    with pytest.raises(JobInUseError, match="rank 0 of run 'trial-b'"):
+        asyncio.run(relay.join(0, 4, {"run": "trial-b", "process": "q0"}))
+    assert core.world == 2 and core.ranks == {0} and core.holders == {0: {"run": "trial-a", "process": "p0"}}
+    assert asyncio.run(relay.join(1, 2, {"run": None, "process": "p1"})) == (64, "trial-a")
+    assert core.holders[1] == {"run": "trial-a", "process": "p1"} and core.committed_infos()["run"] == "trial-a"
+
+
+def test_ray_train_runs_and_tune_trials_get_a_job_name_and_run_id_of_their_own():
+    from types import SimpleNamespace
+
+    from memsnap.integrations.ray_train import run_identity
+
+    def v2_only():
+        raise DeprecationWarning("get_trial_name is deprecated")
+
+    trial = SimpleNamespace(get_trial_name=lambda: "TorchTrainer_8b1c0_00000", get_trial_id=lambda: "8b1c0_00000",
+                            get_experiment_name=lambda: "sweep")
+    assert run_identity(trial) == ("TorchTrainer_8b1c0_00000", "8b1c0_00000")
+    v2 = SimpleNamespace(get_trial_name=v2_only, get_trial_id=v2_only,
+                         get_experiment_name=lambda: "ray_train_run-2025-01-01_10:00:00")
+    one = run_identity(v2, lambda: "0123456789abcdef")
+    two = run_identity(v2, lambda: "fedcba9876543210")  # a second trainer started in the same second
+    assert one == ("ray_train_run-2025-01-01_10-00-00-01234567", "ray_train_run-2025-01-01_10-00-00-0123456789abcdef")
+    assert one[0] != two[0] and one[1] != two[1]
+    assert SnapshotConfig(one[0]).job == one[0] and len(run_identity(v2, lambda: "f" * 200)[1]) <= 64
+
+
+def test_job_in_a_spill_uri_is_the_job_name_and_a_bad_run_id_is_refused():
+    from memsnap.identity import check_run
+    from memsnap.options import resolve
+    from memsnap.snapshotter import job_config
+
+    assert job_config("trial-3", resolve({"spill": "s3://bucket/ckpt/{job}"}, {})).spill == "s3://bucket/ckpt/trial-3"
+    with pytest.raises(ConfigError, match=r"run='a b': use 1-128 characters"):
+        check_run("a b")

@@ -12,7 +12,8 @@ import pytest
 
 from memsnap import naming, shmdir
 from memsnap.arena import Arena, check_capacity, space, sweep
-from memsnap.errors import MemoryBudgetError, MemsnapError, UnsafeShmError
+from memsnap.config import SnapshotConfig
+from memsnap.errors import ConfigError, MemoryBudgetError, MemsnapError, UnsafeShmError
 
 MiB = 1 << 20
 OTHER_UID = 54321  # a uid that is not ours, for files "another user planted" (root only)
@@ -168,6 +169,25 @@ def test_a_private_directory_of_another_user_is_refused(shm):
     assert os.listdir(naming.arena_dir()) == []
 
 
+@needs_root
+def test_a_private_directory_planted_in_a_sticky_tmpfs_names_memsnap_shm_dir_first(shm, tmp_path, monkeypatch):
+    os.chmod(shm, 0o1777)  # like /dev/shm: only an entry's owner (or root) may remove it
+    os.mkdir(naming.arena_dir(), 0o700)
+    os.chown(naming.arena_dir(), OTHER_UID, OTHER_UID)
+    with pytest.raises(UnsafeShmError) as info:
+        Arena.create(path(), 4096)
+    message = str(info.value)
+    assert message.startswith("set MEMSNAP_SHM_DIR=") and "\n" not in message
+    assert f"belongs to uid {OTHER_UID}" in message and f"in the sticky {shm} only uid {OTHER_UID}" in message
+    with pytest.raises(UnsafeShmError, match="^set MEMSNAP_SHM_DIR="):
+        sweep()
+    mine = tmp_path / "mine"  # the fix the message names works
+    mine.mkdir()
+    monkeypatch.setenv("MEMSNAP_SHM_DIR", str(mine))
+    Arena.create(path(), 4096).close()
+    assert os.listdir(mine) == []
+
+
 # --- files planted at an arena's name ----------------------------------------------------------
 def test_a_planted_symlink_is_not_followed(shm, tmp_path):
     victim = tmp_path / "victim"
@@ -270,6 +290,19 @@ def test_sweep_removes_a_dead_agents_arenas_and_keeps_live_ones(shm):
         agent.wait()
         own.close()
     assert sweep() == [] and os.listdir(shm) == []
+
+
+@pytest.mark.parametrize("job", ["train\n", "train\r\n", "a/b", "", "x" * 65, "-x"])
+def test_a_job_name_is_matched_whole(job):
+    with pytest.raises(ConfigError, match="job="):
+        SnapshotConfig(job)
+    assert SnapshotConfig("train").job == "train"
+
+
+def test_only_a_whole_arena_name_is_an_arena():
+    name = os.path.basename(path("train"))
+    assert naming.parse_arena(name)["job"] == "train"
+    assert naming.parse_arena(name + "\n") is None and naming.parse_arena(name + "x") is None
 
 
 def test_arena_files_match_the_job_exactly(shm):

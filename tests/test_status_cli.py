@@ -7,7 +7,7 @@ import json
 import pytest
 
 from memsnap import metrics
-from memsnap.cli import build_parser
+from memsnap.cli import build_parser, main
 from memsnap.commands import _cluster, jobs, shutdown, status
 from memsnap.errors import ConfigError
 
@@ -188,3 +188,38 @@ def test_a_coordinator_that_does_not_answer_is_one_error_naming_the_job(monkeypa
     monkeypatch.setattr(ray, "get", get)
     with pytest.raises(Exception, match="coordinator of job 'job-x' did not answer within 5 s"):
         status.fetch(Handle, "job-x", 5.0)
+
+
+HOSTILE_JOB = "evil\x1b]52;c;SGk=\x07\u202e"
+
+
+def test_strings_from_the_cluster_are_printed_escaped():
+    st = coordinator_status()
+    st["reprotect"]["errors"] = ["disk \x1b[2J gone"]
+    text = status.render(status.summary(HOSTILE_JOB, st), now=1012.0)
+    assert text.startswith("job evil\\x1b]52;c;SGk=\\x07\\u202e: committed step 7")
+    assert "last error: disk \\x1b[2J gone" in text
+    from memsnap.commands._common import table
+
+    found = {HOSTILE_JOB: {"coordinator": True, "agents": [NODE_A]}}
+    assert table(["JOB", "COORDINATOR", "AGENTS"], jobs.rows(found)).splitlines()[-1].split() == [
+        "evil\\x1b]52;c;SGk=\\x07\\u202e", "yes", "1"]
+    for shown in (text, table(["JOB"], [[HOSTILE_JOB]])):
+        assert "\x1b" not in shown and "\x07" not in shown and "\u202e" not in shown
+
+
+@pytest.mark.parametrize("command", ["status", "shutdown"])
+def test_a_job_the_cluster_does_not_run_exits_2(monkeypatch, capsys, command):
+    import ray
+
+    def no_actor(name, namespace):
+        raise ValueError(f"no actor {name}")
+
+    monkeypatch.setattr(ray, "get_actor", no_actor)
+    for mod in (status, shutdown):
+        monkeypatch.setattr(mod, "connect", lambda args: None)
+        monkeypatch.setattr(mod, "jobs", lambda: {HOSTILE_JOB: {"coordinator": True, "agents": [NODE_A]}})
+    assert main([command, "gpt", "--yes"] if command == "shutdown" else [command, "gpt"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"memsnap {command}: no memsnap job 'gpt' on the Ray cluster") and len(err.splitlines()) == 1
+    assert "jobs there: evil\\x1b]52;c;SGk=\\x07\\u202e" in err and "\x1b" not in err

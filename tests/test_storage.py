@@ -4,13 +4,17 @@ from __future__ import annotations
 import errno
 import json
 import os
+import tempfile
+import warnings
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from memsnap import storage
 from memsnap.checksum import checksum
-from memsnap.errors import ChecksumError, SnapshotNotFoundError, StorageError
+from memsnap.errors import ChecksumError, FormatError, SnapshotNotFoundError, StorageError
 from memsnap.manifest import Manifest, TensorEntry, align_up
 from memsnap.storage import Retention, Store
 
@@ -243,3 +247,167 @@ def test_a_symlink_at_a_temporary_name_is_not_followed(tmp_path, monkeypatch):
 def test_temporary_names_differ_per_write(tmp_path):
     names = {storage.tmp_name(str(tmp_path / "rank_00000.bin")) for _ in range(100)}
     assert len(names) == 100 and all(f".{os.getpid()}." in n for n in names)
+
+
+@pytest.fixture
+def new_process(monkeypatch):
+    """A function that makes this process look like a fresh one to the store: no record of
+    what it resumed from, committed, read or warned about."""
+
+    def fresh() -> None:
+        monkeypatch.setattr(storage, "_RESUMED", {}, raising=False)
+        monkeypatch.setattr(storage, "_HISTORY", {}, raising=False)
+        monkeypatch.setattr(storage, "_WARNED", set(), raising=False)
+
+    return fresh
+
+
+def read_back(store: Store, step: int, rank: int = 0) -> bytearray:
+    marker = store.marker(step)
+    out = bytearray(store.manifest(step, rank, marker).nbytes)
+    store.read_rank_into(step, rank, out, marker=marker)
+    return out
+
+
+def test_rollback_keeps_the_new_lineage_and_the_step_it_resumed_from(tmp_path, new_process):
+    new_process()
+    store = Store.open(str(tmp_path))
+    save_step(store, 100)
+    save_step(store, 200)
+    store.resumed(100)  # a run rolled back to step 100 (what load(step=100) records)
+    with pytest.warns(UserWarning, match="saving step 110 behind newer committed step 200 of another "
+                                         "lineage.*load.step=None. will resume this lineage"):
+        save_step(store, 110)
+    assert store.retain(Retention(keep_last=2)) == []  # 200 stays until this lineage holds 2 steps
+    assert store.steps() == [100, 110, 200] and store.latest() == 110
+    save_step(store, 120)
+    assert store.retain(Retention(keep_last=2)) == [200]
+    assert store.steps() == [100, 110, 120]
+    new_process()  # a crash: the next process resumes the new lineage, not step 200
+    assert Store.open(str(tmp_path)).latest() == 120
+    assert Store.open(str(tmp_path)).resume_order() == [120, 110, 100]
+    save_step(Store.open(str(tmp_path)), 130)
+    assert Store.open(str(tmp_path)).retain(Retention(keep_last=2)) == [110]
+    assert store.steps() == [100, 120, 130]  # the step the lineage resumed from stays
+
+
+def test_rollback_with_keep_last_1_keeps_each_new_save(tmp_path, new_process):
+    new_process()
+    store = Store.open(str(tmp_path))
+    save_step(store, 100)
+    save_step(store, 200)
+    store.resumed(100)
+    for step in (110, 120):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            save_step(store, step)
+        store.retain(Retention(keep_last=1))
+        assert store.steps() == [100, step] and store.latest() == step
+
+
+def test_lineage_is_recorded_in_the_marker(tmp_path, new_process):
+    new_process()
+    store = Store.open(str(tmp_path))
+    save_step(store, 1)
+    save_step(store, 2)
+    store.resumed(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        save_step(store, 3)
+    first, second, third = (store.marker(s)["lineage"] for s in (1, 2, 3))
+    assert first["parent"] is None and first["base"] is None and second["parent"] == 1
+    assert first["id"] == second["id"] != third["id"]
+    assert (third["parent"], third["base"]) == (1, 1)
+    assert first["seq"] < second["seq"] < third["seq"]
+
+
+def test_markers_without_lineage_are_one_lineage_by_step(tmp_path, new_process):
+    new_process()
+    store = Store.open(str(tmp_path))
+    for step in (1, 2, 3):
+        save_step(store, step)
+        path = store.path(step, "COMMITTED")
+        doc = json.loads(open(path).read())
+        del doc["lineage"]
+        doc["written_by"] = "a later memsnap"  # unknown keys are ignored
+        with open(path, "w") as f:
+            json.dump(doc, f)
+    new_process()
+    store = Store.open(str(tmp_path))
+    assert store.latest() == 3 and store.resume_order() == [3, 2, 1]
+    assert read_back(store, 3) == make_snapshot(30)[1]
+    save_step(store, 4)
+    assert store.marker(4)["lineage"]["parent"] == 3
+    assert store.retain(Retention(keep_last=2)) == [1, 2]
+
+
+def test_resave_replaces_a_committed_step_in_one_marker_write(tmp_path, new_process):
+    new_process()
+    store = Store.open(str(tmp_path))
+    [old] = save_step(store, 5, world=2)[:1]
+    m, new = make_snapshot(77)
+    store.write_rank(5, 0, m, new)  # a re-save of step 5, not committed yet (a crash here)
+    assert read_back(Store.open(str(tmp_path)), 5) == old  # the committed step is untouched
+    store.commit(5, 1)
+    assert read_back(Store.open(str(tmp_path)), 5) == new
+    tag = store.marker(5)["files"]
+    assert sorted(os.listdir(store.path(5))) == ["COMMITTED", f"rank_00000.{tag}.bin",
+                                                 f"rank_00000.{tag}.json"]
+    out = bytearray(16)
+    Store.open(str(tmp_path)).read_range(5, 0, 0, out)
+    assert out == new[:16]
+
+
+def test_a_marker_naming_files_outside_its_step_is_refused(tmp_path, new_process):
+    new_process()
+    store = Store.open(str(tmp_path))
+    save_step(store, 5)
+    path = store.path(5, "COMMITTED")
+    doc = json.loads(open(path).read())
+    doc["files"] = "../../elsewhere"
+    with open(path, "w") as f:
+        json.dump(doc, f)
+    with pytest.raises(FormatError, match="files: must be 'r' and 16 hex digits"):
+        Store.open(str(tmp_path)).marker(5)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(keep=st.integers(1, 3),
+       ops=st.lists(st.one_of(st.tuples(st.just("save"), st.integers(1, 3)),
+                              st.tuples(st.just("rollback"), st.integers(0, 1 << 16)),
+                              st.tuples(st.just("crash"), st.just(0))), max_size=14))
+def test_retention_and_resume_follow_the_newest_run(keep, ops, new_process):
+    """Random saves, rollbacks to a committed step and crashes (a fresh process): the newest
+    save is what a fresh process resumes, the newest ``keep`` saves of the run since its last
+    rollback and the step it rolled back to stay, and every committed step reads back as the
+    last save of its number."""
+    new_process()
+    with tempfile.TemporaryDirectory() as root:
+        store, saved, at, last, run, base, seed = Store.open(root), {}, 0, None, [], None, 0
+        for op, arg in ops:
+            if op == "rollback" and store.steps():
+                at = store.steps()[arg % len(store.steps())]
+                store.resumed(at)
+                if at != last:  # resuming from the newest commit goes on with the same run
+                    run, base = [], at
+            elif op == "crash":
+                new_process()
+                store = Store.open(root)
+                at = last or 0
+            elif op == "save":
+                seed, at, last = seed + 1, at + arg, at + arg
+                m, buf = make_snapshot(seed)
+                store.write_rank(at, 0, m, buf)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    store.commit(at, 1)
+                store.retain(Retention(keep_last=keep))
+                saved[at], run = buf, run + [at]
+                committed = set(store.steps())
+                assert store.latest() == at
+                assert set(run[-keep:]) <= committed
+                assert base is None or base in committed
+                assert all(read_back(store, s) == saved[s] for s in committed)
+        new_process()
+        if saved:
+            assert Store.open(root).resume_order()[0] == last

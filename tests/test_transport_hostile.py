@@ -6,6 +6,7 @@ import contextlib
 import logging
 import os
 import resource
+import selectors
 import socket
 import subprocess
 import sys
@@ -17,9 +18,10 @@ import xxhash
 
 from memsnap.arena import MemoryBudget
 from memsnap.chunkstore import HeldChunks
-from memsnap.errors import TransportError
+from memsnap.errors import ConfigError, TransportError
 from memsnap.localcluster import wait_for
 from memsnap.transport import ChunkKey, auth, make_transport, wire
+from memsnap.transport.server import Admission
 from support.sockets import Collect
 
 SECRET = os.urandom(32)
@@ -96,7 +98,8 @@ sys.stdin.readline()
 
 
 def test_accept_loop_survives_running_out_of_descriptors(served, caplog):
-    store, _, addr = served(tcp_max_unauthenticated=1000, tcp_accept_backoff_s=0.2, tcp_handshake_timeout_s=30)
+    store, _, addr = served(tcp_max_unauthenticated=1000, tcp_max_unauthenticated_per_source=1000,
+                            tcp_accept_backoff_s=0.2, tcp_handshake_timeout_s=30)
     caplog.set_level(logging.WARNING, logger="memsnap.transport")
     attacker = subprocess.Popen([sys.executable, "-c", ATTACKER, str(addr["port"]), "80"],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -126,20 +129,149 @@ def _push_succeeds(addr) -> bool:
         return False
 
 
-def test_connections_over_the_handshake_cap_are_closed_at_once(served):
+def _still_open(sock: socket.socket) -> bool:
+    """Whether ``sock`` is open with nothing to read (the peer has neither closed it nor sent more)."""
+    sock.setblocking(False)
+    try:
+        return sock.recv(1) != b""
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        sock.setblocking(True)
+
+
+def test_a_newcomer_to_a_full_handshake_pool_evicts_the_oldest(served):
     store, _, addr = served(tcp_max_unauthenticated=2, tcp_handshake_timeout_s=30)
     idle = [socket.create_connection((addr["host"], addr["port"]), timeout=10) for _ in range(2)]
     try:
-        for s in idle:  # both admitted: the server greets them
+        for s in idle:  # both admitted: the server greets them, and the pool is full
             assert wire.recv_exact(s, len(auth.MAGIC), time.monotonic() + 10) == auth.MAGIC
-        with socket.create_connection((addr["host"], addr["port"]), timeout=10) as third:
-            third.settimeout(10)
-            assert third.recv(64) == b""  # closed without a greeting
+        _push(addr, [(_key(), memoryview(b"legit"))], timeout=10)
+        assert _closed_by_peer(idle[0])  # the oldest made room
+        assert _still_open(idle[1])
     finally:
         for s in idle:
             s.close()
-    wait_for(lambda: _push_succeeds(addr), timeout=20, what="a push once the idle connections left")
     assert store.keys() == [_key()]
+
+
+class SilentFlood:
+    """An attacker without the secret: keeps ``per_source`` connections open from each of the
+    loopback ``sources`` that send nothing, and re-opens each one the server closes. Bounded: it
+    opens at most ``budget`` connections and stops after ``limit`` seconds, or at ``stop()``."""
+
+    def __init__(self, port: int, sources: list[str], per_source: int, budget: int = 2000, limit: float = 60):
+        self.port, self.budget, self.limit = port, budget, limit
+        self.wanted = [src for src in sources for _ in range(per_source)]
+        self.lock, self.live, self.opened, self.reopened = threading.Lock(), {}, 0, 0
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def greeted(self) -> int:
+        """Connections open now that the server admitted (it sent them its greeting)."""
+        with self.lock:
+            return sum(self.live.values())
+
+    def _open(self, sel: selectors.BaseSelector, source: str) -> None:
+        if self.opened >= self.budget:
+            return
+        self.opened += 1
+        try:
+            sock = socket.create_connection(("127.0.0.1", self.port), timeout=5, source_address=(source, 0))
+        except OSError:
+            return
+        with self.lock:
+            self.live[sock] = False
+        sel.register(sock, selectors.EVENT_READ, source)
+
+    def _run(self) -> None:
+        sel = selectors.DefaultSelector()
+        for source in self.wanted:
+            self._open(sel, source)
+        end = time.monotonic() + self.limit
+        while not self.stopping.is_set() and time.monotonic() < end:
+            for key, _ in sel.select(timeout=0.05):
+                try:
+                    data = key.fileobj.recv(4096)
+                except OSError:
+                    data = b""
+                with self.lock:
+                    if data:
+                        self.live[key.fileobj] = True
+                        continue
+                    del self.live[key.fileobj]
+                sel.unregister(key.fileobj)
+                key.fileobj.close()
+                self.reopened += 1
+                self._open(sel, key.data)
+        sel.close()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.thread.join(timeout=10)
+        with self.lock:
+            for sock in self.live:
+                sock.close()
+            self.live.clear()
+
+
+def test_silent_connections_reopened_as_they_close_do_not_lock_new_peers_out(served):
+    """The pool full of silent connections from two other addresses, each re-opened as the
+    server closes it: a fresh client still pushes, and another fetches."""
+    store, _, addr = served(tcp_max_unauthenticated=8, tcp_max_unauthenticated_per_source=4,
+                            tcp_handshake_timeout_s=30)
+    flood = SilentFlood(addr["port"], ["127.0.0.2", "127.0.0.3"], per_source=4)
+    out = bytearray(5)
+    try:
+        wait_for(lambda: flood.greeted() == 8, timeout=20, what="the attack to fill the handshake pool")
+        _push(addr, [(_key(), memoryview(b"legit"))], timeout=10)
+        wait_for(lambda: flood.reopened >= 1 and flood.greeted() == 8, timeout=20,
+                 what="the attack to re-open what the push evicted and fill the pool again")
+        client = _client()
+        try:
+            assert client.fetch(addr, [(_key(), memoryview(out))], timeout=10) == [True]
+        finally:
+            client.close()
+    finally:
+        flood.stop()
+    assert bytes(out) == b"legit" and store.keys() == [_key()]
+
+
+def test_the_handshake_pool_is_shared_by_source_address():
+    pool = Admission(size=4, per_source=2)
+    assert [pool.admit(c, "a") for c in ("a1", "a2")] == [None, None]
+    assert pool.admit("a3", "a") == "a1"  # "a" at its quota: its own oldest makes room
+    assert [pool.admit(c, "b") for c in ("b1", "b2")] == [None, None]
+    assert (len(pool), pool.count("a"), pool.count("b")) == (4, 2, 2)
+    assert pool.admit("c1", "c") == "a2"  # full: the oldest of the heaviest addresses
+    assert pool.admit("c2", "c") == "b1"  # now "b" and "c" hold 2 each
+    assert not pool.leave("a1") and pool.leave("a3") and not pool.leave("a3")
+    assert (len(pool), pool.count("a")) == (3, 0)
+
+
+def test_a_full_pool_from_one_address_evicts_its_oldest_first():
+    pool = Admission(size=3, per_source=3)
+    assert [pool.admit(c, "a") for c in (1, 2, 3)] == [None, None, None]
+    assert [pool.admit(c, "a") for c in (4, 5, 6, 7)] == [1, 2, 3, 4]
+
+
+def test_a_flood_from_other_addresses_never_evicts_a_peer_in_its_handshake():
+    pool = Admission(size=8, per_source=4)
+    assert pool.admit("peer", "10.0.0.1") is None
+    evicted = [pool.admit(i, f"10.0.9.{i % 3}") for i in range(1000)]
+    assert "peer" not in evicted and pool.leave("peer")
+    assert max(pool.count(f"10.0.9.{j}") for j in range(3)) <= 4 and len(pool) == 7
+    assert sum(v is not None for v in evicted) == 1000 - 7
+
+
+def test_pool_tunables_below_one_are_refused(monkeypatch):
+    monkeypatch.setenv("MEMSNAP_TCP_MAX_UNAUTHENTICATED_PER_SOURCE", "0")
+    t = make_transport("tcp", secret=SECRET, host="127.0.0.1")
+    with pytest.raises(ConfigError, match="TCP_MAX_UNAUTHENTICATED_PER_SOURCE=0.*at least 1"):
+        t.start(HeldChunks(MemoryBudget(1 << 20)))
 
 
 def test_refused_connections_are_logged_once_per_interval_with_a_count(monkeypatch, caplog):

@@ -6,6 +6,7 @@ import os
 import sys
 
 from memsnap import naming
+from memsnap.commands._common import printable
 from memsnap.errors import ConfigError
 
 NOT_FOUND = 2  # the exit code of a command naming a job the cluster does not run
@@ -89,6 +90,6 @@ def parse_actor(name: str) -> tuple[str, str | None] | None:
 def not_found(command: str, job: str, args: argparse.Namespace, known: dict) -> int:
     """Say in one line that ``job`` does not run on the cluster; the exit code."""
     others = ", ".join(sorted(known)) or "none"
-    print(f"memsnap {command}: no memsnap job {job!r} on the Ray cluster at {address(args)} "
-          f"(jobs there: {others}); `memsnap jobs` lists them", file=sys.stderr)
+    print(printable(f"memsnap {command}: no memsnap job {job!r} on the Ray cluster at {address(args)} "
+                    f"(jobs there: {others}); `memsnap jobs` lists them"), file=sys.stderr)
     return NOT_FOUND

@@ -1,4 +1,5 @@
-"""Helpers the checkpoint commands share: URI[/step] arguments, opening a step, tables, sizes."""
+"""Helpers the checkpoint commands share: URI[/step] arguments, opening a step, tables, sizes,
+and the escaping of every string a checkpoint or a cluster hands the terminal."""
 from __future__ import annotations
 
 import argparse
@@ -10,13 +11,36 @@ from memsnap.manifest import Manifest
 from memsnap.storage import Store
 
 DAMAGED = 2  # exit code of a command that found the checkpoint damaged or malformed
-_STEP_TAIL = re.compile(r"^(?:step_)?(\d+)$")
+_STEP_TAIL = re.compile(r"(?:step_)?(\d+)")
+# C0 and C1 controls, DEL, line/paragraph separators, bidi embeddings/overrides/isolates and marks,
+# lone surrogates: what would move the cursor, clear the screen, write the clipboard (OSC 52),
+# reorder a line or fail to encode if printed raw
+_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069\ud800-\udfff]")
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escape(m: re.Match) -> str:
+    c = m.group()
+    code = ord(c)
+    return _NAMED.get(c) or (f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}")
+
+
+def printable(value: Any) -> str:
+    """``str(value)`` safe to print on a terminal: controls, bidi overrides and lone surrogates
+    become ``\\xNN`` / ``\\uNNNN`` escapes (``\\n``, ``\\r``, ``\\t`` for those three); every other
+    character, printable Unicode included, stays as it is. Every CLI line that carries a string
+    from a checkpoint, a log or a cluster goes through it."""
+    return _UNSAFE.sub(_escape, str(value))
 
 
 def add_location(ap: argparse.ArgumentParser, *, step: bool = True) -> None:
     ap.add_argument("location", metavar="URI/step" if step else "URI",
                     help="checkpoint root (path, file://, s3://, gs://, hdfs://)"
-                    + (", optionally followed by /step_NNN or /NNN (default: newest step)" if step else ""))
+                    + (", optionally followed by /step_NNN or /NNN (default: newest step); a root that "
+                       "holds committed steps is that root whatever its name" if step else ""))
+    if step:
+        ap.add_argument("--step", type=int, default=None, metavar="N",
+                        help="the step of the root URI (instead of a /step_NNN or /NNN suffix)")
     ap.add_argument("--endpoint", default=None,
                     help="S3 endpoint URL (default: $AWS_ENDPOINT_URL, else AWS)")
 
@@ -24,16 +48,31 @@ def add_location(ap: argparse.ArgumentParser, *, step: bool = True) -> None:
 def split_location(location: str) -> tuple[str, int | None]:
     """``root/step_000000000012`` or ``root/12`` -> ``(root, 12)``; a plain root -> ``(root, None)``."""
     head, _, tail = location.rstrip("/").rpartition("/")
-    m = _STEP_TAIL.match(tail)
+    m = _STEP_TAIL.fullmatch(tail)
     if head and m:
         return head, int(m.group(1))
     return location, None
 
 
+def locate(location: str, endpoint: str | None, step: int | None = None) -> tuple[Store, int | None]:
+    """The checkpoint root and the step (None: newest) that ``location`` names. With ``step``
+    (``--step N``) ``location`` is the root. Otherwise a location that holds committed steps is
+    a root, whatever its last component (``/data/2024`` is the root ``2024``); any other whose last
+    component is ``step_NNN`` or ``NNN`` names that step of its parent."""
+    if step is not None and step < 0:
+        raise ConfigError(f"--step {step}: steps are numbered from 0; pass a committed step (`memsnap ls`)")
+    store = Store.open(location, endpoint)
+    if step is not None:
+        return store, step
+    head, tail_step = split_location(location)
+    if tail_step is None or store.steps():
+        return store, None
+    return Store.open(head, endpoint), tail_step
+
+
 def open_step(args: argparse.Namespace) -> tuple[Store, int, dict]:
     """The store, the step (given or newest) and its commit marker."""
-    uri, step = split_location(args.location)
-    store = Store.open(uri, args.endpoint)
+    store, step = locate(args.location, args.endpoint, getattr(args, "step", None))
     step = store.latest() if step is None else step
     return store, step, store.marker(step)
 
@@ -47,8 +86,8 @@ def human(nbytes: float) -> str:
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """Left-aligned text columns, with a header line."""
-    cells = [list(map(str, headers))] + [[str(c) for c in r] for r in rows]
+    """Left-aligned text columns, with a header line; every cell through ``printable``."""
+    cells = [list(map(printable, headers))] + [[printable(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
     return "\n".join(lines[:1] + ["  ".join("-" * w for w in widths)] + lines[1:])
@@ -66,7 +105,10 @@ def weight_paths(manifest: Manifest, key: str | None) -> tuple[str, list[str]]:
     if key is None or key not in keys:
         raise ConfigError(f"cannot tell which state key holds the weights (keys: {keys}); "
                           "pass --key NAME")
-    paths = [t.path for t in manifest.tensors if t.path.startswith(key + "/")]
+    # memsnap.tree imports torch: only the commands that read tensors get here
+    from memsnap.tree import segment
+
+    paths = [t.path for t in manifest.tensors if t.path.startswith(segment(key) + "/")]
     if not paths:
         raise ConfigError(f"state key {key!r} holds no tensors; pass --key with one of {keys}")
     return key, paths

@@ -7,6 +7,7 @@ import sys
 import time
 
 from memsnap.commands._cluster import add_address, address
+from memsnap.commands._common import printable
 from memsnap.errors import ConfigError
 
 _INTS = ("at_step", "limit_bytes")
@@ -118,8 +119,8 @@ def _line(e) -> str:
     when = f"t={e.planned_s:.1f}s" if e.planned_s is not None else f"step {e.planned_step}"
     what = "ok" if e.ok else f"FAILED {e.error}"
     target = (e.target or "-")[:12]
-    return f"{time.strftime('%H:%M:%S', time.localtime(e.landed))}  +{e.landed_s:8.2f}s  {e.kind:<12} " \
-           f"{e.phase:<5} {target:<12} ({when})  {what}  {json.dumps(e.detail, sort_keys=True)}"
+    return printable(f"{time.strftime('%H:%M:%S', time.localtime(e.landed))}  +{e.landed_s:8.2f}s  {e.kind:<12} "
+                     f"{e.phase:<5} {target:<12} ({when})  {what}  {json.dumps(e.detail, sort_keys=True)}")
 
 
 def show_timeline(path: str) -> int:
@@ -127,7 +128,7 @@ def show_timeline(path: str) -> int:
 
     tl = read_log(path)
     print(f"run started {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(tl.header['time']))} on "
-          f"{tl.header['cluster']}, seed {tl.header['seed']}, {len(tl.header['schedule'])} fault(s) planned")
+          f"{printable(tl.header['cluster'])}, seed {tl.header['seed']}, {len(tl.header['schedule'])} fault(s) planned")
     for e in tl.events:
         print(_line(e))
     if tl.stopped is None:

@@ -6,12 +6,18 @@ import argparse
 from memsnap.commands._common import add_location, open_step, weight_paths, write_safetensors
 from memsnap.reshard import gather
 from memsnap.storage import Store
+from memsnap.tree import segment, unquote
 
 
 def weights(store: Store, step: int, marker: dict, key: str | None) -> dict:
     """``{name: full tensor}`` of the weights under ``key``; sharded tensors gathered whole."""
     key, paths = weight_paths(store.manifest(step, 0, marker), key)
-    return {path[len(key) + 1:]: t for path, t in gather(store, step, paths, marker)}
+    return {_weight_name(path[len(segment(key)) + 1:]): t for path, t in gather(store, step, paths, marker)}
+
+
+def _weight_name(rest: str) -> str:
+    """A model's state-dict key from its tensor's name below the model (``"%30"`` -> ``"0"``)."""
+    return rest if "/" in rest else unquote(rest)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,10 +1,11 @@
-"""``memsnap inspect URI[/step]``: a step's metadata and its tensors as a table."""
+"""``memsnap inspect URI[/step]``: a step's metadata and its tensors as a table (every string
+from the checkpoint escaped: ``printable``)."""
 from __future__ import annotations
 
 import argparse
 import json
 
-from memsnap.commands._common import add_location, human, open_step, table
+from memsnap.commands._common import add_location, human, open_step, printable, table
 
 
 def _flat(d: dict, prefix: str = "") -> list[tuple[str, str]]:
@@ -26,7 +27,7 @@ def _sharding(t) -> str:
 def run(args: argparse.Namespace) -> int:
     store, step, marker = open_step(args)
     manifest = store.manifest(step, args.rank, marker)
-    print(f"step {step} of {store.uri} (rank {args.rank} of {marker['world_size']})")
+    print(f"step {step} of {printable(store.uri)} (rank {args.rank} of {marker['world_size']})")
     print(table(["METADATA", "VALUE"], _flat(marker.get("metadata", {}))))
     print()
     rows = [[t.path, t.dtype, list(t.shape), human(t.nbytes) if not t.alias_of else f"= {t.alias_of}",

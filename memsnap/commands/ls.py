@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from memsnap.commands._common import DAMAGED, add_location, human, table
+from memsnap.commands._common import DAMAGED, add_location, human, printable, table
 from memsnap.errors import FormatError
 from memsnap.storage import Store
 
@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     store = Store.open(args.location, args.endpoint)
     steps = store.steps()
     if not steps:
-        print(f"no committed steps under {args.location}")
+        print(f"no committed steps under {printable(args.location)}")
         return 0
     rows, damaged = [], 0
     for s in steps:
@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
         except FormatError as exc:
             damaged += 1
             rows.append([s, "DAMAGED", "", "", "", "", ""])
-            print(f"memsnap ls: damaged checkpoint: {exc}", file=sys.stderr)
+            print(f"memsnap ls: damaged checkpoint: {printable(exc)}", file=sys.stderr)
     print(table(["STEP", "SAVED (UTC)", "RANKS", "SIZE", "LOSS", "MILESTONE", "GIT"], rows))
     return DAMAGED if damaged else 0
 

@@ -8,7 +8,7 @@ import time
 
 from memsnap import metrics, naming
 from memsnap.commands._cluster import add_address, connect, jobs, not_found
-from memsnap.commands._common import human, table
+from memsnap.commands._common import human, printable, table
 from memsnap.errors import CommitError
 
 CLEAR = "\033[H\033[2J"
@@ -39,6 +39,19 @@ def _restore_line(last: dict) -> str:
     secs = last.get("seconds") or {}
     total = secs.get("total", sum(secs.values()))
     return f"last restore: step {_dash(last.get('step'))} from {last['tier']} in {total:.2f} s"
+
+
+def _recovery_line(recoveries: list) -> str | None:
+    """The newest in-place recovery: who was lost, who took over, where the seconds went."""
+    if not recoveries:
+        return None
+    rec = recoveries[-1]
+    split = rec.get("split") or {}
+    parts = ", ".join(f"{k} {v:.2f} s" for k, v in split.items() if k != "total" and v is not None)
+    total = split.get("total")
+    lost = ", ".join(f"rank {r}" for r in sorted(rec.get("lost") or {}, key=int)) or "none"
+    return (f"last in-place recovery ({len(recoveries)} in all): lost {lost}, generation {rec.get('gen')}, "
+            f"{parts}" + (f"; {total:.2f} s to every rank's first step" if total is not None else ""))
 
 
 def _reprotect_line(rp: dict) -> str:
@@ -87,12 +100,14 @@ def render(s: dict, now: float | None = None) -> str:
             f"durable step {_dash(s.get('durable_step'))}")
     counts = (f"snapshots: {s.get('failed_snapshots', 0)} failed, {s.get('skipped_snapshots', 0)} skipped busy; "
               f"peers {'on' if s.get('peers') else 'off'}, restore generation {s.get('generation', 0)}")
-    lines = [
+    lines = [printable(line) for line in (
         head,
         f"protection (further node losses survived): {prot}",
         counts,
         _restore_line(s.get("last_restore") or {}),
+        _recovery_line(s.get("recoveries") or []),
         _reprotect_line(s.get("reprotect") or {}),
+    ) if line is not None] + [
         "",
         table(["NODE", "RANKS", "RAM USED", "BUDGET", "USE", "LOCAL", "PEER", "SPILLED", "SPILL"], node_rows(s)),
     ]
@@ -132,7 +147,7 @@ def _show(handle, args: argparse.Namespace) -> int:
         except CommitError as exc:
             if not args.watch:
                 raise
-            print(f"memsnap status: {exc}", file=sys.stderr, flush=True)  # --watch goes on
+            print(f"memsnap status: {printable(exc)}", file=sys.stderr, flush=True)  # --watch goes on
             time.sleep(args.interval)
             continue
         if args.json:

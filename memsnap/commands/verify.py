@@ -1,11 +1,14 @@
-"""``memsnap verify URI[/step]``: read every rank's files and check every checksum."""
+"""``memsnap verify URI[/step]``: read every rank's files and check every checksum.
+
+Exit code 0 when every step checked is intact, 2 (``DAMAGED``) when any is damaged or malformed.
+"""
 from __future__ import annotations
 
 import argparse
 
-from memsnap.commands._common import add_location, human, open_step, split_location
+from memsnap.commands._common import DAMAGED, add_location, human, locate, open_step, printable
 from memsnap.durable import progress_bar
-from memsnap.errors import FormatError, MemsnapError
+from memsnap.errors import ConfigError, FormatError, MemsnapError
 from memsnap.reshard import tiling
 from memsnap.storage import Store
 
@@ -47,8 +50,9 @@ def _tiling(saved: list) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     if args.all:
-        uri, _ = split_location(args.location)
-        store = Store.open(uri, args.endpoint)
+        if args.step is not None:
+            raise ConfigError(f"--all and --step {args.step}: pass one of them")
+        store, _ = locate(args.location, args.endpoint)
         steps = store.steps()
     else:
         store, step, _ = open_step(args)
@@ -59,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
             marker = store.marker(step)
         except FormatError as exc:
             bad += 1
-            print(f"step {step}: DAMAGED\n  {exc}")
+            print(f"step {step}: DAMAGED\n  {printable(exc)}")
             continue
         problems = verify_step(store, step, marker)
         size = human(sum(r["bin_bytes"] for r in marker["ranks"]))
@@ -67,10 +71,10 @@ def run(args: argparse.Namespace) -> int:
             bad += 1
             print(f"step {step}: DAMAGED")
             for p in problems:
-                print(f"  {p}")
+                print(f"  {printable(p)}")
         else:
             print(f"step {step}: OK ({marker['world_size']} ranks, {size}, every checksum matches)")
-    return 1 if bad else 0
+    return DAMAGED if bad else 0
 
 
 def register(subparsers) -> argparse.ArgumentParser:

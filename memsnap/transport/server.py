@@ -2,17 +2,22 @@
 authenticated stream per connection that stores pushed chunks and answers fetches.
 
 Limits (config.py TUNABLES, ``MEMSNAP_<NAME>`` overrides): at most ``tcp_max_unauthenticated``
-connections in their handshake (more are closed at once), each with one deadline for the whole
-handshake; an authenticated connection is closed after ``tcp_idle_timeout_s`` without a new
-request, and when a frame does not arrive or leave whole within ``tcp_frame_timeout_s`` (a
-chunk being received is discarded, so its reservation is released). A frame larger than the
-chunk bound, a malformed key, or a frame failing its tag closes the connection. Refused
-connections are logged as one line per ``tcp_refusal_log_s`` with a count.
+connections in their handshake, at most ``tcp_max_unauthenticated_per_source`` of them from one
+source address, each with one deadline for the whole handshake (``tcp_handshake_timeout_s``). A
+newcomer is never refused for want of room: it evicts the oldest connection of its own address
+when that address is at its quota, else, when the pool is full, the oldest of the address holding
+the most (``Admission``), so silent connections cannot lock new peers out. An authenticated
+connection is closed after ``tcp_idle_timeout_s`` without a new request, and when a frame does
+not arrive or leave whole within ``tcp_frame_timeout_s`` (a chunk being received is discarded,
+so its reservation is released). A frame larger than the chunk bound, a malformed key, or a
+frame failing its tag closes the connection. Refused and evicted connections are logged as one
+line per ``tcp_refusal_log_s`` with a count.
 """
 from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import logging
 import queue
 import socket
@@ -21,7 +26,7 @@ import time
 from dataclasses import dataclass
 
 from memsnap.config import tunable
-from memsnap.errors import AuthenticationError
+from memsnap.errors import AuthenticationError, ConfigError
 from memsnap.transport import auth, wire
 from memsnap.transport.base import ChunkKey, ChunkStore, byte_view
 from memsnap.transport.session import FrameError, Session
@@ -42,6 +47,7 @@ class Limits:
 
     handshake_s: float
     max_unauthenticated: int
+    max_per_source: int
     idle_s: float
     frame_s: float
     max_payload: int
@@ -50,9 +56,68 @@ class Limits:
 
     @classmethod
     def from_tunables(cls, max_payload: int) -> "Limits":
-        return cls(tunable("tcp_handshake_timeout_s"), int(tunable("tcp_max_unauthenticated")),
+        return cls(tunable("tcp_handshake_timeout_s"), _at_least_one("tcp_max_unauthenticated"),
+                   _at_least_one("tcp_max_unauthenticated_per_source"),
                    tunable("tcp_idle_timeout_s"), tunable("tcp_frame_timeout_s"), max_payload,
                    tunable("tcp_accept_backoff_s"), tunable("tcp_refusal_log_s"))
+
+
+def _at_least_one(name: str) -> int:
+    value = int(tunable(name))
+    if value < 1:
+        raise ConfigError(f"MEMSNAP_{name.upper()}={value}: must be at least 1 (connections)")
+    return value
+
+
+class Admission:
+    """The pool of connections still in their handshake, by source address and age: decides
+    whom a newcomer evicts. A newcomer is always admitted; it evicts the oldest connection of
+    its own address when that address holds more than ``per_source``, else, when the pool holds
+    more than ``size``, the oldest connection of the address holding the most (ties: the oldest
+    of those). One address thus never holds more than its quota, and a connection is evicted
+    only for a newcomer from its own address, or from anywhere once its address holds the
+    most, and only after its address's older ones: a peer that sends its hello promptly gets
+    in unless its own address floods the pool faster than that hello arrives."""
+
+    def __init__(self, size: int, per_source: int):
+        self.size, self.per_source = size, per_source
+        self.sources: dict[object, dict[object, int]] = {}  # address -> {connection: arrival}, oldest first
+        self.source_of: dict[object, object] = {}
+        self.arrivals = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self.source_of)
+
+    def count(self, source) -> int:
+        return len(self.sources.get(source, ()))
+
+    def admit(self, conn, source):
+        """Add ``conn`` from ``source``; the connection it evicts (out of the pool now), or None."""
+        self.sources.setdefault(source, {})[conn] = next(self.arrivals)
+        self.source_of[conn] = source
+        if self.count(source) > self.per_source:
+            victim = next(iter(self.sources[source]))
+        elif len(self) > self.size:
+            victim = next(iter(self.sources[self._heaviest()]))
+        else:
+            return None
+        self.leave(victim)
+        return victim
+
+    def _heaviest(self):
+        """The address holding the most connections; of those, the one with the oldest."""
+        return max(self.sources, key=lambda s: (len(self.sources[s]), -next(iter(self.sources[s].values()))))
+
+    def leave(self, conn) -> bool:
+        """Take ``conn`` out of the pool (its handshake ended); False if it was not in it (evicted)."""
+        source = self.source_of.pop(conn, None)
+        if source is None:
+            return False
+        held = self.sources[source]
+        del held[conn]
+        if not held:
+            del self.sources[source]
+        return True
 
 
 class RateLog:
@@ -89,7 +154,7 @@ class Server:
         self.listener = socket.create_server((host, port), backlog=128)
         self.port = self.listener.getsockname()[1]
         self.conns: set[socket.socket] = set()
-        self.unauthenticated = 0
+        self.pool = Admission(self.limits.max_unauthenticated, self.limits.max_per_source)
         self.lock = threading.Lock()
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._accept, name=f"memsnap-tcp-{self.port}", daemon=True)
@@ -118,16 +183,16 @@ class Server:
         return pause
 
     def _admit(self, sock: socket.socket, addr) -> None:
+        """Serve ``sock`` on its own thread, evicting whom the pool says (its thread then ends)."""
         with self.lock:
-            full = self.unauthenticated >= self.limits.max_unauthenticated
-            if not full:
-                self.unauthenticated += 1
-                self.conns.add(sock)
-        if full:
-            sock.close()
-            self.refusals.note("refused data-plane connection from %s:%s: %d connections are already "
-                               "in their handshake", addr[0], addr[1], self.limits.max_unauthenticated)
-            return
+            victim = self.pool.admit(sock, addr[0])
+            self.conns.add(sock)
+        if victim is not None:
+            with contextlib.suppress(OSError):
+                victim.shutdown(socket.SHUT_RDWR)  # wakes its handshake, which then gives up
+            self.refusals.note("evicted the oldest data-plane connection still in its handshake for one "
+                               "from %s:%s (tcp_max_unauthenticated=%d, tcp_max_unauthenticated_per_source=%d)",
+                               addr[0], addr[1], self.limits.max_unauthenticated, self.limits.max_per_source)
         threading.Thread(target=self._serve, args=(sock, addr), daemon=True,
                          name=f"memsnap-tcp-{self.port}-{addr[1]}").start()
 
@@ -151,16 +216,19 @@ class Server:
             sock.close()
 
     def _authenticate(self, sock: socket.socket, addr) -> Session | None:
+        """The session of ``sock``'s handshake; None if it failed or the connection was evicted."""
+        session = failure = None
         try:
-            return auth.server_handshake(sock, self.secret, time.monotonic() + self.limits.handshake_s, self.mode)
+            session = auth.server_handshake(sock, self.secret, time.monotonic() + self.limits.handshake_s, self.mode)
         except (AuthenticationError, OSError) as exc:
-            if not self.stopping.is_set():
-                self.refusals.note("dropped data-plane connection from %s:%s: authentication failed: %s",
-                                   addr[0], addr[1], exc or type(exc).__name__)
-            return None
+            failure = exc
         finally:
             with self.lock:
-                self.unauthenticated -= 1
+                evicted = not self.pool.leave(sock)
+        if failure is not None and not evicted and not self.stopping.is_set():
+            self.refusals.note("dropped data-plane connection from %s:%s: authentication failed: %s",
+                               addr[0], addr[1], failure or type(failure).__name__)
+        return None if evicted else session
 
     def close(self) -> None:
         self.stopping.set()

@@ -1,0 +1,454 @@
+"""The in-place controller: it keeps the surviving ranks' processes when a peer is lost.
+
+``InplaceJob`` runs a data-parallel job on plain Ray actors (``member.Member``), one per rank,
+plus warm standbys on spare nodes. It hosts the rendezvous store (never a rank: the job must
+survive any rank's loss), watches every member's heartbeat and the Ray tasks of the members,
+and on a loss:
+
+  1. decides who is lost: a member whose task ended with an error (its actor died) or whose
+     beats stopped (``lost_after_s``; ``suspect_after_s`` once a collective failure was
+     published, so a killed peer is named in a fraction of a second);
+  2. fences it: kills its actor, and tells the memsnap coordinator that a node all of whose
+     ranks were lost is lost (``Coordinator.node_lost``), so the restore plan and the placement
+     never wait on its agent or on Ray's verdict about it;
+  3. writes the next generation: the survivors keep their ranks, a standby takes each lost
+     rank. Every member forms the group again in the same process and rolls back (survivors
+     from their own node's RAM, the standby from its peers);
+  4. starts a new standby on a free node in the background, if there is one.
+
+Without a standby, ``on_no_standby="wait"`` waits (bounded) for Ray to offer a free node and
+warms a standby there; ``"fail"`` ends the job with an error naming the fix.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import threading
+import time
+import uuid
+from datetime import timedelta
+from typing import Any, Callable
+
+from memsnap.errors import ConfigError, MemsnapError
+from memsnap.inplace.group import failed_key, publish_failure
+from memsnap.inplace.heartbeat import Monitor
+from memsnap.inplace.member import Member, gen_key, report_key
+
+log = logging.getLogger("memsnap.inplace")
+
+_POLL_S = 0.05
+
+
+class RecoveryError(MemsnapError):
+    """The job cannot go on in place (no standby and no free node, or too many losses)."""
+
+
+@dataclasses.dataclass
+class Recovery:
+    """One recovery: who was lost, and where the seconds went (wall-clock times)."""
+
+    gen: int  # the generation formed by this recovery
+    lost: dict[int, str]  # rank -> the member lost
+    takeover: dict[int, str]  # rank -> the standby that took it
+    fenced_nodes: list[str]
+    why: str
+    noticed: float  # the controller saw the first sign
+    decided: float  # the next generation was written
+    reports: dict[int, dict] = dataclasses.field(default_factory=dict)
+    sent: bool = False  # reported to the coordinator and the event log
+
+    def split(self) -> dict[str, float | None]:
+        """``detect`` (first sign -> decision), ``reform`` (decision -> every member formed the
+        group), ``restore`` (-> every rank restored), ``first_step`` (-> every rank took a step)."""
+        def last(key):
+            values = [r.get(key) for r in self.reports.values()]
+            return max(values) if values and None not in values else None
+
+        formed, restored, stepped = last("formed"), last("restored"), last("first_step")
+        return {"detect": self.decided - self.noticed,
+                "reform": None if formed is None else formed - self.decided,
+                "restore": None if restored is None or formed is None else restored - formed,
+                "first_step": None if stepped is None or restored is None else stepped - restored,
+                "total": None if stepped is None else stepped - self.noticed}
+
+    def to_dict(self) -> dict:
+        return {"gen": self.gen, "lost": self.lost, "takeover": self.takeover, "fenced_nodes": self.fenced_nodes,
+                "why": self.why, "noticed": self.noticed, "decided": self.decided, "split": self.split(),
+                "tiers": {r: rep.get("tier") for r, rep in sorted(self.reports.items())},
+                "steps": {r: rep.get("step") for r, rep in sorted(self.reports.items())},
+                "pids": {r: rep.get("pid") for r, rep in sorted(self.reports.items())}}
+
+
+@dataclasses.dataclass
+class _Slot:
+    name: str
+    node: str
+    actor: Any
+    ref: Any = None  # its run() task
+
+
+class InplaceJob:
+    """A data-parallel job on Ray actors that recovers from a lost rank in place.
+
+    ``setup(ctx) -> state`` runs once per process (ranks and standbys alike, before any
+    failure; ``ctx.rank`` is None in a standby, so it must not depend on the rank);
+    ``train(ctx, state)`` runs once per generation: ``step = ctx.restore(state)``, then
+    ``ctx.average_gradients(params)`` and ``ctx.save(step, state)`` in each step. A lost peer
+    ends the generation; ``train`` is called again in the same process after the group is
+    formed again, and its ``ctx.restore`` rolls back in place.
+
+    ``rank_nodes``: the Ray node id of each rank (several ranks may share a node);
+    ``standby_nodes``: the node of each warm standby (each also runs a memsnap spare agent).
+    ``options``: the ``memsnap.Snapshotter`` options of every rank."""
+
+    def __init__(self, job: str, setup: Callable, train: Callable, *, rank_nodes: list[str],
+                 standby_nodes: list[str] = (), options: dict | None = None, beat_s: float = 0.1,
+                 lost_after_s: float = 1.0, suspect_after_s: float = 0.3, backend: str = "gloo",
+                 backend_timeout_s: float = 60.0, on_no_standby: str = "wait", wait_for_node_s: float = 120.0,
+                 agent_ping_s: float = 0.5, events: str | None = None):
+        if not rank_nodes:
+            raise ConfigError("rank_nodes=[]: give the Ray node id of every rank")
+        if on_no_standby not in ("wait", "fail"):
+            raise ConfigError(f"on_no_standby={on_no_standby!r}: must be 'wait' or 'fail'")
+        if not 0 < beat_s < suspect_after_s <= lost_after_s:
+            raise ConfigError(f"beat_s={beat_s}, suspect_after_s={suspect_after_s}, lost_after_s={lost_after_s}: "
+                              "need 0 < beat_s < suspect_after_s <= lost_after_s (a few beats each)")
+        self.job, self.setup, self.train = job, setup, train
+        self.rank_nodes, self.standby_nodes = list(rank_nodes), list(standby_nodes)
+        self.world = len(self.rank_nodes)
+        self.run_id = uuid.uuid4().hex[:16]
+        self.options = {**(options or {}), "run": self.run_id}
+        self.beat_s, self.lost_after_s, self.suspect_after_s = beat_s, lost_after_s, suspect_after_s
+        self.backend, self.backend_timeout_s = backend, backend_timeout_s
+        self.on_no_standby, self.wait_for_node_s = on_no_standby, wait_for_node_s
+        self.events = events
+        self.agent_ping_s = float(agent_ping_s)
+        self.recoveries: list[Recovery] = []
+        self.gen = 0
+        self._ranks: dict[int, _Slot] = {}
+        self._standbys: list[_Slot] = []
+        self._lock = threading.Lock()
+        self._used_nodes: set[str] = set()
+        self._fenced: set[str] = set()
+        self._warming: list[threading.Thread] = []
+        self.store = None
+
+    # --- running --------------------------------------------------------------------------------
+    def run(self, timeout_s: float = 3600.0) -> dict[int, Any]:
+        """Run the job to its end: ``{rank: what train returned}``."""
+        import ray
+        import torch.distributed as dist
+
+        host = ray.util.get_node_ip_address()
+        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=60))
+        self.monitor = Monitor(self.store, self.job)
+        try:
+            import memsnap
+
+            self._pin_coordinator()
+            for node in self.standby_nodes:
+                memsnap.start_spare(self.job, node, **{k: v for k, v in self.options.items() if k != "run"})
+            for rank, node in enumerate(self.rank_nodes):
+                self._ranks[rank] = self._start(f"r{rank}", node)
+            self._standbys = [self._start(f"s{i}", node) for i, node in enumerate(self.standby_nodes)]
+            ray.get([s.actor.prepare.remote() for s in [*self._ranks.values(), *self._standbys]], timeout=600)
+            self._assign(0, {s.name: rank for rank, s in self._ranks.items()})
+            for slot in [*self._ranks.values(), *self._standbys]:
+                slot.ref = slot.actor.run.remote()
+            return self._watch(time.monotonic() + timeout_s)
+        finally:
+            self._close()
+
+    def _pin_coordinator(self) -> None:
+        """The job's coordinator runs beside this controller, on a node no rank runs on (a
+        rank node's loss must not take the coordinator with it)."""
+        import ray
+
+        from memsnap import actors
+        from memsnap.options import resolve
+        from memsnap.snapshotter import job_config
+
+        opts = {k: v for k, v in self.options.items() if k != "run"}
+        groups = {g: opts.pop(g) for g in list(opts) if g in ("protection", "memory", "spill", "when",
+                                                              "failures", "wire", "device")}
+        cfg = job_config(self.job, resolve(groups, opts))
+        here = ray.get_runtime_context().get_node_id()
+        ray.get(actors.coordinator_for(cfg, self.world, node=here).config.remote(), timeout=120)
+
+    def _coordinator_call(self, method: str, *args, timeout_s: float = 60.0):
+        """``method(*args)`` on the job's coordinator, through its restart if it was lost
+        (it is rebuilt from the agents; the calls made here are idempotent)."""
+        import ray
+
+        from memsnap import naming
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                coord = ray.get_actor(naming.coordinator(self.job), namespace=naming.NAMESPACE)
+                return ray.get(getattr(coord, method).remote(*args), timeout=max(1.0, deadline - time.monotonic()))
+            except ValueError:
+                return None  # no coordinator (no rank registered yet)
+            except (ray.exceptions.ActorUnavailableError, ray.exceptions.ActorDiedError) as exc:
+                if time.monotonic() >= deadline:
+                    raise RecoveryError(f"job {self.job!r}: the coordinator did not come back within "
+                                        f"{timeout_s:.0f} s ({exc})") from None
+                time.sleep(0.1)  # it is restarting; Ray has no event to wait on for that
+
+    def _start(self, name: str, node: str) -> _Slot:
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        host, port = self.store.host, self.store.port
+        self.monitor.watch(name)
+        actor = ray.remote(Member).options(
+            num_cpus=0, max_concurrency=4, max_restarts=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(
+            self.job, name, (host, port), self.setup, self.train, self.options, beat_s=self.beat_s,
+            backend=self.backend, backend_timeout_s=self.backend_timeout_s)
+        self._used_nodes.add(node)
+        return _Slot(name, node, actor)
+
+    def _assign(self, gen: int, members: dict[str, int], done: bool = False) -> None:
+        self.gen = gen
+        self.store.set(gen_key(self.job, gen), json.dumps({"world": self.world, "members": members, "done": done}))
+
+    def _watch(self, deadline: float) -> dict[int, Any]:
+        import ray
+
+        results: dict[int, Any] = {}
+        reported_at: float | None = None
+        next_report = 0.0
+        while True:
+            if time.monotonic() >= next_report:
+                self._report_finished()
+                next_report = time.monotonic() + 0.5
+            if time.monotonic() > deadline:
+                raise RecoveryError(f"job {self.job!r} did not finish within its timeout")
+            by_ref = {s.ref: (rank, s) for rank, s in self._ranks.items() if rank not in results}
+            if not by_ref:
+                return results
+            ready, _ = ray.wait(list(by_ref), num_returns=len(by_ref), timeout=_POLL_S)
+            lost: dict[int, str] = {}
+            for ref in ready:
+                rank, slot = by_ref[ref]
+                try:
+                    out = ray.get(ref)
+                except Exception as exc:
+                    lost[rank] = f"its process ended ({type(exc).__name__})"
+                    continue
+                if out.get("outcome") == "finished":
+                    results[rank] = out.get("result")
+            if self.store.check([failed_key(self.job, self.gen)]) and reported_at is None:
+                reported_at = time.time()
+            ages = self.monitor.poll()
+            limit = self.suspect_after_s if reported_at is not None else self.lost_after_s
+            for rank, slot in self._ranks.items():
+                if rank not in results and rank not in lost and ages.get(slot.name, 0.0) > limit:
+                    lost[rank] = f"no heartbeat for {ages[slot.name]:.1f} s"
+            if lost:
+                noticed = reported_at or time.time()
+                self._recover(lost, noticed)
+                reported_at = None
+                results = {r: v for r, v in results.items() if r not in lost}
+            elif reported_at is not None and time.time() - reported_at > 2 * self.lost_after_s:
+                # a collective failed but every member still beats: re-form with the same members
+                self._recover({}, reported_at)
+                reported_at = None
+                results = {}
+
+    # --- recovering -------------------------------------------------------------------------------
+    def _recover(self, lost: dict[int, str], noticed: float) -> None:
+        import ray
+
+        why = "; ".join(f"rank {r}: {w}" for r, w in sorted(lost.items())) or "a collective failed"
+        log.warning("job %r generation %d: %s", self.job, self.gen, why)
+        publish_failure(self.store, self.job, self.gen, f"controller: {why}")
+        lost_slots = {rank: self._ranks[rank] for rank in lost}
+        for slot in lost_slots.values():
+            self.monitor.forget(slot.name)
+            try:
+                ray.kill(slot.actor, no_restart=True)
+            except Exception:
+                pass
+        fenced = self._fence_nodes(lost_slots, why)
+        self._cancel_restore(why)
+        takeover = {}
+        for rank in sorted(lost_slots):
+            standby = self._next_standby()
+            takeover[rank] = standby.name
+            self._ranks[rank] = standby
+        members = {s.name: rank for rank, s in self._ranks.items()}
+        gen = self.gen + 1
+        self._assign(gen, members)
+        rec = Recovery(gen=gen, lost={r: s.name for r, s in lost_slots.items()}, takeover=takeover,
+                       fenced_nodes=fenced, why=why, noticed=noticed, decided=time.time())
+        self.recoveries.append(rec)
+        self._event({"event": "recovery", **rec.to_dict()})
+        for _ in lost_slots:
+            self._warm_a_standby()
+
+    def _fence_nodes(self, lost: dict[int, _Slot], why: str) -> list[str]:
+        """Nodes all of whose ranks were lost and whose agent is silent: memsnap's coordinator
+        fences them."""
+        import ray
+
+        from memsnap import naming
+
+        from memsnap.directory import find_agent
+
+        live_ranks = {s.node for r, s in self._ranks.items() if r not in lost}
+        candidates = sorted({s.node for s in lost.values()} - live_ranks)
+        # a rank's process can die on a healthy node: a node whose agent still answers within
+        # agent_ping_s keeps its place (and the RAM it holds for its peers)
+        pings = {}
+        for node in candidates:
+            agent = find_agent(self.job, node)
+            if agent is not None:
+                pings[agent.address.remote()] = node
+        ready, _ = ray.wait(list(pings), num_returns=len(pings), timeout=self.agent_ping_s) if pings else ([], [])
+        answered = set()
+        for ref in ready:
+            try:
+                ray.get(ref)
+                answered.add(pings[ref])
+            except Exception:
+                pass
+        nodes = [n for n in candidates if n not in answered]
+        if not nodes:
+            return []
+        for node in nodes:
+            self._coordinator_call("node_lost", node, why)
+        self._fenced.update(nodes)
+        return nodes
+
+    def _cancel_restore(self, why: str) -> None:
+        """Ranks waiting in a restore round for a member that is gone leave it now (before the
+        next generation, whose restore starts a new round)."""
+        self._coordinator_call("cancel_restore", why)
+
+    def _next_standby(self) -> _Slot:
+        with self._lock:
+            if self._standbys:
+                return self._standbys.pop(0)
+        if self.on_no_standby == "fail":
+            raise RecoveryError(f"job {self.job!r}: a rank was lost and no standby is left: give more "
+                                "standby_nodes, or on_no_standby='wait' to wait for a free node")
+        for t in list(self._warming):
+            t.join(timeout=max(0.0, self.wait_for_node_s))
+        deadline = time.monotonic() + self.wait_for_node_s
+        while time.monotonic() < deadline:
+            with self._lock:
+                if self._standbys:
+                    return self._standbys.pop(0)
+            if self._free_node() is not None:
+                self._warm_a_standby(wait=True)
+                continue
+            time.sleep(0.5)  # Ray has no event for a node joining to wait on
+        raise RecoveryError(f"job {self.job!r}: no standby and no free node within {self.wait_for_node_s:.0f} s: "
+                            "add a node to the cluster or give standby_nodes")
+
+    def _free_node(self) -> str | None:
+        import ray
+
+        alive = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
+        free = [n for n in alive if n not in self._used_nodes and n not in self._fenced]
+        return free[0] if free else None
+
+    def _warm_a_standby(self, wait: bool = False) -> None:
+        """A new standby on a free node (its memsnap spare agent too), off the recovery's path."""
+        node = self._free_node()
+        if node is None:
+            return
+        self._used_nodes.add(node)
+
+        def warm():
+            import ray
+
+            import memsnap
+
+            try:
+                memsnap.start_spare(self.job, node, **{k: v for k, v in self.options.items() if k != "run"})
+                slot = self._start(f"s{uuid.uuid4().hex[:6]}", node)
+                ray.get(slot.actor.prepare.remote(), timeout=600)
+                slot.ref = slot.actor.run.remote()
+                with self._lock:
+                    self._standbys.append(slot)
+                self._event({"event": "standby", "member": slot.name, "node": node})
+            except Exception as exc:
+                log.warning("job %r: no new standby on node %s: %s", self.job, node[:12], exc)
+
+        t = threading.Thread(target=warm, name="memsnap-warm-standby", daemon=True)
+        self._warming.append(t)
+        t.start()
+        if wait:
+            t.join(timeout=self.wait_for_node_s)
+
+    # --- reporting -------------------------------------------------------------------------------
+    def collect(self) -> list[dict]:
+        """Every recovery so far, with the members' reports of the generation it formed."""
+        for rec in self.recoveries:
+            for rank in range(self.world):
+                key = report_key(self.job, rec.gen, rank)
+                if rank not in rec.reports and self.store is not None and self.store.check([key]):
+                    rec.reports[rank] = json.loads(self.store.get(key))
+        return [rec.to_dict() for rec in self.recoveries]
+
+    def _report_finished(self) -> None:
+        """Recoveries whose every rank has taken its first step go to the coordinator
+        (``status()``, ``memsnap status``, the metrics) and the event log, once each."""
+        import ray
+
+        from memsnap import naming
+
+        self.collect()
+        for rec in self.recoveries:
+            if rec.sent or len(rec.reports) < self.world or rec.split()["total"] is None:
+                continue
+            rec.sent = True
+            self._event({"event": "recovered", **rec.to_dict()})
+            try:
+                coord = ray.get_actor(naming.coordinator(self.job), namespace=naming.NAMESPACE)
+                coord.recovered.remote(rec.to_dict())
+            except Exception as exc:  # the record is for the record: never stop the job for it
+                log.warning("job %r: recovery not reported to the coordinator: %s", self.job, exc)
+
+    def members(self) -> dict[int, dict]:
+        """``{rank: member info}`` (pid, threads, fds, RSS) of the current generation."""
+        import ray
+
+        return dict(zip(self._ranks, ray.get([s.actor.info.remote() for s in self._ranks.values()], timeout=60)))
+
+    def _event(self, record: dict) -> None:
+        if self.events:
+            with open(self.events, "a") as f:
+                f.write(json.dumps({"t": time.time(), "job": self.job, **record}, default=str) + "\n")
+
+    def _close(self) -> None:
+        import ray
+
+        if self.store is None:
+            return
+        try:
+            self._report_finished()
+        except Exception:
+            pass
+        for t in self._warming:
+            t.join(timeout=60)
+        try:
+            self._assign(self.gen + 1, {}, done=True)  # standbys waiting for a generation return
+        except Exception:
+            pass
+        slots = [*self._ranks.values(), *self._standbys]
+        refs = [s.actor.close.remote() for s in slots]
+        try:
+            ray.get(refs, timeout=60)
+        except Exception as exc:
+            log.warning("job %r: closing members: %s", self.job, exc)
+        for s in slots:
+            try:
+                ray.kill(s.actor, no_restart=True)
+            except Exception:
+                pass

@@ -1,0 +1,275 @@
+"""A process group that can be re-formed in the same processes after a peer is lost.
+
+Every membership change is a *generation*: a new torch.distributed group on its own prefix
+(``memsnap/<job>/pg/<gen>``) of one rendezvous store that outlives every rank (the
+controller's, never a rank's). A collective that fails on one rank is told to every rank of
+its generation at once through a ``failed`` key, so nobody waits out the backend's timeout:
+
+  1. [every member]  ``configure(gen, rank, world)``: the old group, if any, is let go (kept
+     alive in a graveyard until its abandoned work completes: dropping a gloo group with work
+     in flight blocks the dropping thread until that work times out), and the new group is
+     formed on the generation's prefix. The new group is the default group (``dist.*`` calls
+     and DDP built after this use it).
+  2. [every member]  ``all_reduce(tensor)`` / ``average_gradients(params)``: the collective is
+     started asynchronously and waited for together with the generation's ``failed`` key.
+     A failure on this rank publishes the key and raises ``PeerLost``; a failure published by
+     another rank (or by the controller, which watches heartbeats) abandons the collective
+     and raises ``PeerLost`` too. Tensors handed to an abandoned collective may still be
+     written by it until the backend's timeout: callers must not reuse them (the gradient
+     buckets of ``average_gradients`` are fresh per call).
+  3. [the controller]  ``publish_failure(store, job, gen, why)`` for a loss it noticed
+     itself (a rank that stopped beating, a dead actor).
+
+The store keys are this module's alone; the controller writes the membership of each
+generation under ``memsnap/<job>/gen``.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from datetime import timedelta
+
+log = logging.getLogger("memsnap.inplace")
+
+
+class PeerLost(Exception):
+    """A member of this generation was lost (or a collective failed): the generation is over.
+
+    The in-place runner catches it; a training loop never has to."""
+
+    def __init__(self, message: str, gen: int = -1):
+        super().__init__(message)
+        self.gen = gen
+
+    def __reduce__(self):  # survives pickling by Ray with its generation
+        return (PeerLost, (str(self), self.gen))
+
+
+def prefix(job: str, gen: int) -> str:
+    return f"memsnap/{job}/pg/{gen}"
+
+
+def failed_key(job: str, gen: int) -> str:
+    return f"{prefix(job, gen)}/failed"
+
+
+def over_key(job: str, gen: int) -> str:
+    return f"{prefix(job, gen)}/over"
+
+
+def publish_failure(store, job: str, gen: int, why: str) -> None:
+    """Tell every member of generation ``gen`` that it is over (the first reason stays)."""
+    store.compare_set(failed_key(job, gen), "", why[:500])
+    store.set(over_key(job, gen), "failed")
+
+
+def connect(host: str, port: int, timeout_s: float):
+    """A client of the rendezvous store."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                         timeout=timedelta(seconds=timeout_s))
+
+
+def use_loopback_if(host: str) -> None:
+    """gloo binds to the host name's address unless told otherwise: a store on loopback means
+    every member is on this machine, so gloo binds to loopback too."""
+    if host.startswith("127.") or host in ("localhost", "::1"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+
+class RecoverableGroup:
+    """One rank's membership of the job's process group, across generations.
+
+    ``store_addr``: the rendezvous store (host, port); ``timeout_s``: the backend's own timeout
+    (the last bound on a hung collective nobody reported; the controller's heartbeats report a
+    silent peer long before it)."""
+
+    def __init__(self, job: str, store_addr: tuple[str, int], *, backend: str = "gloo",
+                 timeout_s: float = 60.0, store_timeout_s: float = 30.0):
+        self.job, self.backend, self.timeout_s = job, backend, float(timeout_s)
+        self.host, self.port = store_addr
+        use_loopback_if(self.host)
+        self.store = connect(self.host, self.port, store_timeout_s)
+        self.gen: int | None = None
+        self.rank: int | None = None
+        self.world: int | None = None
+        self._graveyard: list = []  # (group, work) of abandoned collectives, kept until done
+        self._wake = threading.Condition()
+        self._failed: dict[int, str] = {}  # gen -> why, as seen by this rank
+        self._stop = False
+        self._watcher = threading.Thread(target=self._watch, name="memsnap-pg-watch", daemon=True)
+        self._watcher_store = connect(self.host, self.port, store_timeout_s)
+        self._watcher.start()
+
+    # --- generations -------------------------------------------------------------------------
+    def configure(self, gen: int, rank: int, world: int) -> None:
+        """Form generation ``gen`` with this rank as ``rank`` of ``world`` (every member calls it)."""
+        import torch.distributed as dist
+
+        self.reap()
+        if self.gen is not None and self.failure() is None:  # leaving a generation ends it for all
+            self.fail(f"re-formed as generation {gen}")
+        if dist.is_initialized():
+            old = dist.group.WORLD
+            self._graveyard.append((old, None))  # never dropped while its work may be in flight
+            dist.destroy_process_group()
+        with self._wake:
+            self.gen, self.rank, self.world = gen, rank, world
+            self._wake.notify_all()
+        dist.init_process_group(self.backend, store=dist.PrefixStore(prefix(self.job, gen), self.store),
+                                rank=rank, world_size=world, timeout=timedelta(seconds=self.timeout_s))
+
+    def reap(self) -> int:
+        """Let go of abandoned groups whose work has completed; how many are still kept."""
+        keep = []
+        for group, work in self._graveyard:
+            if work is not None and not work.is_completed():
+                keep.append((group, work))
+        # a group with no pending work of ours is dropped once the next generation is formed
+        self._graveyard = keep
+        return len(keep)
+
+    def failure(self) -> str | None:
+        """Why the current generation ended, or None while it is healthy."""
+        with self._wake:
+            return None if self.gen is None else self._failed.get(self.gen)
+
+    def wait_failure(self, timeout_s: float) -> str | None:
+        """Why the current generation ended, waiting up to ``timeout_s`` for a failure to be
+        told (an error seen elsewhere may reach this member a moment before the key does)."""
+        deadline = time.monotonic() + timeout_s
+        with self._wake:
+            while self.gen is not None and self._failed.get(self.gen) is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._wake.wait(left)
+            return None if self.gen is None else self._failed.get(self.gen)
+
+    def fail(self, why: str) -> None:
+        """End the current generation for every member."""
+        if self.gen is not None:
+            publish_failure(self.store, self.job, self.gen, f"rank {self.rank}: {why}")
+            self._mark(self.gen, f"rank {self.rank}: {why}")
+
+    # --- collectives ---------------------------------------------------------------------------
+    def all_reduce(self, tensor, op=None):
+        """``dist.all_reduce`` that ends in ``PeerLost`` (never a hang past a published failure)."""
+        import torch.distributed as dist
+
+        gen = self._current()
+        try:
+            work = dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM, async_op=True)
+        except Exception as exc:  # a group that is already broken
+            self.fail(f"{type(exc).__name__}: {exc}")
+            raise PeerLost(f"generation {gen}: {exc}", gen) from None
+        self._wait(work, gen)
+        return tensor
+
+    def average_gradients(self, params) -> None:
+        """Average the gradients of ``params`` across the generation's members, in one flat
+        bucket (a fresh one each call, so an abandoned collective writes nothing live)."""
+        import torch
+
+        grads = [p.grad for p in params if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self.all_reduce(flat)
+        flat /= self.world
+        off = 0
+        for g in grads:
+            g.copy_(flat[off:off + g.numel()].view_as(g))
+            off += g.numel()
+
+    def barrier(self) -> None:
+        import torch
+
+        self.all_reduce(torch.zeros(1))
+
+    def _current(self) -> int:
+        if self.gen is None:
+            raise RuntimeError("the group is not formed yet: configure(gen, rank, world) first")
+        why = self.failure()
+        if why is not None:
+            raise PeerLost(f"generation {self.gen} is over: {why}", self.gen)
+        return self.gen
+
+    def _wait(self, work, gen: int) -> None:
+        import torch.distributed as dist
+
+        fut = work.get_future()
+        fut.add_done_callback(lambda _f: self._poke())
+        with self._wake:
+            while not fut.done() and self._failed.get(gen) is None:
+                self._wake.wait(1.0)
+            why = self._failed.get(gen)
+        if not fut.done():  # abandoned: the group and the work stay alive until the work ends
+            self._graveyard.append((dist.group.WORLD, work))
+            raise PeerLost(f"generation {gen} is over: {why}", gen)
+        try:
+            work.wait()
+        except Exception as exc:
+            text = f"{type(exc).__name__}: {str(exc)[:300]}"
+            self.fail(text)
+            raise PeerLost(f"generation {gen}: a collective failed: {text}", gen) from None
+
+    def _poke(self) -> None:
+        with self._wake:
+            self._wake.notify_all()
+
+    def _mark(self, gen: int, why: str) -> None:
+        with self._wake:
+            self._failed.setdefault(gen, why)
+            self._wake.notify_all()
+
+    def _watch(self) -> None:
+        """Wait on the current generation's ``over`` key (one client, one thread, for the
+        group's whole life). The wait blocks until the key is set: by a failure, or by a
+        member closing, so it never has to time out."""
+        done = None
+        while True:
+            with self._wake:
+                while not self._stop and (self.gen is None or self.gen in self._failed
+                                          or self.gen == done):
+                    self._wake.wait()
+                if self._stop:
+                    return
+                gen = self.gen
+            try:
+                self._watcher_store.wait([over_key(self.job, gen)], timedelta(days=365))
+                why = self._watcher_store.get(failed_key(self.job, gen)).decode(errors="replace") \
+                    if self._watcher_store.check([failed_key(self.job, gen)]) else None
+            except Exception as exc:  # the store went away: nothing more to watch
+                log.warning("the rendezvous store is gone (%s): generation %s is over", exc, gen)
+                self._mark(gen, f"the rendezvous store is gone: {exc}")
+                return
+            if why is not None:
+                self._mark(gen, why or "a member reported a failure")
+            done = gen  # closed without a failure: nothing more to watch in it
+
+    def close(self) -> None:
+        """Stop the watcher and let the group go (the process may form no more generations)."""
+        import torch.distributed as dist
+
+        with self._wake:
+            self._stop = True
+            self._wake.notify_all()
+            gen = self.gen
+        if gen is not None:  # wakes this member's watcher; the others have finished too
+            with contextlib.suppress(Exception):
+                self.store.set(over_key(self.job, gen), "closed")
+        self._watcher.join(timeout=5)
+        with contextlib.suppress(Exception):
+            if dist.is_initialized():
+                self._graveyard.append((dist.group.WORLD, None))
+                dist.destroy_process_group()
+
+    def counts(self) -> dict:
+        """Threads and file descriptors of this process, and the groups kept (leak checks)."""
+        return {"threads": threading.active_count(), "fds": len(os.listdir("/proc/self/fd")),
+                "graveyard": len(self._graveyard)}

@@ -1,0 +1,244 @@
+"""One process of an in-place job: a rank, or a standby waiting to become one.
+
+A member runs the user's ``setup(ctx)`` once, when it starts (a standby does it ahead of any
+failure: imports, model, optimizer, data loader), and then, for each generation it is a
+member of, forms the process group and calls ``train(ctx, state)``. When a peer is lost the
+collective in flight ends in ``PeerLost``, which this loop catches: the member waits for the
+controller's next generation, forms the group again in the same process and calls ``train``
+again, whose ``ctx.restore(state)`` rolls the live objects back to the newest committed step
+(a survivor from its own node's RAM, a standby that takes a lost rank from its peers).
+
+Store keys (the controller writes the first, members the rest):
+
+  ``memsnap/<job>/gen/<g>``            JSON ``{"world": W, "members": {member: rank}, "done": false}``
+  ``memsnap/<job>/gen/<g>/report/<r>`` JSON: what rank r's member did in generation g
+  ``memsnap/<job>/done/<r>``           JSON: rank r finished training (the result's summary)
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Callable
+
+from memsnap.inplace.group import PeerLost, RecoverableGroup
+from memsnap.inplace.heartbeat import Beater
+
+log = logging.getLogger("memsnap.inplace")
+
+
+def gen_key(job: str, gen: int) -> str:
+    return f"memsnap/{job}/gen/{gen}"
+
+
+def report_key(job: str, gen: int, rank: int) -> str:
+    return f"memsnap/{job}/gen/{gen}/report/{rank}"
+
+
+def done_key(job: str, rank: int) -> str:
+    return f"memsnap/{job}/done/{rank}"
+
+
+class Context:
+    """What ``setup`` and ``train`` see of the job: this member's rank (None for a standby
+    in ``setup``), the world size, the generation, the process group and the snapshotter."""
+
+    def __init__(self, member: "Member"):
+        self._m = member
+
+    @property
+    def rank(self) -> int | None:
+        return self._m.rank
+
+    @property
+    def world_size(self) -> int | None:
+        return self._m.world
+
+    @property
+    def generation(self) -> int | None:
+        return self._m.gen
+
+    @property
+    def group(self) -> RecoverableGroup:
+        return self._m.group
+
+    @property
+    def snapshotter(self):
+        return self._m.snap
+
+    @property
+    def store(self):
+        """A client of the job's rendezvous store, for small keys of the user's own."""
+        return self._m.store
+
+    @property
+    def recoveries(self) -> int:
+        """How many times this process re-formed the group after a loss."""
+        return self._m.recoveries
+
+    def restore(self, state) -> int:
+        """(collective) Roll ``state`` back to the newest committed step: the step to train next."""
+        try:
+            step = self._m.snap.restore(state)
+        except Exception as exc:
+            why = self._m.group.wait_failure(5.0)
+            if why is None:
+                raise
+            # a member was lost while the others restored: the round was cancelled
+            raise PeerLost(f"generation {self._m.gen} is over during the restore: {why} ({exc})",
+                           self._m.gen) from None
+        self._m.restored(step)
+        return 0 if step is None else step + 1
+
+    def save(self, step: int, state, **kwargs: Any):
+        """Snapshot ``state`` after ``step`` (the Snapshotter's ``save``). A step whose
+        gradients were not averaged because a peer was lost (``ddp``) is not saved: it ends
+        in ``PeerLost`` here, and the rollback undoes it."""
+        why = self._m.group.failure()
+        if why is not None:
+            raise PeerLost(f"generation {self._m.gen} is over: {why}", self._m.gen)
+        self._m.stepped(step)
+        return self._m.snap.save(step, state, **kwargs)
+
+    def average_gradients(self, params) -> None:
+        """Average the gradients across the ranks (a lost peer ends it in ``PeerLost``, which the
+        runner handles: the training function never sees it)."""
+        self._m.group.average_gradients(params)
+
+    def all_reduce(self, tensor, op=None):
+        return self._m.group.all_reduce(tensor, op)
+
+    def ddp(self, model, **ddp_options):
+        """``model`` in DistributedDataParallel whose gradients go through the re-formable
+        group (``memsnap.inplace.ddp``): build it once, in ``setup``; it is never rebuilt."""
+        from memsnap.inplace.ddp import replicate
+
+        return replicate(model, self._m.group, **ddp_options)
+
+
+class Member:
+    """The plain object behind a member's Ray actor (``controller`` wraps it)."""
+
+    def __init__(self, job: str, name: str, store_addr: tuple[str, int], setup: Callable, train: Callable,
+                 snapshot_options: dict, *, beat_s: float = 0.1, backend: str = "gloo",
+                 backend_timeout_s: float = 60.0, assign_timeout_s: float = 3600.0):
+        import torch.distributed as dist
+
+        self.job, self.name = job, name
+        self.setup_fn, self.train_fn = setup, train
+        self.options = dict(snapshot_options)
+        self.assign_timeout_s = float(assign_timeout_s)
+        host, port = store_addr
+        self.group = RecoverableGroup(job, store_addr, backend=backend, timeout_s=backend_timeout_s)
+        self.store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                                   timeout=timedelta(seconds=self.assign_timeout_s))
+        self._beater = Beater(self.group.store, job, name, beat_s)
+        self.rank: int | None = None
+        self.world: int | None = None
+        self.gen: int | None = None
+        self.snap = None
+        self.state = None
+        self.recoveries = 0
+        self._report: dict = {}
+        self._lock = threading.Lock()
+
+    # --- called by the controller --------------------------------------------------------------
+    def info(self) -> dict:
+        return {"member": self.name, "pid": os.getpid(), "rank": self.rank, "gen": self.gen,
+                "threads": threading.active_count(), "fds": len(os.listdir("/proc/self/fd")),
+                "rss": _rss()}
+
+    def prepare(self) -> dict:
+        """Run the user's setup (before any generation: a standby is warm before it is needed)."""
+        t = time.time()
+        self.state = self.setup_fn(Context(self))
+        return {**self.info(), "setup_s": time.time() - t}
+
+    def run(self) -> dict:
+        """Be a member until the job is done or this member is fenced (left out of a generation
+        it was a rank of). Returns what happened."""
+        gen = 0
+        while True:
+            assignment = self._await(gen)
+            if assignment.get("done"):
+                return {**self.info(), "outcome": "done", "result": None}
+            rank = assignment["members"].get(self.name)
+            if rank is None:
+                if self.rank is not None:  # fenced: the job goes on without this process
+                    return {**self.info(), "outcome": "fenced", "result": None}
+                gen += 1  # still a standby
+                continue
+            if self.rank is not None and rank != self.rank:
+                raise RuntimeError(f"member {self.name}: rank {self.rank} cannot become rank {rank} in place")
+            outcome = self._generation(gen, rank, int(assignment["world"]))
+            if outcome is not PeerLost:
+                return {**self.info(), "outcome": "finished", "result": outcome}
+            self.recoveries += 1
+            gen += 1
+
+    def _generation(self, gen: int, rank: int, world: int):
+        t_assigned = time.time()
+        takeover = self.rank is None and gen > 0
+        self.rank, self.world, self.gen = rank, world, gen
+        self._report = {"member": self.name, "pid": os.getpid(), "rank": rank, "gen": gen,
+                        "takeover": takeover, "assigned": t_assigned}
+        self.group.configure(gen, rank, world)
+        self._report["formed"] = time.time()
+        if self.snap is None:
+            import memsnap
+
+            self.snap = memsnap.Snapshotter(job=self.job, rank=rank, world_size=world, **self.options)
+            self._report["registered"] = time.time()
+        try:
+            result = self.train_fn(Context(self), self.state)
+        except Exception as exc:
+            # a lost peer ends a generation in PeerLost; anything else raised while the
+            # generation was failing (a collective inside a library, a cancelled restore) too
+            if not isinstance(exc, PeerLost) and self.group.wait_failure(2.0) is None:
+                raise
+            log.warning("member %s (rank %d): generation %d is over (%s): waiting for the next",
+                        self.name, rank, gen, exc)
+            self._report.setdefault("lost", time.time())
+            self._publish()
+            return PeerLost
+        self._report["finished"] = time.time()
+        self._publish()
+        self.store.set(done_key(self.job, rank), json.dumps({"member": self.name, "gen": gen}))
+        return result
+
+    def _await(self, gen: int) -> dict:
+        key = gen_key(self.job, gen)
+        self.store.wait([key], timedelta(seconds=self.assign_timeout_s))
+        return json.loads(self.store.get(key))
+
+    # --- what ``Context`` tells ------------------------------------------------------------------
+    def restored(self, step: int | None) -> None:
+        lr = getattr(self.snap, "last_restore", {}) or {}
+        self._report.update(restored=time.time(), step=step, tier=lr.get("tier"),
+                            restore_s=(lr.get("seconds") or {}).get("total"))
+
+    def stepped(self, step: int) -> None:
+        if "first_step" not in self._report and "restored" in self._report:
+            self._report["first_step"] = time.time()
+            self._report["first_step_no"] = step
+            self._publish()
+
+    def _publish(self) -> None:
+        try:
+            self.store.set(report_key(self.job, self.gen, self.rank), json.dumps(self._report))
+        except Exception as exc:  # a report is for the record; never stop training for it
+            log.warning("member %s: report not written: %s", self.name, exc)
+
+    def close(self) -> None:
+        self._beater.close()
+        if self.snap is not None:
+            self.snap.close()
+        self.group.close()
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

@@ -1,0 +1,210 @@
+"""In-place recovery on a loopback cluster: a node is killed mid-training; the survivors keep
+their processes, the standby takes the lost rank, and training goes on bitwise as if the
+node had never been lost."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import uuid
+
+import psutil
+import pytest
+
+from memsnap.localcluster import LocalCluster, wait_for
+from support import inplace_job
+
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
+
+OPTIONS = dict(k=1, m=1, keep=2, memory_budget=64 << 20, every_steps=1, preemption=False)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with LocalCluster(nodes=5) as lc:
+        yield lc
+
+
+def kill_hard(lc: LocalCluster, node) -> None:
+    """The node's raylet and every process under it, as a lost host would go."""
+    raylet = node.all_processes["raylet"][0].process.pid
+    tree = psutil.Process(raylet).children(recursive=True)
+    lc.kill_node(node)
+    for proc in tree:
+        try:
+            os.kill(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_a_killed_node_is_replaced_by_the_standby_and_the_survivors_keep_their_processes_under_ddp(cluster):
+    from memsnap.inplace import InplaceJob
+
+    import memsnap
+
+    lc = cluster
+    ranks = lc.nodes[-4:-1]
+    spare = lc.nodes[-1]
+    job = f"inplace-{uuid.uuid4().hex[:6]}"
+    steps = 60
+    # DDP, built once per process in setup, its gradients through the re-formable group
+    j = InplaceJob(job, inplace_job.setup_ddp, inplace_job.make_train(steps, step_s=0.05),
+                   rank_nodes=[n.node_id for n in ranks], standby_nodes=[spare.node_id], options=OPTIONS)
+    out: dict = {}
+    runner = threading.Thread(target=lambda: out.update(results=j.run(timeout_s=600)), daemon=True)
+    try:
+        runner.start()
+        wait_for(lambda: j.store is not None and j.store.check(["test/progress/1"])
+                 and int(j.store.get("test/progress/1")) >= 10, timeout=300, what="rank 1 to train 10 steps")
+        pids_before = {r: s for r, s in j.members().items()}
+        kill_hard(lc, ranks[1])
+        runner.join(timeout=600)
+        assert not runner.is_alive(), "the job did not finish"
+        assert sorted(out["results"]) == [0, 1, 2]
+        recs = j.collect()
+        assert len(recs) == 1, recs
+        rec = recs[0]
+        assert rec["lost"] == {1: "r1"} and rec["takeover"] == {1: "s0"}
+        assert rec["fenced_nodes"] == [ranks[1].node_id]
+        # survivors restored from their own node's RAM, in the processes they had
+        assert rec["tiers"][0] == "local" and rec["tiers"][2] == "local"
+        assert rec["tiers"][1] == "peer"
+        assert rec["pids"][0] == pids_before[0]["pid"] and rec["pids"][2] == pids_before[2]["pid"]
+        assert len(set(rec["steps"].values())) == 1
+        # every step trained again after the rollback gave the digest it gave the first time
+        assert int(j.store.get("test/replayed")) > 0 if j.store.check(["test/replayed"]) else True
+        mismatched = [(r, s) for r in range(3) for s in range(steps) if j.store.check([f"test/mismatch/{r}/{s}"])]
+        assert mismatched == [], (mismatched, rec)
+        # and the three ranks end identical (data parallel), each having trained every step
+        assert len({v["digest"] for v in out["results"].values()}) == 1
+        import ray
+
+        from memsnap import naming
+
+        coord = ray.get_actor(naming.coordinator(job), namespace=naming.NAMESPACE)
+        status = ray.get(coord.status.remote(), timeout=60)
+        assert status["fenced"] == [ranks[1].node_id]
+        assert [r["gen"] for r in status["recoveries"]] == [1]
+        split = rec["split"]
+        print("recovery split:", {k: None if v is None else round(v, 3) for k, v in split.items()})
+        assert None not in split.values()
+    finally:
+        runner.join(timeout=60)
+        memsnap.shutdown(job, timeout=30)
+
+
+def run_in_thread(j, out):
+    t = threading.Thread(target=lambda: out.update(results=j.run(timeout_s=600)), daemon=True)
+    t.start()
+    return t
+
+
+def progress(j, rank: int, at_least: int) -> bool:
+    key = f"test/progress/{rank}"
+    return j.store is not None and j.store.check([key]) and int(j.store.get(key)) >= at_least
+
+
+def test_a_hung_rank_is_noticed_by_its_heartbeat_fenced_and_replaced(cluster):
+    """SIGSTOP: no socket closes, no collective error; only the beats stop."""
+    from memsnap.inplace import InplaceJob
+
+    import memsnap
+
+    lc = cluster
+    while len(lc.nodes) < 5:
+        lc.add_node()
+    ranks, spare = lc.nodes[-4:-1], lc.nodes[-1]
+    job = f"inplace-{uuid.uuid4().hex[:6]}"
+    steps = 40
+    j = InplaceJob(job, inplace_job.setup, inplace_job.make_train(steps, step_s=0.05),
+                   rank_nodes=[n.node_id for n in ranks], standby_nodes=[spare.node_id], options=OPTIONS,
+                   backend_timeout_s=300)
+    out: dict = {}
+    runner = run_in_thread(j, out)
+    stopped = None
+    try:
+        wait_for(lambda: progress(j, 2, 8), timeout=300, what="rank 2 to train 8 steps")
+        stopped = psutil.Process(j.members()[2]["pid"])
+        stopped.suspend()
+        runner.join(timeout=600)
+        assert not runner.is_alive() and sorted(out["results"]) == [0, 1, 2]
+        rec, = j.collect()
+        assert rec["lost"] == {2: "r2"} and rec["why"].startswith("rank 2: no heartbeat")
+        # only the process hung: its node's agent still answers, so the node is not fenced and
+        # the standby reads the rank's whole copy from it (one read, no decode)
+        assert rec["fenced_nodes"] == []
+        assert rec["tiers"] == {0: "local", 1: "local", 2: "copy"}
+        assert not any(j.store.check([f"test/mismatch/{r}/{s}"]) for r in range(3) for s in range(steps))
+        assert len({v["digest"] for v in out["results"].values()}) == 1
+        # fenced: the frozen process was killed, so it cannot wake up into the job
+        wait_for(lambda: not stopped.is_running() or stopped.status() == psutil.STATUS_ZOMBIE,
+                 timeout=60, what="the hung rank's process to be killed")
+    finally:
+        if stopped is not None:
+            try:
+                stopped.resume()
+            except psutil.Error:
+                pass
+        runner.join(timeout=60)
+        memsnap.shutdown(job, timeout=30)
+
+
+def test_a_slow_rank_is_not_taken_for_a_lost_one(cluster):
+    """One step of one rank takes 3x the time after which silent beats mean a loss; its beats
+    go on from their own thread, so nothing is recovered (with no standby, a false verdict
+    would end the job)."""
+    from memsnap.inplace import InplaceJob
+
+    import memsnap
+
+    lc = cluster
+    ranks = lc.nodes[-3:]
+    job = f"inplace-{uuid.uuid4().hex[:6]}"
+    j = InplaceJob(job, inplace_job.setup, inplace_job.make_train(20, slow=(1, 5, 3.0)),
+                   rank_nodes=[n.node_id for n in ranks], options=OPTIONS, lost_after_s=1.0,
+                   on_no_standby="fail")
+    out: dict = {}
+    try:
+        runner = run_in_thread(j, out)
+        runner.join(timeout=600)
+        assert not runner.is_alive() and sorted(out["results"]) == [0, 1, 2]
+        assert j.store.check(["test/slow"])  # the slow step happened
+        assert j.collect() == []
+    finally:
+        memsnap.shutdown(job, timeout=30)
+
+
+def test_a_standby_that_dies_as_it_takes_over_is_replaced_by_the_next(cluster):
+    """The survivors wait in the restore round for the first standby, which dies: the round
+    is cancelled (no 300 s wait), and the second standby takes the rank."""
+    from memsnap.inplace import InplaceJob
+
+    import memsnap
+
+    lc = cluster
+    while len(lc.nodes) < 6:
+        lc.add_node()
+    ranks, spares = lc.nodes[-5:-2], lc.nodes[-2:]
+    job = f"inplace-{uuid.uuid4().hex[:6]}"
+    steps = 40
+    j = InplaceJob(job, inplace_job.setup, inplace_job.make_train(steps, step_s=0.05),
+                   rank_nodes=[n.node_id for n in ranks], standby_nodes=[s.node_id for s in spares],
+                   options=OPTIONS)
+    out: dict = {}
+    runner = run_in_thread(j, out)
+    try:
+        wait_for(lambda: progress(j, 1, 8), timeout=300, what="rank 1 to train 8 steps")
+        j.store.set("test/die_on_takeover", "1")
+        kill_hard(lc, ranks[1])
+        runner.join(timeout=600)
+        assert not runner.is_alive() and sorted(out["results"]) == [0, 1, 2]
+        first, second = j.collect()
+        assert first["lost"] == {1: "r1"} and first["takeover"] == {1: "s0"}
+        assert second["lost"] == {1: "s0"} and second["takeover"] == {1: "s1"}
+        assert second["fenced_nodes"] == []  # the standby's node and agent were fine
+        assert second["tiers"] == {0: "local", 1: "peer", 2: "local"}
+        assert not any(j.store.check([f"test/mismatch/{r}/{s}"]) for r in range(3) for s in range(steps))
+        assert len({v["digest"] for v in out["results"].values()}) == 1
+    finally:
+        runner.join(timeout=60)
+        memsnap.shutdown(job, timeout=30)
