@@ -4,6 +4,10 @@ Targets (``--target``):
     manifest   rank-manifest JSON -> Manifest.from_json -> apply into a live Llama-like state
     skeleton   skeleton JSON -> validate.skeleton -> tree.decode
     marker     COMMITTED JSON -> validate.marker -> the ``memsnap ls`` row
+    store      COMMITTED JSON written into a saved step -> every rank read as all readers read it
+               (``Store.read_rank``: sizes, caps, checksums) -> the weights gathered as ``export`` does
+    tiling     bytes -> saved shard boxes of one tensor -> ``reshard.sources`` for the whole tensor,
+               which must accept exactly the exact tilings (checked by counting every element)
     header     24 bytes -> validate.wire_header (request and response layouts)
     all        each of the above for ``--seconds``, one child process each (the default)
 
@@ -34,12 +38,13 @@ try:
 except ImportError:  # the random fallback below
     atheris = None
 
-TARGETS = ("manifest", "skeleton", "marker", "header")
+TARGETS = ("manifest", "skeleton", "marker", "store", "tiling", "header")
 
 
 def _import_memsnap():
     """Import memsnap's parsers, instrumented for coverage when atheris drives the run."""
-    global MemsnapError, validate, tree, Manifest, apply, capture, save, ls_row, wire
+    global MemsnapError, validate, tree, Manifest, TensorEntry, apply, capture, save, ls_row, wire
+    global Store, reshard, export_weights
     if atheris is not None:
         ctx = atheris.instrument_imports(include=["memsnap"])
     else:
@@ -47,13 +52,15 @@ def _import_memsnap():
 
         ctx = contextlib.nullcontext()
     with ctx:
-        from memsnap import tree, validate
+        from memsnap import reshard, tree, validate
         from memsnap.apply import apply
         from memsnap.capture import capture
+        from memsnap.commands.export import weights as export_weights
         from memsnap.commands.ls import _row as ls_row
         from memsnap.durable import save
         from memsnap.errors import MemsnapError
-        from memsnap.manifest import Manifest
+        from memsnap.manifest import Manifest, TensorEntry
+        from memsnap.storage import Store
         from memsnap.transport import wire
 
 
@@ -84,7 +91,8 @@ class Harness:
         self.buf = bytes(buf)
         root = tempfile.mkdtemp(prefix="memsnap-fuzz-")
         save(root, self.state, 7)
-        with open(os.path.join(root, "step_000000000007", "COMMITTED"), "rb") as f:
+        self.store = Store.open(root)
+        with open(self.store.path(7, "COMMITTED"), "rb") as f:
             self.marker = f.read()
 
     def seeds(self, target: str) -> list[bytes]:
@@ -92,8 +100,10 @@ class Harness:
             return [self.manifest.to_json()]
         if target == "skeleton":
             return [json.dumps(self.manifest.tree).encode()]
-        if target == "marker":
+        if target in ("marker", "store"):
             return [self.marker]
+        if target == "tiling":  # 1-d of 8 in two halves (exact); 2-d 4x4 in overlapping quarters
+            return [bytes([1, 8, 0, 4, 4, 4]), bytes([2, 4, 4, 0, 0, 2, 2, 1, 1, 2, 2, 2, 2, 2, 2])]
         return [b"\0" + wire.REQUEST.pack(wire.PUSH, 40, 1 << 20, 12345),
                 b"\xff" + wire.RESPONSE.pack(wire.OK, 0, 64, 1)]
 
@@ -115,6 +125,43 @@ class Harness:
     def _marker(self, data: bytes) -> None:
         ls_row(7, validate.marker(validate.parse_json(data, "COMMITTED"), 7))
 
+    def _store(self, data: bytes) -> None:
+        with open(self.store.path(7, "COMMITTED"), "wb") as f:
+            f.write(data)
+        marker = self.store.marker(7)
+        for rank in range(marker["world_size"]):
+            self.store.read_rank(7, rank, marker=marker)
+        export_weights(self.store, 7, marker, None)
+
+    def _tiling(self, data: bytes) -> None:
+        if len(data) < 2:
+            return
+        ndim = 1 + data[0] % 2
+        whole = tuple(1 + b % 8 for b in data[1:1 + ndim])
+        boxes, rest = [], data[1 + ndim:]
+        for at in range(0, len(rest) - 2 * ndim + 1, 2 * ndim):
+            lo = tuple(rest[at + d] % (n + 1) for d, n in enumerate(whole))
+            boxes.append((lo, tuple(rest[at + ndim + d] % (n - o + 1) for d, (o, n) in enumerate(zip(lo, whole)))))
+        if not boxes or len(whole) != ndim:
+            return
+        saved = [Manifest([TensorEntry("w", "float32", shape, 0, 4 * validate.numel(shape), global_shape=whole,
+                                       global_offset=lo, placements=("Shard(0)",), mesh_shape=(len(boxes),))],
+                          {"w": {"__tensor__": 0}}, 0) for lo, shape in boxes]
+        live = TensorEntry("w", "float32", whole, 0, 4 * validate.numel(whole), global_shape=whole,
+                           global_offset=(0,) * ndim, placements=("Shard(0)",), mesh_shape=(1,))
+        count = torch.zeros(whole, dtype=torch.int64)
+        for lo, shape in set(boxes):
+            count[tuple(slice(o, o + n) for o, n in zip(lo, shape))] += 1
+        exact = bool((count == 1).all())
+        try:
+            reshard.sources(live, saved)
+        except MemsnapError:
+            if exact:
+                raise AssertionError(f"an exact tiling {boxes} of {whole} was refused") from None
+            raise
+        if not exact:
+            raise AssertionError(f"boxes {boxes} do not tile {whole} but were accepted")
+
     def _header(self, data: bytes) -> None:
         layout, kinds, what = ((wire.REQUEST, (wire.PUSH, wire.FETCH), "request") if data[:1] != b"\xff"
                                else (wire.RESPONSE, (wire.OK, wire.MISSING, wire.FAILED), "response"))
@@ -130,7 +177,7 @@ def run_atheris(target: str, seconds: int, corpus: str) -> None:
         with open(os.path.join(corpus, f"seed-{i}"), "wb") as f:
             f.write(seed)
     max_len = 2 * max(len(x) for x in h.seeds(target))
-    extra = {} if target == "header" else {"custom_mutator": _json_mutator}
+    extra = {} if target in ("header", "tiling") else {"custom_mutator": _json_mutator}
     atheris.Setup([sys.argv[0], f"-max_total_time={seconds}", f"-max_len={max_len}", "-print_final_stats=1",
                    f"-artifact_prefix={target}-", corpus], lambda data: h.check(target, data), **extra)
     atheris.Fuzz()
@@ -188,7 +235,8 @@ def run_random(target: str, seconds: int, seed: int = 0) -> int:
     """The fallback without atheris: random mutations of the seeds for ``seconds``."""
     h, rng = Harness(), random.Random(seed)
     seeds = h.seeds(target)
-    locations = {s: (list(_locations(json.loads(s))) if target != "header" else []) for s in seeds}
+    locations = {s: (list(_locations(json.loads(s))) if target not in ("header", "tiling") else [])
+                 for s in seeds}
     n, deadline = 0, time.monotonic() + seconds
     while time.monotonic() < deadline:
         base = rng.choice(seeds)

@@ -5,10 +5,11 @@
 byte read once for both checksums and the write) and, after a barrier, rank 0 commits the
 step and applies retention. ``load`` picks the step (when ``step`` is None: the newest
 commit, i.e. the newest step of the newest lineage), reads and verifies this rank's bytes
-(whole-file xxh3 against the commit marker), checks the manifest against the live state
-(``apply.plan``) and applies them (``apply.apply_plan``); a checkpoint saved by a different
-number of ranks goes through ``reshard``. With ``step=None`` a damaged or malformed step is
-skipped, with a warning, for the one it descends from; under ``torch.distributed`` the ranks agree on the step (and on raising)
+(``Store.read_rank``: the whole file's xxh3 against the commit marker and every tensor's
+checksum in one pass), checks the manifest against the live state (``apply.plan``) and applies
+them (``apply.apply_plan``); a checkpoint saved by a different number of ranks goes through
+``reshard``. With ``step=None`` a damaged or malformed step is skipped, with a warning, for
+the one it descends from; under ``torch.distributed`` the ranks agree on the step (and on raising)
 before anything is applied.
 """
 from __future__ import annotations
@@ -21,10 +22,10 @@ from typing import Any, Callable, Mapping
 import torch
 
 from memsnap import apply as applying
-from memsnap import meta, reshard
+from memsnap import meta, reshard, validate
 from memsnap.capture import plan_sources
 from memsnap.errors import (ChecksumError, ConfigError, MemsnapError, SnapshotNotFoundError,
-                            StateMismatchError, WeightsOnlyError)
+                            StateMismatchError, UnsupportedStateError, WeightsOnlyError)
 from memsnap.manifest import Manifest
 from memsnap.storage import Progress, Retention, Store
 from memsnap.stream import TensorStream
@@ -139,6 +140,10 @@ def save(uri: str, state: Mapping[str, Any], step: int, metadata: Mapping[str, A
                           "descends from; load an earlier step first to roll back)")
     git = _background(meta.git_commit, os.getcwd()) if rank == 0 else None  # runs during the write
     layout, sources = plan_sources(state)
+    if len(layout.tensors) > validate.MAX_TENSORS:  # a load would refuse such a manifest
+        raise UnsupportedStateError(f"state has {len(layout.tensors)} tensors, more than the "
+                                    f"{validate.MAX_TENSORS} one memsnap manifest holds; save fewer, "
+                                    "larger tensors (e.g. flatten parameter groups)")
     layout.meta.update(step=step, rank=rank, world_size=world)
     update, close = progress_bar(f"save step {step}", layout.nbytes, progress)
     try:  # one pass over the tensors' memory: both checksums and the write (see stream.py)
@@ -185,18 +190,16 @@ def _failed_elsewhere(step: int, uri: str, worst: int) -> MemsnapError:
 
 def read_step(store: Store, step: int, rank: int, world: int, state: Mapping[str, Any],
               progress: bool | None = None) -> tuple[Manifest, Any, dict]:
-    """This rank's verified manifest and bytes of ``step``, in the live state's layout."""
+    """This rank's verified manifest and bytes of ``step`` (``Store.read_rank``), in the live
+    state's layout."""
     marker = store.marker(step)
     if marker["world_size"] != world:
         manifest, buf = reshard.assemble(store, step, marker, state, rank)
         return manifest, buf, marker
     manifest = store.manifest(step, rank, marker)
     update, close = progress_bar(f"load step {step}", manifest.nbytes, progress)
-    try:
-        if store.local:  # map the page cache instead of copying into fresh pages
-            return manifest, store.map_rank(step, rank, marker=marker, progress=update), marker
-        buf = torch.empty(max(manifest.nbytes, 1), dtype=torch.uint8).numpy()[: manifest.nbytes]
-        store.read_rank_into(step, rank, buf, marker=marker, progress=update)
+    try:  # on a local disk the page cache is mapped instead of copied into fresh pages
+        _, buf = store.read_rank(step, rank, marker=marker, manifest=manifest, progress=update)
     finally:
         close()
     return manifest, buf, marker

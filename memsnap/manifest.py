@@ -92,6 +92,7 @@ class Manifest:
     version: int = FORMAT_VERSION
     tensors_json: str | None = field(default=None, repr=False, compare=False)  # ``tensors`` as JSON, when
     # known (the capture plan cache reuses it while the tensors are unchanged)
+    _index: tuple | None = field(default=None, init=False, repr=False, compare=False)  # (tensors, {path: entry})
 
     def to_json(self) -> bytes:
         tensors = self.tensors_json
@@ -119,7 +120,15 @@ class Manifest:
                        tensors_json=None)
 
     def entry(self, path: str) -> TensorEntry:
-        for t in self.tensors:
-            if t.path == path:
-                return t
-        raise KeyError(path)
+        """The (first) entry named ``path``, KeyError if none: a dict lookup, the index built
+        once per list of tensors (a reader looks up every tensor, so a scan would be quadratic)."""
+        index = self._index
+        if index is None or index[0] is not self.tensors or len(index[1]) > len(self.tensors):
+            by_path: dict[str, TensorEntry] = {}
+            for t in self.tensors:
+                by_path.setdefault(t.path, t)
+            index = self._index = (self.tensors, by_path)
+        try:
+            return index[1][path]
+        except KeyError:
+            raise KeyError(path) from None

@@ -3,10 +3,10 @@
 A step saved by W ranks is loaded by rank r of W' ranks like this: the live state's plan
 (``capture.plan``) says which piece of every DTensor this rank now holds (global offset and
 local shape); for each saved shard of that tensor (from the saved manifests' global offsets)
-the overlapping box is computed, the saved shard's bytes are read from its rank file and
-checked against its recorded checksum, and exactly the overlap is copied into a buffer laid out
-like the live state. Replicated DTensors are read once (identical saved boxes are skipped);
-plain tensors and the non-tensor leaves come from saved rank ``r % W``. The result is a
+the overlapping box is computed and exactly the overlap is copied into a buffer laid out like
+the live state, from the saved rank's file as ``Store.read_rank`` read and verified it whole.
+The saved shards of a tensor must tile it exactly (no overlap, no gap), or the step is damaged.
+Replicated DTensors are read once (identical saved boxes are skipped); plain tensors and the non-tensor leaves come from saved rank ``r % W``. The result is a
 normal ``(Manifest, buffer)`` for ``apply.apply``.
 """
 from __future__ import annotations
@@ -18,9 +18,8 @@ import torch
 
 from memsnap import tree
 from memsnap.capture import plan
-from memsnap.checksum import checksum
 from memsnap.dtypes import dtype_of
-from memsnap.errors import ChecksumError, FormatError, StateMismatchError
+from memsnap.errors import FormatError, StateMismatchError
 from memsnap.manifest import Manifest, TensorEntry, align_up
 from memsnap.storage import Store, rank_name
 
@@ -45,10 +44,13 @@ def _box(e: TensorEntry) -> Box:
 
 
 class _Reader:
-    """Reads saved tensors whole from their rank files, verifying each one's checksum."""
+    """Saved tensors from their rank files, each file read and verified whole, once, by
+    ``Store.read_rank`` (size and xxh3 against ``COMMITTED``, every tensor's checksum) before
+    any of its tensors is used."""
 
-    def __init__(self, store: Store, step: int, saved: list[Manifest]):
-        self.store, self.step, self.saved = store, step, saved
+    def __init__(self, store: Store, step: int, saved: list[Manifest], marker: dict):
+        self.store, self.step, self.saved, self.marker = store, step, saved, marker
+        self.files: dict[int, memoryview] = {}
 
     def entry(self, rank: int, path: str) -> TensorEntry:
         try:
@@ -62,14 +64,20 @@ class _Reader:
         e = self.entry(rank, path)
         return self.entry(rank, e.alias_of) if e.alias_of else e
 
+    def data(self, rank: int) -> memoryview:
+        """Saved rank ``rank``'s verified data file."""
+        if rank not in self.files:
+            _, self.files[rank] = self.store.read_rank(self.step, rank, marker=self.marker,
+                                                       manifest=self.saved[rank])
+        return self.files[rank]
+
     def tensor(self, rank: int, path: str) -> torch.Tensor:
         e = self.holder(rank, path)
-        out = torch.empty(e.nbytes, dtype=torch.uint8)
-        self.store.read_range(self.step, rank, e.offset, out.numpy())
-        if e.checksum is not None and checksum(out.numpy()) != e.checksum:
-            raise ChecksumError(f"{self.store.path(self.step, rank_name(rank, 'bin'))} is corrupted: "
-                                f"tensor {e.path!r} does not match its recorded checksum {e.checksum}")
-        return out.view(dtype_of(e.dtype)).view(e.shape)
+        dtype = dtype_of(e.dtype)
+        if e.nbytes == 0:
+            return torch.empty(e.shape, dtype=dtype)
+        raw = torch.frombuffer(self.data(rank)[e.offset:e.offset + e.nbytes], dtype=torch.uint8)
+        return raw.view(dtype).view(e.shape)
 
 
 def _layout(template: Manifest, live: dict[str, TensorEntry]) -> list[TensorEntry]:
@@ -103,12 +111,13 @@ def _numel(shape: tuple[int, ...]) -> int:
 def sources(e: TensorEntry, saved: list[Manifest], order=None) -> list[tuple[int, Box, Box]]:
     """Where the live shard ``e`` of a sharded tensor comes from: ``(saved rank, that rank's
     box, the overlap)`` for each saved shard that meets it, each distinct saved box once
-    (replicated state is read from the first rank in ``order``, default 0..W-1, that has it)."""
-    saved_shape = tuple(_holder(saved, 0, e.path).global_shape or ())
+    (replicated state is read from the first rank in ``order``, default 0..W-1, that has it).
+    The saved shards must tile the tensor exactly (``tiling``)."""
+    saved_shape = tiling(saved, e.path)
     if tuple(e.global_shape) != saved_shape:
         raise StateMismatchError(f"{e.path!r}: live global shape {list(e.global_shape)} differs from the "
                                  f"checkpoint's {list(saved_shape)}")
-    want, covered, seen, out = _box(e), 0, set(), []
+    want, seen, out = _box(e), set(), []
     for rank in (range(len(saved)) if order is None else order):
         src_box = _box(_holder(saved, rank, e.path))
         box = overlap(want, src_box)
@@ -116,11 +125,48 @@ def sources(e: TensorEntry, saved: list[Manifest], order=None) -> list[tuple[int
             continue
         seen.add(src_box)
         out.append((rank, src_box, box))
-        covered += _numel(box[1])
-    if covered != _numel(want[1]):
-        raise StateMismatchError(f"{e.path!r}: the saved shards cover {covered} of the {_numel(want[1])} "
-                                 "elements this rank needs; the checkpoint's sharding is incomplete")
     return out
+
+
+def tiling(saved: list[Manifest], path: str) -> tuple[int, ...]:
+    """The global shape of the sharded tensor ``path``, after checking that every saved rank
+    holds a shard of it of the same dtype and global shape and that the distinct saved shards
+    tile it exactly: no two overlap and together they cover every element (``FormatError``
+    otherwise: the step is damaged)."""
+    first = _holder(saved, 0, path)
+    whole = tuple(first.global_shape or ())
+    boxes = set()
+    for rank in range(len(saved)):
+        e = _holder(saved, rank, path)
+        if e.global_shape is None or tuple(e.global_shape) != whole or e.dtype != first.dtype:
+            raise FormatError(f"{path!r}: saved rank {rank} holds it as {e.dtype} of global shape "
+                              f"{None if e.global_shape is None else list(e.global_shape)}, saved rank 0 "
+                              f"as {first.dtype} of {list(whole)}; the step is damaged, load another step")
+        if _numel(e.shape):
+            boxes.add(_box(e))
+    _disjoint(path, sorted(boxes))
+    covered = sum(_numel(b[1]) for b in boxes)
+    if covered != _numel(whole):
+        raise FormatError(f"{path!r}: the saved shards cover {covered} of the {_numel(whole)} elements of "
+                          f"the global tensor {list(whole)}; the step is damaged, load another step")
+    return whole
+
+
+def _disjoint(path: str, boxes: list[Box]) -> None:
+    """No two of ``boxes`` overlap: a sweep along the dimension where they start at the most
+    places (so row or column shards compare each box with its neighbours only)."""
+    if len(boxes) < 2 or not boxes[0][0]:
+        return
+    ndim = len(boxes[0][0])
+    d = max(range(ndim), key=lambda k: len({b[0][k] for b in boxes}))
+    active: list[Box] = []
+    for b in sorted(boxes, key=lambda b: b[0][d]):
+        active = [a for a in active if a[0][d] + a[1][d] > b[0][d]]
+        for a in active:
+            if overlap(a, b) is not None:
+                raise FormatError(f"{path!r}: saved shards {list(a[1])} at {list(a[0])} and {list(b[1])} at "
+                                  f"{list(b[0])} overlap; the step is damaged, load another step")
+        active.append(b)
 
 
 def _holder(saved: list[Manifest], rank: int, path: str) -> TensorEntry:
@@ -194,15 +240,16 @@ def assemble(store: Store, step: int, marker: dict, state: Mapping[str, Any], ra
     world = marker["world_size"]
     saved = [store.manifest(step, r, marker) for r in range(world)]
     target = layout(saved, plan(state), rank)
-    return target, fill(target, saved, _Reader(store, step, saved), rank)
+    return target, fill(target, saved, _Reader(store, step, saved, marker), rank)
 
 
 def gather(store: Store, step: int, paths: list[str], marker: dict | None = None):
     """Yield ``(path, full tensor)`` for each path: DTensor shards from every saved rank joined
-    into the global tensor, plain tensors from rank 0. Every shard read is checksum-verified."""
+    into the global tensor, plain tensors from rank 0. Every rank file read is verified whole
+    (``Store.read_rank``) and the shards must tile each tensor (``tiling``)."""
     marker = marker or store.marker(step)
     saved = [store.manifest(step, r, marker) for r in range(marker["world_size"])]
-    reader = _Reader(store, step, saved)
+    reader = _Reader(store, step, saved, marker)
     for path in paths:
         e = reader.holder(0, path)
         if e.global_shape is None:

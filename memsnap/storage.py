@@ -34,16 +34,20 @@ import mmap
 import os
 import re
 import secrets
+import stat
 import time
 import warnings
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Protocol
 
+import numpy as np
 import pyarrow.fs as pafs
 import xxhash
 
 from memsnap import validate
-from memsnap.errors import ChecksumError, FormatError, MemsnapError, SnapshotNotFoundError, StorageError
+from memsnap.checksum import fill_checksums
+from memsnap.errors import (ChecksumError, ConfigError, FormatError, MemsnapError, SnapshotNotFoundError,
+                            StorageError)
 from memsnap.manifest import Manifest
 
 MARKER = "COMMITTED"
@@ -234,12 +238,15 @@ class Store:
     # --- writing ---------------------------------------------------------------------------
     def write_rank(self, step: int, rank: int, manifest: Manifest, buf, *,
                    throttle_bps: float | None = None, progress: Progress | None = None) -> RankRecord:
-        """(all ranks) Write ``buf`` and ``manifest`` as this rank's files of ``step``."""
+        """(all ranks) Write ``buf`` and ``manifest`` as this rank's files of ``step`` (the
+        checksums of tensors the manifest has none for computed from ``buf``)."""
         mv = memoryview(buf).cast("B")
         if mv.nbytes < manifest.nbytes:
             raise ValueError(f"buffer has {mv.nbytes} bytes but the manifest says {manifest.nbytes}; "
                              "pass the buffer capture() returned with this manifest")
         mv = mv[: manifest.nbytes]
+        if any(t.alias_of is None and t.checksum is None for t in manifest.tensors):
+            manifest = fill_checksums(manifest, mv)  # every stored tensor's checksum is recorded
         self.fs.create_dir(self.path(step), recursive=True)
         tag = self._write_tag(step)
         bin_path = self.path(step, rank_name(rank, "bin", tag))
@@ -260,6 +267,10 @@ class Store:
     def _write_manifest(self, step: int, rank: int, manifest: Manifest, digest: str,
                         tag: str | None) -> RankRecord:
         """Write the rank's manifest, recording its data file's size and ``digest``."""
+        missing = [t.path for t in manifest.tensors if t.alias_of is None and t.checksum is None]
+        if missing:
+            raise ValueError(f"rank {rank}'s manifest has no checksum for {missing[:3]}; a stored "
+                             "tensor always has one (fill_checksums)")
         meta = dict(manifest.meta, data_file={"bytes": manifest.nbytes, "xxh3": digest})
         raw = Manifest(manifest.tensors, manifest.tree, manifest.nbytes, meta).to_json()
         self._write(self.path(step, rank_name(rank, "json", tag)), [memoryview(raw)], len(raw),
@@ -448,14 +459,17 @@ class Store:
 
     def marker(self, step: int) -> dict:
         """The parsed, validated ``COMMITTED`` of ``step``; SnapshotNotFoundError if it is not
-        committed, FormatError if it is malformed."""
+        committed, FormatError if it is malformed or cannot be read as a regular file of at
+        most ``validate.MAX_MARKER_BYTES``."""
         path = self.path(step, MARKER)
         try:
-            raw = self._read_small(path)
+            raw = self._read_small(path, validate.MAX_MARKER_BYTES)
         except FileNotFoundError:
             have = self.steps()
             raise SnapshotNotFoundError(f"step {step} is not committed under {self.uri} "
                                         f"(committed steps: {have[-10:] or 'none'})") from None
+        except ChecksumError as exc:  # nothing to compare against: the marker itself is damaged
+            raise FormatError(str(exc)) from None
         doc = validate.marker(validate.parse_json(raw, path), step, path)
         self._tags[step] = _files_tag(doc, path)
         return doc
@@ -471,13 +485,18 @@ class Store:
         return self.path(step, rank_name(rank, ext, tag))
 
     def manifest(self, step: int, rank: int, marker: dict | None = None) -> Manifest:
-        """Rank ``rank``'s manifest of ``step``, checked against the marker's checksum and size
-        and validated (``FormatError``)."""
+        """Rank ``rank``'s manifest of ``step``, read only up to the size the marker records,
+        checked against the marker's checksum and size and validated (``FormatError``), with a
+        checksum for every stored tensor."""
         marker = marker or self.marker(step)
         rec = self._record(marker, rank)
         path = self._rank_path(step, rank, "json", marker)
-        raw = self._read_small(path)
-        if len(raw) != rec["json_bytes"] or xxhash.xxh3_64_hexdigest(raw) != rec["json_xxh3"]:
+        try:
+            raw = self._read_small(path, validate.MAX_MANIFEST_BYTES, size=rec["json_bytes"])
+        except FileNotFoundError:
+            raise ChecksumError(f"{path} is missing although step {step} is committed; the step is "
+                                "damaged, load another step or copy") from None
+        if xxhash.xxh3_64_hexdigest(raw) != rec["json_xxh3"]:
             raise ChecksumError(f"{path} is corrupted: {len(raw)} bytes, xxh3 "
                                 f"{xxhash.xxh3_64_hexdigest(raw)}; COMMITTED recorded "
                                 f"{rec['json_bytes']} bytes, xxh3 {rec['json_xxh3']}")
@@ -486,95 +505,164 @@ class Store:
             raise FormatError(f"{path}: describes a {manifest.nbytes}-byte buffer but COMMITTED records "
                               f"{rec['bin_bytes']} bytes for its data file; the step is damaged, load "
                               "another step or copy")
+        validate.stored_checksums(manifest, path)
         return manifest
 
     def _record(self, marker: dict, rank: int) -> dict:
         ranks = marker["ranks"]
         if not 0 <= rank < len(ranks):
-            raise ValueError(f"rank {rank} out of range: step {marker['step']} was saved by "
-                             f"{len(ranks)} ranks")
+            raise ConfigError(f"rank {rank} out of range: step {marker['step']} was saved by "
+                              f"{len(ranks)} ranks; pass a rank in 0..{len(ranks) - 1}")
         return ranks[rank]
+
+    def read_rank(self, step: int, rank: int, *, marker: dict | None = None, manifest: Manifest | None = None,
+                  out=None, progress: Progress | None = None) -> tuple[Manifest, memoryview]:
+        """The one verified read of a rank's files, which every reader goes through (load,
+        resharding, ``verify``, ``export``, ``average``): its manifest (``manifest``, the one
+        ``Store.manifest`` gave for this marker, or read now) and its data file's bytes, read
+        into ``out`` or, with none, a buffer of their own (on a local disk a private mapping of
+        the file: no staging copy, page-cache pages shared).
+
+        The data file must be a regular file (opened without following a symlink, also for
+        the step directory) of exactly the size ``COMMITTED`` records, checked before any
+        memory is allocated; its xxh3 must match ``COMMITTED`` and every stored tensor its
+        manifest's checksum (one pass over the bytes). Any failure is ``ChecksumError`` (or
+        ``FormatError``): the step is damaged."""
+        marker = marker or self.marker(step)
+        rec = self._record(marker, rank)
+        manifest = manifest or self.manifest(step, rank, marker)
+        path = self._rank_path(step, rank, "bin", marker)
+        check = _Verifier(path, manifest, rec)
+        try:
+            if out is None and self.local:
+                data = self._map_checked(path, rec["bin_bytes"], check, progress)
+            else:
+                data = self._read_checked(path, rec["bin_bytes"], out, check, progress)
+        except FileNotFoundError:
+            raise ChecksumError(f"{path} is missing although step {step} is committed; the step is "
+                                "damaged, load another step or copy") from None
+        except OSError as exc:
+            if isinstance(exc, StorageError):
+                raise
+            raise ChecksumError(f"{path} cannot be read: {exc.strerror or exc}; the step is damaged "
+                                "or the storage unreachable, load another step or copy") from None
+        check.finish()
+        return manifest, data
 
     def read_rank_into(self, step: int, rank: int, out, *, marker: dict | None = None,
                        progress: Progress | None = None) -> None:
-        """Read rank ``rank``'s data file of ``step`` into ``out``, verifying size and xxh3."""
-        marker = marker or self.marker(step)
-        rec = self._record(marker, rank)
-        path = self._rank_path(step, rank, "bin", marker)
-        mv = memoryview(out).cast("B")
-        if mv.nbytes != rec["bin_bytes"]:
-            raise ValueError(f"destination has {mv.nbytes} bytes, {path} holds {rec['bin_bytes']}")
-        info = self.fs.get_file_info(path)
-        if info.type == pafs.FileType.NotFound:
-            raise ChecksumError(f"{path} is missing although step {step} is committed")
-        size = info.size
-        if size != rec["bin_bytes"]:
-            raise ChecksumError(f"{path} is truncated or damaged: {size} bytes on storage, "
-                                f"COMMITTED recorded {rec['bin_bytes']}")
-        digest = self._read_into(path, 0, mv, progress, hash_it=True)
-        if digest != rec["bin_xxh3"]:
-            raise ChecksumError(f"{path} is corrupted: xxh3 {digest}, COMMITTED recorded "
-                                f"{rec['bin_xxh3']}")
+        """Read rank ``rank``'s data file of ``step`` into ``out``, verified like ``read_rank``."""
+        self.read_rank(step, rank, marker=marker, out=out, progress=progress)
 
     def map_rank(self, step: int, rank: int, *, marker: dict | None = None,
                  progress: Progress | None = None) -> memoryview:
-        """Local files only: rank ``rank``'s data file of ``step`` mapped copy-on-write (no
-        staging copy; page-cache pages are shared), verified like ``read_rank_into``."""
-        marker = marker or self.marker(step)
-        rec = self._record(marker, rank)
-        path = self._rank_path(step, rank, "bin", marker)
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size != rec["bin_bytes"]:
-                raise ChecksumError(f"{path} is truncated or damaged: {size} bytes on storage, "
-                                    f"COMMITTED recorded {rec['bin_bytes']}")
+        """Rank ``rank``'s data file of ``step``, verified like ``read_rank`` (on a local disk
+        mapped copy-on-write)."""
+        return self.read_rank(step, rank, marker=marker, progress=progress)[1]
+
+    def _map_checked(self, path: str, size: int, check: _Verifier, progress: Progress | None) -> memoryview:
+        fd = _open_local(path)
+        try:
+            _regular(path, os.fstat(fd), size)
             if size == 0:
                 return memoryview(bytearray(0))
-            mapped = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE)
+            mapped = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE)
+        finally:
+            os.close(fd)
         if hasattr(mapped, "madvise"):  # start readahead of a cold file; faster than MAP_POPULATE here
             mapped.madvise(mmap.MADV_WILLNEED)
         mv = memoryview(mapped)
-        h = xxhash.xxh3_64()
         for start in range(0, size, IO_CHUNK):
-            h.update(mv[start:start + IO_CHUNK])
+            check.feed(start, mv[start:start + IO_CHUNK])
             if progress:
                 progress(min(start + IO_CHUNK, size), size)
-        if h.hexdigest() != rec["bin_xxh3"]:
-            raise ChecksumError(f"{path} is corrupted: xxh3 {h.hexdigest()}, COMMITTED recorded "
-                                f"{rec['bin_xxh3']}")
         return mv
 
-    def read_range(self, step: int, rank: int, offset: int, out) -> None:
-        """Read ``len(out)`` bytes at ``offset`` of a rank's data file (no checksum: the
-        caller verifies the tensors it assembles)."""
-        path = self._rank_path(step, rank, "bin")
-        self._read_into(path, offset, memoryview(out).cast("B"), None, hash_it=False)
-
-    def _read_into(self, path: str, offset: int, mv: memoryview, progress: Progress | None,
-                   hash_it: bool) -> str | None:
-        h = xxhash.xxh3_64() if hash_it else None
-        opener = (lambda: open(path, "rb", buffering=0)) if self.local else (
-            lambda: self.fs.open_input_file(path))
-        with opener() as f:
-            f.seek(offset)
-            for start in range(0, mv.nbytes, IO_CHUNK):
+    def _read_checked(self, path: str, size: int, out, check: _Verifier,
+                      progress: Progress | None) -> memoryview:
+        """Open ``path`` as a regular file of ``size`` bytes, then read it into ``out`` (or a
+        new buffer of that size), feeding ``check`` as the pieces arrive."""
+        with self._open_data(path, size) as (f, _):
+            if out is None:
+                mv = _allocate(path, size)
+            else:
+                mv = memoryview(out).cast("B")
+                if mv.nbytes != size:
+                    raise ConfigError(f"destination has {mv.nbytes} bytes, {path} holds {size}; "
+                                      "pass a buffer of the size COMMITTED records")
+            for start in range(0, size, IO_CHUNK):
                 part = mv[start:start + IO_CHUNK]
                 got = _readinto_full(f, part)
                 if got != part.nbytes:
-                    raise ChecksumError(f"{path} is truncated: ended {start + got} bytes after "
-                                        f"offset {offset}, {mv.nbytes} expected")
-                if h is not None:
-                    h.update(part)
+                    raise ChecksumError(f"{path} is truncated: ended {start + got} bytes in, "
+                                        f"{size} expected")
+                check.feed(start, part)
                 if progress:
-                    progress(start + got, mv.nbytes)
-        return h.hexdigest() if h is not None else None
+                    progress(start + got, size)
+        return mv
 
-    def _read_small(self, path: str) -> bytes:
+    @contextlib.contextmanager
+    def _open_data(self, path: str, size: int | None):
+        """``path`` open for reading as a regular file (of ``size`` bytes when given), never
+        through a symlink on a local disk; on other filesystems its ``FileInfo`` must say File."""
         if self.local:
-            with open(path, "rb") as f:
-                return f.read()
-        with self.fs.open_input_stream(path) as f:
-            return f.read()
+            fd = _open_local(path)
+            try:
+                st = os.fstat(fd)
+                _regular(path, st, size)
+                f = os.fdopen(fd, "rb", buffering=0)
+            except BaseException:
+                os.close(fd)
+                raise
+            with f:
+                yield f, st.st_size
+            return
+        info = self.fs.get_file_info(path)
+        if info.type == pafs.FileType.NotFound:
+            raise FileNotFoundError(errno.ENOENT, "no such file", path)
+        if info.type != pafs.FileType.File:
+            raise ChecksumError(f"{path} is not a regular file ({info.type.name}); the step is damaged, "
+                                "load another step or copy")
+        if size is not None and info.size != size:
+            raise ChecksumError(f"{path} is truncated or damaged: {info.size} bytes on storage, "
+                                f"COMMITTED recorded {size}")
+        with self.fs.open_input_file(path) as f:
+            yield f, info.size
+
+    def read_range(self, step: int, rank: int, offset: int, out) -> None:
+        """Read ``len(out)`` bytes at ``offset`` of a rank's data file (no checksum: the
+        caller verifies what it reads; ``read_rank`` is the verified read)."""
+        path = self._rank_path(step, rank, "bin")
+        mv = memoryview(out).cast("B")
+        with self._open_data(path, None) as (f, _):
+            f.seek(offset)
+            got = _readinto_full(f, mv)
+        if got != mv.nbytes:
+            raise ChecksumError(f"{path} is truncated: ended {offset + got} bytes in, "
+                                f"{offset + mv.nbytes} expected")
+
+    def _read_small(self, path: str, limit: int = validate.MAX_MANIFEST_BYTES, size: int | None = None) -> bytes:
+        """The whole of a small file (a marker or a manifest): a regular file, never read
+        through a symlink, of exactly ``size`` bytes when given and at most ``limit``, its size
+        checked before anything is read. FileNotFoundError if it is absent, ChecksumError for
+        anything else."""
+        try:
+            with self._open_data(path, size) as (f, have):
+                if have > limit:
+                    raise ChecksumError(f"{path} has {have} bytes, more than the {limit} memsnap reads "
+                                        "for such a file; the step is damaged or was not written by memsnap")
+                raw = _read_upto(f, have + 1)  # one byte more: a file that grew is caught
+        except FileNotFoundError:
+            raise
+        except OSError as exc:
+            if isinstance(exc, StorageError):
+                raise
+            raise ChecksumError(f"{path} cannot be read: {exc.strerror or exc}; the step is damaged "
+                                "or the storage unreachable, load another step or copy") from None
+        if len(raw) != have:
+            raise ChecksumError(f"{path} changed while it was read ({len(raw)} bytes read, {have} "
+                                "expected); the step is damaged, load another step or copy")
+        return raw
 
     # --- pruning ---------------------------------------------------------------------------
     def delete_step(self, step: int) -> None:
@@ -674,6 +762,18 @@ def _files_tag(marker: dict, where: str) -> str | None:
     return tag
 
 
+def _read_upto(f, n: int) -> bytes:
+    """Up to ``n`` bytes of ``f`` (fewer only at its end)."""
+    parts, got = [], 0
+    while got < n:
+        part = f.read(n - got)
+        if not part:
+            break
+        parts.append(bytes(part))
+        got += len(part)
+    return b"".join(parts)
+
+
 def _readinto_full(f, mv: memoryview) -> int:
     got = 0
     while got < mv.nbytes:
@@ -682,6 +782,99 @@ def _readinto_full(f, mv: memoryview) -> int:
             break
         got += n
     return got
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # a FIFO opens without blocking
+
+
+def _open_local(path: str) -> int:
+    """A read-only descriptor of the local file ``path``, opened through its directory
+    (``O_NOFOLLOW`` on both: a symlinked step directory or file is refused, ``ChecksumError``);
+    FileNotFoundError when it is absent."""
+    head, name = os.path.split(path)
+    try:
+        dfd = os.open(head, _DIR_FLAGS)
+        try:
+            return os.open(name, _READ_FLAGS, dir_fd=dfd)
+        finally:
+            os.close(dfd)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise ChecksumError(f"{path} (or its step directory) is a symlink or not a file; memsnap "
+                                "reads no file through a symlink: the step is damaged or was not "
+                                "written by memsnap, load another step or copy") from None
+        raise
+
+
+def _regular(path: str, st: os.stat_result, size: int | None) -> None:
+    """``st`` is that of a regular file of ``size`` bytes (when given), or ChecksumError."""
+    if not stat.S_ISREG(st.st_mode):
+        raise ChecksumError(f"{path} is not a regular file; the step is damaged or was not written by "
+                            "memsnap, load another step or copy")
+    if size is not None and st.st_size != size:
+        raise ChecksumError(f"{path} is truncated or damaged: {st.st_size} bytes on storage, "
+                            f"COMMITTED recorded {size}")
+
+
+def _allocate(path: str, size: int) -> memoryview:
+    """A new buffer of ``size`` bytes (the size of ``path`` on storage, checked before)."""
+    try:
+        return memoryview(np.empty(size, dtype=np.uint8)).cast("B")
+    except (MemoryError, ValueError) as exc:
+        raise StorageError(f"cannot allocate {size} bytes to read {path}: {exc or 'out of memory'}; "
+                           "free memory, or load on a machine with more") from None
+
+
+class _Verifier:
+    """Checks a rank's data file as its bytes go by, in order: the whole file's xxh3 against
+    ``COMMITTED`` and every stored tensor's against its manifest (aliases hold no bytes), so
+    one pass over the bytes checks both."""
+
+    def __init__(self, path: str, manifest: Manifest, rec: dict):
+        self.path, self.manifest, self.rec = path, manifest, rec
+        self.whole = xxhash.xxh3_64()
+        self.spans = sorted((t.offset, t.offset + t.nbytes, i) for i, t in enumerate(manifest.tensors)
+                            if t.alias_of is None)
+        self.next, self.open, self.done = 0, [], 0
+
+    def feed(self, start: int, piece: memoryview) -> None:
+        """The bytes at ``start`` (each byte once, in order)."""
+        end = start + piece.nbytes
+        self.whole.update(piece)
+        spans = self.spans
+        while self.next < len(spans) and spans[self.next][0] < end:
+            lo, hi, i = spans[self.next]
+            self.next += 1
+            if hi <= end:  # wholly inside this piece: one call
+                self._check(i, xxhash.xxh3_64_hexdigest(piece[lo - start:hi - start]))
+            else:
+                self.open.append((lo, hi, i, xxhash.xxh3_64()))
+        still = []
+        for lo, hi, i, h in self.open:
+            h.update(piece[max(lo, start) - start:min(hi, end) - start])
+            if hi <= end:
+                self._check(i, h.hexdigest())
+            else:
+                still.append((lo, hi, i, h))
+        self.open, self.done = still, end
+
+    def finish(self) -> None:
+        """After the last byte: the file's checksum, and the tensors not checked yet (empty
+        ones at the very end)."""
+        for lo, hi, i in self.spans[self.next:]:
+            self._check(i, xxhash.xxh3_64_hexdigest(b""))
+        digest = self.whole.hexdigest()
+        if digest != self.rec["bin_xxh3"]:
+            raise ChecksumError(f"{self.path} is corrupted: xxh3 {digest}, COMMITTED recorded "
+                                f"{self.rec['bin_xxh3']}")
+
+    def _check(self, i: int, got: str) -> None:
+        t = self.manifest.tensors[i]
+        if got != t.checksum:
+            raise ChecksumError(f"{self.path} is corrupted: tensor {t.path!r} (bytes {t.offset}.."
+                                f"{t.offset + t.nbytes}) hashes to {got} but its manifest records "
+                                f"{t.checksum}; load another step or copy")
 
 
 def _write_all(fd: int, mv: memoryview) -> None:

@@ -20,6 +20,10 @@ MAX_NAME = 4096  # characters of a tensor path or of a skeleton dict key
 MAX_NDIM = 64
 MAX_WORLD = 1 << 20
 ALIGN = 64  # every tensor starts on a cache-line boundary of the buffer (manifest.ALIGN)
+MAX_TENSORS = 1 << 18  # entries of one manifest (a large MoE model with its optimizer state has ~10**5)
+MAX_BYTES = (1 << 63) - 1  # of a data file, a buffer, an offset
+MAX_MARKER_BYTES = 256 << 20  # of a COMMITTED file (a world of MAX_WORLD ranks needs ~160 MiB)
+MAX_MANIFEST_BYTES = 256 << 20  # of a rank manifest file (MAX_TENSORS entries need well under half)
 
 # Bytes per element of every dtype a manifest may name (memsnap.dtypes builds its table from this).
 ITEMSIZE = {
@@ -119,12 +123,13 @@ def manifest_doc(doc: Any, what: str = "manifest") -> None:
     if doc.get("version") != 1 or not is_int(doc.get("version")):
         raise fail(f"{what} version", "is not 1, the only format version this memsnap reads",
                    doc.get("version"))
-    _count(f"{what} nbytes", doc.get("nbytes"))
+    _count(f"{what} nbytes", doc.get("nbytes"), 0, MAX_BYTES)
     if not isinstance(doc.get("meta", {}), dict):
         raise fail(f"{what} meta", "must be a JSON object", doc.get("meta"))
     nesting(f"{what} meta", doc.get("meta", {}))
     if not isinstance(doc.get("tensors"), list):
         raise fail(f"{what} tensors", "must be a list", doc.get("tensors"))
+    _tensor_count(what, len(doc["tensors"]))
     if "tree" not in doc:
         raise fail(what, "has no skeleton ('tree')")
     for i, entry in enumerate(doc["tensors"]):
@@ -148,7 +153,8 @@ def _entry_doc(where: str, entry: Any) -> None:
 def manifest(man: Any, what: str = "manifest") -> None:
     """Every entry of a ``Manifest`` lies inside its buffer, aliases name earlier entries, the
     skeleton is well formed: what apply, receive and reshard rely on before moving bytes."""
-    total = _count(f"{what} nbytes", man.nbytes)
+    total = _count(f"{what} nbytes", man.nbytes, 0, MAX_BYTES)
+    _tensor_count(what, len(man.tensors))
     holders: dict[str, Any] = {}
     for i, e in enumerate(man.tensors):
         where = f"{what} tensors[{i}] ({_short(getattr(e, 'path', '?'))})"
@@ -158,6 +164,21 @@ def manifest(man: Any, what: str = "manifest") -> None:
         else:
             _alias(where, e, holders.get(e.alias_of))
     skeleton(man.tree, len(man.tensors), f"{what} tree")
+
+
+def _tensor_count(what: str, n: int) -> None:
+    if n > MAX_TENSORS:
+        raise fail(f"{what} tensors", f"lists {n} entries, more than the {MAX_TENSORS} a memsnap "
+                   "manifest holds")
+
+
+def stored_checksums(man: Any, what: str = "manifest") -> None:
+    """Every entry of a stored manifest that holds bytes has its checksum (a writer always
+    records one, so a missing one is damage)."""
+    for i, e in enumerate(man.tensors):
+        if e.alias_of is None and e.checksum is None:
+            raise fail(f"{what} tensors[{i}] ({_short(e.path)})", "has no checksum, which every stored "
+                       "tensor has")
 
 
 def _entry(where: str, e: Any, total: int) -> None:
@@ -355,8 +376,8 @@ def _rank_record(where: str, rec: Any, rank: int) -> None:
         raise fail(where, "must be a JSON object", rec)
     if rec.get("rank") != rank or not is_int(rec.get("rank")):
         raise fail(f"{where} rank", f"must be {rank}", rec.get("rank"))
-    for key in ("bin_bytes", "json_bytes"):
-        _count(f"{where} {key}", rec.get(key))
+    _count(f"{where} bin_bytes", rec.get("bin_bytes"), 0, MAX_BYTES)
+    _count(f"{where} json_bytes", rec.get("json_bytes"), 0, MAX_MANIFEST_BYTES)
     for key in ("bin_xxh3", "json_xxh3"):
         _text(f"{where} {key}", rec.get(key), 16, _HEX16)
 

@@ -6,7 +6,7 @@ import argparse
 import re
 from typing import Any, Sequence
 
-from memsnap.errors import ConfigError
+from memsnap.errors import ConfigError, UnsupportedStateError
 from memsnap.manifest import Manifest
 from memsnap.storage import Store
 
@@ -93,6 +93,11 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join(lines[:1] + ["  ".join("-" * w for w in widths)] + lines[1:])
 
 
+def _unstorable(name: str, dtype: Any) -> UnsupportedStateError:
+    return UnsupportedStateError(f"tensor {name!r} is {dtype}, which safetensors cannot store; convert "
+                                 "it in the training code, or export with --key a state key without it")
+
+
 def weight_paths(manifest: Manifest, key: str | None) -> tuple[str, list[str]]:
     """The top-level key holding the model weights and its tensor paths (``key`` or "model")."""
     keys = [k for k in manifest.tree if not k.startswith("__")] if isinstance(manifest.tree, dict) else []
@@ -110,8 +115,18 @@ def weight_paths(manifest: Manifest, key: str | None) -> tuple[str, list[str]]:
 
 
 def write_safetensors(tensors: dict, path: str, metadata: dict[str, str]) -> str:
-    """Write ``tensors`` to ``path`` as safetensors; return their total size, human-readable."""
+    """Write ``tensors`` to ``path`` as safetensors; return their total size, human-readable.
+    A dtype safetensors has no code for is an ``UnsupportedStateError`` naming the tensor."""
+    import safetensors.torch
     from safetensors.torch import save_file
 
-    save_file(tensors, path, metadata=metadata)
+    known = set(getattr(safetensors.torch, "_TYPES", {}).values())
+    for name, t in tensors.items():
+        if known and t.dtype not in known:
+            raise _unstorable(name, t.dtype)
+    try:
+        save_file(tensors, path, metadata=metadata)
+    except KeyError as exc:  # safetensors' lookup of a dtype it has no code for
+        bad = next((n for n, t in tensors.items() if t.dtype == exc.args[0]), "?")
+        raise _unstorable(bad, exc.args[0]) from None
     return human(sum(t.numel() * t.element_size() for t in tensors.values()))

@@ -11,7 +11,9 @@ from memsnap.errors import ConfigError, StateMismatchError
 from memsnap.storage import Store
 
 
-def _add(acc: dict, new: dict, step: int) -> None:
+def _add(acc: dict, dtypes: dict, new: dict, step: int) -> None:
+    """Add ``new`` (step ``step``'s weights) to the float64 sums ``acc``; ``dtypes`` records
+    each weight's dtype, which every step must share."""
     if acc and set(acc) != set(new):
         raise StateMismatchError(f"step {step} has weights {sorted(set(new) ^ set(acc))[:3]} that other "
                                  "steps lack; average steps of the same model")
@@ -19,6 +21,10 @@ def _add(acc: dict, new: dict, step: int) -> None:
         if name in acc and acc[name].shape != t.shape:
             raise StateMismatchError(f"{name!r} is {list(t.shape)} at step {step} but "
                                      f"{list(acc[name].shape)} at a later step")
+        if name in dtypes and dtypes[name] != t.dtype:
+            raise StateMismatchError(f"{name!r} is {t.dtype} at step {step} but {dtypes[name]} at a later "
+                                     "step; average steps whose weights have the same dtypes")
+        dtypes.setdefault(name, t.dtype)
         if t.is_floating_point():
             acc[name] = acc[name] + t.double() if name in acc else t.double()
         else:
@@ -30,8 +36,7 @@ def average(store: Store, steps: list[int], key: str | None) -> dict:
     acc, dtypes = {}, {}
     for step in tqdm(steps[::-1], desc="average", unit="step", disable=None):
         new = weights(store, step, store.marker(step), key)
-        dtypes = dtypes or {k: t.dtype for k, t in new.items()}
-        _add(acc, new, step)
+        _add(acc, dtypes, new, step)
     return {k: (t / len(steps)).to(dtypes[k]) if dtypes[k].is_floating_point else t
             for k, t in acc.items()}
 

@@ -6,35 +6,46 @@ from __future__ import annotations
 
 import argparse
 
-import numpy as np
-
-from memsnap.apply import verify_checksums
 from memsnap.commands._common import DAMAGED, add_location, human, locate, open_step, printable
 from memsnap.durable import progress_bar
-from memsnap.errors import ChecksumError, ConfigError, FormatError
+from memsnap.errors import ConfigError, FormatError, MemsnapError
+from memsnap.reshard import tiling
 from memsnap.storage import Store
 
 
 def verify_step(store: Store, step: int, marker: dict, progress: bool | None = None) -> list[str]:
-    """Every problem found in ``step`` (empty: intact): file sizes, file and tensor checksums."""
-    problems = []
+    """Every problem found in ``step`` (empty: intact): each rank's files as every reader
+    checks them (``Store.read_rank``), and the shards of every sharded tensor tiling it
+    (``reshard.tiling``)."""
+    problems, saved = [], []
     total = sum(r["bin_bytes"] for r in marker["ranks"])
     update, close = progress_bar(f"verify step {step}", total, progress)
     done = 0
     try:
         for rank in range(marker["world_size"]):
             try:
-                manifest = store.manifest(step, rank, marker)
-                buf = np.empty(manifest.nbytes, dtype=np.uint8)
                 report = None if update is None else (lambda d, t, base=done: update(base + d, total))
-                store.read_rank_into(step, rank, buf, marker=marker, progress=report)
-                verify_checksums(manifest, memoryview(buf))
-            except (ChecksumError, OSError, ValueError) as exc:
+                saved.append(store.read_rank(step, rank, marker=marker, progress=report)[0])
+            except (MemsnapError, OSError, ValueError) as exc:
                 problems.append(f"rank {rank}: {exc}")
             done += marker["ranks"][rank]["bin_bytes"]
     finally:
         close()
+    if not problems:
+        problems += _tiling(saved)
     return problems
+
+
+def _tiling(saved: list) -> list[str]:
+    """The sharded tensors whose saved shards do not tile them."""
+    out = []
+    for e in saved[0].tensors:
+        if e.global_shape is not None and e.alias_of is None:
+            try:
+                tiling(saved, e.path)
+            except MemsnapError as exc:
+                out.append(f"sharding: {exc}")
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
