@@ -33,7 +33,7 @@ import time
 from datetime import timedelta
 from typing import Any, Callable
 
-from memsnap.inplace.group import PeerLost, RecoverableGroup
+from memsnap.inplace.group import PeerLost, RecoverableGroup, os_threads
 from memsnap.inplace.heartbeat import Beater
 
 log = logging.getLogger("memsnap.inplace")
@@ -218,7 +218,7 @@ class Member:
     # --- called by the controller --------------------------------------------------------------
     def info(self) -> dict:
         return {"member": self.name, "pid": os.getpid(), "rank": self.rank, "gen": self.gen,
-                "threads": threading.active_count(), "fds": len(os.listdir("/proc/self/fd")),
+                "threads": os_threads(), "fds": len(os.listdir("/proc/self/fd")),
                 "rss": _rss()}
 
     def prepare(self) -> dict:
