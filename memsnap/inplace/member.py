@@ -33,7 +33,7 @@ import time
 from datetime import timedelta
 from typing import Any, Callable
 
-from memsnap.inplace.group import PeerLost, RecoverableGroup, os_threads
+from memsnap.inplace.group import PeerLost, RecoverableGroup, connect, os_threads
 from memsnap.inplace.heartbeat import Beater
 
 log = logging.getLogger("memsnap.inplace")
@@ -163,7 +163,9 @@ class Member:
         self.group = RecoverableGroup(job, store_addr, backend=backend, timeout_s=backend_timeout_s)
         self.store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
                                    timeout=timedelta(seconds=self.assign_timeout_s))
-        self._beater = Beater(self.group.store, job, name, beat_s)
+        # a client of its own: one client serves one call at a time, and the group's waits
+        # on it (a rendezvous waiting for a slow peer) would stop the beats behind them
+        self._beater = Beater(connect(host, port, 30.0), job, name, beat_s)
         self.rank: int | None = None
         self.world: int | None = None
         self.gen: int | None = None
