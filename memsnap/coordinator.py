@@ -129,13 +129,13 @@ class CoordinatorCore:
         if not ranks:
             return {"hints": {}, "run": self.run, "refused": refused}
         with self.lock:
+            if node in self.fenced:  # refused before it holds a rank or resizes the job
+                raise CommitError(f"node {node[:12]} was declared lost and is fenced: its processes must not "
+                                  "rejoin the job (a host that comes back joins as a new node)")
             resized = world is not None and world != self.world
             if resized:
                 self.resize(world)
             self._hold(node, {rank: claims[rank] for rank in ranks})
-            if node in self.fenced:
-                raise CommitError(f"node {node[:12]} was declared lost and is fenced: its processes must not "
-                                  "rejoin the job (a host that comes back joins as a new node)")
             replaced = self.membership.join(node, address, ranks)
             # a rank moved onto a placed node (a standby taking over): a lost node it left behind
             # holds no rank now, and leaves the placement like a lost spare

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import threading
 import time
 import uuid
@@ -80,6 +81,15 @@ class Recovery:
                 "pids": {r: rep.get("pid") for r, rep in sorted(self.reports.items())}}
 
 
+def _seconds(name: str, value, zero_ok: bool = False) -> float:
+    """``value`` as a finite number of seconds (> 0, or >= 0 with ``zero_ok``), else ConfigError."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
+        and (value >= 0 if zero_ok else value > 0)
+    if not ok:
+        raise ConfigError(f"{name}={value!r}: must be a finite number of seconds {'>= 0' if zero_ok else '> 0'}")
+    return float(value)
+
+
 @dataclasses.dataclass
 class _Slot:
     name: str
@@ -111,6 +121,10 @@ class InplaceJob:
             raise ConfigError("rank_nodes=[]: give the Ray node id of every rank")
         if on_no_standby not in ("wait", "fail"):
             raise ConfigError(f"on_no_standby={on_no_standby!r}: must be 'wait' or 'fail'")
+        beat_s, suspect_after_s, lost_after_s = (_seconds("beat_s", beat_s), _seconds("suspect_after_s", suspect_after_s),
+                                                 _seconds("lost_after_s", lost_after_s))
+        backend_timeout_s, wait_for_node_s = (_seconds("backend_timeout_s", backend_timeout_s),
+                                              _seconds("wait_for_node_s", wait_for_node_s, zero_ok=True))
         if not 0 < beat_s < suspect_after_s <= lost_after_s:
             raise ConfigError(f"beat_s={beat_s}, suspect_after_s={suspect_after_s}, lost_after_s={lost_after_s}: "
                               "need 0 < beat_s < suspect_after_s <= lost_after_s (a few beats each)")

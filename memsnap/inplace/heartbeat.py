@@ -18,7 +18,8 @@ def beat_key(job: str, member: str) -> str:
 
 
 class Beater:
-    """Beats ``member``'s counter every ``interval_s`` from a daemon thread."""
+    """Beats ``member``'s counter every ``interval_s`` from a daemon thread. ``store``: a client
+    no other thread uses (a store client serves one call at a time: a wait on it stops the beats)."""
 
     def __init__(self, store, job: str, member: str, interval_s: float):
         self.store, self.key, self.interval = store, beat_key(job, member), float(interval_s)

@@ -33,7 +33,7 @@ import time
 from datetime import timedelta
 from typing import Any, Callable
 
-from memsnap.inplace.group import PeerLost, RecoverableGroup
+from memsnap.inplace.group import PeerLost, RecoverableGroup, connect, os_threads
 from memsnap.inplace.heartbeat import Beater
 
 log = logging.getLogger("memsnap.inplace")
@@ -163,10 +163,9 @@ class Member:
         self.group = RecoverableGroup(job, store_addr, backend=backend, timeout_s=backend_timeout_s)
         self.store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
                                    timeout=timedelta(seconds=self.assign_timeout_s))
-        # the beats have a store client of their own: the group's is held for the whole of a
-        # rendezvous (a blocking wait), and a member must beat while it waits for its peers
-        self._beater = Beater(dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
-                                            timeout=timedelta(seconds=30)), job, name, beat_s)
+        # a client of its own: one client serves one call at a time, and the group's waits
+        # on it (a rendezvous waiting for a slow peer) would stop the beats behind them
+        self._beater = Beater(connect(host, port, 30.0), job, name, beat_s)
         self.rank: int | None = None
         self.world: int | None = None
         self.gen: int | None = None
@@ -221,7 +220,7 @@ class Member:
     # --- called by the controller --------------------------------------------------------------
     def info(self) -> dict:
         return {"member": self.name, "pid": os.getpid(), "rank": self.rank, "gen": self.gen,
-                "threads": threading.active_count(), "fds": len(os.listdir("/proc/self/fd")),
+                "threads": os_threads(), "fds": len(os.listdir("/proc/self/fd")),
                 "rss": _rss()}
 
     def prepare(self) -> dict:

@@ -1,0 +1,130 @@
+"""Fencing (no Ray): ``CoordinatorCore.node_lost`` is memsnap's own verdict that a node is
+lost. The fenced node leaves the live nodes at once (before Ray says anything), its phase-one
+reports are ignored, it cannot join again, a standby taking its rank on a placed spare node
+makes the placement drop it, and a second verdict on it (Ray's, later) changes nothing."""
+from __future__ import annotations
+
+import pytest
+
+from memsnap.config import SnapshotConfig
+from memsnap.coordinator import CoordinatorCore
+from memsnap.errors import CommitError
+from memsnap.records import NodeReady, Region
+
+NODES = [c * 40 for c in "abcde"]
+A, B, C, D, E = NODES  # ranks 0, 1, 2 on A, B, C; D and E are spares
+
+
+class Nodes:
+    """The coordinator's directory: every node's agent answers until Ray stops seeing it."""
+
+    def __init__(self):
+        self.up = set(NODES)
+        self.forgotten: list[str] = []
+
+    def alive(self) -> set[str]:
+        return set(self.up)
+
+    def forget(self, node: str) -> None:
+        self.forgotten.append(node)
+
+    def agent(self, node: str):
+        return None
+
+    def call_all(self, nodes, method: str, *args, timeout: float) -> dict:
+        if method == "address":
+            return {n: address(n) for n in nodes if n in self.up}
+        return {}  # "running": no other run's process is alive
+
+
+def address(node: str) -> dict:
+    return {"host": "127.0.0.1", "port": NODES.index(node) + 1}
+
+
+@pytest.fixture
+def core():
+    core = CoordinatorCore(SnapshotConfig("fencing", k=2, m=1).to_dict(), 3, directory=Nodes())
+    core.sent = []
+    core.broadcast = lambda *args: core.sent.append(args[0])
+    for rank, node in enumerate([A, B, C]):
+        core.join(node, address(node), [rank], 3)
+    assert core.membership.peered and set(core.membership.placement.holders) == set(NODES)
+    core.sent.clear()
+    return core
+
+
+def ready(core, step: int, node: str, rank: int) -> dict:
+    holders = core.membership.placement.holders[node]
+    return NodeReady(step, node, 0, 4096, (Region(rank, 4096, 0),), holders, world=3).to_wire()
+
+
+def placed_anywhere(core, node: str) -> bool:
+    holders = core.membership.placement.holders
+    return node in holders or any(node in h for h in holders.values())
+
+
+def test_a_fenced_node_leaves_the_live_nodes_at_once_while_ray_still_sees_it(core):
+    assert core.node_lost(B, "rank 1: no heartbeat for 1.2 s") is True
+    assert B in core.dir.alive()  # Ray has not noticed anything yet
+    assert B not in core._alive() and core._alive() == {A, C, D, E}
+    assert core.dir.forgotten == [B]  # its agent's handle is never used again
+    assert B not in core.membership.live_nodes()
+
+
+def test_a_fenced_nodes_report_is_ignored_so_a_step_never_commits_because_of_it(core):
+    core.node_lost(B, "rank 1: its process ended")
+    for rank, node in enumerate([A, B, C]):
+        core.node_ready(ready(core, 5, node, rank))
+    assert core.newest() is None  # A and C alone are not every node running ranks
+    assert B not in core.log.pending.get(5, {})
+    core.join(D, address(D), [1], 3)  # the standby on D takes rank 1
+    core.node_ready(ready(core, 5, D, 1))
+    assert core.newest() == 5
+    assert set(core.log.records[5].nodes) == {A, C, D}
+
+
+def test_a_join_from_a_fenced_node_is_refused_and_changes_nothing(core):
+    core.node_lost(B, "rank 1: no heartbeat for 1.2 s")
+    core.join(D, address(D), [1], 3)  # the standby took rank 1
+    holders, members = dict(core.membership.holders), dict(core.membership.members)
+    membership, epoch, run = core.membership, core.membership.epoch, core.run
+    claim = {1: {"run": None, "process": "4242-17"}}  # the frozen process woke up
+    with pytest.raises(CommitError, match=r"node bbbbbbbbbbbb was declared lost and is fenced"):
+        core.join(B, address(B), [1], 3, claim)
+    assert core.membership.holders == holders  # the standby still holds rank 1
+    with pytest.raises(CommitError, match=r"fenced"):
+        core.join(B, address(B), [1], 4, claim)  # not even as an elastic restart
+    assert core.membership is membership and core.world == 3 and core.membership.epoch == epoch
+    assert core.membership.holders == holders and core.membership.members == members
+    assert core.run == run and core.membership.holders[1].node == D
+
+
+def test_a_standby_on_a_placed_spare_taking_the_lost_rank_drops_the_lost_node_from_the_placement(core):
+    epoch = core.membership.epoch
+    assert core.node_lost(B, "rank 1: its process ended") is True
+    assert placed_anywhere(core, B)  # it still runs rank 1 until a standby takes it
+    assert core.membership.epoch == epoch and core.sent == []
+    core.join(D, address(D), [1], 3)
+    assert core.membership.members == {0: A, 1: D, 2: C}
+    assert not placed_anywhere(core, B) and set(core.membership.placement.holders) == {A, C, D, E}
+    assert core.membership.peered and core.membership.epoch > epoch
+    assert core.sent == ["layout_changed"]  # every agent drops the layout that named B
+    assert core.answer(D)["ranks"] == [1]
+
+
+def test_a_fenced_spare_leaves_the_placement_at_once(core):
+    epoch = core.membership.epoch
+    assert core.node_lost(E, "its agent stopped answering") is True
+    assert not placed_anywhere(core, E) and core.membership.epoch > epoch
+    assert core.membership.peered and core.sent == ["layout_changed"]
+
+
+def test_node_lost_twice_is_false_and_ray_declaring_the_node_dead_later_changes_nothing(core):
+    assert core.node_lost(B, "rank 1: no heartbeat for 1.2 s") is True
+    core.join(D, address(D), [1], 3)
+    placement, epoch, sent = core.membership.placement, core.membership.epoch, list(core.sent)
+    assert core.node_lost(B, "again") is False
+    core.dir.up.discard(B)  # Ray's verdict, seconds later
+    assert core.node_lost(B, "ray: node dead") is False
+    assert core._alive() == {A, C, D, E} and core.dir.forgotten == [B]
+    assert core.membership.placement is placement and core.membership.epoch == epoch and core.sent == sent

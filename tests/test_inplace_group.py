@@ -1,0 +1,126 @@
+"""``RecoverableGroup`` across real processes (no Ray): the store is hosted here, as the
+in-place controller hosts it; the members are separate processes (``support.pg_members``).
+
+A lost member ends every survivor's collective in ``PeerLost``: a killed one at once (its
+sockets close), a hung one as soon as the controller publishes the failure, long before the
+backend's own timeout. Re-forming in the same processes keeps threads and descriptors flat,
+and closing ends the watcher."""
+from __future__ import annotations
+
+import re
+import signal
+
+import pytest
+
+from memsnap.inplace.group import failed_key, over_key, publish_failure
+from support.pg_members import Members
+
+BACKEND_TIMEOUT_S = 120.0  # gloo's own bound: no wait below comes near it
+WAIT_S = 30.0  # the deadline of every answer a member gives after it is up
+UP_S = 300.0  # the first member waits for the fork server to import torch (a loaded machine)
+
+
+@pytest.fixture
+def members():
+    made: list[Members] = []
+
+    def start(names: list[str]) -> Members:
+        m = Members(names, backend_timeout_s=BACKEND_TIMEOUT_S)
+        made.append(m)
+        for name in names:
+            m.answer(f"{name}/up", UP_S)
+        return m
+
+    yield start
+    for m in made:
+        m.close()
+
+
+def formed(m: Members, gen: int, names: list[str], sums: int | None = None) -> dict[str, dict]:
+    """Every one of ``names`` formed ``gen`` and summed correctly: their counts then."""
+    m.form(gen, names, sums)
+    return {name: m.answer(f"{name}/ready/{gen}", WAIT_S) for name in names}
+
+
+def spare(m: Members, name: str) -> str:
+    m.start(name)
+    m.answer(f"{name}/up", UP_S)
+    return name
+
+
+def test_a_member_killed_mid_all_reduce_ends_every_survivors_collective_in_peer_lost(members):
+    m = members(["a", "b", "c"])
+    formed(m, 0, ["a", "b", "c"])  # all three are in all_reduce after all_reduce
+    m.signal("b", signal.SIGKILL)
+    for name in ("a", "c"):
+        left = m.answer(f"{name}/left/0", WAIT_S)
+        assert left["kind"] == "PeerLost" and left["gen"] == 0, left
+        assert left["failure"], left
+    why = m.store.get(failed_key(m.job, 0)).decode()
+    # the reason names the survivor that saw the collective fail, and the backend's error
+    assert re.match(r"rank [02]: \w+: .*peer", why), why
+    assert m.store.get(over_key(m.job, 0)) == b"failed"
+
+
+def test_a_hung_member_ends_the_survivors_collective_once_the_controller_publishes_the_failure(members):
+    """SIGSTOP closes no socket: the survivors' all_reduce would wait out the backend's timeout.
+    The controller's word ends it; their next generation forms without the hung member, which
+    still holds the old group's sockets: the survivors keep that group (once) until its work ends."""
+    m = members(["a", "b", "c"])
+    formed(m, 0, ["a", "b", "c"])
+    m.signal("b", signal.SIGSTOP)
+    assert not m.store.check([failed_key(m.job, 0)])  # no member noticed anything itself
+    publish_failure(m.store, m.job, 0, "controller: rank 1 stopped beating")
+    for name in ("a", "c"):
+        left = m.answer(f"{name}/left/0", WAIT_S)
+        assert left["kind"] == "PeerLost" and left["gen"] == 0, left
+        assert left["failure"] == "controller: rank 1 stopped beating"
+        assert "controller: rank 1 stopped beating" in left["message"]
+    after = formed(m, 1, ["a", spare(m, "s0"), "c"])  # b is still stopped, its sockets open
+    for name in ("a", "c"):
+        assert after[name]["graveyard"] == 1, after[name]  # generation 0's group, kept once
+
+
+def test_reforming_ten_times_with_a_spare_for_each_killed_member_keeps_threads_and_fds_flat(members):
+    """Rank 0 stays in one process through ten generations; each generation a member is killed
+    and a fresh spare takes its rank. What the survivor holds beyond its live group is the old
+    groups it keeps (the last generation's, until the next one forms; one whose abandoned work
+    has not ended yet): at most two, and they explain every thread and descriptor above the
+    second generation's."""
+    m = members(["a", "b", "c"])
+    names = ["a", "b", "c"]
+    seen: list[dict] = []
+    for gen in range(10):
+        seen.append(formed(m, gen, names)["a"])
+        if gen == 9:
+            break
+        victim = names[1 + gen % 2]
+        m.signal(victim, signal.SIGKILL)
+        for name in names:
+            if name != victim:
+                assert m.answer(f"{name}/left/{gen}", WAIT_S)["kind"] == "PeerLost"
+        names[names.index(victim)] = spare(m, f"s{gen}")
+    first, second, last = seen[0], seen[1], seen[-1]
+    assert first["graveyard"] == 0 and second["graveyard"] >= 1
+    cost = {k: (second[k] - first[k]) / second["graveyard"] for k in ("threads", "fds")}
+    assert cost["threads"] > 0 and cost["fds"] > 0, (first, second)  # a kept group's gloo threads and sockets
+    for gen, counts in enumerate(seen[1:], start=1):
+        assert counts["graveyard"] <= 2, (gen, counts)
+        for k in ("threads", "fds"):
+            assert counts[k] == second[k] + cost[k] * (counts["graveyard"] - second["graveyard"]), (gen, k, seen)
+    assert last["graveyard"] <= 2
+
+
+def test_closing_every_member_ends_the_watchers_and_records_no_failure(members):
+    m = members(["a", "b", "c"])
+    m.form(0, ["a", "b", "c"], sums=5)
+    for name in ("a", "b", "c"):
+        m.answer(f"{name}/done/0", WAIT_S)
+    for name in ("a", "b", "c"):
+        m.send(name, op="close")
+    for name in ("a", "b", "c"):
+        closed = m.answer(f"{name}/closed", WAIT_S)
+        assert closed["watcher_alive"] is False and "memsnap-pg-watch" not in closed["threads"], closed
+        assert closed["failed"] == {}, closed
+    assert not m.store.check([failed_key(m.job, 0)])
+    assert m.store.get(over_key(m.job, 0)) == b"closed"
