@@ -112,18 +112,23 @@ class NoProtection:
         pass
 
 
+def memsnap_options(cfg: dict) -> dict:
+    """The Snapshotter options of a memsnap run: RS(``k``, ``m``) (default 2, 1), a snapshot
+    every ``interval`` steps (or ``auto``), a spill every ``spill_every`` steps."""
+    when = {"auto": True, "every_steps": None, "mtbf_hours": cfg["node_mtbf_s"] / 3600} \
+        if cfg["interval"] == "auto" else {"every_steps": int(cfg["interval"])}
+    return dict(k=cfg.get("k", 2), m=cfg.get("m", 1), memory_budget=cfg["memory_budget"], spill=cfg["storage"],
+                spill_every=cfg["spill_every"], spill_bytes_per_s=cfg["spill_bytes_per_s"], preemption=False,
+                **when)
+
+
 class MemsnapProtection:
     """``Snapshotter.save`` every step (or ``auto``), spill every ``spill_every`` steps."""
 
     def __init__(self, job: Job, cfg: dict):
         from memsnap.snapshotter import Snapshotter
 
-        when = {"auto": True, "every_steps": None, "mtbf_hours": cfg["node_mtbf_s"] / 3600} \
-            if cfg["interval"] == "auto" else {"every_steps": int(cfg["interval"])}
-        self.snap = Snapshotter(job=cfg["job"], rank=job.rank, world_size=job.world, k=2, m=1,
-                                memory_budget=cfg["memory_budget"], spill=cfg["storage"],
-                                spill_every=cfg["spill_every"], spill_bytes_per_s=cfg["spill_bytes_per_s"],
-                                preemption=False, **when)
+        self.snap = Snapshotter(job=cfg["job"], rank=job.rank, world_size=job.world, **memsnap_options(cfg))
 
     def restore(self, job: Job) -> int | None:
         return self.snap.restore(job.state())
