@@ -313,7 +313,10 @@ class Member:
 
     def close(self) -> None:
         if self._watcher is not None:
-            self._watcher.stop()
+            try:
+                self._watcher.stop()
+            except ValueError:  # its signals were installed by another thread: Ray's worker keeps them
+                pass
         self._beater.close()
         if self.snap is not None:
             self.snap.close()
