@@ -44,7 +44,7 @@ def check_run(run) -> str | None:
     """``run`` (None allowed) if it is a usable run id."""
     if run is None:
         return None
-    if not isinstance(run, str) or not _RUN_RE.match(run):
+    if not isinstance(run, str) or not _RUN_RE.fullmatch(run):
         raise ConfigError(f"run={run!r}: use 1-128 characters of letters, digits, '_', '.', ':', '-' "
                           "(the same on every rank and every restart of one run)")
     return run

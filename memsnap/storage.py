@@ -149,7 +149,7 @@ class Lineage:
             return None
         lid, seq, parent, base = (doc.get(k) for k in ("id", "seq", "parent", "base"))
         steps_ok = all(v is None or (type(v) is int and v >= 0) for v in (parent, base))
-        if isinstance(lid, str) and _LINEAGE_RE.match(lid) and type(seq) is int and seq >= 1 and steps_ok:
+        if isinstance(lid, str) and _LINEAGE_RE.fullmatch(lid) and type(seq) is int and seq >= 1 and steps_ok:
             return cls(lid, seq, parent, base)
         return None
 
@@ -330,7 +330,7 @@ class Store:
         """Delete the rank files of ``step`` its new marker does not name (the replaced save's)."""
         infos = self.fs.get_file_info(pafs.FileSelector(self.path(step), allow_not_found=True))
         for info in infos:
-            if _RANK_FILE_RE.match(info.base_name) and info.base_name not in live:
+            if _RANK_FILE_RE.fullmatch(info.base_name) and info.base_name not in live:
                 self._discard(info.path)
 
     def _warn_behind(self, step: int, lineage: Lineage, history: list[Commit]) -> None:
@@ -443,7 +443,7 @@ class Store:
             return []
         out = []
         for info in infos:
-            m = _STEP_RE.match(info.base_name)
+            m = _STEP_RE.fullmatch(info.base_name)
             if m and info.type == pafs.FileType.Directory:
                 out.append((int(m.group(1)), info.path))
         return out
@@ -756,7 +756,7 @@ def _head(history: list[Commit]) -> Commit | None:
 def _files_tag(marker: dict, where: str) -> str | None:
     """The name tag a marker gives its rank files (None: the plain names)."""
     tag = marker.get("files")
-    if tag is not None and not (isinstance(tag, str) and _TAG_RE.match(tag)):
+    if tag is not None and not (isinstance(tag, str) and _TAG_RE.fullmatch(tag)):
         raise FormatError(f"{where} files: must be 'r' and 16 hex digits, the name tag of the "
                           f"step's rank files, got {tag!r}; the step is damaged, load another step")
     return tag

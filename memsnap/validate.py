@@ -82,7 +82,7 @@ def _ints(where: str, v: Any, low: int = 0) -> tuple[int, ...]:
 
 
 def _text(where: str, v: Any, limit: int = MAX_NAME, pattern: re.Pattern | None = None) -> str:
-    if not isinstance(v, str) or len(v) > limit or (pattern is not None and not pattern.match(v)):
+    if not isinstance(v, str) or len(v) > limit or (pattern is not None and not pattern.fullmatch(v)):
         raise fail(where, f"must be a string of at most {limit} characters"
                    + ("" if pattern is None else f" matching {pattern.pattern}"), v)
     return v
@@ -230,7 +230,7 @@ def _sharding(where: str, e: Any, shape: tuple[int, ...]) -> None:
         raise fail(f"{where} placements", f"must list one placement per mesh dimension ({len(mesh)})",
                    places)
     for j, p in enumerate(places):
-        m = _PLACEMENT.match(_text(f"{where} placements[{j}]", p, 32, _PLACEMENT))
+        m = _PLACEMENT.fullmatch(_text(f"{where} placements[{j}]", p, 32, _PLACEMENT))
         if m.group(2) is not None and int(m.group(2)) >= len(whole):
             raise fail(f"{where} placements[{j}]", f"shards a dimension the {len(whole)}-d tensor lacks", p)
 

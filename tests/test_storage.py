@@ -411,3 +411,13 @@ def test_retention_and_resume_follow_the_newest_run(keep, ops, new_process):
         new_process()
         if saved:
             assert Store.open(root).resume_order()[0] == last
+
+
+def test_names_are_matched_whole_a_trailing_newline_is_not_a_step_or_a_rank_file(tmp_path):
+    store = Store.open(str(tmp_path))
+    save_step(store, 5)
+    # a planted directory that differs from a step's name only by a trailing newline
+    os.rename(store.path(5), os.path.join(str(tmp_path), "step_000000000005\n"))
+    assert store.steps() == []
+    with pytest.raises(SnapshotNotFoundError):
+        store.latest()

@@ -701,3 +701,12 @@ def test_capture_refuses_what_load_would_refuse():
     assert Manifest.from_json(man.to_json()).tree == man.tree
     with pytest.raises(UnsupportedStateError, match="nested deeper than 100"):
         capture({"x": [ok["x"]]}, rng=False)
+
+
+def test_a_checksum_with_a_trailing_newline_is_malformed(real):
+    """Patterns are matched whole: ``$`` would let a trailing newline through."""
+    doc = copy.deepcopy(real["doc"])
+    entry = next(e for e in doc["tensors"] if e.get("checksum"))
+    entry["checksum"] += "\n"
+    with pytest.raises(FormatError, match="checksum"):
+        Manifest.from_json(json.dumps(doc).encode())
