@@ -59,18 +59,20 @@ class Slots:
     def free_slot(self, step: int) -> int | None:
         """A slot for ``step``, or None when the pipeline is busy (the save is skipped, not
         failed). Under pressure the newest capture wins: it takes the slot of an older one
-        that has not started sending, or of one sent but not yet committed."""
+        that has not started sending (never of one already sent: see below)."""
         self._supersede()
         free = self.free_slots()
         committed = sorted(s for s, v in self.versions.items() if v.state == "committed")
         if not free and len(committed) >= 2 and not self.pinned(committed[0]):
             self.versions.pop(committed[0])  # a newer committed version stays whole
             free = self.free_slots()
-        for state in ("queued", "ready", "capturing"):
+        # A sent version ("ready": every chunk acknowledged, its commit on the way) never gives
+        # way: it is one notice from committing on every node, and a node that replaced it
+        # alone would make it fail everywhere; under steady pressure every node doing so in
+        # turn would let no step commit at all. The newer capture is skipped instead.
+        for state in ("queued", "capturing"):
             if free:
                 break
-            if state == "ready" and not (self.cfg.local_copy or self.cfg.spill is not None):
-                continue  # lean mode without a spill: a sent version holds no slot
             older = sorted(s for s, v in self.versions.items() if v.state == state and s < step)
             if older:
                 self._replace(self.versions[older[0]], step)
