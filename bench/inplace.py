@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import statistics
 import sys
 import tempfile
@@ -59,18 +58,8 @@ def _say(msg: str) -> None:
 
 
 def kill_hard(lc: LocalCluster, node) -> float:
-    """Kill ``node``'s raylet and every process under it, as a lost host goes (the same kill
-    as tests/test_inplace_cluster.py). Returns the wall time of the kill."""
-    raylet = node.all_processes["raylet"][0].process.pid
-    tree = psutil.Process(raylet).children(recursive=True)
-    t = time.time()
-    lc.kill_node(node)
-    for proc in tree:
-        try:
-            os.kill(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return t
+    """Kill ``node`` as a lost host goes; the wall time of the kill."""
+    return lc.kill_node_hard(node)
 
 
 # --- the in-place job's member functions (run in the members' processes) -------------------------

@@ -3,8 +3,6 @@ their processes, the standby takes the lost rank, and training goes on bitwise a
 node had never been lost."""
 from __future__ import annotations
 
-import os
-import signal
 import threading
 import uuid
 
@@ -27,14 +25,7 @@ def cluster():
 
 def kill_hard(lc: LocalCluster, node) -> None:
     """The node's raylet and every process under it, as a lost host would go."""
-    raylet = node.all_processes["raylet"][0].process.pid
-    tree = psutil.Process(raylet).children(recursive=True)
-    lc.kill_node(node)
-    for proc in tree:
-        try:
-            os.kill(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    lc.kill_node_hard(node)
 
 
 def test_a_killed_node_is_replaced_by_the_standby_and_the_survivors_keep_their_processes_under_ddp(cluster):
