@@ -163,16 +163,24 @@ def _demo(tmp_path, *args: str, timeout: float = 600) -> dict:
     return report
 
 
-def _check_report(r: dict, failures: int) -> None:
+def _check_report(r: dict, failures: int, mode: str = "inplace") -> None:
     assert r["_rc"] == 0, r["_stderr"][-4000:]
+    assert r["mode"] == mode
     assert len(r["failures"]) == failures
     for f in r["failures"]:
         assert f["tier"] == "peer", f  # the lost rank was rebuilt from its peers' RAM
         assert f["restored_step"] == f["failure_step"], f  # resumed from the last step
+        if mode == "inplace":  # the survivors kept their processes and rolled back from their own RAM
+            assert f["survivors_kept_their_processes"] is True, f
+            assert all(before == after for before, after in f["survivor_pids"].values()), f
+            assert set(f["survivor_tiers"].values()) == {"local"}, f
+            assert len(f["survivor_pids"]) == r["nodes"] - 1
     assert r["restore_tier"] == "peer" and r["resumed_from_step"] == r["failure_step"]
     assert r["bitwise_identical"] is True
     assert r["final_params_identical"] is True
-    assert set(r["recovery_seconds"]) == {"detect", "restart", "restore"}
+    keys = {"inplace": {"first_sign", "detect", "reform", "restore", "first_step", "total"},
+            "restart": {"detect", "restart", "restore"}}[mode]
+    assert set(r["recovery_seconds"]) == keys
     assert all(v is not None and v >= 0 for v in r["recovery_seconds"].values())
     assert r["disk_restore_seconds"] > 0 and r["disk_restore_step"] == r["steps"] - 1
     peer, disk_ = r["restore_compare"]["peer"], r["restore_compare"]["disk"]
@@ -188,14 +196,25 @@ def _check_report(r: dict, failures: int) -> None:
 @pytest.mark.ray
 @pytest.mark.slow
 @pytest.mark.timeout(660)  # the command's own limit (600 s) first, on a loaded machine
-def test_quick_demo_with_two_node_kills_resumes_from_peers_bitwise(tmp_path):
-    """``memsnap demo --quick`` with two kills at different steps: Ray Train restarts the
-    worker group twice (``max_failures``), each time the lost rank is rebuilt from its peers'
-    RAM, and the loss curve and final parameters equal the run that never failed, bit for bit."""
+def test_quick_demo_with_two_node_kills_recovers_in_place_bitwise(tmp_path):
+    """``memsnap demo --quick`` with two kills at different steps: each time the survivors keep
+    their processes and roll back from their own node's RAM, a warm standby takes the lost rank
+    from its peers' RAM, and the loss curve and final parameters equal the run that never
+    failed, bit for bit."""
     r = _demo(tmp_path, "--quick", "--failure-step", "4", "--failure-step", "10")
     _check_report(r, failures=2)
     first, second = (f["failure_step"] for f in r["failures"])
     assert 4 <= first < 10 <= second < r["steps"] - 1  # each kill lands after a committed step
+    assert r["failures"][0]["takeover"] != r["failures"][1]["takeover"]  # a standby each
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.timeout(660)
+def test_quick_demo_with_restart_resumes_from_peers_bitwise(tmp_path):
+    """``--restart``: Ray Train restarts the whole worker group (the fallback path); the lost
+    rank is rebuilt from its peers' RAM, bitwise."""
+    _check_report(_demo(tmp_path, "--quick", "--restart"), failures=1, mode="restart")
 
 
 @pytest.mark.ray
@@ -205,3 +224,28 @@ def test_quick_demo_with_two_node_kills_resumes_from_peers_bitwise(tmp_path):
 def test_default_demo(tmp_path):
     """The README's ``memsnap demo`` (4 nodes, RS(2,1), one kill): run with ``pytest -m demo``."""
     _check_report(_demo(tmp_path, timeout=900), failures=1)
+
+
+def test_summary_in_place_shows_the_split_and_the_survivors_pids():
+    failure = {"survivor_pids": {"0": [101, 101], "1": [102, 102]}, "survivor_tiers": {"0": "local", "1": "local"}}
+    r = dict(_report(_lost(0.25), _disk(1.0)), mode="inplace", failures=[failure],
+             survivors_kept_their_processes=True,
+             recovery_seconds={"first_sign": 0.1, "detect": 0.5, "reform": 0.02, "restore": 0.7, "first_step": 0.2,
+                               "total": 1.42})
+    text = demo_cmd.summary(r)
+    assert "1.42 s in place" in text and "re-form 0.02 s" in text and "first step 0.20 s" in text
+    assert "kept (rank 0 101 -> 101, rank 1 102 -> 102); rolled back from: local" in text
+    r["survivors_kept_their_processes"] = False
+    assert "NOT kept" in demo_cmd.summary(r)
+
+
+def test_the_demo_recovers_in_place_unless_told_to_restart():
+    ap = __import__("argparse").ArgumentParser()
+    demo_cmd.register(ap.add_subparsers())
+    parse = lambda *a: demo_cmd.options(ap.parse_args(["demo", *a]))  # noqa: E731
+    assert parse().mode == "inplace" and parse("--restart").mode == "restart"
+    # in place: a head for the controller, a node per rank and a spare per failure
+    assert parse("--quick", "--failure-step", "4", "--failure-step", "10").cluster_nodes == 1 + 3 + 2
+    assert parse("--restart").cluster_nodes == 4
+    with pytest.raises(ValueError, match="mode='sideways'"):
+        DemoOptions(mode="sideways")

@@ -1,4 +1,5 @@
-"""``memsnap demo``: a node killed mid-training on a simulated Ray cluster, resumed from peers' RAM."""
+"""``memsnap demo``: a node killed mid-training on a simulated Ray cluster, recovered in place
+(the survivors keep their processes; a warm standby takes the lost rank from peers' RAM)."""
 from __future__ import annotations
 
 import argparse
@@ -15,11 +16,15 @@ QUICK_FROZEN_MIB = 4.0
 
 def register(subparsers) -> argparse.ArgumentParser:
     ap = subparsers.add_parser(
-        "demo", help="kill a node mid-training on a local Ray cluster and resume from peers' RAM",
+        "demo", help="kill a node mid-training on a local Ray cluster and recover in place from RAM",
         description="Starts a simulated multi-node Ray cluster on 127.0.0.1, trains a small "
                     "transformer (with a frozen table beside it, so each rank's state has a "
-                    "realistic size) with Ray Train, snapshots every step into peers' RAM, kills a "
-                    "node, adds a replacement and resumes; then checks the loss curve and every "
+                    "realistic size) on Ray actors, snapshots every step into peers' RAM, and kills "
+                    "a rank's node. By default the job recovers in place (memsnap.inplace): the "
+                    "surviving ranks keep their processes and roll back from their own node's RAM, "
+                    "a warm standby takes the lost rank from its peers' RAM; the summary shows where "
+                    "the seconds went and the survivors' process ids. With --restart, Ray Train "
+                    "restarts the whole worker group instead. Then it checks the loss curve and every "
                     "rank's final state against a run that never failed, bit for bit, and compares "
                     "the lost rank's restore from peers with reading its bytes back from disk.")
     ap.add_argument("--nodes", type=int, default=4, help="simulated nodes (default 4)")
@@ -38,6 +43,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     ap.add_argument("--out", default="memsnap-demo", help="directory for logs, spill and the plot")
     ap.add_argument("--quick", action="store_true", help="a smaller, faster run (tiny model, 3 nodes with RS(1,1), 16 steps, "
                          f"{QUICK_FROZEN_MIB:g} MiB frozen)")
+    ap.add_argument("--restart", action="store_true",
+                    help="recover by restarting the whole job under Ray Train (every rank's process), "
+                         "as without memsnap.inplace, instead of in place")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
     ap.set_defaults(func=run)
     return ap
@@ -60,7 +68,8 @@ def options(args: argparse.Namespace):
         fails = (max(1, steps * 3 // 8),)
     return DemoOptions(nodes=nodes, k=args.k, m=args.m, model=model, steps=steps, failure_steps=fails,
                        spill_every=min(args.spill_every, max(1, steps // 4)), out=args.out,
-                       frozen_mib=frozen if args.frozen_mib is None else args.frozen_mib)
+                       frozen_mib=frozen if args.frozen_mib is None else args.frozen_mib,
+                       mode="restart" if args.restart else "inplace")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -88,7 +97,8 @@ def run(args: argparse.Namespace) -> int:
                 sys.stderr.write(notices.read().decode(errors="replace"))
                 raise
         print(summary(report))
-    return 0 if report["bitwise_identical"] and report["final_params_identical"] else 1
+    ok = report["bitwise_identical"] and report["final_params_identical"]
+    return 0 if ok and report.get("survivors_kept_their_processes") is not False else 1
 
 
 @contextlib.contextmanager
@@ -118,9 +128,24 @@ def _rate(side: dict) -> str:
     return f"{_mib(side['bytes'])} in {side['seconds']:.2f} s = {rate}"
 
 
-def summary(r: dict) -> str:
+def _recovery_line(r: dict) -> list[str]:
     rec = r["recovery_seconds"]
     fmt = lambda v: "n/a" if v is None else f"{v:.2f} s"  # noqa: E731
+    if r.get("mode", "restart") == "restart":
+        return [f"  failure -> training again    detect {fmt(rec['detect'])}, restart {fmt(rec['restart'])}, "
+                f"restore {fmt(rec['restore'])} (slowest rank, from its first call)"]
+    first = r["failures"][0] if r["failures"] else {}
+    pids = ", ".join(f"rank {k} {a} -> {b}" for k, (a, b) in sorted(first.get("survivor_pids", {}).items(),
+                                                                  key=lambda kv: int(kv[0])))
+    tiers = sorted(set(first.get("survivor_tiers", {}).values()))
+    kept = "kept" if r.get("survivors_kept_their_processes") else "NOT kept"
+    return [f"  failure -> training again    {fmt(rec['total'])} in place: first sign {fmt(rec['first_sign'])}, "
+            f"detect {fmt(rec['detect'])}, re-form {fmt(rec['reform'])}, restore {fmt(rec['restore'])}, "
+            f"first step {fmt(rec['first_step'])}",
+            f"  survivors' processes         {kept} ({pids}); rolled back from: {', '.join(tiers) or 'n/a'}"]
+
+
+def summary(r: dict) -> str:
     cmp_ = r["restore_compare"]
     peer, disk = cmp_["peer"], cmp_["disk"]
     lines = [
@@ -130,8 +155,7 @@ def summary(r: dict) -> str:
         + (f"({r['frozen_mib']:g} MiB of it a frozen table)" if r["frozen_mib"] else "(the model's alone)"),
         f"  node killed after step       {r['failure_step']}",
         f"  training resumed from step   {r['resumed_from_step']}  (served by: {r['restore_tier']})",
-        f"  failure -> training again    detect {fmt(rec['detect'])}, restart {fmt(rec['restart'])}, "
-        f"restore {fmt(rec['restore'])} (slowest rank, from its first call)",
+        *_recovery_line(r),
         f"  lost rank, from peers' RAM   {_rate(peer)}  (step {peer['step']}, into the live tensors, "
         f"verified; {peer['restoring_ranks']} ranks restoring at once)",
         f"  same rank, from disk         {_rate(disk)}  (step {disk['step']}: read {disk['read_s']:.2f} s, "

@@ -1,6 +1,9 @@
-"""The demo's driver: cluster, Ray Train job, failure injection, measurements and report.
+"""The demo's driver: cluster, job, failure injection, measurements and report.
 
-Timeline of one failure (all times on the driver's clock):
+By default the job recovers in place (``inplace_driver``: the survivors keep their processes,
+a warm standby takes the lost rank). With ``mode="restart"`` it runs under Ray Train, which
+restarts the whole worker group after a loss; timeline of one such failure (all times on the
+driver's clock):
 
     kill      the victim node's raylet, workers and agent are SIGKILLed
     detect    Ray's GCS marks the node dead (health checks; see localcluster.py)
@@ -34,9 +37,12 @@ class DemoOptions:
     out: str = "memsnap-demo"
     seed: int = 0
     timeout_s: float = 900.0
+    mode: str = "inplace"  # or "restart": Ray Train restarts the whole worker group
 
     def __post_init__(self):
         ModelConfig.sized(self.model)  # validates the name
+        if self.mode not in ("inplace", "restart"):
+            raise ValueError(f"mode={self.mode!r}: must be 'inplace' (the default) or 'restart'")
         if self.nodes < self.k + self.m + 1:
             raise ValueError(f"--nodes {self.nodes} is too few for k={self.k}, m={self.m}: "
                              f"RS({self.k},{self.m}) needs at least k+m+1 = {self.k + self.m + 1} nodes")
@@ -54,6 +60,11 @@ class DemoOptions:
     @property
     def job(self) -> str:
         return "demo"
+
+    @property
+    def cluster_nodes(self) -> int:
+        """In place: a head (controller, coordinator), a node per rank, a spare per failure."""
+        return self.nodes if self.mode == "restart" else 1 + self.nodes + len(self.failure_steps)
 
 
 @dataclass
@@ -230,18 +241,29 @@ def run_demo(opts: DemoOptions, *, progress: bool = True) -> dict:
     ref: dict = {}
     ref_thread = threading.Thread(target=lambda: ref.update(reference_losses(
         _train_config(opts, ""), opts.nodes, os.path.join(out, "reference.jsonl"))), daemon=True)
-    _say(f"starting a {opts.nodes}-node Ray cluster on 127.0.0.1")
-    with LocalCluster(opts.nodes) as cluster:
+    _say(f"starting a {opts.cluster_nodes}-node Ray cluster on 127.0.0.1")
+    job_out = None
+    with LocalCluster(opts.cluster_nodes) as cluster:
         try:
             _say("starting the reference run that never fails (plain gloo processes, no Ray)")
             ref_thread.start()
-            _say(f"training {opts.steps} steps with Ray Train on {opts.nodes} workers, snapshot every step "
-                 f"into peers' RAM with RS({opts.k},{opts.m}); node kills after steps {list(opts.failure_steps)}")
-            thread = threading.Thread(target=_fit, args=(_trainer(opts, run, spill_uri), run), daemon=True)
-            thread.start()
             with tqdm(total=opts.steps, desc="training", unit="step", disable=not progress, file=sys.stderr) as bar:
-                _drive(cluster, run, thread, bar)
-            thread.join()
+                if opts.mode == "inplace":
+                    from memsnap.demo import inplace_driver
+
+                    _say(f"training {opts.steps} steps on {opts.nodes} Ray actors that recover in place, "
+                         f"{len(opts.failure_steps)} warm standby(s); snapshot every step into peers' RAM with "
+                         f"RS({opts.k},{opts.m}); node kills after steps {list(opts.failure_steps)}")
+                    job_out = inplace_driver.run_job(opts, run, cluster, _train_config(opts, run.log_path).to_json(),
+                                                     spill_uri, bar)
+                else:
+                    _say(f"training {opts.steps} steps with Ray Train on {opts.nodes} workers, snapshot every "
+                         f"step into peers' RAM with RS({opts.k},{opts.m}); node kills after steps "
+                         f"{list(opts.failure_steps)}; Ray Train restarts the worker group")
+                    thread = threading.Thread(target=_fit, args=(_trainer(opts, run, spill_uri), run), daemon=True)
+                    thread.start()
+                    _drive(cluster, run, thread, bar)
+                    thread.join()
             if run.error is not None:
                 raise run.error
             t_end = time.time()
@@ -251,7 +273,7 @@ def run_demo(opts: DemoOptions, *, progress: bool = True) -> dict:
         finally:
             _cleanup(opts.job)
     ref_thread.join(timeout=opts.timeout_s)
-    return _report(opts, run, ref, t_end, disk, out, time.time() - t_start)
+    return _report(opts, run, ref, t_end, disk, out, time.time() - t_start, job_out)
 
 
 def _cleanup(job: str) -> None:
@@ -267,17 +289,26 @@ def _cleanup(job: str) -> None:
         _say(f"removing arenas: {exc}")
 
 
-def _report(opts, run, ref, t_end, disk, out, total) -> dict:
+RECOVERY_KEYS = {"inplace": ("first_sign", "detect", "reform", "restore", "first_step", "total"),
+                 "restart": ("detect", "restart", "restore")}
+
+
+def _report(opts, run, ref, t_end, disk, out, total, job_out=None) -> dict:
     from memsnap.demo.plot import plot_losses
 
     losses = read_log(run.log_path)
     identical = bool(ref) and sorted(losses) == sorted(ref) and all(
         losses[s].hex() == ref[s].hex() for s in ref)
     final, ref_final = read_final(run.log_path), read_final(os.path.join(out, "reference.jsonl"))
-    recs = []
-    for i, f in enumerate(run.failures):
-        until = run.failures[i + 1].t_kill if i + 1 < len(run.failures) else t_end
-        recs.append({"failure_step": f.step, "rank": f.rank, **recovery(run, f, until)})
+    if job_out is not None:
+        from memsnap.demo.inplace_driver import recoveries
+
+        recs = recoveries(run, job_out)
+    else:
+        recs = []
+        for i, f in enumerate(run.failures):
+            until = run.failures[i + 1].t_kill if i + 1 < len(run.failures) else t_end
+            recs.append({"failure_step": f.step, "rank": f.rank, **recovery(run, f, until)})
     first = recs[0] if recs else {}
     plot = plot_losses(ref, losses, [f.step for f in run.failures], os.path.join(out, "loss.png"),
                        [r.get("restored_step") for r in recs])
@@ -287,7 +318,10 @@ def _report(opts, run, ref, t_end, disk, out, total) -> dict:
         "restore_tier": first.get("tier"),
         "bitwise_identical": identical,
         "final_params_identical": len(final) == opts.nodes and final == ref_final,
-        "recovery_seconds": {k: first.get(k) for k in ("detect", "restart", "restore")},
+        "mode": opts.mode,
+        "recovery_seconds": {k: first.get(k) for k in RECOVERY_KEYS[opts.mode]},
+        "survivors_kept_their_processes": all(r.get("survivors_kept_their_processes", False) for r in recs)
+        if opts.mode == "inplace" and recs else None,
         "restore_phases": first.get("restore_phases", {}),
         "disk_restore_seconds": disk["seconds"],
         "disk_restore_step": disk["step"],
@@ -328,8 +362,10 @@ SMALL_STATE = 16 << 20  # below this a restore's time is mostly fixed costs
 def why_disk_wins(opts: DemoOptions, peer: dict, disk: dict) -> list[str]:
     """What made this machine's disk look faster than its peers' RAM, from what was measured."""
     cpus = os.cpu_count() or 1
-    why = [f"the peer restore ran while {peer['restoring_ranks']} ranks restored at once and Ray "
-           f"restarted the worker group, all on this machine's {cpus} cores: the holders' sends, TCP on "
+    around = ("the survivors rolled back beside it" if opts.mode == "inplace"
+              else "Ray restarted the worker group")
+    why = [f"the peer restore ran while {peer['restoring_ranks']} ranks restored at once and "
+           f"{around}, all on this machine's {cpus} cores: the holders' sends, TCP on "
            f"loopback, frame authentication and the RS({opts.k},{opts.m}) decode took turns with them; "
            "the disk read ran alone, after training"]
     if (peer["bytes"] or 0) < SMALL_STATE:

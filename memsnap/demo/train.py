@@ -50,13 +50,20 @@ def build(cfg: TrainConfig, rank: int, world: int, ddp: bool | None = None) -> d
     parallel = world > 1 if ddp is None else ddp
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: min(1.0, (s + 1) / 10))
+    return {"model": model, "optim": optim, "sched": sched, **rank_parts(cfg, rank, world),
+            "_world": world if parallel else 1}
+
+
+def rank_parts(cfg: TrainConfig, rank: int, world: int) -> dict[str, Any]:
+    """The parts of a rank's state that depend on its rank: its data loader (its share of
+    every epoch) and its frozen table."""
     data = MarkovTokens(cfg.model)
     sampler = ResumableSampler(data, shuffle=True, seed=cfg.seed, rank=rank, world_size=world)
-    loader = ResumableLoader(DataLoader(data, batch_size=cfg.batch, sampler=sampler, drop_last=True))
-    objs = {"model": model, "optim": optim, "sched": sched, "data": loader, "_world": world if parallel else 1}
+    parts: dict[str, Any] = {"data": ResumableLoader(DataLoader(data, batch_size=cfg.batch, sampler=sampler,
+                                                                drop_last=True))}
     if cfg.frozen_mib > 0:
-        objs["frozen"] = FrozenTable(int(cfg.frozen_mib * (1 << 20)), seed=cfg.seed, rank=rank)
-    return objs
+        parts["frozen"] = FrozenTable(int(cfg.frozen_mib * (1 << 20)), seed=cfg.seed, rank=rank)
+    return parts
 
 
 def snapshot_state(objs: dict[str, Any]) -> dict[str, Any]:
@@ -69,25 +76,29 @@ def _batches(loader: ResumableLoader):
         yield from loader
 
 
-def _average_gradients(model: torch.nn.Module, world: int) -> None:
+def _average_gradients(model: torch.nn.Module, world: int, all_reduce: Callable = dist.all_reduce) -> None:
     if world > 1:
         for p in model.parameters():
             if p.grad is not None:
-                dist.all_reduce(p.grad)
+                all_reduce(p.grad)
                 p.grad /= world
 
 
-def _global_mean(loss: torch.Tensor, world: int) -> float:
+def _global_mean(loss: torch.Tensor, world: int, all_reduce: Callable = dist.all_reduce) -> float:
     value = loss.detach().clone()
     if world > 1:
-        dist.all_reduce(value)
+        all_reduce(value)
         value /= world
     return float(value)
 
 
 def run(cfg: TrainConfig, rank: int, world: int, *, first_step: int = 0, objs=None,
-        after_step: Callable[[int, dict], None] | None = None, attempt: int = 0) -> dict[str, Any]:
-    """Train steps ``first_step .. cfg.steps - 1``; ``after_step(step, objs)`` runs after each."""
+        after_step: Callable[[int, dict], None] | None = None, attempt: int = 0,
+        all_reduce: Callable = dist.all_reduce) -> dict[str, Any]:
+    """Train steps ``first_step .. cfg.steps - 1``; ``after_step(step, objs)`` runs after each.
+    ``all_reduce(tensor)`` sums a tensor across the ranks in place (``dist.all_reduce`` by
+    default; the in-place recovery passes its re-formable group's, which runs the same gloo
+    all-reduce on the same tensors, so the sums are bitwise the same)."""
     objs = objs or build(cfg, rank, world)
     model, optim, sched, parallel = objs["model"], objs["optim"], objs["sched"], objs["_world"]
     model.train()
@@ -98,10 +109,10 @@ def run(cfg: TrainConfig, rank: int, world: int, *, first_step: int = 0, objs=No
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
         optim.zero_grad(set_to_none=True)
         loss.backward()
-        _average_gradients(model, parallel)
+        _average_gradients(model, parallel, all_reduce)
         optim.step()
         sched.step()
-        mean = _global_mean(loss, world)
+        mean = _global_mean(loss, world, all_reduce)
         if cfg.step_delay:
             time.sleep(cfg.step_delay)
         if rank == 0 and cfg.log_path:

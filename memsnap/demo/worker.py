@@ -45,7 +45,7 @@ def hold_for_failure(snap, step: int, rank: int, config: dict, timeout: float = 
     return True
 
 
-def _failure_due(config: dict, step: int) -> bool:
+def failure_due(config: dict, step: int) -> bool:
     """The first failure step not yet injected is ``step`` or earlier."""
     for f in config["failure_steps"]:
         if not any(os.path.exists(gate_path(config["out"], s)) for s in range(f, config["steps"])):
@@ -76,7 +76,7 @@ def train_loop_per_worker(config: dict) -> None:
 
     def after_step(step: int, o: dict) -> None:
         snap.save(step, snapshot_state(o), force=step == cfg.steps - 1)  # the last step waits for a busy pipeline
-        if _failure_due(config, step):
+        if failure_due(config, step):
             hold_for_failure(snap, step, rank, config)
 
     run(cfg, rank, world, first_step=first, objs=objs, after_step=after_step,
