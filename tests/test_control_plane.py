@@ -11,7 +11,7 @@ import ray
 
 from memsnap import naming
 from memsnap.snapshotter import shutdown, start_spare
-from support.ranks import merged, start_node_ranks
+from support.ranks import kill_node_ranks, merged, start_node_ranks
 from support.runtime import cluster
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -105,8 +105,7 @@ def test_ranks_that_moved_between_live_nodes_read_their_old_nodes_copy(c):
     opts = dict(OPTS, k=2, m=1)
     first, saved = run_job("cp-moved", {1: [0], 2: [1], 3: [2], 4: [3]}, opts)
     ray.get([a.close.remote() for a in first], timeout=60)
-    for a in first:
-        ray.kill(a, no_restart=True)
+    kill_node_ranks(first)
     again = start_node_ranks("cp-moved", {1: [1], 2: [0], 3: [2], 4: [3]}, opts)  # 0 and 1 swapped
     restored = merged(ray.get([a.restore.remote() for a in again], timeout=300))
     assert {r: (s, t) for r, (s, t, _) in restored.items()} == {0: (1, "copy"), 1: (1, "copy"),
@@ -130,8 +129,7 @@ def test_a_second_live_run_under_the_same_job_name_is_refused_and_the_first_runs
     assert ray.get(first[0].wait.remote(2), timeout=180) == 2
     st = ray.get(first[0].status.remote(), timeout=60)
     assert st["committed_step"] == 2 and st["failed_snapshots"] == 0 and st["run"] == run
-    for a in first:
-        ray.kill(a, no_restart=True)
+    kill_node_ranks(first)
     again = start_node_ranks(job, layout, OPTS)
     restored = merged(ray.get([a.restore.remote() for a in again], timeout=300))
     assert {r: s for r, (s, _, _) in restored.items()} == {0: 2, 1: 2}

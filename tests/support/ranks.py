@@ -11,6 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 import ray
 import torch
 
+from memsnap.identity import running
+from memsnap.localcluster import wait_for
 from support.runtime import digest
 
 
@@ -43,6 +45,11 @@ class NodeRanks:
 
     def node(self) -> str:
         return ray.get_runtime_context().get_node_id()
+
+    def process(self) -> str:
+        from memsnap.identity import process_token
+
+        return process_token()
 
     def _all(self, fn) -> dict:
         return dict(zip(self.ranks, self.pool.map(fn, self.ranks)))
@@ -82,6 +89,15 @@ def start_node_ranks(job: str, layout: dict[int, list[int]], opts: dict) -> list
               for i, ranks in layout.items()]
     ray.get([a.node.remote() for a in actors], timeout=240)
     return actors
+
+
+def kill_node_ranks(actors: list, timeout: float = 120) -> None:
+    """Kill ``actors`` and return once their processes are gone (``ray.kill`` only asks:
+    on a loaded machine a killed process can take many seconds to exit)."""
+    tokens = ray.get([a.process.remote() for a in actors], timeout=60)
+    for a in actors:
+        ray.kill(a, no_restart=True)
+    wait_for(lambda: not running(tokens), timeout=timeout, what=f"{len(tokens)} killed rank processes to exit")
 
 
 def merged(answers: list[dict]) -> dict:
