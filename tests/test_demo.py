@@ -210,10 +210,13 @@ def test_quick_demo_with_two_node_kills_recovers_in_place_bitwise(tmp_path):
 
 @pytest.mark.ray
 @pytest.mark.slow
+@pytest.mark.demo
 @pytest.mark.timeout(660)
 def test_quick_demo_with_restart_resumes_from_peers_bitwise(tmp_path):
     """``--restart``: Ray Train restarts the whole worker group (the fallback path); the lost
-    rank is rebuilt from its peers' RAM, bitwise."""
+    rank is rebuilt from its peers' RAM, bitwise. With the demos (``pytest -m demo``): CI's
+    time goes to the in-place path; the restart path's restore is covered by the runtime
+    suites (test_runtime_failures.py, test_control_plane.py)."""
     _check_report(_demo(tmp_path, "--quick", "--restart"), failures=1, mode="restart")
 
 
