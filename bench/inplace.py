@@ -154,6 +154,7 @@ def run_inplace(lc: LocalCluster, cfg: dict, opts: dict, kills: int, settle_step
             node = by_id[j._ranks[victim].node]
             progress_before = max(_last(j.store, gen, r)[0] for r in range(RANKS))
             coord_node = coordinator_node(job_name)
+            _say(f"in place: the coordinator runs on {str(coord_node)[:8]} (head {head.node_id[:8]})")
             t_kill = kill_hard(lc, node)
             _say(f"in place: killed rank {victim}'s node {node.node_id[:8]} (kill {i + 1} of {kills})")
 
@@ -170,7 +171,7 @@ def run_inplace(lc: LocalCluster, cfg: dict, opts: dict, kills: int, settle_step
                       "reports": {r: rec.reports[r] for r in sorted(rec.reports)},
                       "pids_before": {r: before[r]["pid"] for r in before},
                       "last_step_before": last_old, "progress_at_kill": progress_before,
-                      "coordinator_on_killed_node": coord_node == node.node_id,
+                      "coordinator_on_killed_node": coord_node == node.node_id, "coordinator_node": coord_node,
                       "snapshots_before": {r: _last(j.store, gen, r)[2:] for r in range(RANKS)}}
             records.append(record)
             _say(f"in place: recovery {i + 1}: {summarise_inplace(record)}")

@@ -191,18 +191,22 @@ class Coordinator:
         return self.core.durable_step()
 
     async def status(self) -> dict:
-        return await self.pool.run(self.core.status)
+        out = await self.pool.run(self.core.status)
+        out["coordinator_node"] = ray.get_runtime_context().get_node_id()  # (where a node loss would take it)
+        return out
 
 
 def coordinator_for(cfg: SnapshotConfig, world_size: int, node: str | None = None):
     """The job's coordinator: the existing one, or a new one (rebuilt from the agents).
-    ``node``: where a new one should run (a node no rank runs on, so that no node loss takes
-    the coordinator with it); a restart after that node's loss goes wherever Ray puts it."""
+    ``node``: where a new one must run (the in-place controller's node, which no rank runs on,
+    so that no rank node's loss takes the coordinator with it). The affinity is hard: Ray
+    placed a soft one elsewhere about half the time on a loopback cluster, often on a rank's
+    node; and the controller runs there, so a loss of that node ends the job anyway."""
     extra = {}
     if node is not None:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        extra["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=True)
+        extra["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
     return Coordinator.options(
         name=naming.coordinator(cfg.job), namespace=naming.NAMESPACE, lifetime="detached",
         get_if_exists=True, num_cpus=0, max_restarts=-1, max_concurrency=100_000, **extra,

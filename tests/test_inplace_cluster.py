@@ -8,7 +8,9 @@ import uuid
 
 import psutil
 import pytest
+import ray
 
+from memsnap import naming
 from memsnap.localcluster import LocalCluster, wait_for
 from support import inplace_job
 
@@ -48,6 +50,9 @@ def test_a_killed_node_is_replaced_by_the_standby_and_the_survivors_keep_their_p
         wait_for(lambda: j.store is not None and j.store.check(["test/progress/1"])
                  and int(j.store.get("test/progress/1")) >= 10, timeout=300, what="rank 1 to train 10 steps")
         pids_before = {r: s for r, s in j.members().items()}
+        # the coordinator runs beside the controller, on no rank's node (so no rank node's loss takes it)
+        coord = ray.get_actor(naming.coordinator(job), namespace=naming.NAMESPACE)
+        assert ray.get(coord.status.remote(), timeout=60)["coordinator_node"] == ray.get_runtime_context().get_node_id()
         at_kill = int(j.store.get("test/progress/1"))
         kill_hard(lc, ranks[1])
         runner.join(timeout=600)
@@ -73,10 +78,6 @@ def test_a_killed_node_is_replaced_by_the_standby_and_the_survivors_keep_their_p
         assert mismatched == [], (mismatched, rec)
         # and the three ranks end identical (data parallel), each having trained every step
         assert len({v["digest"] for v in out["results"].values()}) == 1
-        import ray
-
-        from memsnap import naming
-
         coord = ray.get_actor(naming.coordinator(job), namespace=naming.NAMESPACE)
         status = ray.get(coord.status.remote(), timeout=60)
         assert status["fenced"] == [ranks[1].node_id]
