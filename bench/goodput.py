@@ -37,11 +37,11 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
     p for p in (str(HERE.parent), str(HERE), os.environ.get("PYTHONPATH")) if p)
 
 import psutil  # noqa: E402
-
 from goodput_timeline import NODES, RunResult, analyse, poisson_schedule  # noqa: E402
+
 from memsnap import goodput_model as gm  # noqa: E402
-from memsnap.policy import agent_ram  # noqa: E402
 from memsnap.localcluster import LocalCluster, wait_for  # noqa: E402
+from memsnap.policy import agent_ram  # noqa: E402
 
 RESULTS = HERE / "results"
 GIB = 1 << 30

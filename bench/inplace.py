@@ -236,13 +236,12 @@ def run_restart(lc: LocalCluster, cfg: dict, kills: int, gap_s: float) -> dict:
     """bench/goodput.py's ``run_own`` (the driver restarts every rank after a kill) for this
     job: 3 ranks on nodes 1-3, ``kills`` kills ``gap_s`` apart (each lands once the job
     trains again after the one before)."""
+    import ray
     from goodput import Nodes, RunSpec, run_own
     from goodput_timeline import analyse
 
     import memsnap
     from memsnap import shmdir
-
-    import ray
 
     goodput.NODES = goodput_timeline.NODES = RANKS  # run_own and analyse: one rank per slot
     nodes = Nodes(lc)

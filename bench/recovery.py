@@ -29,8 +29,8 @@ import contextlib
 import multiprocessing as mp
 import os
 import shutil
-import statistics
 import socket
+import statistics
 import sys
 import tempfile
 import time

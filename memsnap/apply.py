@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import ctypes
 import warnings
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
-from typing import Any, Mapping, MutableMapping
+from typing import Any
 
 import torch
 

@@ -161,7 +161,7 @@ class Arena:
         return was
 
     @classmethod
-    def create(cls, path: str, nbytes: int, prefault: bool = True, pin: bool = False) -> "Arena":
+    def create(cls, path: str, nbytes: int, prefault: bool = True, pin: bool = False) -> Arena:
         """A new file of ``nbytes`` at ``path`` (a ``naming.arena_path``, in the private arena
         directory, which is made if missing), backed whole, mapped and touched.
 
@@ -194,7 +194,7 @@ class Arena:
         return arena
 
     @classmethod
-    def attach(cls, path: str, nbytes: int) -> "Arena":
+    def attach(cls, path: str, nbytes: int) -> Arena:
         """Map an existing arena of at least ``nbytes`` (a training process does this once): a
         regular file of this user in the private arena directory; a symlink is not followed."""
         dir_fd = shmdir.open_dir(os.path.dirname(path), create=False)

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import ctypes
 import sys
+from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 import torch

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import mmap
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import xxhash
 

@@ -158,7 +158,7 @@ class SnapshotConfig:
         return dict(self.__dict__)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "SnapshotConfig":
+    def from_dict(cls, d: dict) -> SnapshotConfig:
         return cls(**d)
 
 

@@ -6,7 +6,7 @@ ranks' arenas by step and the chunks it holds for its peers.
 """
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 from memsnap.records import CommitRecord, Inventory
 

@@ -13,7 +13,7 @@ the copies are truly asynchronous DMA. Without CUDA this module imports cleanly 
 from __future__ import annotations
 
 import logging
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 

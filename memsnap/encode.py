@@ -8,8 +8,8 @@ computed a batch of stripes at a time into a small scratch buffer (``ParityBatch
 """
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 from memsnap.stripes import StripeLayout
 from memsnap.transport.base import ChunkKey

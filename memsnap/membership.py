@@ -17,8 +17,8 @@ every holder gone or of its own run.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from memsnap.config import SnapshotConfig
 from memsnap.errors import CommitError

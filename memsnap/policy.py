@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from memsnap.errors import ConfigError, StalenessError
 

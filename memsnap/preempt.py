@@ -30,7 +30,7 @@ import logging
 import signal
 import threading
 import time
-from typing import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from memsnap.errors import ConfigError
 from memsnap.policy import require_positive_float
@@ -100,7 +100,7 @@ class PreemptionWatcher:
         self.error: BaseException | None = None
 
     # --- lifecycle ---------------------------------------------------------------------
-    def start(self) -> "PreemptionWatcher":
+    def start(self) -> PreemptionWatcher:
         """Install the signal handlers (main thread only) and start the drain poll."""
         polls = self._poll_seconds is not None and self._thread is None
         if polls and self._node_id is None:
@@ -121,7 +121,7 @@ class PreemptionWatcher:
         self._thread = None
         self._restore_signals()
 
-    def __enter__(self) -> "PreemptionWatcher":
+    def __enter__(self) -> PreemptionWatcher:
         return self.start()
 
     def __exit__(self, *exc) -> None:

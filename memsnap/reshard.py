@@ -11,8 +11,9 @@ normal ``(Manifest, buffer)`` for ``apply.apply``.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 

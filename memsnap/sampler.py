@@ -20,7 +20,8 @@ can be put into the state instead; capture treats it generically.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterator, Sized
+from collections.abc import Iterator, Sized
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Sampler

@@ -22,7 +22,8 @@ import contextlib
 import logging
 import time
 import warnings
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import ray
 
@@ -116,7 +117,7 @@ class Snapshotter:
         self._watcher = self._watch_preemption(fail.preemption_grace_s) if fail.preemption else None
 
     @classmethod
-    def from_ray_train(cls, job: str | None = None, **kwargs: Any) -> "Snapshotter":
+    def from_ray_train(cls, job: str | None = None, **kwargs: Any) -> Snapshotter:
         """A Snapshotter for this Ray Train worker (call inside ``train_loop_per_worker``): rank
         and world size from its Ray Train context, the run id from its run (a Tune trial's id),
         and, unless ``job`` names one, a job name of its own per run or trial
@@ -131,7 +132,7 @@ class Snapshotter:
         return cls(job=job or name, rank=ctx.get_world_rank(), world_size=ctx.get_world_size(), **kwargs)
 
     @classmethod
-    def from_env(cls, job: str, **kwargs: Any) -> "Snapshotter":
+    def from_env(cls, job: str, **kwargs: Any) -> Snapshotter:
         """A Snapshotter for a torchrun process (``RANK``/``WORLD_SIZE``) or a single process.
 
         Connects to the Ray cluster in ``RAY_ADDRESS`` if Ray is not initialised yet, or starts

@@ -37,8 +37,9 @@ import secrets
 import stat
 import time
 import warnings
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Protocol
+from typing import Protocol
 
 import numpy as np
 import pyarrow.fs as pafs
@@ -46,8 +47,7 @@ import xxhash
 
 from memsnap import validate
 from memsnap.checksum import fill_checksums
-from memsnap.errors import (ChecksumError, ConfigError, FormatError, MemsnapError, SnapshotNotFoundError,
-                            StorageError)
+from memsnap.errors import ChecksumError, ConfigError, FormatError, MemsnapError, SnapshotNotFoundError, StorageError
 from memsnap.manifest import Manifest
 
 MARKER = "COMMITTED"
@@ -227,7 +227,7 @@ class Store:
         self._tags: dict[int, str | None] = {}  # per step read: its rank files' name tag
 
     @classmethod
-    def open(cls, uri: str, endpoint: str | None = None) -> "Store":
+    def open(cls, uri: str, endpoint: str | None = None) -> Store:
         fs, root = resolve(uri, endpoint)
         return cls(fs, root, uri)
 

@@ -11,7 +11,8 @@ import binascii
 import json
 import re
 import struct
-from typing import Any, Collection
+from collections.abc import Collection
+from typing import Any
 
 from memsnap.errors import FormatError
 

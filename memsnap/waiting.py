@@ -6,7 +6,7 @@ futures on one event loop, not N parked threads, so no concurrency number limits
 from __future__ import annotations
 
 import asyncio
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 
 class Signal:

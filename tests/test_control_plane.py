@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 import ray
+from support.ranks import kill_node_ranks, merged, start_node_ranks
+from support.runtime import cluster
 
 from memsnap import naming
 from memsnap.snapshotter import shutdown, start_spare
-from support.ranks import kill_node_ranks, merged, start_node_ranks
-from support.runtime import cluster
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+from support.holders import tcp_holders
 
 from memsnap import coverage, elastic, encode, receive
 from memsnap.agent import codec_for
@@ -18,7 +19,6 @@ from memsnap.errors import ChecksumError
 from memsnap.manifest import Manifest
 from memsnap.records import CommitRecord, Inventory, NodeReady, RankPlan, RankSource, Region
 from memsnap.stripes import choose_chunk
-from support.holders import tcp_holders
 
 ROWS, COLS, WIDE = 14, 6, 40  # w: (14, 6) Shard(0); b: (6,) replicated; e: (14, 40) Shard(0), the bulk
 K, M = 2, 1

@@ -122,7 +122,7 @@ class Injector:
         self._t0: float | None = None
 
     # --- lifecycle ------------------------------------------------------------------------------
-    def start(self) -> "Injector":
+    def start(self) -> Injector:
         if self._thread is not None:
             raise ConfigError("this Injector was started already; make a new one for another run")
         self._t0 = time.monotonic()
@@ -163,7 +163,7 @@ class Injector:
             self._observed = True
         self._wake.set()
 
-    def __enter__(self) -> "Injector":
+    def __enter__(self) -> Injector:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -27,7 +27,7 @@ class ModelConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
 
     @classmethod
-    def sized(cls, size: str) -> "ModelConfig":
+    def sized(cls, size: str) -> ModelConfig:
         """``tiny``, ``small`` (the default) or ``medium``."""
         table = {"tiny": dict(dim=32, layers=1), "small": {}, "medium": dict(dim=256, layers=4)}
         if size not in table:

@@ -108,7 +108,7 @@ class CudaStream(CopyStream):
     def __init__(self, ordinal: int):
         self.stream = torch.cuda.Stream(device=ordinal)
 
-    def __enter__(self) -> "CudaStream":
+    def __enter__(self) -> CudaStream:
         # start after the work already queued on the caller's stream (the tensors' last writes)
         self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
         return self

@@ -24,8 +24,9 @@ here, e.g. CUDA IPC is not allowed, and the caller takes the side-stream D2H pat
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 

@@ -28,8 +28,9 @@ import math
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 from memsnap.errors import ConfigError, MemsnapError
 from memsnap.inplace.group import failed_key, publish_failure
@@ -321,8 +322,6 @@ class InplaceJob:
         """Nodes all of whose ranks were lost and whose agent is silent: memsnap's coordinator
         fences them."""
         import ray
-
-        from memsnap import naming
 
         from memsnap.directory import find_agent
 

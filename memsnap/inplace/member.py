@@ -30,8 +30,9 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 from memsnap.inplace.group import PeerLost, RecoverableGroup, connect, os_threads
 from memsnap.inplace.heartbeat import Beater
@@ -67,7 +68,7 @@ class Context:
     """What ``setup`` and ``train`` see of the job: this member's rank (None for a standby
     in ``setup``), the world size, the generation, the process group and the snapshotter."""
 
-    def __init__(self, member: "Member"):
+    def __init__(self, member: Member):
         self._m = member
 
     @property

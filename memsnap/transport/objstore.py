@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import xxhash

@@ -149,7 +149,7 @@ def send_head(sock, d: Direction, kind: int, name: bytes, nbytes: int, checksum:
 
 
 def send_body(sock, d: Direction, seq: bytes, head_tag: bytes, payload: memoryview, deadline: float,
-              counter: int = 0, scratch: "Scratch | None" = None) -> None:
+              counter: int = 0, scratch: Scratch | None = None) -> None:
     """Send a frame's payload and body tag. ``mac`` mode: ``SLICE`` bytes at a time, each
     tagged (GMAC pieces under ``counter``) just before the socket copies it, so the copy reads
     it from cache; ``encrypt``: sealed whole into ``scratch``."""
@@ -166,7 +166,7 @@ def send_body(sock, d: Direction, seq: bytes, head_tag: bytes, payload: memoryvi
 
 
 def send_frame(sock, d: Direction, kind: int, name: bytes, payload: memoryview | None, checksum: int,
-               deadline: float, scratch: "Scratch | None" = None) -> None:
+               deadline: float, scratch: Scratch | None = None) -> None:
     """Send a whole frame; a payload in mac mode takes the direction's next payload counter."""
     nbytes = 0 if payload is None else len(payload)
     counter = d.next_payload() if nbytes and d.gmac is not None else 0
@@ -195,7 +195,7 @@ def read_head(sock, d: Direction, kinds: tuple, max_payload: int, deadline: floa
     return Head(seq, kind, rest[:name_len], nbytes, checksum, counter, rest[name_len:], deadline)
 
 
-def read_body(sock, d: Direction, head: Head, parts: list[memoryview], scratch: "Scratch | None" = None,
+def read_body(sock, d: Direction, head: Head, parts: list[memoryview], scratch: Scratch | None = None,
               with_xxh3: bool = False) -> int:
     """Receive the payload of ``head`` into ``parts`` and check its tag (FrameError if it
     fails); return the xxh3-64 of the payload with ``with_xxh3`` (else 0). ``mac`` mode: a
