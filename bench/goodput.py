@@ -324,7 +324,7 @@ def run_own(spec: RunSpec, cfg: dict, nodes: Nodes, schedule: list[dict], horizo
             # a rank died: wait for the injector's record (Ray has declared the node dead), or
             # find the node Ray declared dead on its own
             try:
-                wait_for(lambda: len(inj.faults) > handled, timeout=30, what="the fault's record")
+                wait_for(lambda handled=handled: len(inj.faults) > handled, timeout=30, what="the fault's record")
             except TimeoutError:
                 inj.faults.extend(nodes.heal())
             handled = len(inj.faults)

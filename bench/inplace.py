@@ -40,12 +40,12 @@ sys.path.insert(0, str(HERE))
 os.environ["PYTHONPATH"] = os.pathsep.join(
     p for p in (str(HERE.parent), str(HERE), os.environ.get("PYTHONPATH")) if p)
 
-import goodput
-import goodput_timeline
-import psutil
+import goodput  # noqa: E402
+import goodput_timeline  # noqa: E402
+import psutil  # noqa: E402
 
-from memsnap.localcluster import LocalCluster, wait_for
-from memsnap.policy import agent_ram
+from memsnap.localcluster import LocalCluster, wait_for  # noqa: E402
+from memsnap.policy import agent_ram  # noqa: E402
 
 RESULTS = HERE / "results"
 MIB = 1 << 20

@@ -191,7 +191,7 @@ class LocalCluster:
             args.update(kwargs)
             before = _descendants()
             try:
-                node = self._starter.call(lambda: self._add_one(args))
+                node = self._starter.call(lambda args=args: self._add_one(args))
             except Exception as exc:
                 _kill_new(before)
                 if attempt == tries or not _worth_retrying(exc):

@@ -31,9 +31,9 @@ def overlap(a: Box, b: Box) -> Box | None:
     """The intersection of two boxes in global coordinates, or None when they do not meet."""
     lo = tuple(max(x, y) for x, y in zip(a[0], b[0]))
     hi = tuple(min(x + n, y + m) for x, n, y, m in zip(a[0], a[1], b[0], b[1]))
-    if any(h <= l for l, h in zip(lo, hi)):
+    if any(end <= start for start, end in zip(lo, hi)):
         return None
-    return lo, tuple(h - l for l, h in zip(lo, hi))
+    return lo, tuple(end - start for start, end in zip(lo, hi))
 
 
 def _slices(box: Box, origin: tuple[int, ...]) -> tuple[slice, ...]:

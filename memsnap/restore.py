@@ -68,7 +68,7 @@ def _fetch_shard(core, st: _Stripes, key_of, j: int, addr: dict | None, stripes:
     items = [(key_of(s, j), st.dest(s, j)) for s in stripes]
     ok = _fetch(core, addr, items)
     bad = []
-    for (key, buf), s, good in zip(items, stripes, ok or [False] * len(items)):
+    for (_key, buf), s, good in zip(items, stripes, ok or [False] * len(items)):
         if good:
             st.shards[s][j] = buf
         else:

@@ -242,7 +242,7 @@ class Slots:
         S(k+m)/k + S). Not when a newer version took the slot meanwhile."""
         if any(o is not v and o.slot == v.slot and o.state in LIVE for o in self.versions.values()):
             return
-        for (rank, slot), arena in self.arenas.items():
+        for (_rank, slot), arena in self.arenas.items():
             if slot == v.slot:
                 arena.release()
 

@@ -862,7 +862,7 @@ class _Verifier:
     def finish(self) -> None:
         """After the last byte: the file's checksum, and the tensors not checked yet (empty
         ones at the very end)."""
-        for lo, hi, i in self.spans[self.next:]:
+        for _lo, _hi, i in self.spans[self.next:]:
             self._check(i, xxhash.xxh3_64_hexdigest(b""))
         digest = self.whole.hexdigest()
         if digest != self.rec["bin_xxh3"]:

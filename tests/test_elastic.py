@@ -116,7 +116,7 @@ def committed(step: int, per_node: int, chunk: int = 4096, stripes: int = 3) -> 
     """A step taken by ``per_node`` ranks on each of nodes a-d (world 4 * per_node), each node's
     shards held by the three others."""
     infos, rank = {}, 0
-    for i, node in enumerate(NODES):
+    for node in NODES:
         regions = tuple(Region(rank + j, stripes * K * chunk, j * stripes) for j in range(per_node))
         holders = tuple(n for n in NODES if n != node)
         infos[node] = NodeReady(step, node, 0, chunk, regions, holders, world=4 * per_node)
