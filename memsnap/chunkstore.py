@@ -145,6 +145,7 @@ class HeldChunks:
 
     def _stall_here(self) -> None:
         with self._lock:
+            assert self._stall is not None
             step, left = self._stall
             self._stall = (step, left - 1)
         if left <= 0:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from memsnap.errors import ConfigError
 
@@ -165,7 +166,7 @@ class SnapshotConfig:
 def tcp_options(cfg: SnapshotConfig) -> dict:
     """The TCP transport's options for a job: its wire mode, and its chunk size as the largest
     frame a peer may send (when the job fixed one)."""
-    opts = {"wire": cfg.wire}
+    opts: dict[str, Any] = {"wire": cfg.wire}
     if cfg.chunk is not None:
         opts["max_chunk"] = cfg.chunk
     return opts

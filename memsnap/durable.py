@@ -161,6 +161,7 @@ def save(uri: str, state: Mapping[str, Any], step: int, metadata: Mapping[str, A
         close()
     sync()
     if rank == 0:
+        assert git is not None
         info["git"] = git()
         store.commit(step, world, info)
         if policy is not None:

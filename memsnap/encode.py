@@ -69,7 +69,7 @@ class Encoded:
         last = self.lay.stripes - 1
         ragged = last >= 0 and self.lay.data_range(last, k - 1)[1] - self.lay.data_range(last, k - 1)[0] < chunk
         self._tail = bytearray(k * chunk) if ragged else None
-        if ragged:
+        if self._tail is not None:
             for j in range(k):
                 a, b = self.lay.data_range(last, j)
                 self._tail[j * chunk:j * chunk + b - a] = data[a:b]

@@ -175,7 +175,10 @@ class CommitRecord:
     def source(self, rank: int, addrs: Mapping[str, Any]) -> RankSource:
         owner = self._owners()[rank]
         info = self.nodes[owner]
-        return RankSource(self.step, self.k, self.m, owner, info.chunk, info.region(rank),
+        region = info.region(rank)
+        if region is None:
+            raise KeyError(f"node {owner} reported no region for rank {rank}")
+        return RankSource(self.step, self.k, self.m, owner, info.chunk, region,
                           info.holders, tuple(addrs.get(h) for h in info.holders))
 
     def with_holder(self, owner: str, j: int, node: str) -> CommitRecord:
