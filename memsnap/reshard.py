@@ -82,7 +82,9 @@ class _Reader:
 
 
 def _layout(template: Manifest, live: dict[str, TensorEntry]) -> list[TensorEntry]:
-    out, offset, placed = [], 0, {}
+    out: list[TensorEntry] = []
+    offset = 0
+    placed: dict[str, int] = {}
     for e in template.tensors:
         want = live.get(e.path)
         if want is None and e.global_shape is not None:
@@ -115,6 +117,7 @@ def sources(e: TensorEntry, saved: list[Manifest], order=None) -> list[tuple[int
     (replicated state is read from the first rank in ``order``, default 0..W-1, that has it).
     The saved shards must tile the tensor exactly (``tiling``)."""
     saved_shape = tiling(saved, e.path)
+    assert e.global_shape is not None  # sources() is for sharded tensors
     if tuple(e.global_shape) != saved_shape:
         raise StateMismatchError(f"{e.path!r}: live global shape {list(e.global_shape)} differs from the "
                                  f"checkpoint's {list(saved_shape)}")

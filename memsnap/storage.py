@@ -39,7 +39,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import pyarrow.fs as pafs
@@ -820,7 +820,7 @@ def _regular(path: str, st: os.stat_result, size: int | None) -> None:
 def _allocate(path: str, size: int) -> memoryview:
     """A new buffer of ``size`` bytes (the size of ``path`` on storage, checked before)."""
     try:
-        return memoryview(np.empty(size, dtype=np.uint8)).cast("B")
+        return memoryview(np.empty(size, dtype=np.uint8)).cast("B")  # type: ignore[arg-type]  # numpy declares __buffer__ only from 3.12
     except (MemoryError, ValueError) as exc:
         raise StorageError(f"cannot allocate {size} bytes to read {path}: {exc or 'out of memory'}; "
                            "free memory, or load on a machine with more") from None
@@ -836,7 +836,8 @@ class _Verifier:
         self.whole = xxhash.xxh3_64()
         self.spans = sorted((t.offset, t.offset + t.nbytes, i) for i, t in enumerate(manifest.tensors)
                             if t.alias_of is None)
-        self.next, self.open, self.done = 0, [], 0
+        self.open: list[tuple[int, int, int, Any]] = []  # (lo, hi, tensor, its xxh3 so far)
+        self.next, self.done = 0, 0
 
     def feed(self, start: int, piece: memoryview) -> None:
         """The bytes at ``start`` (each byte once, in order)."""

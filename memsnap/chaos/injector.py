@@ -315,4 +315,4 @@ def _connect(address: str) -> None:
         from memsnap.localcluster import loopback_env
 
         loopback_env()
-    ray.init(address=address, namespace=naming.NAMESPACE, log_to_driver=False, logging_level="WARNING")
+    ray.init(address=address, namespace=naming.NAMESPACE, log_to_driver=False, logging_level=logging.WARNING)
