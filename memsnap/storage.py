@@ -358,7 +358,7 @@ class Store:
         history = self.history()
         if not any(c.step == step and c.intact for c in history):
             return False
-        start = _RESUMED.get(self.key, _head(history).step)
+        start = _RESUMED.get(self.key, _head_of(history).step)
         return step in _chain(_parents(history), start)
 
     def _write(self, path: str, parts: Iterable[memoryview], nbytes: int, throttle: _Throttle,
@@ -681,7 +681,7 @@ class Store:
             return []
         committed = {c.step for c in history}
         doomed = sorted(committed - _kept(history, policy))
-        doomed += [s for s, _ in self._step_dirs() if s < _head(history).step and s not in committed]
+        doomed += [s for s, _ in self._step_dirs() if s < _head_of(history).step and s not in committed]
         for s in sorted(doomed):
             self.delete_step(s)
         return sorted(doomed)
@@ -692,7 +692,7 @@ def _kept(history: list[Commit], policy: Retention) -> set[int]:
     the newest commit's lineage, the step that lineage resumed from, milestones, and every
     other lineage's steps while the newest holds fewer than ``keep_last`` of its own (and a
     damaged marker numbered beyond the newest commit: its lineage is unknown)."""
-    head = _head(history)
+    head = _head_of(history)
     own = _chain(_parents(history), head.step, stop=head.lineage.base)
     keep = set(own[:policy.keep_last])
     if head.lineage.base is not None:
@@ -737,7 +737,7 @@ def _next_lineage(step: int, history: list[Commit], resumed: int | None) -> Line
     seq = max((c.lineage.seq for c in history), default=0) + 1
     others = [c for c in history if c.step != step]  # a step of this number is being replaced
     head = _head(others)
-    start = resumed if resumed is not None else _head(history).step if history else None
+    start = resumed if resumed is not None else _head_of(history).step if history else None
     if start == step:
         start = _parents(history).get(step)
     if start is None:
@@ -751,6 +751,14 @@ def _head(history: list[Commit]) -> Commit | None:
     """The newest commit with an intact marker (else the newest): where a run goes on from."""
     intact = [c for c in history if c.intact]
     return intact[-1] if intact else history[-1] if history else None
+
+
+def _head_of(history: list[Commit]) -> Commit:
+    """``_head`` of a history that holds at least one commit."""
+    head = _head(history)
+    if head is None:
+        raise ValueError("an empty commit history has no head")
+    return head
 
 
 def _files_tag(marker: dict, where: str) -> str | None:

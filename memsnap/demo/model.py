@@ -38,6 +38,8 @@ class ModelConfig:
 class TinyTransformer(nn.Module):
     """Token + position embeddings, pre-norm encoder layers with a causal mask, tied output."""
 
+    mask: torch.Tensor  # a registered buffer
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg

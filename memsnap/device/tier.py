@@ -106,6 +106,7 @@ class AgentTier:
         slot = self._slot(rank, device)
         if slot.state not in ("held", "drained"):
             raise DeviceError(f"rank {rank}'s device buffer on {device} is {slot.state}: nothing to drain")
+        assert slot.manifest is not None  # held: the rank sent it
         manifest = Manifest.from_json(slot.manifest, f"rank {rank}'s device manifest")
         n = manifest.nbytes
         if n:
@@ -132,6 +133,7 @@ class AgentTier:
         if self.holds(rank, device) != step:
             return None
         slot = self._slots[(rank, device)]
+        assert slot.manifest is not None  # held: the rank sent it
         return slot.manifest, slot.buffer.handle
 
     def release(self, rank: int) -> None:
