@@ -106,6 +106,7 @@ class AgentCore:
         self.holders: dict[int, dict] = {}  # rank -> {"run", "process"} of the rank registered here
         self.run: str | None = None  # the job's run id, as the coordinator answered this node's last join
         self._rank_bytes: dict[int, int] = {}  # each rank's newest snapshot size (the budget check)
+        self._began: dict[int, int] = {}  # each rank's newest step begun here (``_departed``)
         self._warned_need = 0  # the largest budget need warned about so far
         self.world: int | None = None
         self.abandoned: dict[int, str] = {}  # steps dropped here (failed anywhere, skipped, replaced)
@@ -175,6 +176,7 @@ class AgentCore:
                 raise
             v.sizes[rank] = nbytes
             v.manifests.pop(rank, None)
+            self._began[rank] = max(step, self._began.get(rank, step))
             self._check_budget_size(rank, nbytes)
         self.store.announce(step)  # holders accept pushes up to store_step_window above it
         return {"path": arena.path, "nbytes": nbytes, "slot": v.slot}
@@ -271,6 +273,9 @@ class AgentCore:
                 del self.committed[s]
             self._moved(step, notice.moved)
             v = self.versions.get(step)
+            if first:
+                for rank in self._departed(step, v):
+                    self._depart(rank, step)
             hold = not self.cfg.local_copy and notice.spill  # lean: kept until spilled
             if hold:  # an older step held for a spill gives way, unless it is being written
                 for old in [o for o in self.versions.values()
@@ -292,6 +297,30 @@ class AgentCore:
             metrics.committed_here(self.cfg.job, self.node, step, self.counters.get("newest_begun"))
         if self.spiller is not None and first:
             self.spiller.committed(step, notice.spill)
+
+    def _departed(self, step: int, v: Version | None) -> list[int]:
+        """The ranks that no longer run here, as the commit of ``step`` shows: a rank that began
+        a step here, an older one than ``step``, and took no part in ``step`` here. A committed
+        step holds every rank's bytes, and a rank placed on this node can only have saved it
+        here, so it saved ``step`` on another node (it moved: a standby took it, or a restart
+        placed it elsewhere). Not while the spill is writing a version that holds it. Called
+        under the lock."""
+        here = set(v.sizes) if v is not None else set()
+        return [rank for rank, began in sorted(self._began.items())
+                if began < step and rank not in here
+                and not any(rank in o.sizes and self._pinned(o.step) for o in self.versions.values())]
+
+    def _depart(self, rank: int, step: int) -> None:
+        """``rank`` runs on another node now: its arenas go (their RAM and their share of the
+        memory budget, which a rank that comes to this node next needs), with its bytes in the
+        older versions here (step ``step``, newer, is committed without them) and its
+        registration (a rebuilt coordinator must not place it here). Called under the lock."""
+        freed = self.slots.forget_rank(rank)
+        self.ranks.discard(rank)
+        for table in (self._began, self._rank_bytes, self.holders):
+            table.pop(rank, None)
+        log.info("node %s: rank %d saved step %d on another node; its %d arena(s) here (%.1f MiB) are freed",
+                 self.node[:12], rank, step, freed[0], freed[1] / 2**20)
 
     def _moved(self, step: int, moved) -> None:
         """Re-protection rebuilt some owners' shards on new holders: keep the records true."""

@@ -236,6 +236,24 @@ class Slots:
         self.budget.release(old.nbytes)
         return naming.arena_gen(old.path)[1] + 1
 
+    def forget_rank(self, rank: int) -> tuple[int, int]:
+        """``rank`` left this node: drop its arenas (unlinked, uncharged), its restore arena
+        made ahead, and its bytes in every version here. Returns (arenas, bytes) freed."""
+        count = nbytes = 0
+        for (r, slot) in [key for key in self.arenas if key[0] == rank]:
+            nbytes += self.arenas[(r, slot)].nbytes
+            self.drop_arena(r, slot)
+            count += 1
+        ready = self.prepared.pop(rank, None)
+        if ready is not None:
+            ready.close(unlink=True)
+            self.budget.release(ready.nbytes)
+            count, nbytes = count + 1, nbytes + ready.nbytes
+        for v in self.versions.values():
+            v.sizes.pop(rank, None)
+            v.manifests.pop(rank, None)
+        return count, nbytes
+
     def release(self, v: Version) -> None:
         """Lean mode: ``v``'s bytes are held by its peers (and spilled if that was due), so its
         arenas give their pages back until the next capture (RAM at rest: S(k+m)/k, not

@@ -1,4 +1,4 @@
-"""Cells of the fault matrix (README) that need their own test, without Ray: the coordinator
+"""Cells of the fault matrix (docs/failures.md) that need their own test, without Ray: the coordinator
 lost between the two phases of a commit, an agent killed in the middle of a spill, a node
 lost while a step is encoded, and a spare node lost. All run the real code
 (``CoordinatorCore`` + ``rebuild_state`` over real ``AgentCore``s; the agent's spill thread

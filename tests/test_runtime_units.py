@@ -574,3 +574,38 @@ def test_job_in_a_spill_uri_is_the_job_name_and_a_bad_run_id_is_refused():
     assert job_config("trial-3", resolve({"spill": "s3://bucket/ckpt/{job}"}, {})).spill == "s3://bucket/ckpt/trial-3"
     with pytest.raises(ConfigError, match=r"run='a b': use 1-128 characters"):
         check_run("a b")
+
+
+def _commit_here(agent, step: int, ranks: list[int], nbytes: int, keep: int = 2) -> None:
+    """``ranks`` of this node save ``step`` and the job commits it."""
+    for rank in ranks:
+        agent.begin(step, rank, nbytes)
+    agent.versions[step].state = "ready"
+    agent.versions[step].manifests.update({rank: "{}" for rank in ranks})
+    agent.commit(CommitNotice(step, tuple(range(max(1, step - keep + 1), step + 1))))
+
+
+def test_a_rank_that_saved_a_step_elsewhere_gives_its_arenas_back_for_the_next_rank_here(core):
+    """A standby on another node took rank 1 (its process died; this node and agent stayed):
+    once a step commits that rank 1 did not save here, its arenas and their share of the budget
+    go, so the rank a later recovery places here fits, and the node no longer claims rank 1."""
+    nbytes = 160 << 10  # keep=2: three slots a rank; two ranks fill 960 KiB of the 1 MiB budget
+    for step in (1, 2, 3):
+        _commit_here(core, step, [0, 1], nbytes)
+    assert len(core.arenas) == 6 and core.budget.used == 6 * nbytes
+    assert core.budget.used + 3 * nbytes > core.cfg.memory_budget  # no room for a third rank's slots
+    _commit_here(core, 4, [0], nbytes)  # rank 1 saved step 4 on another node
+    assert sorted(core.arenas) == [(0, 0), (0, 1), (0, 2)] and core.budget.used == 3 * nbytes
+    assert core.local(3, 0) is not None and core.local(3, 1) is None
+    assert core.committed_infos()["ranks"] == [0]
+    _commit_here(core, 5, [0, 2], nbytes)  # the rank placed here next has the room
+    assert core.local(5, 2) is not None and core.counters["failed_snapshots"] == 0
+
+
+def test_a_rank_that_only_made_its_arenas_ahead_keeps_them_across_older_commits(core):
+    """A rank that registered here and is restoring (slots made ahead, no save yet) is not taken
+    for one that left when a commit it could not have taken part in arrives."""
+    _commit_here(core, 1, [0], 4096)
+    assert core.ready_slots(1, 4096) == 3
+    _commit_here(core, 2, [0], 4096)
+    assert sorted(r for r, _ in core.arenas) == [0, 0, 1, 1, 1]

@@ -82,13 +82,32 @@ class NodeRanks:
             s.close()
 
 
+def _create(job: str, layout: dict[int, list[int]], opts: dict) -> list:
+    world = sum(len(r) for r in layout.values())
+    return [NodeRanks.options(resources={f"memsnap_node_{i}": 0.01}).remote(job, ranks, world, opts)
+            for i, ranks in layout.items()]
+
+
 def start_node_ranks(job: str, layout: dict[int, list[int]], opts: dict) -> list:
     """One ``NodeRanks`` per simulated node index in ``layout`` (``{node index: ranks}``)."""
-    world = sum(len(r) for r in layout.values())
-    actors = [NodeRanks.options(resources={f"memsnap_node_{i}": 0.01}).remote(job, ranks, world, opts)
-              for i, ranks in layout.items()]
+    actors = _create(job, layout, opts)
     ray.get([a.node.remote() for a in actors], timeout=240)
     return actors
+
+
+def refused_node_ranks(job: str, layout: dict[int, list[int]], opts: dict) -> list[str]:
+    """Start ``layout``'s ranks as ``start_node_ranks`` does, expecting every one to be refused:
+    the error of each (waited for, all of them: a rank still waiting to register could
+    otherwise take its rank later, once the holder's process is gone)."""
+    errors = []
+    for actor in _create(job, layout, opts):
+        try:
+            ray.get(actor.node.remote(), timeout=240)
+            errors.append("registered")
+            ray.kill(actor, no_restart=True)
+        except ray.exceptions.ActorDiedError as exc:
+            errors.append(str(exc))
+    return errors
 
 
 def kill_node_ranks(actors: list, timeout: float = 120) -> None:
