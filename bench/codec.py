@@ -15,10 +15,10 @@ import ctypes.util
 import os
 import platform
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 from tqdm import tqdm

@@ -98,7 +98,7 @@ def current(ranks: int, steps: int) -> dict:
     core.membership.find_spares = lambda busy: {}
     sent: list = []
     core.broadcast = lambda method, *args: sent.append((method, args))
-    for i, n in enumerate(nodes):
+    for n in nodes:
         core.join(n, addr(n), [r.rank for r in regions[n]])
     cpu, wire, latency = [], [], []
     for step in range(steps):

@@ -37,11 +37,11 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
     p for p in (str(HERE.parent), str(HERE), os.environ.get("PYTHONPATH")) if p)
 
 import psutil  # noqa: E402
-
 from goodput_timeline import NODES, RunResult, analyse, poisson_schedule  # noqa: E402
+
 from memsnap import goodput_model as gm  # noqa: E402
-from memsnap.policy import agent_ram  # noqa: E402
 from memsnap.localcluster import LocalCluster, wait_for  # noqa: E402
+from memsnap.policy import agent_ram  # noqa: E402
 
 RESULTS = HERE / "results"
 GIB = 1 << 30
@@ -324,7 +324,7 @@ def run_own(spec: RunSpec, cfg: dict, nodes: Nodes, schedule: list[dict], horizo
             # a rank died: wait for the injector's record (Ray has declared the node dead), or
             # find the node Ray declared dead on its own
             try:
-                wait_for(lambda: len(inj.faults) > handled, timeout=30, what="the fault's record")
+                wait_for(lambda handled=handled: len(inj.faults) > handled, timeout=30, what="the fault's record")
             except TimeoutError:
                 inj.faults.extend(nodes.heal())
             handled = len(inj.faults)

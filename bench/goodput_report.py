@@ -164,7 +164,7 @@ def _passes(data: dict) -> str:
     return (f" Measured in {len(passes)} passes (`--append` reruns some systems and keeps the others' runs; the "
             "figures above are the last pass's): " + "; ".join(
                 f"{p['date']}, {', '.join(p['systems'])}, {p['seconds'] / 60:.1f} min, load "
-                f"{min(l[0] for l in p['loadavg_after_each_run']):.1f}-{max(l[0] for l in p['loadavg_after_each_run']):.1f}"
+                f"{min(la[0] for la in p['loadavg_after_each_run']):.1f}-{max(la[0] for la in p['loadavg_after_each_run']):.1f}"
                 for p in passes) + ". Each system's runs are from the last pass that ran it.")
 
 
@@ -179,7 +179,7 @@ def write_report(data: dict, out: Path) -> None:
         f"--horizon-s {a['horizon_s']:g} --baseline-s {a['baseline_s']:g} --mtbf-s {a['mtbf_s']:g} --seed {a['seed']} "
         f"--common-n {a['common_n']}`; {mach['date']}; {mach['cpus']} CPUs, {mach['mem_total_gib']:.0f} GiB RAM; "
         f"the whole run took {mach['seconds'] / 60:.1f} min. Machine load (1-min load average after each run): "
-        f"{min(l[0] for l in loads):.1f}-{max(l[0] for l in loads):.1f}, CPU busy "
+        f"{min(la[0] for la in loads):.1f}-{max(la[0] for la in loads):.1f}, CPU busy "
         f"{min(mach['cpu_busy_percent']):.0f}-{max(mach['cpu_busy_percent']):.0f}% over a run (psutil)."
         + _passes(data), "",
         "## How it was measured", "",

@@ -26,6 +26,7 @@ touching the results file.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.metadata
 import json
 import os
@@ -223,10 +224,10 @@ def d2h(notes: list) -> list[tuple]:
     src = torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda")
     rows = []
     pageable = torch.empty(n, dtype=torch.uint8)
-    rows.append(("pageable", n / _timed(lambda: pageable.copy_(src, non_blocking=True)) / 1e9, ""))
+    rows.append(("pageable", n / _timed(functools.partial(pageable.copy_, src, non_blocking=True)) / 1e9, ""))
     del pageable
     pinned = torch.empty(n, dtype=torch.uint8, pin_memory=True)
-    rows.append(("pinned (pin_memory=True)", n / _timed(lambda: pinned.copy_(src, non_blocking=True)) / 1e9, ""))
+    rows.append(("pinned (pin_memory=True)", n / _timed(functools.partial(pinned.copy_, src, non_blocking=True)) / 1e9, ""))
     del pinned
     path = os.path.join(naming.arena_dir(), f"memsnap-gpubench{os.getpid()}-d2h")
     for size in (n, 256 << 20):
@@ -238,7 +239,7 @@ def d2h(notes: list) -> list[tuple]:
         try:
             dst = torch.frombuffer(arena.view(), dtype=torch.uint8)
             part = src[:size]
-            gbs = size / _timed(lambda: dst.copy_(part, non_blocking=True)) / 1e9
+            gbs = size / _timed(functools.partial(dst.copy_, part, non_blocking=True)) / 1e9
             same = torch.equal(dst[:4096], part[:4096].cpu())
             rows.append((f"shared-memory arena, {size >> 20} MiB", gbs,
                          f"{arena.pinning.reason}; bytes {'match' if same else 'DIFFER'}"))
@@ -274,11 +275,11 @@ def d2d(notes: list) -> list[tuple]:
             if tier is not None and tier.capture(handle, manifest, sources):
                 tier.wait()
 
-                def once():
+                def once(manifest, sources):
                     tier.capture(handle, manifest, sources)
                     tier.wait()
 
-                seconds = _timed(once)
+                seconds = _timed(functools.partial(once, manifest, sources))
                 same = torch.equal(tier.buffer(handle).tensor[: 1 << 20], src[: 1 << 20])
                 rows.append((size, seconds, f"agent's buffer over CUDA IPC; bytes {'match' if same else 'DIFFER'}; "
                              f"handle opened {tier.opens}x"))
@@ -286,7 +287,7 @@ def d2d(notes: list) -> list[tuple]:
                 if tier is not None and tier.refused and not any("IPC refused" in n for n in notes):
                     notes.append(f"CUDA IPC refused: {tier.refused}. D2D below is into a local allocation")
                 dst = torch.empty(size, dtype=torch.uint8, device="cuda")
-                seconds = _timed(lambda: dst.copy_(src, non_blocking=True))
+                seconds = _timed(functools.partial(dst.copy_, src, non_blocking=True))
                 rows.append((size, seconds, "a local allocation (no shared device buffer)"))
                 del dst
             del src, sources
@@ -362,7 +363,7 @@ def stall(notes: list, steps: int) -> list[tuple]:
     side = cuda_capture.SideStreamCapture()
     side.attach([opt])
     try:
-        t = run(lambda i: side.start(manifest, sources, out, on_done=lambda: None))
+        t = run(lambda i, out=out: side.start(manifest, sources, out, on_done=lambda: None))
         side.wait()
         rows.append(("side-stream D2H", statistics.median(t), statistics.median(t) - statistics.median(base), what))
     finally:
@@ -440,13 +441,13 @@ def coding(notes: list) -> list[tuple]:
             end.synchronize()
             return cp.cuda.get_elapsed_time(start, end) / 1e3 / 10
 
-        enc = k * shard / gpu_time(lambda: gpu.encode_into(data, parity)) / 1e9
-        dec = k * shard / gpu_time(lambda: gpu.reconstruct(lost)) / 1e9
+        enc = k * shard / gpu_time(functools.partial(gpu.encode_into, data, parity)) / 1e9
+        dec = k * shard / gpu_time(functools.partial(gpu.reconstruct, lost)) / 1e9
         host = [cp.asnumpy(d[: 64 << 20]) for d in data]
-        cpu_enc = k * (64 << 20) / _best(lambda: rs.encode(host)) / 1e9
+        cpu_enc = k * (64 << 20) / _best(functools.partial(rs.encode, host)) / 1e9
         hp = rs.encode(host)
         hl = [None if i < m else s for i, s in enumerate(host + hp)]
-        cpu_dec = k * (64 << 20) / _best(lambda: rs.reconstruct(hl)) / 1e9
+        cpu_dec = k * (64 << 20) / _best(functools.partial(rs.reconstruct, hl)) / 1e9
         rows.append((f"RS({k},{m})", enc, dec, cpu_enc, cpu_dec, "yes" if same else "NO"))
         del data, parity, full, lost
         cp.get_default_memory_pool().free_all_blocks()

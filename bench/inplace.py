@@ -40,12 +40,12 @@ sys.path.insert(0, str(HERE))
 os.environ["PYTHONPATH"] = os.pathsep.join(
     p for p in (str(HERE.parent), str(HERE), os.environ.get("PYTHONPATH")) if p)
 
-import goodput
-import goodput_timeline
-import psutil
+import goodput  # noqa: E402
+import goodput_timeline  # noqa: E402
+import psutil  # noqa: E402
 
-from memsnap.localcluster import LocalCluster, wait_for
-from memsnap.policy import agent_ram
+from memsnap.localcluster import LocalCluster, wait_for  # noqa: E402
+from memsnap.policy import agent_ram  # noqa: E402
 
 RESULTS = HERE / "results"
 MIB = 1 << 20
@@ -237,13 +237,12 @@ def run_restart(lc: LocalCluster, cfg: dict, kills: int, gap_s: float) -> dict:
     """bench/goodput.py's ``run_own`` (the driver restarts every rank after a kill) for this
     job: 3 ranks on nodes 1-3, ``kills`` kills ``gap_s`` apart (each lands once the job
     trains again after the one before)."""
+    import ray
     from goodput import Nodes, RunSpec, run_own
     from goodput_timeline import analyse
 
     import memsnap
     from memsnap import shmdir
-
-    import ray
 
     goodput.NODES = goodput_timeline.NODES = RANKS  # run_own and analyse: one rank per slot
     nodes = Nodes(lc)

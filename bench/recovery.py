@@ -29,8 +29,8 @@ import contextlib
 import multiprocessing as mp
 import os
 import shutil
-import statistics
 import socket
+import statistics
 import sys
 import tempfile
 import time
@@ -413,7 +413,7 @@ def _ram_of(job: str, k: int, m: int, mib: int, local_copy: bool) -> dict:
         for step in (1, 2):
             ray.get([r.save.remote(step) for r in ranks], timeout=600)
             ray.get(ranks[0].wait.remote(step), timeout=600)
-            wait_for(lambda: _committed_on_agents(job, nodes, step), timeout=120,
+            wait_for(lambda step=step: _committed_on_agents(job, nodes, step), timeout=120,
                      what="the commit reaching every agent")
             agents = ray.get(ranks[0].status.remote())["agents"].values()
             if step == 1:  # one version saved: each agent has exactly one arena slot and parity buffer

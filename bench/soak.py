@@ -21,10 +21,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import tempfile
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 

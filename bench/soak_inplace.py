@@ -113,8 +113,8 @@ def main() -> None:
                 pid = j.members()[victim]["pid"]
                 at = int(j.store.get("soak/progress/0"))
                 psutil.Process(pid).kill()
-                wait_for(lambda: len(j.recoveries) > i, timeout=120, what=f"recovery {i + 1}")
-                wait_for(lambda: all(stepped(r, at + 2) for r in range(3)), timeout=300,
+                wait_for(lambda i=i: len(j.recoveries) > i, timeout=120, what=f"recovery {i + 1}")
+                wait_for(lambda at=at: all(stepped(r, at + 2) for r in range(3)), timeout=300,
                          what=f"every rank to train on after recovery {i + 1}")
                 rec = j.collect()[i]
                 splits.append(rec["split"])

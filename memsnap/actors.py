@@ -28,6 +28,7 @@ from memsnap.identity import Claim
 from memsnap.records import CommitNotice, RankSource
 from memsnap.relay import NodeRelay
 from memsnap.secret import job_secret
+from memsnap.transport.objstore import ObjStoreTransport
 from memsnap.waiting import Signal
 
 log = logging.getLogger("memsnap.actors")
@@ -104,9 +105,11 @@ class Coordinator:
         Train can restart its workers before the GCS has declared the lost node dead."""
         timeout = tunable("membership_timeout_s")
         deadline = time.monotonic() + timeout
+        placement = self.core.membership.placement
+        assert placement is not None  # a node joins a placement's lost slot
         while time.monotonic() < deadline:
             alive = await self.pool.run(self.core._alive)
-            if set(self.core.membership.placement.holders) - alive:
+            if set(placement.holders) - alive:
                 return
             await asyncio.sleep(0.5)  # Ray has no event for a node's death to wait on
         log.warning("a new node joined but no placed node was declared dead within %.0f s", timeout)
@@ -207,7 +210,8 @@ def coordinator_for(cfg: SnapshotConfig, world_size: int, node: str | None = Non
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         extra["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
-    return Coordinator.options(
+    # @ray.remote turns the class into an ActorClass; ray's annotation keeps the bare class
+    return Coordinator.options(  # type: ignore[attr-defined]
         name=naming.coordinator(cfg.job), namespace=naming.NAMESPACE, lifetime="detached",
         get_if_exists=True, num_cpus=0, max_restarts=-1, max_concurrency=100_000, **extra,
     ).remote(cfg.to_dict(), world_size)
@@ -382,10 +386,14 @@ class SnapshotAgent:
         return (await self.pool.run(self.core.inventory)).to_wire()
 
     async def objstore_push(self, packed_keys: list, refs: list, checksums: list) -> list:
-        return await self.pool.run(self.core.transport.handle_push, packed_keys, refs, checksums)
+        transport = self.core.transport
+        assert isinstance(transport, ObjStoreTransport), "objstore calls reach an agent of the objstore transport"
+        return await self.pool.run(transport.handle_push, packed_keys, refs, checksums)
 
     async def objstore_fetch(self, packed_keys: list) -> list:
-        return await self.pool.run(self.core.transport.handle_fetch, packed_keys)
+        transport = self.core.transport
+        assert isinstance(transport, ObjStoreTransport), "objstore calls reach an agent of the objstore transport"
+        return await self.pool.run(transport.handle_fetch, packed_keys)
 
     async def fault(self, what: str, *args):
         """Fault injection for tests, refused unless the agent's process was started with
@@ -410,7 +418,8 @@ def agent_for(cfg: SnapshotConfig, node_id: str):
         from memsnap.device.visibility import agent_runtime_env
 
         extra["runtime_env"] = agent_runtime_env()
-    return SnapshotAgent.options(
+    # @ray.remote turns the class into an ActorClass; ray's annotation keeps the bare class
+    return SnapshotAgent.options(  # type: ignore[attr-defined]
         name=naming.agent(cfg.job, node_id), namespace=naming.NAMESPACE, lifetime="detached",
         get_if_exists=True, num_cpus=0, max_concurrency=100_000, memory=cfg.memory_budget,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False), **extra,

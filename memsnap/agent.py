@@ -45,7 +45,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
 
 import ray
 
@@ -62,6 +64,9 @@ from memsnap.repair import Repair
 from memsnap.sender import Sender
 from memsnap.slots import IN_FLIGHT, Slots, Version
 from memsnap.transport import make_transport
+
+if TYPE_CHECKING:
+    from memsnap.spill import Spiller
 
 log = logging.getLogger("memsnap.agent")
 
@@ -95,7 +100,7 @@ class AgentCore:
         self.newest: int | None = None  # the newest committed step this node heard of
         self.infos: dict[int, NodeReady] = {}  # this node's own NodeReady, by step
         self.dir = Directory(self.cfg.job)
-        self.coordinator = None  # -> the coordinator's handle (set by the Ray face)
+        self.coordinator: Callable[[], Any] | None = None  # -> the coordinator's handle (set by the Ray face)
         self.changed = lambda: None  # wakes the relay's waiters (set by the Ray face)
         self.ranks: set[int] = set()
         self.holders: dict[int, dict] = {}  # rank -> {"run", "process"} of the rank registered here
@@ -109,7 +114,7 @@ class AgentCore:
         # begins one skips it too (a failed step is still attempted: each rank's own error is its own)
         self.gen = 0
         self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="memsnap-agent")
-        self.spiller = None
+        self.spiller: Spiller | None = None
         self._device = None  # the device tier (memsnap.device.runtime), made on first use when on
 
     # --- the device tier (opt-in: cfg.device_buffer) ---------------------------------------------
@@ -179,11 +184,12 @@ class AgentCore:
     def _replaced(self, v: Version, was: str, step: int) -> None:
         """``step`` took ``v``'s slot: ``v`` is dropped here and, through the coordinator, on
         every node (not a failure: a newer snapshot replaces it). Called under the lock."""
-        self.abandoned[v.step] = v.error  # a rank still capturing it drops its capture quietly
+        why = v.error or f"replaced by step {step}"  # (Slots set it just before)
+        self.abandoned[v.step] = why  # a rank still capturing it drops its capture quietly
         self.skipped.add(v.step)
         self.counters["superseded"] += 1
         self._busy_warning(f"step {v.step} ({was}) was replaced by step {step}")
-        self.pool.submit(self.tell, "node_skipped", v.step, self.node, v.error)
+        self.pool.submit(self.tell, "node_skipped", v.step, self.node, why)
 
     def _skip(self, step: int) -> str:
         """No slot for ``step``: the save is skipped and counted, the older ones go on."""
@@ -438,6 +444,7 @@ class AgentCore:
                 return None
             v = self.versions[step]
             arena = self.arenas.get((rank, v.slot))
+            assert arena is not None  # holds() checked it
             return {"path": arena.path, "nbytes": v.sizes[rank], "manifest": v.manifests[rank]}
 
     # --- repair and re-protection (repair.py) ----------------------------------------------------

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import ctypes
 import warnings
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
-from typing import Any, Mapping, MutableMapping
+from typing import Any
 
 import torch
 
@@ -169,7 +170,7 @@ def _live_meshes(state: Mapping[str, Any], plans: list[_ObjectPlan]) -> list[Any
     for obj in state.values():
         for group in getattr(obj, "param_groups", None) or []:
             tensors.extend(group.get("params", []))
-    meshes = []
+    meshes: list[Any] = []  # DeviceMesh objects
     for t in tensors:
         mesh = getattr(t, "device_mesh", None) if is_dtensor(t) else None
         if mesh is not None and all(mesh is not m for m in meshes):
@@ -210,6 +211,7 @@ def _as_sharded(entry: TensorEntry, local: torch.Tensor, meshes: list[Any]) -> t
     if mesh.device_type != "cpu":
         local = local.to(mesh.device_type)
     placements = [_parse_placement(p) for p in entry.placements]
+    assert entry.global_shape is not None  # an entry with placements is sharded
     shape = torch.Size(entry.global_shape)
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape,
                               stride=torch.empty(shape, device="meta").stride())
@@ -236,7 +238,8 @@ class _Source:
     def __init__(self, manifest: Manifest, mv: memoryview, meshes: list[Any]):
         self.manifest, self.meshes = manifest, meshes
         self.index = {t.path: i for i, t in enumerate(manifest.tensors)}
-        self.base, self.address, self.size = None, 0, mv.nbytes
+        self.base: torch.Tensor | None = None
+        self.address, self.size = 0, mv.nbytes
         if manifest.nbytes:
             with warnings.catch_warnings():  # read-only snapshot bytes are only ever read
                 warnings.simplefilter("ignore", UserWarning)
@@ -262,6 +265,7 @@ class _Source:
         e = self.manifest.tensors[self.holder(i)]
         if e.nbytes == 0:
             return torch.empty(e.shape, dtype=dtype_of(e.dtype))
+        assert self.base is not None  # bytes to view: the manifest has some
         return tensor_view(self.base, e, dtype_of(e.dtype))
 
     def new_tensor(self, i: int) -> torch.Tensor:

@@ -19,11 +19,15 @@ import logging
 import mmap
 import os
 import threading
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from memsnap import naming, shmdir
 from memsnap.errors import MemoryBudgetError, MemsnapError, UnsafeShmError
+
+if TYPE_CHECKING:
+    from memsnap.device.pinning import Registration
 
 PAGE = mmap.PAGESIZE
 _NEW = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -141,7 +145,7 @@ class Arena:
         self._fd = fd  # the owner's open, locked file: its lock says the owner is alive
         self.owner = owner
         self.resident = True  # False after ``release`` until ``ensure_backed``
-        self.pinning = None  # the CUDA registration (``pin``), when asked for
+        self.pinning: Registration | None = None  # the CUDA registration (``pin``), when asked for
         self._repin = False  # ``release`` dropped a registration that ``ensure_backed`` makes again
 
     def pin(self):
@@ -155,13 +159,13 @@ class Arena:
         return self.pinning
 
     def _unpin(self) -> bool:
-        was = self.pinning is not None and self.pinning.pinned
-        if was:
-            self.pinning.close()
-        return was
+        if self.pinning is None or not self.pinning.pinned:
+            return False
+        self.pinning.close()
+        return True
 
     @classmethod
-    def create(cls, path: str, nbytes: int, prefault: bool = True, pin: bool = False) -> "Arena":
+    def create(cls, path: str, nbytes: int, prefault: bool = True, pin: bool = False) -> Arena:
         """A new file of ``nbytes`` at ``path`` (a ``naming.arena_path``, in the private arena
         directory, which is made if missing), backed whole, mapped and touched.
 
@@ -194,7 +198,7 @@ class Arena:
         return arena
 
     @classmethod
-    def attach(cls, path: str, nbytes: int) -> "Arena":
+    def attach(cls, path: str, nbytes: int) -> Arena:
         """Map an existing arena of at least ``nbytes`` (a training process does this once): a
         regular file of this user in the private arena directory; a symlink is not followed."""
         dir_fd = shmdir.open_dir(os.path.dirname(path), create=False)

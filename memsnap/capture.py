@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import ctypes
 import sys
+from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import numpy as np
 import torch
@@ -30,6 +31,9 @@ from memsnap.checksum import checksum, fill_checksums  # noqa: F401 (re-exported
 from memsnap.dtypes import NAME_OF, dtype_name
 from memsnap.errors import SnapshotBufferError, StateMismatchError, UnsupportedStateError
 from memsnap.manifest import Manifest, TensorEntry, align_up, compact_json
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 RNG_KEY = "__rng__"
 
@@ -57,7 +61,7 @@ def collect(state: Mapping[str, Any], *, rng: bool = True) -> dict[str, Any]:
 
 
 # --- sharded tensors -------------------------------------------------------------------------
-def is_dtensor(t: torch.Tensor) -> bool:
+def is_dtensor(t: torch.Tensor) -> TypeGuard[DTensor]:
     return type(t).__name__ == "DTensor" and hasattr(t, "device_mesh")
 
 
@@ -133,7 +137,9 @@ def _alias_key(t: torch.Tensor) -> tuple | None:
 
 
 def _layout(paths: list[str], found: list[torch.Tensor]) -> tuple[list[TensorEntry], int]:
-    entries, first, offset = [], {}, 0
+    entries: list[TensorEntry] = []
+    first: dict[tuple, TensorEntry] = {}
+    offset = 0
     for path, whole in zip(paths, found):
         t = local_tensor(whole)
         key = _alias_key(t)
@@ -276,7 +282,7 @@ def tensor_view(base: torch.Tensor, entry: TensorEntry, dtype: torch.dtype) -> t
 def _new_buffer(nbytes: int, sources: list[torch.Tensor]) -> memoryview:
     pinned = any(t.is_cuda for t in sources) and torch.cuda.is_available()
     arena = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pinned)
-    return memoryview(arena.numpy())[:nbytes]
+    return memoryview(arena.numpy())[:nbytes]  # type: ignore[arg-type]  # numpy declares __buffer__ only from 3.12
 
 
 def copy_into(manifest: Manifest, sources: list[torch.Tensor], out: memoryview) -> None:

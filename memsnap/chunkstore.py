@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import mmap
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import xxhash
 
@@ -39,7 +39,7 @@ class HeldChunks:
         self._held: dict[ChunkKey, tuple[mmap.mmap, int]] = {}
         self._stall: tuple[int, int] | None = None  # fault injection, see ``stall``
         self.stalled = threading.Event()
-        self.own = None  # key -> (chunk, checksum) | None: data shards served from the owner's arena
+        self.own: Callable[[ChunkKey], tuple[memoryview, int] | None] | None = None  # key -> (chunk, checksum) | None: data shards served from the owner's arena
 
     # --- the ChunkStore protocol (called by the transport's server half) ------------------
     def reserve(self, key: ChunkKey, nbytes: int) -> memoryview:
@@ -145,6 +145,7 @@ class HeldChunks:
 
     def _stall_here(self) -> None:
         with self._lock:
+            assert self._stall is not None
             step, left = self._stall
             self._stall = (step, left - 1)
         if left <= 0:

@@ -36,7 +36,8 @@ class CommitLog:
 
     def resolved(self, step: int) -> bool:
         """``wait(step)`` may return: it (or a newer step) committed, or it failed or was skipped."""
-        return (self.newest() if self.records else -1) >= step or step in self.failed or step in self.skipped
+        newest = self.newest()
+        return (newest if newest is not None else -1) >= step or step in self.failed or step in self.skipped
 
     def ready(self, info: NodeReady, nodes: frozenset[str], world: int) -> CommitRecord | None:
         """Phase one from one node; the record when this completes ``info.step`` (every node of
@@ -116,9 +117,9 @@ class CommitLog:
         if self.cfg.spill is None or not (every or secs):
             return False
         last = self.spill_asked
-        due = last is None or last[0] > step
-        due = due or bool(every) and step // every > last[0] // every
-        due = due or bool(secs) and time.monotonic() - last[1] >= secs
+        due = bool(last is None or last[0] > step
+                   or (every and step // every > last[0] // every)
+                   or (secs and time.monotonic() - last[1] >= secs))
         if due:
             self.spill_asked = (step, time.monotonic())
         return due

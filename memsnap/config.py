@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from memsnap.errors import ConfigError
 
@@ -158,14 +159,14 @@ class SnapshotConfig:
         return dict(self.__dict__)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "SnapshotConfig":
+    def from_dict(cls, d: dict) -> SnapshotConfig:
         return cls(**d)
 
 
 def tcp_options(cfg: SnapshotConfig) -> dict:
     """The TCP transport's options for a job: its wire mode, and its chunk size as the largest
     frame a peer may send (when the job fixed one)."""
-    opts = {"wire": cfg.wire}
+    opts: dict[str, Any] = {"wire": cfg.wire}
     if cfg.chunk is not None:
         opts["max_chunk"] = cfg.chunk
     return opts

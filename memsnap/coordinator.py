@@ -69,7 +69,7 @@ class CoordinatorCore:
         self.reprotect = Reprotector(self)
         self.last_restore: dict = {"tier": "none", "step": None, "seconds": {}}
         self.run: str | None = None  # the run id of the ranks registered last (identity.py)
-        self.step_runs: dict[int, str] = {}  # committed step -> the run that took it (the spill records it)
+        self.step_runs: dict[int, str | None] = {}  # committed step -> the run that took it (the spill records it)
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sender: threading.Thread | None = None
 
@@ -132,8 +132,9 @@ class CoordinatorCore:
             if node in self.fenced:  # refused before it holds a rank or resizes the job
                 raise CommitError(f"node {node[:12]} was declared lost and is fenced: its processes must not "
                                   "rejoin the job (a host that comes back joins as a new node)")
-            resized = world is not None and world != self.world
-            if resized:
+            resized = False
+            if world is not None and world != self.world:
+                resized = True
                 self.resize(world)
             self._hold(node, {rank: claims[rank] for rank in ranks})
             replaced = self.membership.join(node, address, ranks)
@@ -141,14 +142,17 @@ class CoordinatorCore:
             # holds no rank now, and leaves the placement like a lost spare
             replaced = self.membership.drop_lost_spares() or replaced
             self.changed()
-            record = self.log.records.get(self.log.newest()) if self.log.records else None
+            newest = self.log.newest()
+            record = self.log.records.get(newest) if newest is not None else None
             if record is not None and record.world != self.world:
                 record = None  # taken by another world size: its rank r is not this rank r
             hints = {}
             for rank in ranks:
                 owner = None if record is None else record.owner_of(rank)
-                if owner is not None and (owner != node or not self.cfg.local_copy):
-                    hints[rank] = record.nodes[owner].region(rank).nbytes
+                if record is not None and owner is not None and (owner != node or not self.cfg.local_copy):
+                    region = record.nodes[owner].region(rank)
+                    assert region is not None  # owner_of found the rank among its regions
+                    hints[rank] = region.nbytes
             placed = self.membership.placement is not None
             run = self.run
         if replaced or resized:
@@ -348,6 +352,7 @@ class CoordinatorCore:
     def _plan_of(self, plan: dict, rank: int, record, addrs: dict) -> dict:
         source = None if record is None else record.source(rank, addrs)
         if plan["ranks"][rank] == "copy":
+            assert source is not None  # a copy tier comes from a committed record
             source = dataclasses.replace(source, copy=addrs.get(source.owner))
         return RankPlan(plan["step"], plan["ranks"][rank], plan["tier"], self.cfg.spill, source).to_wire()
 
@@ -364,6 +369,7 @@ class CoordinatorCore:
             rnd, failed = self.rounds.close(attempt)
             if not failed and first:
                 self._note_restore(rnd)
+                assert rnd.plan is not None  # a closed round was planned
                 self.log.resume(rnd.plan["step"])
                 rnd.gen = self.log.gen
                 self.rounds.completed += 1
@@ -382,7 +388,7 @@ class CoordinatorCore:
     def _note_restore(self, rnd) -> None:
         reports = [rep for _, rep in rnd.done.values()]
         tiers = {rep.get("tier") for rep in reports}
-        slowest = max(reports, key=lambda rep: sum(rep.get("seconds", {}).values()), default={})
+        slowest: dict = max(reports, key=lambda rep: sum(rep.get("seconds", {}).values()), default={})
         self.last_restore = {"tier": sorted(tiers)[0] if len(tiers) == 1 else ",".join(sorted(tiers)),
                              "step": rnd.plan["step"], "seconds": slowest.get("seconds", {})}
 
@@ -412,6 +418,7 @@ class CoordinatorCore:
         from memsnap.storage import Store
 
         run = self.step_runs.get(step, self.run)
+        assert self.cfg.spill is not None, "agents spill only with spill= set"
         Store.open(self.cfg.spill).commit(step, self.world, spill_metadata(self.cfg, step, run))
         with self.lock:
             self.log.durable(step)
@@ -471,7 +478,7 @@ def spill_metadata(cfg: SnapshotConfig, step: int, run: str | None = None) -> di
     ``identity`` run id), config, package versions."""
     from importlib import metadata
 
-    versions = {}
+    versions: dict[str, str | None] = {}
     for pkg in ("memsnap", "torch", "ray", "numpy", "pyarrow"):
         try:
             versions[pkg] = metadata.version(pkg)

@@ -6,7 +6,7 @@ ranks' arenas by step and the chunks it holds for its peers.
 """
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 from memsnap.records import CommitRecord, Inventory
 
@@ -65,7 +65,7 @@ def elastic_tiers(record: CommitRecord, members: Mapping[int, str], inventories:
     if not all(node in inventories for node in members.values()):
         return None
     tiers = {r: saved_rank_tier(record, r, inventories, local_copy) for r in range(record.world)}
-    return tiers if all(tiers.values()) else None
+    return {r: t for r, t in tiers.items() if t is not None} if all(tiers.values()) else None
 
 
 def decide(records: Mapping[int, CommitRecord], members: Mapping[int, str], inventories: Mapping[str, Inventory],
@@ -98,7 +98,7 @@ def owner_margin(record: CommitRecord, owner: str, members: Mapping[int, str], i
     """How many more node losses ``owner``'s bytes in ``record`` survive (-1: already lost).
     The owner's own copy adds one (it must die too), except in lean mode (``local_copy=False``)."""
     lost = record.k + record.m - len(holders_with(record, owner, inventories))
-    local = local_copy and all(has_local(inventories.get(members.get(r)), record.step, r)
+    local = local_copy and all(has_local(inventories.get(members.get(r, "")), record.step, r)
                                for r in record.ranks_of(owner))
     if lost > record.m:
         return 0 if local else -1

@@ -13,7 +13,7 @@ the copies are truly asynchronous DMA. Without CUDA this module imports cleanly 
 from __future__ import annotations
 
 import logging
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -76,6 +76,7 @@ class SideStreamCapture:
             for entry, src in zip(manifest.tensors, sources):
                 if entry.alias_of is not None or not entry.nbytes:
                     continue
+                assert base is not None  # a tensor with bytes: the manifest has some
                 if src.is_cuda:
                     src.record_stream(self.stream)  # the allocator must not reuse it mid-copy
                 tensor_view(base, entry, src.dtype).copy_(src, non_blocking=src.is_cuda)

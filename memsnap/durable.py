@@ -17,15 +17,23 @@ from __future__ import annotations
 import os
 import threading
 import warnings
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
 from memsnap import apply as applying
 from memsnap import meta, reshard, validate
 from memsnap.capture import plan_sources
-from memsnap.errors import (ChecksumError, ConfigError, MemsnapError, SnapshotNotFoundError,
-                            StateMismatchError, UnsupportedStateError, WeightsOnlyError)
+from memsnap.errors import (
+    ChecksumError,
+    ConfigError,
+    MemsnapError,
+    SnapshotNotFoundError,
+    StateMismatchError,
+    UnsupportedStateError,
+    WeightsOnlyError,
+)
 from memsnap.manifest import Manifest
 from memsnap.storage import Progress, Retention, Store
 from memsnap.stream import TensorStream
@@ -153,6 +161,7 @@ def save(uri: str, state: Mapping[str, Any], step: int, metadata: Mapping[str, A
         close()
     sync()
     if rank == 0:
+        assert git is not None
         info["git"] = git()
         store.commit(step, world, info)
         if policy is not None:

@@ -15,8 +15,9 @@ the live state is written until every byte is read and checked.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 

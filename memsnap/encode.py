@@ -8,8 +8,8 @@ computed a batch of stripes at a time into a small scratch buffer (``ParityBatch
 """
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 from memsnap.stripes import StripeLayout
 from memsnap.transport.base import ChunkKey
@@ -69,7 +69,7 @@ class Encoded:
         last = self.lay.stripes - 1
         ragged = last >= 0 and self.lay.data_range(last, k - 1)[1] - self.lay.data_range(last, k - 1)[0] < chunk
         self._tail = bytearray(k * chunk) if ragged else None
-        if ragged:
+        if self._tail is not None:
             for j in range(k):
                 a, b = self.lay.data_range(last, j)
                 self._tail[j * chunk:j * chunk + b - a] = data[a:b]

@@ -143,7 +143,7 @@ class Projection:
     @property
     def binding(self) -> tuple[str, float]:
         """The resource closest to running out, and its share used."""
-        name = max(self.use, key=self.use.get)
+        name = max(self.use, key=lambda n: self.use[n])
         return name, self.use[name]
 
 

@@ -10,7 +10,7 @@ bytes ``[a, b)``) and ``write(a, src)`` (for a stripe rebuilt from parity). No t
 from __future__ import annotations
 
 import bisect
-from typing import Sequence
+from collections.abc import Sequence
 
 from memsnap.transport.base import Scatter, byte_view
 

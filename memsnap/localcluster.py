@@ -12,6 +12,7 @@ import os
 import queue
 import threading
 import time
+from typing import Any
 
 _log = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ def loopback_env() -> None:
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    constants = sys.modules.get("ray._private.ray_constants")
+    constants: Any = sys.modules.get("ray._private.ray_constants")
     if constants is not None:
         constants.ENABLE_RAY_CLUSTER = False
 
@@ -163,7 +164,7 @@ class LocalCluster:
         from ray.cluster_utils import Cluster
 
         self._next = 0
-        self.nodes = []  # ray._private.node.Node, in order of addition
+        self.nodes: list[Any] = []  # ray._private.node.Node, in order of addition
         self._index: dict[str, int] = {}  # node id -> i of its memsnap_node_<i> resource
         self.cluster = Cluster(initialize_head=False)
         self.add_node(_system_config=cfg, include_dashboard=False, tries=1)
@@ -172,7 +173,7 @@ class LocalCluster:
         self.cluster.wait_for_nodes()
         if connect:
             ray.init(address=self.cluster.address, namespace="memsnap",
-                     log_to_driver=False, logging_level="WARNING")
+                     log_to_driver=False, logging_level=logging.WARNING)
 
     @property
     def address(self) -> str:
@@ -191,7 +192,7 @@ class LocalCluster:
             args.update(kwargs)
             before = _descendants()
             try:
-                node = self._starter.call(lambda: self._add_one(args))
+                node = self._starter.call(lambda args=args: self._add_one(args))
             except Exception as exc:
                 _kill_new(before)
                 if attempt == tries or not _worth_retrying(exc):

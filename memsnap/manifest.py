@@ -64,7 +64,7 @@ class TensorEntry:
         return out
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "TensorEntry":
+    def from_dict(cls, d: dict[str, Any]) -> TensorEntry:
         d = dict(d)
         for k in ("shape", "global_shape", "global_offset", "placements", "mesh_shape"):
             if d.get(k) is not None:
@@ -102,7 +102,7 @@ class Manifest:
         return f'{head[:-1]},"tensors":{tensors},"tree":{compact_json(self.tree)}}}'.encode()
 
     @classmethod
-    def from_json(cls, raw: bytes | str, what: str = "manifest") -> "Manifest":
+    def from_json(cls, raw: bytes | str, what: str = "manifest") -> Manifest:
         """Parse and validate (``memsnap.validate``): ``FormatError`` names what is malformed."""
         doc = validate.parse_json(raw, what)
         validate.manifest_doc(doc, what)
@@ -115,7 +115,7 @@ class Manifest:
         validate.manifest(man, what)
         return man
 
-    def with_checksums(self, checksums: list[str | None]) -> "Manifest":
+    def with_checksums(self, checksums: list[str | None]) -> Manifest:
         return replace(self, tensors=[replace(t, checksum=c) for t, c in zip(self.tensors, checksums)],
                        tensors_json=None)
 

@@ -17,8 +17,8 @@ every holder gone or of its own run.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from memsnap.config import SnapshotConfig
 from memsnap.errors import CommitError
@@ -93,11 +93,11 @@ class Membership:
 
     def owners(self) -> frozenset[str]:
         """The nodes running ranks (each must report before a step commits)."""
-        return self.by_node().keys()
+        return frozenset(self.by_node())
 
     def needs_a_dead_node(self, node: str) -> bool:
         """``node`` is new to a placement with peers: it can only join in a lost node's slot."""
-        return self.peered and node not in self.placement.holders
+        return self.peered and self.placement is not None and node not in self.placement.holders
 
     def join(self, node: str, address: dict, ranks: list[int]) -> bool:
         """Ranks ``ranks`` run on ``node`` (its agent at ``address``). True when the node took
@@ -170,6 +170,7 @@ class Membership:
     def _replace(self, old: str | None, node: str) -> None:
         """``node`` is new: it takes the slot of a placed node that is dead (``old``, the node
         its ranks ran on before, when that one is dead)."""
+        assert self.placement is not None, "a node replaces one of a placement"
         dead = sorted(set(self.placement.holders) - self.alive())
         lost = old if old in dead else (dead[0] if dead else None)
         if lost is None:

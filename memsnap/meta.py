@@ -8,7 +8,8 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from memsnap.errors import ConfigError
 

@@ -9,8 +9,8 @@ number of groups — the best any split can do.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
 
 DOMAIN_LABELS = ("region", "zone", "rack")  # failure domains, outermost first
 
@@ -70,7 +70,7 @@ class Placement:
                 "holders": {o: list(hs) for o, hs in self.holders.items()}}
 
     @classmethod
-    def from_dict(cls, d: Mapping) -> "Placement":
+    def from_dict(cls, d: Mapping) -> Placement:
         """The placement ``to_dict`` wrote."""
         return cls(int(d["k"]), int(d["m"]), tuple(tuple(g) for g in d["groups"]),
                    {o: tuple(hs) for o, hs in d["holders"].items()})

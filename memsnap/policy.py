@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from memsnap.errors import ConfigError, StalenessError
 
@@ -68,8 +68,8 @@ def require_positive_int(name: str, value: object, hint: str) -> int:
 
 def require_positive_float(name: str, value: object, hint: str, *, allow_zero: bool = False) -> float:
     """``value`` as a float if it is a finite number > 0 (or >= 0); else a ``ConfigError``."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or value < 0 or (value == 0 and not allow_zero):
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            or value < 0 or (value == 0 and not allow_zero)):
         kind = "a finite number >= 0" if allow_zero else "a finite number > 0"
         raise ConfigError(f"{name}={value!r} is not {kind}; {hint}")
     return float(value)
@@ -280,6 +280,7 @@ class Scheduler:
         if self._step_s is None:
             self._grid = every
             return
+        assert interval is not None  # _timed: every_seconds or auto gives one
         fits = math.inf if self._step_s <= 0 else interval / self._step_s
         if every is not None and every <= fits:
             self._grid = every

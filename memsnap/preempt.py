@@ -30,10 +30,15 @@ import logging
 import signal
 import threading
 import time
-from typing import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from types import FrameType
+from typing import Any
 
 from memsnap.errors import ConfigError
 from memsnap.policy import require_positive_float
+
+# what signal.signal takes and returns as a handler
+_Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +52,7 @@ def ray_draining_nodes() -> Mapping[str, int]:
     return ray._private.state.state.get_draining_nodes()
 
 
-def _check_signal(sig: object) -> signal.Signals:
+def _check_signal(sig: Any) -> signal.Signals:  # any value: Signals() rejects a non-signal
     try:
         return signal.Signals(sig)
     except (ValueError, TypeError):
@@ -91,7 +96,7 @@ class PreemptionWatcher:
         self._wall = wall_clock
         self._lock = threading.RLock()
         self._fired = False
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, _Handler] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._poll_warned = False
@@ -100,7 +105,7 @@ class PreemptionWatcher:
         self.error: BaseException | None = None
 
     # --- lifecycle ---------------------------------------------------------------------
-    def start(self) -> "PreemptionWatcher":
+    def start(self) -> PreemptionWatcher:
         """Install the signal handlers (main thread only) and start the drain poll."""
         polls = self._poll_seconds is not None and self._thread is None
         if polls and self._node_id is None:
@@ -121,7 +126,7 @@ class PreemptionWatcher:
         self._thread = None
         self._restore_signals()
 
-    def __enter__(self) -> "PreemptionWatcher":
+    def __enter__(self) -> PreemptionWatcher:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -195,9 +200,10 @@ class PreemptionWatcher:
                 log.warning("memsnap: cannot read Ray's draining nodes (%s); retrying", exc)
                 self._poll_warned = True
             return False
-        if self._node_id not in draining:
+        node = self._node_id
+        if node is None or node not in draining:
             return False
-        deadline_ms = draining[self._node_id]
+        deadline_ms = draining[node]
         left = self.grace_seconds if not deadline_ms else max(deadline_ms / 1000.0 - self._wall(), 0.0)
         self.trigger(left, f"Ray is draining node {self._node_id}")
         return True

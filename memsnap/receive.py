@@ -14,7 +14,8 @@ per-tensor checksums of the tensors it covers.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 

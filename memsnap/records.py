@@ -13,8 +13,9 @@ bytes (the owner, and its holders), so the coordinator sees per node per step on
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping
+from typing import Any
 
 from memsnap import encode
 
@@ -60,7 +61,7 @@ class NodeReady:
                 "holders": list(self.holders), "digest": self.digest, "world": self.world}
 
     @classmethod
-    def from_wire(cls, d: Mapping[str, Any]) -> "NodeReady":
+    def from_wire(cls, d: Mapping[str, Any]) -> NodeReady:
         return cls(int(d["step"]), str(d["node"]), int(d["gen"]), int(d["chunk"]),
                    tuple(Region(int(a), int(b), int(c)) for a, b, c in d["regions"]),
                    tuple(d["holders"]), str(d.get("digest", "")), int(d.get("world", 0)))
@@ -82,7 +83,7 @@ class CommitNotice:
                 "moved": {o: list(h) for o, h in self.moved.items()}}
 
     @classmethod
-    def from_wire(cls, d: Mapping[str, Any]) -> "CommitNotice":
+    def from_wire(cls, d: Mapping[str, Any]) -> CommitNotice:
         return cls(int(d["step"]), tuple(int(s) for s in d["keep"]), bool(d["spill"]),
                    {o: tuple(h) for o, h in d.get("moved", {}).items()})
 
@@ -121,7 +122,7 @@ class RankSource:
                 "holders": list(self.holders), "addrs": list(self.addrs), "copy": self.copy}
 
     @classmethod
-    def from_wire(cls, d: Mapping[str, Any]) -> "RankSource":
+    def from_wire(cls, d: Mapping[str, Any]) -> RankSource:
         rank, nbytes, base = d["region"]
         return cls(int(d["step"]), int(d["k"]), int(d["m"]), str(d["owner"]), int(d["chunk"]),
                    Region(int(rank), int(nbytes), int(base)), tuple(d["holders"]), tuple(d["addrs"]),
@@ -174,10 +175,13 @@ class CommitRecord:
     def source(self, rank: int, addrs: Mapping[str, Any]) -> RankSource:
         owner = self._owners()[rank]
         info = self.nodes[owner]
-        return RankSource(self.step, self.k, self.m, owner, info.chunk, info.region(rank),
+        region = info.region(rank)
+        if region is None:
+            raise KeyError(f"node {owner} reported no region for rank {rank}")
+        return RankSource(self.step, self.k, self.m, owner, info.chunk, region,
                           info.holders, tuple(addrs.get(h) for h in info.holders))
 
-    def with_holder(self, owner: str, j: int, node: str) -> "CommitRecord":
+    def with_holder(self, owner: str, j: int, node: str) -> CommitRecord:
         """This record after shard ``j`` of ``owner`` was rebuilt on ``node`` (re-protection)."""
         info = self.nodes[owner]
         holders = info.holders[:j] + (node,) + info.holders[j + 1:]
@@ -205,7 +209,7 @@ class RankPlan:
                 "sources": [s.to_wire() for s in self.sources]}
 
     @classmethod
-    def from_wire(cls, d: Mapping[str, Any]) -> "RankPlan":
+    def from_wire(cls, d: Mapping[str, Any]) -> RankPlan:
         src = d.get("source")
         return cls(d["step"], d["tier"], d["plan"], d.get("spill"),
                    None if src is None else RankSource.from_wire(src),
@@ -242,7 +246,7 @@ class Inventory:
                 "counters": dict(self.counters), "spill": self.spill}
 
     @classmethod
-    def from_wire(cls, d: Mapping[str, Any]) -> "Inventory":
+    def from_wire(cls, d: Mapping[str, Any]) -> Inventory:
         return cls(str(d["node"]), d.get("address"),
                    {int(s): (v["state"], tuple(v["ranks"])) for s, v in d.get("versions", {}).items()},
                    {int(s): dict(h) for s, h in d.get("held", {}).items()}, tuple(d.get("records", ())),

@@ -186,7 +186,7 @@ class Repair:
         core = self.core
         ready = NodeReady.from_wire(info)
         n = rebuild_shard(core, step, k, m, ready, addrs, shard)
-        manifests = {}
+        manifests: dict = {}
         for node in ready.holders:
             handle = core.dir.agent(node) if node != core.node else None
             if handle is not None and not manifests:

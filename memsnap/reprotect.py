@@ -122,7 +122,7 @@ class Reprotector:
         for rank in record.ranks:
             node = members.get(rank)
             inv = inventories.get(node)
-            if inv is None or coverage.has_local(inv, step, rank) or any(s > step for s in inv.versions):
+            if node is None or inv is None or coverage.has_local(inv, step, rank) or any(s > step for s in inv.versions):
                 continue  # nothing to do, or the rank moved on: its next commit leaves a local copy
             self._local_copy(node, step, rank, record.source(rank, addrs))
 

@@ -11,8 +11,9 @@ normal ``(Manifest, buffer)`` for ``apply.apply``.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
@@ -30,9 +31,9 @@ def overlap(a: Box, b: Box) -> Box | None:
     """The intersection of two boxes in global coordinates, or None when they do not meet."""
     lo = tuple(max(x, y) for x, y in zip(a[0], b[0]))
     hi = tuple(min(x + n, y + m) for x, n, y, m in zip(a[0], a[1], b[0], b[1]))
-    if any(h <= l for l, h in zip(lo, hi)):
+    if any(end <= start for start, end in zip(lo, hi)):
         return None
-    return lo, tuple(h - l for l, h in zip(lo, hi))
+    return lo, tuple(end - start for start, end in zip(lo, hi))
 
 
 def _slices(box: Box, origin: tuple[int, ...]) -> tuple[slice, ...]:
@@ -81,7 +82,9 @@ class _Reader:
 
 
 def _layout(template: Manifest, live: dict[str, TensorEntry]) -> list[TensorEntry]:
-    out, offset, placed = [], 0, {}
+    out: list[TensorEntry] = []
+    offset = 0
+    placed: dict[str, int] = {}
     for e in template.tensors:
         want = live.get(e.path)
         if want is None and e.global_shape is not None:
@@ -114,6 +117,7 @@ def sources(e: TensorEntry, saved: list[Manifest], order=None) -> list[tuple[int
     (replicated state is read from the first rank in ``order``, default 0..W-1, that has it).
     The saved shards must tile the tensor exactly (``tiling``)."""
     saved_shape = tiling(saved, e.path)
+    assert e.global_shape is not None  # sources() is for sharded tensors
     if tuple(e.global_shape) != saved_shape:
         raise StateMismatchError(f"{e.path!r}: live global shape {list(e.global_shape)} differs from the "
                                  f"checkpoint's {list(saved_shape)}")

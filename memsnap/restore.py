@@ -29,8 +29,8 @@ class _Stripes:
     def __init__(self, region: encode.Region, m: int, out):
         self.region, self.lay, self.out = region, region.layout, out
         self.n = region.stripes
-        self.shards = [[None] * (region.k + m) for _ in range(self.n)]
-        self.in_place = [set() for _ in range(self.n)]
+        self.shards: list[list[memoryview | None]] = [[None] * (region.k + m) for _ in range(self.n)]
+        self.in_place: list[set[int]] = [set() for _ in range(self.n)]
 
     def dest(self, s: int, j: int):
         """Where shard ``j`` of stripe ``s`` is fetched to: its place in ``out`` when it is a
@@ -68,7 +68,7 @@ def _fetch_shard(core, st: _Stripes, key_of, j: int, addr: dict | None, stripes:
     items = [(key_of(s, j), st.dest(s, j)) for s in stripes]
     ok = _fetch(core, addr, items)
     bad = []
-    for (key, buf), s, good in zip(items, stripes, ok or [False] * len(items)):
+    for (_key, buf), s, good in zip(items, stripes, ok or [False] * len(items)):
         if good:
             st.shards[s][j] = buf
         else:
@@ -161,7 +161,7 @@ def rebuild_shard(core, step: int, k: int, m: int, info: NodeReady, addrs: dict,
     n = 0
     for start in range(0, total, batch):
         stripes = list(range(start, min(total, start + batch)))
-        got = {s: [None] * (k + m) for s in stripes}
+        got: dict[int, list[memoryview | None]] = {s: [None] * (k + m) for s in stripes}
         for j in sources:
             need = [s for s in stripes if sum(x is not None for x in got[s]) < k]
             if not need:

@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import random
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
 
 
 def _numpy_state() -> dict[str, Any]:
-    name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    state = np.random.get_state(legacy=True)
+    if not isinstance(state, tuple):  # legacy=True gives a dict only for a bit generator other than MT19937
+        raise TypeError(f"numpy's global generator is {state['bit_generator']}, not MT19937")
+    name, keys, pos, has_gauss, cached = state
     return {"name": name, "keys": keys.tolist(), "pos": int(pos),
             "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
 

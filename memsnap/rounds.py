@@ -75,7 +75,7 @@ class RestoreRounds:
         rank could not load is not planned again."""
         rnd = self.rounds[attempt]
         failed = {r: rep for r, (ok, rep) in rnd.done.items() if not ok}
-        if failed and rnd.plan["step"] is not None:
+        if failed and rnd.plan is not None and rnd.plan["step"] is not None:
             self.bad.add(rnd.plan["step"])
         rnd.closed = True
         return rnd, failed

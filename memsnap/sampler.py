@@ -20,7 +20,8 @@ can be put into the state instead; capture treats it generically.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterator, Sized
+from collections.abc import Iterator, Sized
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Sampler
@@ -124,10 +125,11 @@ class ResumableLoader:
             raise ConfigError("ResumableLoader needs a DataLoader with batch_size set; with a custom "
                               "batch_sampler call sampler.advance(n) yourself after each batch")
         self.loader, self.sampler = loader, _find_sampler(loader)
+        self._batch_size: int = loader.batch_size
 
     def _batch_samples(self) -> int:
         left = self.sampler.num_samples - self.sampler.consumed
-        return min(self.loader.batch_size, left)
+        return min(self._batch_size, left)
 
     def __iter__(self) -> Iterator[Any]:
         with torch.random.fork_rng(devices=[]):
@@ -140,7 +142,7 @@ class ResumableLoader:
 
     def __len__(self) -> int:
         left = len(self.sampler)
-        bs = self.loader.batch_size
+        bs = self._batch_size
         return left // bs if self.loader.drop_last else math.ceil(left / bs)
 
     def set_epoch(self, epoch: int) -> None:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from memsnap import naming
 from memsnap.arena import Arena, MemoryBudget
@@ -260,7 +260,7 @@ class Slots:
         S(k+m)/k + S). Not when a newer version took the slot meanwhile."""
         if any(o is not v and o.slot == v.slot and o.state in LIVE for o in self.versions.values()):
             return
-        for (rank, slot), arena in self.arenas.items():
+        for (_rank, slot), arena in self.arenas.items():
             if slot == v.slot:
                 arena.release()
 

@@ -22,7 +22,8 @@ import contextlib
 import logging
 import time
 import warnings
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import ray
 
@@ -35,6 +36,10 @@ from memsnap.options import Device, Failures, Memory, Protection, Spill, When, W
 from memsnap.policy import Policy, Scheduler, StalenessGuard
 from memsnap.records import RankPlan
 from memsnap.secret import job_secret
+
+if TYPE_CHECKING:
+    from memsnap.cuda_capture import SideStreamCapture
+    from memsnap.preempt import PreemptionWatcher
 
 log = logging.getLogger("memsnap")
 
@@ -110,13 +115,13 @@ class Snapshotter:
             fail.max_staleness_steps, start_step=-1, setting="max_staleness_steps")
         self._on_error = fail.on_error
         self._optimizers = list(optimizers)
-        self._cuda = None
+        self._cuda: SideStreamCapture | None = None
         self._pins: dict[str, Any] = {}
         self._device = None  # the device tier's rank side (memsnap.device.runtime), when device_buffer is on
         self._watcher = self._watch_preemption(fail.preemption_grace_s) if fail.preemption else None
 
     @classmethod
-    def from_ray_train(cls, job: str | None = None, **kwargs: Any) -> "Snapshotter":
+    def from_ray_train(cls, job: str | None = None, **kwargs: Any) -> Snapshotter:
         """A Snapshotter for this Ray Train worker (call inside ``train_loop_per_worker``): rank
         and world size from its Ray Train context, the run id from its run (a Tune trial's id),
         and, unless ``job`` names one, a job name of its own per run or trial
@@ -131,7 +136,7 @@ class Snapshotter:
         return cls(job=job or name, rank=ctx.get_world_rank(), world_size=ctx.get_world_size(), **kwargs)
 
     @classmethod
-    def from_env(cls, job: str, **kwargs: Any) -> "Snapshotter":
+    def from_env(cls, job: str, **kwargs: Any) -> Snapshotter:
         """A Snapshotter for a torchrun process (``RANK``/``WORLD_SIZE``) or a single process.
 
         Connects to the Ray cluster in ``RAY_ADDRESS`` if Ray is not initialised yet, or starts
@@ -142,7 +147,7 @@ class Snapshotter:
         rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
         return cls(job=job, rank=rank, world_size=world, **kwargs)
 
-    def _watch_preemption(self, grace_s: float):
+    def _watch_preemption(self, grace_s: float) -> PreemptionWatcher | None:
         from memsnap.preempt import PreemptionWatcher
 
         try:
@@ -287,6 +292,7 @@ class Snapshotter:
 
     def _final_save(self, step: int, state: Mapping[str, Any]) -> None:
         """Preemption: snapshot ``step``, commit it, spill it unthrottled, exit cleanly."""
+        assert self._watcher is not None  # called on its notice
         left = max(1.0, self._watcher.seconds_left() or 30.0)
         deadline = time.monotonic() + 0.9 * left
         log.warning("rank %d: preempted; last snapshot of step %d, %.0f s left", self.rank, step, left)
@@ -357,6 +363,7 @@ class Snapshotter:
                 _get(self._agent.resume.remote(plan.step, result["gen"]))
                 self._ready_slots(state)
                 seconds["total"] = time.perf_counter() - t0
+                assert tier is not None  # the round is ok only when every rank loaded
                 return self._restored(plan, tier, seconds)
         raise error if error is not None else MemsnapError(f"restore failed on ranks {sorted(result['failed'])}: "
                                                 f"{result['failed']}")
@@ -397,6 +404,7 @@ class Snapshotter:
             return self._load_durable(plan, state, seconds)
         if tier == "elastic":
             return self._load_elastic(plan, state, seconds)
+        assert step is not None  # a RAM tier loads a step
         corrupt = False
         if tier == "local" and self._restore_device(step, state, seconds):
             return "device"  # the agent's device buffer still holds the step
@@ -410,6 +418,7 @@ class Snapshotter:
                     log.warning("rank %d: local copy of step %d is corrupt (%s); reading peers", self.rank, step, exc)
                     corrupt = True
         t = time.perf_counter()
+        assert plan.source is not None  # a RAM tier names where its bytes live
         source = plan.source.to_wire()
         read = "copy" if tier == "copy" else "peer"  # copy: the old node's whole copy, else k of k+m
         if self._direct:
@@ -492,6 +501,7 @@ class Snapshotter:
         from memsnap.storage import Store
 
         t = time.perf_counter()
+        assert plan.spill is not None and plan.step is not None  # a durable plan names both
         man, buf, marker = read_step(Store.open(plan.spill), plan.step, self.rank, self.world, state)
         seconds["fetch"] = time.perf_counter() - t
         self._durable_run = marker.get("metadata", {}).get("run")

@@ -72,6 +72,7 @@ class Spiller:
                 if self._stop:
                     return
                 step, self.want, self.current = self.want, None, self.want
+                assert step is not None  # the wait above ends on a wanted step
             try:
                 self._spill(step)
             except Exception as exc:  # reported and retried; RAM is untouched

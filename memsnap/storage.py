@@ -37,8 +37,9 @@ import secrets
 import stat
 import time
 import warnings
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import pyarrow.fs as pafs
@@ -46,8 +47,7 @@ import xxhash
 
 from memsnap import validate
 from memsnap.checksum import fill_checksums
-from memsnap.errors import (ChecksumError, ConfigError, FormatError, MemsnapError, SnapshotNotFoundError,
-                            StorageError)
+from memsnap.errors import ChecksumError, ConfigError, FormatError, MemsnapError, SnapshotNotFoundError, StorageError
 from memsnap.manifest import Manifest
 
 MARKER = "COMMITTED"
@@ -227,7 +227,7 @@ class Store:
         self._tags: dict[int, str | None] = {}  # per step read: its rank files' name tag
 
     @classmethod
-    def open(cls, uri: str, endpoint: str | None = None) -> "Store":
+    def open(cls, uri: str, endpoint: str | None = None) -> Store:
         fs, root = resolve(uri, endpoint)
         return cls(fs, root, uri)
 
@@ -358,7 +358,7 @@ class Store:
         history = self.history()
         if not any(c.step == step and c.intact for c in history):
             return False
-        start = _RESUMED.get(self.key, _head(history).step)
+        start = _RESUMED.get(self.key, _head_of(history).step)
         return step in _chain(_parents(history), start)
 
     def _write(self, path: str, parts: Iterable[memoryview], nbytes: int, throttle: _Throttle,
@@ -681,7 +681,7 @@ class Store:
             return []
         committed = {c.step for c in history}
         doomed = sorted(committed - _kept(history, policy))
-        doomed += [s for s, _ in self._step_dirs() if s < _head(history).step and s not in committed]
+        doomed += [s for s, _ in self._step_dirs() if s < _head_of(history).step and s not in committed]
         for s in sorted(doomed):
             self.delete_step(s)
         return sorted(doomed)
@@ -692,7 +692,7 @@ def _kept(history: list[Commit], policy: Retention) -> set[int]:
     the newest commit's lineage, the step that lineage resumed from, milestones, and every
     other lineage's steps while the newest holds fewer than ``keep_last`` of its own (and a
     damaged marker numbered beyond the newest commit: its lineage is unknown)."""
-    head = _head(history)
+    head = _head_of(history)
     own = _chain(_parents(history), head.step, stop=head.lineage.base)
     keep = set(own[:policy.keep_last])
     if head.lineage.base is not None:
@@ -737,7 +737,7 @@ def _next_lineage(step: int, history: list[Commit], resumed: int | None) -> Line
     seq = max((c.lineage.seq for c in history), default=0) + 1
     others = [c for c in history if c.step != step]  # a step of this number is being replaced
     head = _head(others)
-    start = resumed if resumed is not None else _head(history).step if history else None
+    start = resumed if resumed is not None else _head_of(history).step if history else None
     if start == step:
         start = _parents(history).get(step)
     if start is None:
@@ -751,6 +751,14 @@ def _head(history: list[Commit]) -> Commit | None:
     """The newest commit with an intact marker (else the newest): where a run goes on from."""
     intact = [c for c in history if c.intact]
     return intact[-1] if intact else history[-1] if history else None
+
+
+def _head_of(history: list[Commit]) -> Commit:
+    """``_head`` of a history that holds at least one commit."""
+    head = _head(history)
+    if head is None:
+        raise ValueError("an empty commit history has no head")
+    return head
 
 
 def _files_tag(marker: dict, where: str) -> str | None:
@@ -820,7 +828,7 @@ def _regular(path: str, st: os.stat_result, size: int | None) -> None:
 def _allocate(path: str, size: int) -> memoryview:
     """A new buffer of ``size`` bytes (the size of ``path`` on storage, checked before)."""
     try:
-        return memoryview(np.empty(size, dtype=np.uint8)).cast("B")
+        return memoryview(np.empty(size, dtype=np.uint8)).cast("B")  # type: ignore[arg-type]  # numpy declares __buffer__ only from 3.12
     except (MemoryError, ValueError) as exc:
         raise StorageError(f"cannot allocate {size} bytes to read {path}: {exc or 'out of memory'}; "
                            "free memory, or load on a machine with more") from None
@@ -836,7 +844,8 @@ class _Verifier:
         self.whole = xxhash.xxh3_64()
         self.spans = sorted((t.offset, t.offset + t.nbytes, i) for i, t in enumerate(manifest.tensors)
                             if t.alias_of is None)
-        self.next, self.open, self.done = 0, [], 0
+        self.open: list[tuple[int, int, int, Any]] = []  # (lo, hi, tensor, its xxh3 so far)
+        self.next, self.done = 0, 0
 
     def feed(self, start: int, piece: memoryview) -> None:
         """The bytes at ``start`` (each byte once, in order)."""
@@ -862,7 +871,7 @@ class _Verifier:
     def finish(self) -> None:
         """After the last byte: the file's checksum, and the tensors not checked yet (empty
         ones at the very end)."""
-        for lo, hi, i in self.spans[self.next:]:
+        for _lo, _hi, i in self.spans[self.next:]:
             self._check(i, xxhash.xxh3_64_hexdigest(b""))
         digest = self.whole.hexdigest()
         if digest != self.rec["bin_xxh3"]:

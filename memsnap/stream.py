@@ -15,7 +15,7 @@ is dropped, since a writer may hold on to a piece until it closes its file.
 """
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 import xxhash

@@ -69,7 +69,7 @@ class DataPlaneStall:
         self.lock = threading.Lock()
 
     @classmethod
-    def on(cls, core) -> "DataPlaneStall":
+    def on(cls, core) -> DataPlaneStall:
         """The stall gate of agent ``core``, put in front of its data plane the first time."""
         with core.lock:
             gate = getattr(core, "_data_plane_stall", None)

@@ -29,7 +29,8 @@ import base64
 import json
 import math
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -162,7 +163,7 @@ def encode(value: Any, on_tensor: OnTensor, path: str | None = None, depth: int 
     if value is None or type(value) is bool or type(value) is str:
         return value
     if isinstance(value, torch.Tensor):
-        return {"__tensor__": on_tensor(value, path)}
+        return {"__tensor__": on_tensor(value, "" if path is None else path)}
     if isinstance(value, (np.ndarray, np.generic)):
         return _encode_numpy(value, path)
     if isinstance(value, bool):
@@ -203,7 +204,7 @@ def _encode_other(value: Any, on_tensor: OnTensor, path: str | None, depth: int)
 
 def _decode_tagged(tag: str, body: Any, tensor_at: TensorAt, path: str | None) -> Any:
     if tag == "__tensor__":
-        return tensor_at(body, path)
+        return tensor_at(body, "" if path is None else path)
     if tag == "__tuple__":
         return tuple(decode(v, tensor_at, child_path(path, str(i))) for i, v in enumerate(body))
     if tag == "__dict__":

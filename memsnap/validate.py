@@ -11,7 +11,8 @@ import binascii
 import json
 import re
 import struct
-from typing import Any, Collection
+from collections.abc import Collection
+from typing import Any
 
 from memsnap.errors import FormatError
 
@@ -231,6 +232,7 @@ def _sharding(where: str, e: Any, shape: tuple[int, ...]) -> None:
                    places)
     for j, p in enumerate(places):
         m = _PLACEMENT.fullmatch(_text(f"{where} placements[{j}]", p, 32, _PLACEMENT))
+        assert m is not None  # _text checked the pattern
         if m.group(2) is not None and int(m.group(2)) >= len(whole):
             raise fail(f"{where} placements[{j}]", f"shards a dimension the {len(whole)}-d tensor lacks", p)
 

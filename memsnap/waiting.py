@@ -6,7 +6,7 @@ futures on one event loop, not N parked threads, so no concurrency number limits
 from __future__ import annotations
 
 import asyncio
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 
 class Signal:
@@ -41,15 +41,18 @@ class Signal:
         if old is not None:
             old.set()
 
-    async def wait_for(self, predicate: Callable[[], bool], timeout: float) -> bool:
-        """True once ``predicate()`` holds; False if ``timeout`` seconds pass first."""
+    async def wait_for(self, predicate: Callable[[], object], timeout: float) -> bool:
+        """True once ``predicate()`` holds (is true); False if ``timeout`` seconds pass first."""
         self._bind()
-        deadline = self._loop.time() + timeout
+        loop = self._loop
+        assert loop is not None  # bound
+        deadline = loop.time() + timeout
         while not predicate():
-            left = deadline - self._loop.time()
+            left = deadline - loop.time()
             if left <= 0:
                 return False
             event = self._event
+            assert event is not None  # bound, and _wake always leaves a fresh one
             try:
                 await asyncio.wait_for(event.wait(), left)
             except asyncio.TimeoutError:

@@ -12,10 +12,10 @@ import os
 
 import pytest
 import ray
+from support.runtime import cluster, node_dead, start_all, wait_for
 
 from memsnap import naming, testing
 from memsnap.chaos import Fault, Injector, Schedule, read_log
-from support.runtime import cluster, node_dead, start_all, wait_for
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

@@ -9,8 +9,8 @@ import sys
 import numpy as np
 import pyarrow as pa
 import pytest
-
 import test_codec_oracle as oracle
+
 from memsnap import codec
 from memsnap.errors import CodecError, ShardSizeError, TooFewShardsError
 

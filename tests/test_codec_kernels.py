@@ -7,11 +7,11 @@ import mmap
 
 import numpy as np
 import pytest
+import test_codec_oracle as oracle
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from memsnap import codec
-import test_codec_oracle as oracle
 
 ISAS = codec.available_isas()
 FAST_ISAS = [i for i in ISAS if i != "scalar"]

@@ -10,11 +10,11 @@ import re
 
 import pytest
 import ray
+from support.ranks import kill_node_ranks, merged, refused_node_ranks, start_node_ranks
+from support.runtime import cluster
 
 from memsnap import naming
 from memsnap.snapshotter import shutdown, start_spare
-from support.ranks import kill_node_ranks, merged, refused_node_ranks, start_node_ranks
-from support.runtime import cluster
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

@@ -7,7 +7,6 @@ and run over an emulated grid. With a GPU (``gpu`` marker): the CuPy kernel itse
 from __future__ import annotations
 
 import ctypes
-import os
 import shutil
 import subprocess
 import sysconfig

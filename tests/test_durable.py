@@ -14,8 +14,15 @@ import torch
 
 import memsnap
 from memsnap import meta, storage
-from memsnap.errors import (ChecksumError, ConfigError, SnapshotNotFoundError, StateMismatchError,
-                            StorageError, UnsupportedStateError, WeightsOnlyError)
+from memsnap.errors import (
+    ChecksumError,
+    ConfigError,
+    SnapshotNotFoundError,
+    StateMismatchError,
+    StorageError,
+    UnsupportedStateError,
+    WeightsOnlyError,
+)
 from memsnap.storage import Store
 
 TESTS = Path(__file__).parent

@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+from support.holders import tcp_holders
 
 from memsnap import coverage, elastic, encode, receive
 from memsnap.agent import codec_for
@@ -18,7 +19,6 @@ from memsnap.errors import ChecksumError
 from memsnap.manifest import Manifest
 from memsnap.records import CommitRecord, Inventory, NodeReady, RankPlan, RankSource, Region
 from memsnap.stripes import choose_chunk
-from support.holders import tcp_holders
 
 ROWS, COLS, WIDE = 14, 6, 40  # w: (14, 6) Shard(0); b: (6,) replicated; e: (14, 40) Shard(0), the bulk
 K, M = 2, 1
@@ -116,7 +116,7 @@ def committed(step: int, per_node: int, chunk: int = 4096, stripes: int = 3) -> 
     """A step taken by ``per_node`` ranks on each of nodes a-d (world 4 * per_node), each node's
     shards held by the three others."""
     infos, rank = {}, 0
-    for i, node in enumerate(NODES):
+    for node in NODES:
         regions = tuple(Region(rank + j, stripes * K * chunk, j * stripes) for j in range(per_node))
         holders = tuple(n for n in NODES if n != node)
         infos[node] = NodeReady(step, node, 0, chunk, regions, holders, world=4 * per_node)

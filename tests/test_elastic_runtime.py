@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 import ray
-
 from support import fsdp
 from support.runtime import cluster, kill, lose_nodes, wait_for
 

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+from support.inproc import EncodeGate, Job, model_state
 
 from memsnap.agent import AgentCore
 from memsnap.config import SnapshotConfig
@@ -19,7 +20,6 @@ from memsnap.localcluster import wait_for
 from memsnap.records import NodeReady, Region
 from memsnap.slots import Version
 from memsnap.storage import Store
-from support.inproc import EncodeGate, Job, model_state
 
 SECRET = b"c" * 32
 NODES = [f"{c}" * 56 for c in "abcd"]

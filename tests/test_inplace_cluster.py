@@ -9,10 +9,10 @@ import uuid
 import psutil
 import pytest
 import ray
+from support import inplace_job
 
 from memsnap import naming
 from memsnap.localcluster import LocalCluster, wait_for
-from support import inplace_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
@@ -31,9 +31,8 @@ def kill_hard(lc: LocalCluster, node) -> None:
 
 
 def test_a_killed_node_is_replaced_by_the_standby_and_the_survivors_keep_their_processes_under_ddp(cluster):
-    from memsnap.inplace import InplaceJob
-
     import memsnap
+    from memsnap.inplace import InplaceJob
 
     lc = cluster
     ranks = lc.nodes[-4:-1]
@@ -103,9 +102,8 @@ def progress(j, rank: int, at_least: int) -> bool:
 
 def test_a_hung_rank_is_noticed_by_its_heartbeat_fenced_and_replaced(cluster):
     """SIGSTOP: no socket closes, no collective error; only the beats stop."""
-    from memsnap.inplace import InplaceJob
-
     import memsnap
+    from memsnap.inplace import InplaceJob
 
     lc = cluster
     while len(lc.nodes) < 5:
@@ -150,9 +148,8 @@ def test_a_slow_rank_is_not_taken_for_a_lost_one(cluster):
     """One step of one rank takes 3x the time after which silent beats mean a loss; its beats
     go on from their own thread, so nothing is recovered (with no standby, a false verdict
     would end the job)."""
-    from memsnap.inplace import InplaceJob
-
     import memsnap
+    from memsnap.inplace import InplaceJob
 
     lc = cluster
     ranks = lc.nodes[-3:]
@@ -174,9 +171,8 @@ def test_a_slow_rank_is_not_taken_for_a_lost_one(cluster):
 def test_a_standby_that_dies_as_it_takes_over_is_replaced_by_the_next(cluster):
     """The survivors wait in the restore round for the first standby, which dies: the round
     is cancelled (no 300 s wait), and the second standby takes the rank."""
-    from memsnap.inplace import InplaceJob
-
     import memsnap
+    from memsnap.inplace import InplaceJob
 
     lc = cluster
     while len(lc.nodes) < 6:
@@ -210,9 +206,8 @@ def test_a_standby_that_dies_as_it_takes_over_is_replaced_by_the_next(cluster):
 def test_a_handover_moves_a_rank_to_the_standby_with_nothing_rolled_back(cluster):
     """A preemption notice (here asked of the controller, as a drain of the node would): the
     rank hands over at the next step boundary; every rank restores the step it just took."""
-    from memsnap.inplace import InplaceJob
-
     import memsnap
+    from memsnap.inplace import InplaceJob
 
     lc = cluster
     while len(lc.nodes) < 5:

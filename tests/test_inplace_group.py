@@ -11,9 +11,9 @@ import re
 import signal
 
 import pytest
+from support.pg_members import Members
 
 from memsnap.inplace.group import failed_key, over_key, publish_failure
-from support.pg_members import Members
 
 BACKEND_TIMEOUT_S = 120.0  # gloo's own bound: no wait below comes near it
 WAIT_S = 30.0  # the deadline of every answer a member gives after it is up

@@ -6,9 +6,9 @@ import pytest
 
 from memsnap.config import SnapshotConfig
 from memsnap.coordinator import CoordinatorCore
+from memsnap.errors import CommitError
 from memsnap.records import CommitRecord, NodeReady, Region
 from memsnap.reprotect import new_holders
-from memsnap.errors import CommitError
 
 
 def coordinator(ranks_per_node: dict[str, int], spares=(), **cfg) -> CoordinatorCore:

@@ -5,7 +5,8 @@ import itertools
 import random
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from memsnap.placement import NodeInfo, Placement, place, protection_level, recoverable, replace_node
 

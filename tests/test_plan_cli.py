@@ -65,7 +65,7 @@ def test_bandwidths_and_code_change_the_costs(capsys):
     assert rc == 0
     tiers = {t["tier"]: t for t in json.loads(out)["tiers"]}
     want = expected(10, 16, 200, bc=8, bn=3.0, bd=0.5, k=4, m=2)
-    for name, (c, tau, r, lost) in want.items():
+    for name, (c, _tau, _r, lost) in want.items():
         assert tiers[name]["snapshot_cost_s"] == pytest.approx(c)
         assert tiers[name]["lost_work_per_failure_s"] == pytest.approx(lost)
         assert tiers[name]["interval_steps"] is None
@@ -81,7 +81,7 @@ def test_table_lists_every_tier_with_its_numbers(capsys):
     rows = {line.split()[0]: line for line in lines if line.split()[:1] in (["ram"], ["peer"], ["disk"])}
     assert set(rows) == {"ram", "peer", "disk"}
     want = expected(90, 128, 1000)
-    for tier, (c, tau, r, lost) in want.items():
+    for tier, (c, tau, _r, lost) in want.items():
         row = rows[tier]
         assert plan_cmd.format_duration(c) in row
         assert plan_cmd.format_duration(tau) in row

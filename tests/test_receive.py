@@ -7,22 +7,21 @@ import os
 
 import pytest
 import torch
+from support.holders import tcp_holders
+from support.runtime import digest
 
 from memsnap import encode, receive
 from memsnap.agent import codec_for
 from memsnap.arena import MemoryBudget
 from memsnap.capture import capture
 from memsnap.chunkstore import HeldChunks
-from memsnap.errors import StateMismatchError
 from memsnap.config import SnapshotConfig
+from memsnap.errors import StateMismatchError
 from memsnap.landing import Spans
 from memsnap.manifest import Manifest
 from memsnap.records import RankSource, Region
 from memsnap.stripes import choose_chunk
 from memsnap.transport import ChunkKey, make_transport
-from support.holders import tcp_holders
-
-from support.runtime import digest
 
 SECRET = os.urandom(32)
 K, M = 2, 1

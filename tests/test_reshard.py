@@ -62,7 +62,7 @@ def dump(objs: dict, out: str) -> None:
     from safetensors.torch import save_file
 
     full = {}
-    for i, (path, (p, _)) in enumerate(objs["_params"].items()):
+    for path, (p, _) in objs["_params"].items():
         full[path] = p.full_tensor()
         st = objs["optim"].state[p]
         full[path + ".exp_avg"] = st["exp_avg"].full_tensor()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import ray
-
 from support.runtime import cluster, kill, start_trainer
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]

@@ -13,12 +13,11 @@ import socket
 
 import pytest
 import ray
+from support.runtime import cluster, kill, lose_nodes, remove_arenas, restore_all, start_all, start_trainer, wait_for
 
 from memsnap import naming, shmdir, testing
 from memsnap.errors import TransportError
 from memsnap.transport import ChunkKey, make_transport
-from support.runtime import (cluster, kill, lose_nodes, remove_arenas, restore_all, start_all,
-                                  start_trainer, wait_for)
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import pytest
 import ray
+from support.runtime import cluster, kill, lose_nodes, remove_arenas, restore_all, start_all, start_trainer, wait_for
 
 from memsnap import naming
 from memsnap.snapshotter import shutdown
-from support.runtime import (cluster, kill, lose_nodes, remove_arenas, restore_all, start_all,
-                                  start_trainer, wait_for)
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import boto3
 import pytest
+from support.s3server import moto_s3
+from test_storage import make_snapshot, save_step
 
 from memsnap.errors import ChecksumError
 from memsnap.storage import Retention, Store
-from support.s3server import moto_s3
-from test_storage import make_snapshot, save_step
 
 pytestmark = pytest.mark.s3
 

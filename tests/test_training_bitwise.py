@@ -6,9 +6,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import support.toytrain as toytrain
 import torch
 
-import support.toytrain as toytrain
 from memsnap.manifest import Manifest
 
 N = 6

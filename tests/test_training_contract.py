@@ -22,12 +22,12 @@ from collections.abc import Mapping
 import pytest
 import ray
 import torch
+from support.runtime import cluster, kill, remove_arenas
+from support.runtime import digest as helpers_digest
 
 import memsnap
 from memsnap.snapshotter import Snapshotter, shutdown
 from memsnap.storage import Store
-from support.runtime import cluster, kill, remove_arenas
-from support.runtime import digest as helpers_digest
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

@@ -63,7 +63,7 @@ def _dropped(sock: socket.socket) -> bool:
 
 
 def _logged_drop(caplog, port: int) -> bool:
-    return any("dropped data-plane connection from 127.0.0.1:%d" % port in r.getMessage()
+    return any(f"dropped data-plane connection from 127.0.0.1:{port}" in r.getMessage()
                for r in caplog.records)
 
 

@@ -8,7 +8,8 @@ import threading
 
 import pytest
 import xxhash
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from memsnap.errors import MemoryBudgetError, TransportError
 from memsnap.transport import ChunkKey, make_transport

@@ -15,6 +15,7 @@ import time
 
 import pytest
 import xxhash
+from support.sockets import Collect
 
 from memsnap.arena import MemoryBudget
 from memsnap.chunkstore import HeldChunks
@@ -22,7 +23,6 @@ from memsnap.errors import ConfigError, TransportError
 from memsnap.localcluster import wait_for
 from memsnap.transport import ChunkKey, auth, make_transport, wire
 from memsnap.transport.server import Admission
-from support.sockets import Collect
 
 SECRET = os.urandom(32)
 HELLO = len(auth.MAGIC) + 1 + auth.NONCE + auth.MAC  # the client's handshake bytes

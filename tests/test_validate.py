@@ -7,10 +7,10 @@ import json
 import os
 import pickle
 import socket
-import time
 import subprocess
 import sys
 import textwrap
+import time
 import warnings
 
 import pytest

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import signal
 import time
+from typing import Any
 
 import ray
 
@@ -31,8 +32,9 @@ def _hand_task():
     return chaos_hand
 
 
-def on_node(node: Node, op: str, *args, timeout: float = CALL_TIMEOUT_S):
-    """Run ``hand.<op>(*args)`` on ``node`` (a task pinned there, never retried) and wait for it."""
+def on_node(node: Node, op: str, *args, timeout: float | None = CALL_TIMEOUT_S):
+    """Run ``hand.<op>(*args)`` on ``node`` (a task pinned there, never retried) and wait for it
+    (``timeout`` None: for as long as it takes)."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     task = _hand_task().options(scheduling_strategy=NodeAffinitySchedulingStrategy(node.id, soft=False))
@@ -115,7 +117,7 @@ class RayBackend:
         return on_node(node, "unfill", path)
 
     def preempt(self, node: Node, how: str, deadline_s: float | None, process) -> dict:
-        out = {"how": how}
+        out: dict[str, Any] = {"how": how}
         if how in ("sigterm", "both"):
             pids = [process] if isinstance(process, int) else [a["pid"] for a in training_actors(node.id, process)]
             if not pids and how == "sigterm":
@@ -189,8 +191,10 @@ def drain(node_id: str, deadline_s: float | None) -> dict:
     from ray.core.generated import autoscaler_pb2
 
     deadline_ms = 0 if deadline_s is None else int((time.time() + deadline_s) * 1000)
-    client = ray._raylet.GcsClient(address=ray.get_runtime_context().gcs_address)
-    accepted, why = client.drain_node(node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+    # ray._raylet is a compiled module and autoscaler_pb2 generated code: neither declares these names
+    client = ray._raylet.GcsClient(address=ray.get_runtime_context().gcs_address)  # type: ignore[attr-defined]
+    reason = autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION")  # type: ignore[attr-defined]
+    accepted, why = client.drain_node(node_id, reason,
                                       "memsnap.chaos preemption notice", deadline_ms)
     if not accepted:
         raise RuntimeError(f"Ray refused to drain node {node_id[:12]}: {why}")

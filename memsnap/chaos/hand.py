@@ -18,8 +18,9 @@ def find_raylet(pid: int | None = None, depth: int = 4) -> int:
     """The pid of the raylet above process ``pid`` (default: this one); a Ray worker is its child."""
     import psutil
 
-    proc = psutil.Process(pid or os.getpid())
+    proc: psutil.Process | None = psutil.Process(pid or os.getpid())
     for _ in range(depth):
+        assert proc is not None
         proc = proc.parent()
         if proc is None:
             break

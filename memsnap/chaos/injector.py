@@ -16,6 +16,7 @@ import random
 import threading
 import time
 from dataclasses import asdict, dataclass, field
+from typing import TextIO
 
 from memsnap.chaos import nodes as nodes_
 from memsnap.chaos.schedule import Fault, Schedule
@@ -105,7 +106,8 @@ class Injector:
         self.schedule, self.backend, self.allow_head = schedule, backend, allow_head
         self.where = "local" if getattr(backend, "local", False) else (address or "connected")
         self.events: list[Event] = []
-        self._log_path, self._log = log, None
+        self._log_path = log
+        self._log: TextIO | None = None
         self._rng = random.Random(schedule.seed)
         self._pending = list(range(len(schedule.faults)))
         self._undo: list[tuple[float, int, object]] = []  # (due, fault index, undo(early) -> (node, detail))
@@ -122,7 +124,7 @@ class Injector:
         self._t0: float | None = None
 
     # --- lifecycle ------------------------------------------------------------------------------
-    def start(self) -> "Injector":
+    def start(self) -> Injector:
         if self._thread is not None:
             raise ConfigError("this Injector was started already; make a new one for another run")
         self._t0 = time.monotonic()
@@ -163,7 +165,7 @@ class Injector:
             self._observed = True
         self._wake.set()
 
-    def __enter__(self) -> "Injector":
+    def __enter__(self) -> Injector:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -225,11 +227,11 @@ class Injector:
         if f.at_s is not None:
             return f.at_s <= now
         with self._lock:
-            return self._step is not None and self._step >= f.at_step
+            return self._step is not None and f.at_step is not None and self._step >= f.at_step
 
     def _sleep(self, next_poll: float) -> float:
         now = self.elapsed
-        times = [self.schedule.faults[i].at_s for i in self._pending if self.schedule.faults[i].at_s is not None]
+        times = [t for t in (self.schedule.faults[i].at_s for i in self._pending) if t is not None]
         times += [u[0] for u in self._undo if u[0] != float("inf")]
         if self._stepped and not self._observed and self._pending_steps():
             times.append(next_poll)
@@ -254,6 +256,7 @@ class Injector:
         if f.kind == "kill_process":
             return b.kill_process(node, f.process, self._rng)
         if f.kind == "stall":  # the agent ends it itself; the undo records the end (or ends it at stop())
+            assert f.duration_s is not None  # Fault checks a stall has one
             detail = b.stall(node, f.duration_s)
             self._undo.append((self.elapsed + f.duration_s, i, lambda early: (node.id, b.end_stall(node, early))))
             return detail
@@ -315,4 +318,4 @@ def _connect(address: str) -> None:
         from memsnap.localcluster import loopback_env
 
         loopback_env()
-    ray.init(address=address, namespace=naming.NAMESPACE, log_to_driver=False, logging_level="WARNING")
+    ray.init(address=address, namespace=naming.NAMESPACE, log_to_driver=False, logging_level=logging.WARNING)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
-from typing import Iterable, Sequence
 
 from memsnap.errors import ConfigError
 
@@ -104,7 +104,7 @@ class Fault:
         return out
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Fault":
+    def from_dict(cls, d: dict) -> Fault:
         known = {f.name for f in fields(cls)}
         extra = sorted(set(d) - known)
         if extra:
@@ -129,7 +129,7 @@ class Schedule:
         object.__setattr__(self, "faults", tuple(sorted(self.faults, key=_order)))
 
     @classmethod
-    def fixed(cls, faults: Iterable[Fault | dict], *, seed: int = 0) -> "Schedule":
+    def fixed(cls, faults: Iterable[Fault | dict], *, seed: int = 0) -> Schedule:
         """The given faults (``Fault``s or their dicts); ``seed`` drives the injector's choices
         of target where a fault leaves it open."""
         got = []
@@ -144,7 +144,7 @@ class Schedule:
     @classmethod
     def poisson(cls, *, mtbf_s: float, kinds: Sequence[str] = ("kill_node",), nodes: Sequence[Target] | int,
                 seed: int = 0, horizon_s: float, duration_s: float | None = None, start_s: float = 0.0,
-                **options) -> "Schedule":
+                **options) -> Schedule:
         """Faults as independent Poisson processes, one per node, each with mean time between
         failures ``mtbf_s``, from ``start_s`` until ``horizon_s``; each fault's kind is drawn
         uniformly from ``kinds``. ``nodes`` is a list of targets, or a count of nodes whose

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
@@ -33,7 +34,7 @@ def connect(args: argparse.Namespace) -> None:
         loopback_env()
     try:
         ray.init(address=addr, namespace=naming.NAMESPACE, log_to_driver=False,
-                 logging_level="ERROR", configure_logging=False)
+                 logging_level=logging.ERROR, configure_logging=False)
     except (ConnectionError, RuntimeError, ValueError) as exc:
         raise ConfigError(f"no Ray cluster reachable at --address {addr!r} ({exc}); start one with "
                           "`ray start --head`, or pass --address HOST:PORT or set RAY_ADDRESS") from None

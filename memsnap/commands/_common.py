@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 import re
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from memsnap.errors import ConfigError, UnsupportedStateError
 from memsnap.manifest import Manifest

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
@@ -9,6 +10,9 @@ from memsnap.commands._common import write_safetensors
 from memsnap.commands.export import weights
 from memsnap.errors import ConfigError, StateMismatchError
 from memsnap.storage import Store
+
+if TYPE_CHECKING:
+    import torch
 
 
 def _add(acc: dict, dtypes: dict, new: dict, step: int) -> None:
@@ -33,7 +37,8 @@ def _add(acc: dict, dtypes: dict, new: dict, step: int) -> None:
 
 def average(store: Store, steps: list[int], key: str | None) -> dict:
     """The element-wise mean (in float64, cast back) of the weights of ``steps``."""
-    acc, dtypes = {}, {}
+    acc: dict[str, torch.Tensor] = {}
+    dtypes: dict[str, torch.dtype] = {}
     for step in tqdm(steps[::-1], desc="average", unit="step", disable=None):
         new = weights(store, step, store.marker(step), key)
         _add(acc, dtypes, new, step)

@@ -20,7 +20,9 @@ def _loss(md: dict) -> str:
 def _row(step: int, marker: dict) -> list:
     md = marker.get("metadata", {})
     git = md.get("git") if isinstance(md.get("git"), dict) else {}
-    commit = git.get("commit") if isinstance(git.get("commit"), str) else ""
+    commit = git.get("commit")
+    if not isinstance(commit, str):
+        commit = ""
     return [step, md.get("time_utc", "?"), marker["world_size"],
             human(sum(r["bin_bytes"] for r in marker["ranks"])),
             _loss(md), "yes" if md.get("milestone") else "", commit[:10]]

@@ -27,7 +27,7 @@ class ModelConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
 
     @classmethod
-    def sized(cls, size: str) -> "ModelConfig":
+    def sized(cls, size: str) -> ModelConfig:
         """``tiny``, ``small`` (the default) or ``medium``."""
         table = {"tiny": dict(dim=32, layers=1), "small": {}, "medium": dict(dim=256, layers=4)}
         if size not in table:
@@ -37,6 +37,8 @@ class ModelConfig:
 
 class TinyTransformer(nn.Module):
     """Token + position embeddings, pre-norm encoder layers with a causal mask, tied output."""
+
+    mask: torch.Tensor  # a registered buffer
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

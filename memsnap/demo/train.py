@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,7 +32,7 @@ class TrainConfig:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, d: dict) -> "TrainConfig":
+    def from_json(cls, d: dict) -> TrainConfig:
         d = dict(d)
         d["model"] = ModelConfig(**d["model"])
         return cls(**d)

@@ -54,7 +54,7 @@ class BufferHandle:
         return json.dumps(asdict(self), sort_keys=True)
 
     @classmethod
-    def from_json(cls, raw: str | bytes) -> "BufferHandle":
+    def from_json(cls, raw: str | bytes) -> BufferHandle:
         try:
             doc = json.loads(raw)
             handle = cls(**doc)
@@ -109,7 +109,7 @@ class CopyStream(ABC):
     def synchronize(self) -> None:
         self.wait(self.record())
 
-    def __enter__(self) -> "CopyStream":
+    def __enter__(self) -> CopyStream:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -63,12 +63,15 @@ class _Interface:
 
 class CudaBuffer(DeviceBuffer):
     def __init__(self, handle: BufferHandle, ptr: int, ordinal: int, owner: bool):
-        self.handle, self.owner, self.ptr, self.ordinal = handle, owner, ptr, ordinal
+        self.handle, self.owner, self.ordinal = handle, owner, ordinal
+        self.ptr: int | None = ptr  # None once closed
         self._tensor: torch.Tensor | None = None
 
     @property
     def tensor(self) -> torch.Tensor:
         if self._tensor is None:
+            if self.ptr is None:
+                raise RuntimeError("this device buffer is closed")
             self._tensor = torch.as_tensor(_Interface(self.ptr, self.nbytes), device=f"cuda:{self.ordinal}")
         return self._tensor
 
@@ -108,7 +111,7 @@ class CudaStream(CopyStream):
     def __init__(self, ordinal: int):
         self.stream = torch.cuda.Stream(device=ordinal)
 
-    def __enter__(self) -> "CudaStream":
+    def __enter__(self) -> CudaStream:
         # start after the work already queued on the caller's stream (the tensors' last writes)
         self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
         return self

@@ -19,7 +19,8 @@ CuPy is imported on first use only (``pip install memsnap[gpu]``).
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 

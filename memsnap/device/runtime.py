@@ -21,7 +21,8 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -133,6 +134,8 @@ class RankDevice:
         tier (no CUDA tensor for the CUDA backend; the CPU backend takes any state)."""
         if self.kind == "cpu":
             return "cpu"
+        if self.tier is None:  # refused when it was made
+            return None
         cuda = [t for t in sources if t.is_cuda]
         if not cuda or len({t.device for t in cuda}) > 1:
             return None  # one buffer per rank and device: a rank's state on one GPU
@@ -142,7 +145,8 @@ class RankDevice:
         """Capture ``step`` through the device tier; False when it cannot take it (the agent is
         still draining, CUDA IPC refused here, state on several devices): the caller captures
         into the host arena instead."""
-        if self.refused is not None or self.tier.refused is not None:
+        tier = self.tier
+        if self.refused is not None or tier is None or tier.refused is not None:
             return False
         device = self.device_of(sources)
         if device is None:
@@ -158,10 +162,10 @@ class RankDevice:
         if got is None:
             return False
         manifest_json = layout.to_json().decode()
-        ok = self.tier.capture(BufferHandle.from_json(got), layout, sources, on_done=lambda: self._get(
+        ok = tier.capture(BufferHandle.from_json(got), layout, sources, on_done=lambda: self._get(
             self.agent.device_captured.remote(step, self.rank, device, manifest_json, local)))  # a round trip
         if ok and self.kind == "cpu":
-            self.tier.wait()  # nothing to overlap with on the CPU
+            tier.wait()  # nothing to overlap with on the CPU
         return ok
 
     def restore(self, step: int, state) -> bool:

@@ -24,8 +24,9 @@ here, e.g. CUDA IPC is not allowed, and the caller takes the side-stream D2H pat
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
@@ -105,6 +106,7 @@ class AgentTier:
         slot = self._slot(rank, device)
         if slot.state not in ("held", "drained"):
             raise DeviceError(f"rank {rank}'s device buffer on {device} is {slot.state}: nothing to drain")
+        assert slot.manifest is not None  # held: the rank sent it
         manifest = Manifest.from_json(slot.manifest, f"rank {rank}'s device manifest")
         n = manifest.nbytes
         if n:
@@ -131,6 +133,7 @@ class AgentTier:
         if self.holds(rank, device) != step:
             return None
         slot = self._slots[(rank, device)]
+        assert slot.manifest is not None  # held: the rank sent it
         return slot.manifest, slot.buffer.handle
 
     def release(self, rank: int) -> None:

@@ -15,7 +15,7 @@ index: a rank's ``cuda:0`` is the node's GPU 3 when Ray gave it GPU 3.
 from __future__ import annotations
 
 import os
-from typing import MutableMapping
+from collections.abc import MutableMapping
 
 NOSET = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
 VISIBLE = "CUDA_VISIBLE_DEVICES"

@@ -28,13 +28,17 @@ import math
 import threading
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from memsnap.errors import ConfigError, MemsnapError
 from memsnap.inplace.group import failed_key, publish_failure
 from memsnap.inplace.heartbeat import Monitor
 from memsnap.inplace.member import Member, gen_key, report_key
+
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
 
 log = logging.getLogger("memsnap.inplace")
 
@@ -113,7 +117,7 @@ class InplaceJob:
     ``options``: the ``memsnap.Snapshotter`` options of every rank."""
 
     def __init__(self, job: str, setup: Callable, train: Callable, *, rank_nodes: list[str],
-                 standby_nodes: list[str] = (), options: dict | None = None, beat_s: float = 0.1,
+                 standby_nodes: Sequence[str] = (), options: dict | None = None, beat_s: float = 0.1,
                  lost_after_s: float = 1.0, suspect_after_s: float = 0.3, backend: str = "gloo",
                  backend_timeout_s: float = 60.0, on_no_standby: str = "wait", wait_for_node_s: float = 120.0,
                  agent_ping_s: float = 0.5, events: str | None = None):
@@ -146,7 +150,7 @@ class InplaceJob:
         self._used_nodes: set[str] = set()
         self._fenced: set[str] = set()
         self._warming: list[threading.Thread] = []
-        self.store = None
+        self.store: TCPStore | None = None  # the job's store, from run() on
 
     # --- running --------------------------------------------------------------------------------
     def run(self, timeout_s: float = 3600.0) -> dict[int, Any]:
@@ -215,6 +219,7 @@ class InplaceJob:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+        assert self.store is not None, "ranks start from run()"
         host, port = self.store.host, self.store.port
         self.monitor.watch(name)
         actor = ray.remote(Member).options(
@@ -227,6 +232,7 @@ class InplaceJob:
 
     def _assign(self, gen: int, members: dict[str, int], done: bool = False) -> None:
         self.gen = gen
+        assert self.store is not None
         self.store.set(gen_key(self.job, gen), json.dumps({"world": self.world, "members": members, "done": done}))
 
     def _watch(self, deadline: float) -> dict[int, Any]:
@@ -257,7 +263,7 @@ class InplaceJob:
                     results[rank] = out.get("result")
                 elif out.get("outcome") == "handed_over":
                     lost[rank] = "handed over (a preemption notice)"
-            if self.store.check([failed_key(self.job, self.gen)]) and reported_at is None:
+            if self.store is not None and self.store.check([failed_key(self.job, self.gen)]) and reported_at is None:
                 reported_at = time.time()
             ages = self.monitor.poll()
             limit = self.suspect_after_s if reported_at is not None else self.lost_after_s
@@ -280,6 +286,7 @@ class InplaceJob:
         a preemption notice on its node does by itself)."""
         from memsnap.inplace.member import leave_key
 
+        assert self.store is not None, "a rank leaves a running job"
         self.store.set(leave_key(self.job, self._ranks[rank].name), "1")
 
     # --- recovering -------------------------------------------------------------------------------
@@ -321,8 +328,6 @@ class InplaceJob:
         """Nodes all of whose ranks were lost and whose agent is silent: memsnap's coordinator
         fences them."""
         import ray
-
-        from memsnap import naming
 
         from memsnap.directory import find_agent
 

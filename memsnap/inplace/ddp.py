@@ -37,7 +37,7 @@ def average_bucket(group: RecoverableGroup, bucket):
     import torch
 
     buf = bucket.buffer()
-    fut = torch.futures.Future()
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     try:
         reduced = group.all_reduce(buf.clone())
         buf.copy_(reduced.div_(group.world))

@@ -180,6 +180,7 @@ class RecoverableGroup:
             return
         flat = torch.cat([g.reshape(-1) for g in grads])
         self.all_reduce(flat)
+        assert self.world is not None  # all_reduce checked the group is formed
         flat /= self.world
         off = 0
         for g in grads:
@@ -240,6 +241,7 @@ class RecoverableGroup:
                 if self._stop:
                     return
                 gen = self.gen
+            assert gen is not None  # the wait above ends on a generation
             try:
                 self._watcher_store.wait([over_key(self.job, gen)], timedelta(days=365))
                 why = self._watcher_store.get(failed_key(self.job, gen)).decode(errors="replace") \

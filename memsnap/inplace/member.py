@@ -30,11 +30,15 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from memsnap.inplace.group import PeerLost, RecoverableGroup, connect, os_threads
 from memsnap.inplace.heartbeat import Beater
+
+if TYPE_CHECKING:
+    from memsnap.snapshotter import Snapshotter
 
 log = logging.getLogger("memsnap.inplace")
 
@@ -67,7 +71,7 @@ class Context:
     """What ``setup`` and ``train`` see of the job: this member's rank (None for a standby
     in ``setup``), the world size, the generation, the process group and the snapshotter."""
 
-    def __init__(self, member: "Member"):
+    def __init__(self, member: Member):
         self._m = member
 
     @property
@@ -103,14 +107,14 @@ class Context:
     def restore(self, state) -> int:
         """(collective) Roll ``state`` back to the newest committed step: the step to train next."""
         try:
-            step = self._m.snap.restore(state)
+            step = self._m.snapshotter.restore(state)
         except Exception as exc:
             why = self._m.group.wait_failure(5.0)
             if why is None:
                 raise
             # a member was lost while the others restored: the round was cancelled
             raise PeerLost(f"generation {self._m.gen} is over during the restore: {why} ({exc})",
-                           self._m.gen) from None
+                           self._m.current_gen) from None
         self._m.restored(step)
         return 0 if step is None else step + 1
 
@@ -120,11 +124,11 @@ class Context:
         in ``PeerLost`` here, and the rollback undoes it."""
         why = self._m.group.failure()
         if why is not None:
-            raise PeerLost(f"generation {self._m.gen} is over: {why}", self._m.gen)
+            raise PeerLost(f"generation {self._m.gen} is over: {why}", self._m.current_gen)
         self._m.stepped(step)
         at = self._m.handover_step(step)
         if at != step:
-            return self._m.snap.save(step, state, **kwargs)
+            return self._m.snapshotter.save(step, state, **kwargs)
         self._m.hand_over(step, state)  # every rank: this step is the last of the generation
         return None
 
@@ -169,7 +173,7 @@ class Member:
         self.rank: int | None = None
         self.world: int | None = None
         self.gen: int | None = None
-        self.snap = None
+        self.snap: Snapshotter | None = None
         self.state = None
         self.recoveries = 0
         self._report: dict = {}
@@ -190,11 +194,30 @@ class Member:
             log.warning("member %s: preemption watcher not started: %s", self.name, exc)
             return None
 
+    # --- the generation this process is a rank of (set by _generation) ---------------------------
+    @property
+    def current_gen(self) -> int:
+        if self.gen is None:
+            raise RuntimeError(f"member {self.name} is not a rank of a generation yet")
+        return self.gen
+
+    @property
+    def current_rank(self) -> int:
+        if self.rank is None:
+            raise RuntimeError(f"member {self.name} is not a rank of a generation yet")
+        return self.rank
+
+    @property
+    def snapshotter(self) -> Snapshotter:
+        if self.snap is None:
+            raise RuntimeError(f"member {self.name} is not a rank of a generation yet")
+        return self.snap
+
     # --- handover ---------------------------------------------------------------------------------
     def handover_step(self, step: int) -> int | None:
         """The step at which this generation ends for a handover, if one is named; a leaving
         member names ``step + 1`` (the next boundary every rank reaches after it)."""
-        key = handover_key(self.job, self.gen)
+        key = handover_key(self.job, self.current_gen)
         if self.store.check([key]):
             return int(self.store.get(key))
         if self._leaving.is_set() or self.store.check([leave_key(self.job, self.name)]):
@@ -207,15 +230,15 @@ class Member:
     def hand_over(self, step: int, state) -> None:
         """Take the generation's last snapshot (forced, every rank) and end the generation:
         ``HandedOver`` for the leaving member, ``PeerLost`` for the others."""
-        self.snap.save(step, state, force=True)
-        committed = self.snap.wait(step, timeout=self.handover_commit_s)
+        self.snapshotter.save(step, state, force=True)
+        committed = self.snapshotter.wait(step, timeout=self.handover_commit_s)
         self._report["handover_step"] = step
         if committed is None or committed < step:
             log.warning("member %s: the handover snapshot of step %d did not commit (newest %s): the "
                         "job rolls back to the newest committed step", self.name, step, committed)
         if self._leaving.is_set():
             raise HandedOver(f"member {self.name} handed rank {self.rank} over after step {step}")
-        raise PeerLost(f"generation {self.gen} ends after step {step}: a rank is handed over", self.gen)
+        raise PeerLost(f"generation {self.gen} ends after step {step}: a rank is handed over", self.current_gen)
 
     # --- called by the controller --------------------------------------------------------------
     def info(self) -> dict:
@@ -307,7 +330,7 @@ class Member:
 
     def _publish(self) -> None:
         try:
-            self.store.set(report_key(self.job, self.gen, self.rank), json.dumps(self._report))
+            self.store.set(report_key(self.job, self.current_gen, self.current_rank), json.dumps(self._report))
         except Exception as exc:  # a report is for the record; never stop training for it
             log.warning("member %s: report not written: %s", self.name, exc)
 

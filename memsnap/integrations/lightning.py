@@ -18,7 +18,10 @@ Needs ``pytorch_lightning`` or ``lightning`` (``pip install memsnap[lightning]``
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from memsnap.snapshotter import Snapshotter
 
 try:
     from lightning.pytorch.callbacks import Callback
@@ -56,7 +59,7 @@ class MemsnapCallback(Callback):
         self.job = job
         self.extra = dict(extra or {})
         self.kwargs = snapshotter_kwargs
-        self.snap = None
+        self.snap: Snapshotter | None = None  # from setup(stage="fit") on
         self.restored_step: int | None = None
         self._saved: int | None = None  # the newest step captured
         self._tried: int | None = None  # the newest step offered to the policy
@@ -81,6 +84,7 @@ class MemsnapCallback(Callback):
     def on_fit_start(self, trainer, pl_module) -> None:
         """Load the newest step every rank can load (collective): optimizers exist and the fit
         loop has not started (where Lightning itself restores a ``ckpt_path``)."""
+        assert self.snap is not None, "setup(stage='fit') comes first"
         self.restored_step = self.snap.restore(self.state(trainer, pl_module))
         self._saved = self.restored_step  # already held: a fit that resumes at its end saves nothing
 
@@ -100,6 +104,7 @@ class MemsnapCallback(Callback):
         if step < 0 or step == self._saved or (step == self._tried and not force):
             return  # (with gradient accumulation, not every batch finishes a step)
         self._tried = step
+        assert self.snap is not None, "setup(stage='fit') comes first"
         if self.snap.save(step, self.state(trainer, pl_module), force=force):
             self._saved = step
 

@@ -19,7 +19,6 @@ import json
 import os
 import tempfile
 
-
 POINTER_FILE = "memsnap.json"
 
 

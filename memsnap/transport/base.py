@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import struct
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Protocol
 
 # step (u64), stripe (u32), shard (u16), len(owner utf-8) (u16), then the owner bytes.
 _KEY_HEAD = struct.Struct("<QIHH")
@@ -80,7 +81,7 @@ class ChunkKey:
         return _KEY_HEAD.pack(self.step, self.stripe, self.shard, len(owner)) + owner
 
     @classmethod
-    def unpack(cls, raw: bytes) -> "ChunkKey":
+    def unpack(cls, raw: bytes) -> ChunkKey:
         """The key ``pack`` wrote; ValueError for anything else."""
         raw = bytes(raw)
         if len(raw) < _KEY_HEAD.size:

@@ -35,10 +35,12 @@ def pieces(parts, size: int):
     """The bytes of the views ``parts``, in order, as ``size``-byte pieces (the last shorter):
     a view where a piece lies within one part, a scratch copy where it straddles parts (valid
     until the next piece is taken)."""
-    scratch, fill = None, 0
+    scratch: memoryview | None = None
+    fill = 0
     for part in parts:
         at = 0
         if fill:  # finish the piece begun in the previous part
+            assert scratch is not None
             at = min(size - fill, len(part))
             scratch[fill:fill + at] = part[:at]
             fill += at
@@ -54,4 +56,5 @@ def pieces(parts, size: int):
             fill = len(part) - at
             scratch[:fill] = part[at:]
     if fill:
+        assert scratch is not None
         yield scratch[:fill]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import xxhash
@@ -67,7 +67,8 @@ class ObjStoreServer:
 
 
 def _batches(items: Sequence, limit: int) -> Iterator[list]:
-    batch, size = [], 0
+    batch: list = []
+    size = 0
     for item in items:
         n = len(item[1]) if isinstance(item[1], Scatter) else len(byte_view(item[1]))
         if batch and size + n > limit:

@@ -55,7 +55,7 @@ class Limits:
     log_every_s: float
 
     @classmethod
-    def from_tunables(cls, max_payload: int) -> "Limits":
+    def from_tunables(cls, max_payload: int) -> Limits:
         return cls(tunable("tcp_handshake_timeout_s"), _at_least_one("tcp_max_unauthenticated"),
                    _at_least_one("tcp_max_unauthenticated_per_source"),
                    tunable("tcp_idle_timeout_s"), tunable("tcp_frame_timeout_s"), max_payload,

@@ -111,6 +111,7 @@ def mac_pieces(d: Direction, counter: int, parts, first: int = 0, also=None) -> 
         raise FrameError(f"a frame with a payload carries payload counter {counter} (must be >= 1)")
     if first * MAC_PIECE + sum(len(p) for p in parts) > MAX_PIECES * MAC_PIECE:
         raise FrameError(f"a payload over {MAX_PIECES} pieces overflows the nonce's 4-byte piece index")
+    assert d.gmac is not None, "mac_pieces is for a direction in mac mode"
     return d.gmac.tags(counter, first, parts, also)
 
 

@@ -22,7 +22,7 @@ import logging
 import socket
 import threading
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from memsnap.config import tunable
 from memsnap.errors import AuthenticationError, TransportError

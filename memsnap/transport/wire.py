@@ -149,11 +149,12 @@ def send_head(sock, d: Direction, kind: int, name: bytes, nbytes: int, checksum:
 
 
 def send_body(sock, d: Direction, seq: bytes, head_tag: bytes, payload: memoryview, deadline: float,
-              counter: int = 0, scratch: "Scratch | None" = None) -> None:
+              counter: int = 0, scratch: Scratch | None = None) -> None:
     """Send a frame's payload and body tag. ``mac`` mode: ``SLICE`` bytes at a time, each
     tagged (GMAC pieces under ``counter``) just before the socket copies it, so the copy reads
     it from cache; ``encrypt``: sealed whole into ``scratch``."""
     if d.aead is not None:
+        assert scratch is not None, "encrypt mode seals into a Scratch"
         out = scratch.get(len(payload) + TAG)
         d.aead.encrypt_into(d.nonce(seq), payload, head_tag, out)
         return send_all(sock, out, deadline)
@@ -166,12 +167,12 @@ def send_body(sock, d: Direction, seq: bytes, head_tag: bytes, payload: memoryvi
 
 
 def send_frame(sock, d: Direction, kind: int, name: bytes, payload: memoryview | None, checksum: int,
-               deadline: float, scratch: "Scratch | None" = None) -> None:
+               deadline: float, scratch: Scratch | None = None) -> None:
     """Send a whole frame; a payload in mac mode takes the direction's next payload counter."""
     nbytes = 0 if payload is None else len(payload)
     counter = d.next_payload() if nbytes and d.gmac is not None else 0
     seq, tag = send_head(sock, d, kind, name, nbytes, checksum, deadline, counter)
-    if nbytes:
+    if payload is not None and nbytes:
         send_body(sock, d, seq, tag, payload, deadline, counter, scratch)
 
 
@@ -195,7 +196,7 @@ def read_head(sock, d: Direction, kinds: tuple, max_payload: int, deadline: floa
     return Head(seq, kind, rest[:name_len], nbytes, checksum, counter, rest[name_len:], deadline)
 
 
-def read_body(sock, d: Direction, head: Head, parts: list[memoryview], scratch: "Scratch | None" = None,
+def read_body(sock, d: Direction, head: Head, parts: list[memoryview], scratch: Scratch | None = None,
               with_xxh3: bool = False) -> int:
     """Receive the payload of ``head`` into ``parts`` and check its tag (FrameError if it
     fails); return the xxh3-64 of the payload with ``with_xxh3`` (else 0). ``mac`` mode: a
@@ -205,22 +206,24 @@ def read_body(sock, d: Direction, head: Head, parts: list[memoryview], scratch: 
     if not head.nbytes:  # a frame without payload has no body
         return x.intdigest() if x is not None else 0
     if d.aead is not None:
+        assert scratch is not None, "encrypt mode opens from a Scratch"
         sealed = scratch.get(sum(len(p) for p in parts) + TAG)
         recv_into(sock, sealed, head.deadline)
         _open(d, head.seq, head.tag, sealed, parts, scratch)
-        for p in parts if x is not None else ():
-            x.update(p)
+        if x is not None:
+            for p in parts:
+                x.update(p)
     elif len(parts) == 1:
-        view, tags = parts[0], []
+        view, slice_tags = parts[0], []
         for at in range(0, len(view), SLICE):
             piece = view[at:at + SLICE]
             recv_into(sock, piece, head.deadline)
-            tags.append(mac_pieces(d, head.counter, [piece], at // MAC_PIECE, x))
-        check_body(d, head.seq, head.tag, b"".join(tags), recv_exact(sock, TAG, head.deadline))
+            slice_tags.append(mac_pieces(d, head.counter, [piece], at // MAC_PIECE, x))
+        check_body(d, head.seq, head.tag, b"".join(slice_tags), recv_exact(sock, TAG, head.deadline))
     else:
         recv_parts(sock, parts, head.deadline)
-        tags = mac_pieces(d, head.counter, parts, 0, x)
-        check_body(d, head.seq, head.tag, tags, recv_exact(sock, TAG, head.deadline))
+        piece_tags = mac_pieces(d, head.counter, parts, 0, x)
+        check_body(d, head.seq, head.tag, piece_tags, recv_exact(sock, TAG, head.deadline))
     return x.intdigest() if x is not None else 0
 
 
@@ -229,6 +232,7 @@ def _open(d: Direction, seq: bytes, head_tag: bytes, sealed: memoryview, parts, 
 
     nbytes = len(sealed) - TAG
     out = parts[0] if len(parts) == 1 else scratch.get_plain(nbytes)
+    assert d.aead is not None
     try:
         d.aead.decrypt_into(d.nonce(seq), sealed, head_tag, out)
     except InvalidTag:

@@ -28,7 +28,7 @@ from memsnap.manifest import Manifest
 from memsnap.sampler import ResumableLoader, ResumableSampler
 
 DATASET_LEN, BATCH, FEATURES = 36, 8, 6
-_ITERS: "weakref.WeakKeyDictionary[ResumableLoader, Any]" = weakref.WeakKeyDictionary()
+_ITERS: weakref.WeakKeyDictionary[ResumableLoader, Any] = weakref.WeakKeyDictionary()
 # Dropping the live iterators at exit stops their workers cleanly, before multiprocessing's own
 # exit handler (registered earlier, so run later) would terminate them and leave each one's
 # /tmp/pymp-* directory behind.
