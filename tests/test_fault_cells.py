@@ -38,7 +38,9 @@ class Agents:
         out = {}
         for node in nodes:
             attr = getattr(self.cores[node], method)
-            out[node] = attr(*args) if callable(attr) else attr
+            answer = attr(*args) if callable(attr) else attr
+            # records cross the Ray face as their wire form, as the agent's actor sends them
+            out[node] = answer.to_wire() if hasattr(answer, "to_wire") else answer
         return out
 
     def agent(self, node):
