@@ -272,8 +272,9 @@ def write_report(data: dict, out: Path) -> None:
                   f"{x.restart_s:.1f} s) and the model's default cluster (8 GPUs and 10 GiB of state per GPU, "
                   "per-node MTBF from the Llama 3 report's 419 unexpected interruptions in 54 days on 16,384 GPUs, "
                   "100 GiB/s of shared storage, 2 GiB/s per node to it, 10 GiB/s NIC, 4 agent cores, 10 s steps):", "",
-                  "| GPUs | job MTBF | memsnap goodput (period) | sync disk goodput (period) | async disk goodput (period) "
-                  "| closest to running out |", "| --- | --- | --- | --- | --- | --- |"]
+                  "| GPUs | job MTBF | memsnap in place goodput (period) | memsnap restarting goodput (period) "
+                  "| sync disk goodput (period) | async disk goodput (period) "
+                  "| closest to running out |", "| --- | --- | --- | --- | --- | --- | --- |"]
         for gpus in (1024, 2048, 4096, 8192, 16384):
             c = gm.Cluster(gpus=gpus)
             ps = gm.project(c, x)

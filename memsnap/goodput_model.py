@@ -16,6 +16,20 @@ Daly optimise):
   pipeline sustains (the background work of one snapshot must finish before the next) or
   one training step.
 
+In place (``memsnap.inplace``), a failure costs no restart: the surviving ranks keep their
+processes and roll back from their own node's RAM, a warm standby takes the lost node's ranks
+from its peers, and memsnap notices the loss itself (a failed collective, a missed heartbeat)
+instead of waiting for the cluster manager::
+
+      R_inplace = detect_inplace + reform + max(S / peer restore, S / local restore)
+
+A used standby is replaced in the background within ``standby_warm_s``; a second failure
+before then finds no standby and the job restarts as a whole (the ``R`` above). With a
+Poisson failure process that happens with probability ``p = 1 - exp(-standby_warm_s / M)``
+for each of ``spares`` standbys used up in a row (first order: ``p ** spares``), so::
+
+      R = (1 - p**spares) * R_inplace + p**spares * R_restart
+
 memsnap's stall is the capture of the state into the agent's RAM (``stall_s_per_gib``); the
 agents then checksum, encode and send ``S (k+m)/k`` bytes per node in the background (agent
 CPU ``agent_cpu_s_per_gib`` over ``agent_cores``, the NIC); a lost node restores from its
@@ -80,6 +94,11 @@ class Measured:
     storage_restore_gibps: float = 1.0    # one node's read from storage (before sharing)
     detect_s: float = 3.0
     restart_s: float = 60.0
+    # in place (bench/inplace.py measures them on loopback nodes; bench/results/inplace.md)
+    inplace_detect_s: float = 1.0         # a loss -> memsnap's own verdict (failed collective, heartbeat)
+    reform_s: float = 0.05                # the surviving ranks and the standby form the new group
+    local_restore_gibps: float = 2.0      # a survivor rolls back from its own node's RAM
+    standby_warm_s: float = 30.0          # a used standby replaced: start, the user's setup, warm
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
@@ -104,10 +123,15 @@ class Cluster:
     m: int = 1
     keep: int = 2
     spill_every_s: float = 3600.0         # memsnap's durable spill
+    spares: int = 1                       # warm standby nodes of the in-place job
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
-            _positive(name, value)
+            if name != "spares":
+                _positive(name, value)
+        if not isinstance(self.spares, int) or isinstance(self.spares, bool) or self.spares < 0:
+            raise ConfigError(f"spares={self.spares!r} is not an int >= 0; give how many warm standby nodes "
+                              "the in-place job keeps (0: every failure restarts the job)")
         if self.gpus % self.gpus_per_node:
             raise ConfigError(f"gpus={self.gpus} is not a multiple of gpus_per_node={self.gpus_per_node}; "
                               "give whole nodes")
@@ -168,6 +192,26 @@ def memsnap(c: Cluster, x: Measured) -> Projection:
                       periodic_goodput(period, stall, c.mtbf_s, recovery, lag), use)
 
 
+def inplace_recovery(c: Cluster, x: Measured) -> tuple[float, float, float]:
+    """``(R, R_inplace, p_no_standby)`` of a failure in place (module docstring)."""
+    s = c.state_gib_per_node
+    fast = x.inplace_detect_s + x.reform_s + max(s / x.peer_restore_gibps, s / x.local_restore_gibps)
+    slow = x.detect_s + x.restart_s + s / x.peer_restore_gibps
+    p = (1.0 - math.exp(-x.standby_warm_s / c.mtbf_s)) ** c.spares
+    return (1.0 - p) * fast + p * slow, fast, p
+
+
+def memsnap_inplace(c: Cluster, x: Measured) -> Projection:
+    """memsnap with in-place recovery: the same snapshots, the recovery of ``inplace_recovery``.
+    Both memsnap rows assume a node to replace the lost one is at hand (a warm standby here, a
+    node the cluster manager gives for the restart), so neither is charged for spare nodes."""
+    base = memsnap(c, x)
+    recovery, _, p = inplace_recovery(c, x)
+    goodput = periodic_goodput(base.period_s, base.stall_s, c.mtbf_s, recovery, base.lag_s)
+    use = dict(base.use, **{"no standby left": p})
+    return Projection("memsnap in place", base.period_s, base.stall_s, recovery, base.lag_s, goodput, use)
+
+
 def disk(c: Cluster, x: Measured, *, asynchronous: bool = False) -> Projection:
     s = c.state_gib_per_node
     write_s = max(s * c.nodes / c.storage_gibps, s / c.node_storage_gibps)
@@ -186,8 +230,9 @@ def disk(c: Cluster, x: Measured, *, asynchronous: bool = False) -> Projection:
 
 
 def project(c: Cluster, x: Measured) -> list[Projection]:
-    """memsnap, synchronous and asynchronous disk checkpointing for cluster ``c``."""
-    return [memsnap(c, x), disk(c, x), disk(c, x, asynchronous=True)]
+    """memsnap in place and restarting the job, synchronous and asynchronous disk checkpointing
+    for cluster ``c``."""
+    return [memsnap_inplace(c, x), memsnap(c, x), disk(c, x), disk(c, x, asynchronous=True)]
 
 
 def _positive(name: str, value) -> None:

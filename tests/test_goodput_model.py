@@ -81,6 +81,26 @@ def test_memsnap_by_hand():
     assert p.binding[0] == "host RAM"
 
 
+def test_memsnap_in_place_by_hand():
+    x = gm.Measured(**{**vars(MEASURED), "inplace_detect_s": 0.5, "reform_s": 0.1, "local_restore_gibps": 4.0,
+                       "standby_warm_s": 40.0})
+    c = small_cluster()
+    recovery, fast, p = gm.inplace_recovery(c, x)
+    # no restart: memsnap's own verdict, the new group, and the slower of the two restores (the
+    # standby's 8 GiB from peers at 2 GiB/s; the survivors' from their own RAM at 4 GiB/s)
+    assert fast == pytest.approx(0.5 + 0.1 + 4.0)
+    # one spare: a second failure within the 40 s the next standby takes finds none (job MTBF 400 s)
+    assert p == pytest.approx(1 - math.exp(-40 / 400))
+    assert recovery == pytest.approx((1 - p) * fast + p * (1 + 1 + 4))
+    inplace, restart = gm.memsnap_inplace(c, x), gm.memsnap(c, x)
+    assert (inplace.period_s, inplace.stall_s, inplace.lag_s) == (restart.period_s, restart.stall_s, restart.lag_s)
+    assert inplace.goodput == pytest.approx(15 / 15.25 * (1 - (recovery + 7.625 + 2) / 400))
+    assert inplace.goodput > restart.goodput
+    # two spares: both must be used up in a row; none: every failure restarts the job
+    assert gm.inplace_recovery(small_cluster(spares=2), x)[2] == pytest.approx(p * p)
+    assert gm.inplace_recovery(small_cluster(spares=0), x)[0] == pytest.approx(restart.recovery_s)
+
+
 def test_a_pipeline_that_cannot_keep_up_sets_the_period():
     slow = gm.memsnap(small_cluster(agent_cores=0.1), MEASURED)  # 80 core-s per snapshot on 0.1 core
     assert slow.period_s == pytest.approx(80.0)
@@ -95,13 +115,14 @@ def test_a_pipeline_that_cannot_keep_up_sets_the_period():
 def test_more_gpus_shrink_the_mtbf_and_slow_shared_storage():
     m = gm.Measured()
     rows = [gm.project(gm.Cluster(gpus=g), m) for g in (1024, 4096, 16384)]
-    disk = [r[1] for r in rows]
+    disk = [r[2] for r in rows]
     assert disk[0].stall_s < disk[1].stall_s < disk[2].stall_s  # the same storage for more nodes
     assert disk[0].goodput > disk[1].goodput > disk[2].goodput
-    mem = [r[0] for r in rows]
+    mem = [r[1] for r in rows]
     assert mem[0].stall_s == mem[2].stall_s  # each node captures its own state
-    assert all(r[0].goodput > r[1].goodput for r in rows)
-    assert [p.system for p in rows[0]] == ["memsnap", "disk (sync)", "disk (async)"]
+    assert all(r[1].goodput > r[2].goodput for r in rows)
+    assert [p.system for p in rows[0]] == ["memsnap in place", "memsnap", "disk (sync)", "disk (async)"]
+    assert all(r[0].goodput >= r[1].goodput for r in rows)
 
 
 @pytest.mark.parametrize("make, needle", [

@@ -1,5 +1,5 @@
-"""``memsnap plan --goodput``: projected goodput of memsnap and of disk checkpointing at 1k-16k
-GPUs, from measured figures (memsnap/goodput_model.py holds the model and its formulas)."""
+"""``memsnap plan --goodput``: projected goodput of memsnap (recovering in place, and restarting
+the job) and of disk checkpointing at 1k-16k GPUs, from measured figures (memsnap/goodput_model.py holds the model and its formulas)."""
 from __future__ import annotations
 
 import argparse
@@ -17,6 +17,10 @@ MEASURED_HELP = {
     "storage_restore_gibps": "one node's restore from storage, GiB/s",
     "detect_s": "seconds until a dead node is noticed",
     "restart_s": "seconds from noticing to every rank running again",
+    "inplace_detect_s": "in place: seconds until memsnap itself decides a node is lost",
+    "reform_s": "in place: seconds to form the new process group",
+    "local_restore_gibps": "in place: a survivor's rollback from its own node's RAM, GiB/s",
+    "standby_warm_s": "in place: seconds to warm a new standby after one is used",
 }
 CLUSTER_HELP = {
     "gpus_per_node": "GPUs per node",
@@ -29,12 +33,15 @@ CLUSTER_HELP = {
     "host_ram_gib": "host RAM per node, GiB",
     "spill_every_s": "memsnap's durable spill period, s",
     "keep": "committed versions each agent keeps",
+    "spares": "warm standby nodes of the in-place job",
 }
 EPILOG = """model (seconds, GiB; S state per node, M = node MTBF / nodes):
   goodput   tau/(tau+C) * (1 - (R + (tau+C)/2 + lag)/M)
   period    tau = max(sqrt(2*C*M), what the pipeline sustains, one step), in whole steps
   memsnap   C = stall/GiB * state/GPU; lag = max(agent CPU/GiB * S / cores, S*(k+m)/k / NIC);
             R = detect + restart + S / peer restore GiB/s
+  in place  the same C and lag; R = (1-q) * (inplace detect + reform + max(S / peer, S / local
+            restore GiB/s)) + q * the restart's R, q = (1 - exp(-standby warm / M)) ** spares
   disk sync C = max(S*nodes / storage GiB/s, S / node link); R = detect + restart + the same read
   disk async C = the capture stall; the write must end before the next: tau >= write, lag = write
 failure rate: Llama 3 report, 419 unexpected interruptions in 54 days on 16,384 GPUs"""
@@ -43,7 +50,8 @@ failure rate: Llama 3 report, 419 unexpected interruptions in 54 days on 16,384 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     g = ap.add_argument_group("goodput (--goodput)")
     g.add_argument("--goodput", action="store_true",
-                   help="project goodput of memsnap and disk checkpointing at 1k-16k GPUs instead")
+                   help="project goodput of memsnap (in place and restarting) and disk checkpointing at "
+                        "1k-16k GPUs instead")
     g.add_argument("--gpus", type=int, nargs="+", default=list(DEFAULT_GPUS),
                    help=f"cluster sizes in GPUs (default {' '.join(map(str, DEFAULT_GPUS))})")
     mdef = {f.name: f.default for f in fields(gm.Measured)}
@@ -87,7 +95,9 @@ def report(measured: gm.Measured, clusters: list[gm.Cluster], as_json: bool) -> 
              f"measured: stall {measured.stall_s_per_gib:g} s/GiB, agent CPU {measured.agent_cpu_s_per_gib:g} "
              f"core-s/GiB, restore {measured.peer_restore_gibps:g} GiB/s peers / "
              f"{measured.storage_restore_gibps:g} GiB/s storage, detect {measured.detect_s:g} s, "
-             f"restart {measured.restart_s:g} s", ""]
+             f"restart {measured.restart_s:g} s; in place: detect {measured.inplace_detect_s:g} s, re-form "
+             f"{measured.reform_s:g} s, local restore {measured.local_restore_gibps:g} GiB/s, a new standby in "
+             f"{measured.standby_warm_s:g} s, {c0.spares} spare(s)", ""]
     head = ("GPUs", "job MTBF", "system", "period", "stall", "recovery", "goodput", "closest to running out")
     table = [head]
     for c, ps in rows:
