@@ -23,6 +23,7 @@ def test_the_defaults_make_a_job_of_one_rank_per_node():
 @pytest.mark.parametrize("kwargs, named", [
     ({"rank_nodes": []}, r"rank_nodes=\[\]"),
     ({"on_no_standby": "retry"}, r"on_no_standby='retry': must be 'wait' or 'fail'"),
+    ({"backend": "mpi"}, r"backend='mpi': must be 'gloo' \(CPU tensors\) or 'nccl'"),
     ({"beat_s": 0.5, "suspect_after_s": 0.3}, r"beat_s=0.5, suspect_after_s=0.3, lost_after_s=1.0: need 0 < beat_s"),
     ({"suspect_after_s": 2.0}, r"suspect_after_s=2.0, lost_after_s=1.0"),
     ({"beat_s": 0}, r"beat_s=0: must be a finite number of seconds > 0"),

@@ -125,6 +125,9 @@ class InplaceJob:
             raise ConfigError("rank_nodes=[]: give the Ray node id of every rank")
         if on_no_standby not in ("wait", "fail"):
             raise ConfigError(f"on_no_standby={on_no_standby!r}: must be 'wait' or 'fail'")
+        if backend not in ("gloo", "nccl"):
+            raise ConfigError(f"backend={backend!r}: must be 'gloo' (CPU tensors) or 'nccl' (CUDA tensors; "
+                              "its groups are aborted, never destroyed, when a peer is lost)")
         beat_s, suspect_after_s, lost_after_s = (_seconds("beat_s", beat_s), _seconds("suspect_after_s", suspect_after_s),
                                                  _seconds("lost_after_s", lost_after_s))
         backend_timeout_s, wait_for_node_s = (_seconds("backend_timeout_s", backend_timeout_s),

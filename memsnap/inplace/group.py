@@ -22,6 +22,15 @@ its generation at once through a ``failed`` key, so nobody waits out the backend
 
 The store keys are this module's alone; the controller writes the membership of each
 generation under ``memsnap/<job>/gen``.
+
+NCCL (``backend="nccl"``): a communicator with a dead peer must never be destroyed (the
+destroy waits on the dead peer's part) and its watchdog must not tear down the survivors'
+processes. So a member's process runs with ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0`` (memsnap
+handles a failed collective itself), its communicators are non-blocking (``config.blocking =
+False``: an abort can interrupt them), and a generation is left by aborting its group
+(``_abort_process_group``), never by ``destroy_process_group``. A collective nobody reported
+is abandoned once it outlives the backend's timeout (the timer), which fails the generation.
+These paths import cleanly without CUDA; they run on a GPU only.
 """
 from __future__ import annotations
 
@@ -81,6 +90,41 @@ def use_loopback_if(host: str) -> None:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
 
+def nccl_environment(env=None) -> None:
+    """The environment of a member's process for NCCL, set before its first group: memsnap,
+    not the NCCL watchdog, handles a failed collective (the watchdog's error handling would
+    kill the surviving ranks' processes), and the blocking wait is off (a wait is memsnap's,
+    against the generation's failure key)."""
+    env = os.environ if env is None else env
+    env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"
+    env["TORCH_NCCL_BLOCKING_WAIT"] = "0"
+    env.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "0")
+
+
+def nccl_options():
+    """``ProcessGroupNCCL.Options`` with non-blocking communicators (an abort interrupts a
+    collective stuck on a dead peer), or None where NCCL is not built in."""
+    import torch.distributed as dist
+
+    if not dist.is_nccl_available():
+        return None
+    opts = dist.ProcessGroupNCCL.Options()
+    opts.config.blocking = False
+    return opts
+
+
+def leave(backend: str) -> None:
+    """Let the default group go: gloo's is destroyed; NCCL's is aborted (a destroy with a dead
+    peer hangs on it)."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    if backend == "nccl":
+        c10d._abort_process_group()
+    else:
+        dist.destroy_process_group()
+
+
 class RecoverableGroup:
     """One rank's membership of the job's process group, across generations.
 
@@ -93,6 +137,8 @@ class RecoverableGroup:
         self.job, self.backend, self.timeout_s = job, backend, float(timeout_s)
         self.host, self.port = store_addr
         use_loopback_if(self.host)
+        if backend == "nccl":
+            nccl_environment()
         self.store = connect(self.host, self.port, store_timeout_s)
         self.gen: int | None = None
         self.rank: int | None = None
@@ -116,12 +162,17 @@ class RecoverableGroup:
         if dist.is_initialized():
             old = dist.group.WORLD
             self._graveyard.append((old, None))  # never dropped while its work may be in flight
-            dist.destroy_process_group()
+            leave(self.backend)
         with self._wake:
             self.gen, self.rank, self.world = gen, rank, world
             self._wake.notify_all()
+        extra = {}
+        if self.backend == "nccl":
+            import torch
+
+            extra = {"pg_options": nccl_options(), "device_id": torch.device("cuda", torch.cuda.current_device())}
         dist.init_process_group(self.backend, store=dist.PrefixStore(prefix(self.job, gen), self.store),
-                                rank=rank, world_size=world, timeout=timedelta(seconds=self.timeout_s))
+                                rank=rank, world_size=world, timeout=timedelta(seconds=self.timeout_s), **extra)
 
     def reap(self) -> int:
         """Let go of abandoned groups whose work has completed; how many are still kept."""
@@ -205,10 +256,17 @@ class RecoverableGroup:
 
         fut = work.get_future()
         fut.add_done_callback(lambda _f: self._poke())
+        deadline = time.monotonic() + self.timeout_s  # the timer: a collective nobody reported
         with self._wake:
             while not fut.done() and self._failed.get(gen) is None:
-                self._wake.wait(1.0)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._wake.wait(min(1.0, left))
             why = self._failed.get(gen)
+        if not fut.done() and why is None:
+            self.fail(f"a collective outlived the backend's timeout ({self.timeout_s:.0f} s)")
+            why = self.failure()
         if not fut.done():  # abandoned: the group and the work stay alive until the work ends
             self._graveyard.append((dist.group.WORLD, work))
             raise PeerLost(f"generation {gen} is over: {why}", gen)
@@ -269,7 +327,7 @@ class RecoverableGroup:
         with contextlib.suppress(Exception):
             if dist.is_initialized():
                 self._graveyard.append((dist.group.WORLD, None))
-                dist.destroy_process_group()
+                leave(self.backend)
 
     def counts(self) -> dict:
         """Threads (native ones included: gloo's are) and file descriptors of this process, and
