@@ -10,9 +10,9 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-import test_codec_oracle as oracle
 from memsnap import codec
 from memsnap.errors import CodecError, ShardSizeError, TooFewShardsError
+from support import gf_oracle as oracle
 
 
 def stripe(k: int, m: int, length: int, seed: int = 0):

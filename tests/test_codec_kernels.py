@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from memsnap import codec
-import test_codec_oracle as oracle
+from support import gf_oracle as oracle
 
 ISAS = codec.available_isas()
 FAST_ISAS = [i for i in ISAS if i != "scalar"]

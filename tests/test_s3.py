@@ -7,7 +7,7 @@ import pytest
 from memsnap.errors import ChecksumError
 from memsnap.storage import Retention, Store
 from support.s3server import moto_s3
-from test_storage import make_snapshot, save_step
+from support.snapshots import make_snapshot, save_step
 
 pytestmark = pytest.mark.s3
 
