@@ -112,4 +112,5 @@ def test_valid_groups_build_the_same_config_as_before():
         spill="s3://b/train", spill_every_seconds=60.0, spill_bytes_per_s=1 << 20, transport="objstore",
         chunk=1 << 20, wire="encrypt", device_buffer=True, device_backend="cpu")
     assert When(every_steps=None, auto=True, mtbf_hours=1000).auto
-    assert Failures(on_error="raise", max_staleness_steps=10, preemption=False, preemption_grace_s=5).on_error == "raise"
+    fail = Failures(on_error="raise", max_staleness_steps=10, preemption=False, preemption_grace_s=5)
+    assert (fail.on_error, fail.max_staleness_steps) == ("raise", 10)

@@ -210,4 +210,5 @@ def running_job(spec: JobSpec, tmp_path_factory):
                 os.environ[k] = v
 
 
-__all__ = ["JobSpec", "running_job", "cluster", "remove_arenas", "start_all", "start_trainer", "restore_all", "kill", "node_dead", "lose_nodes", "wait_for", "shutil"]
+__all__ = ["JobSpec", "running_job", "cluster", "remove_arenas", "start_all", "start_trainer", "restore_all",
+           "kill", "node_dead", "lose_nodes", "wait_for", "shutil"]
