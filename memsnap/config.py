@@ -1,9 +1,10 @@
 """Runtime configuration: the public frozen ``SnapshotConfig`` and one table of internal tunables."""
 from __future__ import annotations
 
+import math
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 from memsnap.errors import ConfigError
@@ -64,11 +65,100 @@ def tunable(name: str) -> float:
         raise ConfigError(f"MEMSNAP_{name.upper()}={raw!r}: must be a number") from None
 
 
-def _positive(name: str, value, kind=int, allow_none: bool = False) -> None:
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int_at_least(name: str, value, least: int, what: str, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
-    if isinstance(value, bool) or not isinstance(value, kind) or value <= 0:
-        raise ConfigError(f"{name}={value!r}: must be a positive {kind.__name__}")
+    if not _is_int(value) or value < least:
+        alt = ", or None" if allow_none else ""
+        raise ConfigError(f"{name}={value!r}: must be an int >= {least} ({what}){alt}")
+
+
+def _seconds(name: str, value, what: str, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    if not ok:
+        alt = ", or None" if allow_none else ""
+        raise ConfigError(f"{name}={value!r}: must be a finite number of seconds > 0 ({what}){alt}")
+
+
+def _flag(name: str, value, what: str) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name}={value!r}: must be True or False ({what})")
+
+
+# Each option's check, once: the groups of memsnap.options run them when made, and SnapshotConfig
+# runs those of the fields it holds. Messages name the Snapshotter keyword (memsnap.options.SHORTHAND).
+
+def check_protection(k, m, group_size, peers, local_copy) -> None:
+    """``Protection``: the erasure code and where its pieces go."""
+    _int_at_least("k", k, 1, "data shards per stripe; k=1 replicates")
+    _int_at_least("m", m, 0, "parity shards per stripe")
+    if group_size is not None and (not _is_int(group_size) or group_size < k + m + 1):
+        raise ConfigError(f"group_size={group_size!r}: needs at least k+m+1={k + m + 1} nodes "
+                          "(or None: the smallest group)")
+    if not isinstance(local_copy, bool):
+        raise ConfigError(f"local_copy={local_copy!r}: must be True (keep each node's own copy) "
+                          "or False (lean mode)")
+    if peers is not None and not isinstance(peers, bool):
+        raise ConfigError(f"peers={peers!r}: must be None (decided from the job's node count), True "
+                          "(pieces on other nodes, refused on fewer than k+m+1 nodes) or False (local RAM only)")
+    if peers is False and not local_copy:
+        raise ConfigError("peers=False with local_copy=False would hold no snapshot in RAM at all; "
+                          "keep local_copy=True")
+
+
+def check_memory(budget, keep) -> None:
+    """``Memory``: each node agent's RAM."""
+    _int_at_least("memory_budget", budget, 1, "bytes of RAM per node agent, e.g. 8 << 30")
+    _int_at_least("keep", keep, 1, "committed versions held in RAM")
+
+
+def check_spill(uri, every, every_seconds, bytes_per_s) -> None:
+    """``Spill``: the durable tier."""
+    if uri is not None and (not isinstance(uri, str) or not uri):
+        raise ConfigError(f"spill={uri!r}: give the durable tier as a str, a path or a file://, s3://, gs:// "
+                          "or hdfs:// URI (str(path) for a pathlib.Path), or None for none")
+    _int_at_least("spill_every", every, 1, "spill every N-th committed step", allow_none=True)
+    _seconds("spill_every_seconds", every_seconds, "spill at most this often", allow_none=True)
+    _int_at_least("spill_bytes_per_s", bytes_per_s, 1, "bytes per second each node may write")
+    if uri is None and (every or every_seconds):
+        raise ConfigError("spill_every/spill_every_seconds are set but spill=None: pass spill=URI")
+
+
+def check_failures(on_error, max_staleness_steps, preemption, preemption_grace_s) -> None:
+    """``Failures``: what a failed snapshot and a preemption do."""
+    if on_error not in ("warn", "raise"):
+        raise ConfigError(f"on_error={on_error!r}: use 'warn' (log, count and keep training) "
+                          "or 'raise' (a failed snapshot stops training)")
+    _int_at_least("max_staleness_steps", max_staleness_steps, 1,
+                  "steps training may run past the newest committed snapshot", allow_none=True)
+    _flag("preemption", preemption, "react to SIGTERM and Ray drains with a last snapshot")
+    _seconds("preemption_grace_s", preemption_grace_s, "time the last snapshot has to be spilled")
+
+
+def check_wire(transport, chunk, mode) -> None:
+    """``Wire``: the data plane."""
+    if transport not in TRANSPORTS:
+        raise ConfigError(f"transport={transport!r}: use one of {TRANSPORTS}")
+    if chunk is not None and (not _is_int(chunk) or chunk < 64 or chunk % 64):
+        raise ConfigError(f"chunk={chunk!r}: must be a positive multiple of 64 bytes (or None)")
+    if mode not in WIRES:
+        raise ConfigError(f"wire_mode={mode!r}: use 'mac' (every frame authenticated) or 'encrypt' (also "
+                          "encrypted, for networks others can read)")
+
+
+def check_device(buffer, backend) -> None:
+    """``Device``: the device tier."""
+    if not isinstance(buffer, bool) and (not _is_int(buffer) or buffer <= 0):
+        raise ConfigError(f"device_buffer={buffer!r}: use False (off), True (sized to each rank's "
+                          "snapshot) or a positive number of bytes of device memory per node")
+    if backend not in ("auto", "cuda", "cpu"):
+        raise ConfigError(f"device_backend={backend!r}: use 'auto', 'cuda' or 'cpu'")
 
 
 @dataclass(frozen=True)
@@ -94,6 +184,7 @@ class SnapshotConfig:
     """
 
     job: str
+    _: KW_ONLY  # every field but the job by name: SnapshotConfig("train", k=4, m=2)
     k: int = 2
     m: int = 1
     group_size: int | None = None
@@ -114,35 +205,11 @@ class SnapshotConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.job, str) or not _JOB_RE.fullmatch(self.job):
             raise ConfigError(f"job={self.job!r}: use 1-64 characters of letters, digits, '_', '.', '-'")
-        _positive("k", self.k)
-        if isinstance(self.m, bool) or not isinstance(self.m, int) or self.m < 0:
-            raise ConfigError(f"m={self.m!r}: must be an int >= 0 (parity shards per stripe)")
-        if self.group_size is not None and (not isinstance(self.group_size, int)
-                                            or self.group_size < self.k + self.m + 1):
-            raise ConfigError(f"group_size={self.group_size!r}: needs at least k+m+1={self.k + self.m + 1} nodes")
-        _positive("keep", self.keep)
-        _positive("memory_budget", self.memory_budget)
-        _positive("spill_every", self.spill_every, allow_none=True)
-        _positive("spill_every_seconds", self.spill_every_seconds, (int, float), allow_none=True)
-        _positive("spill_bytes_per_s", self.spill_bytes_per_s)
-        if self.transport not in TRANSPORTS:
-            raise ConfigError(f"transport={self.transport!r}: use one of {TRANSPORTS}")
-        if self.wire not in WIRES:
-            raise ConfigError(f"wire={self.wire!r}: use 'mac' (every frame authenticated) or 'encrypt' (also "
-                              "encrypted, for networks others can read)")
-        if self.chunk is not None and (not isinstance(self.chunk, int) or self.chunk < 64 or self.chunk % 64):
-            raise ConfigError(f"chunk={self.chunk!r}: must be a positive multiple of 64 bytes (or None)")
-        if not isinstance(self.local_copy, bool):
-            raise ConfigError(f"local_copy={self.local_copy!r}: must be True (keep each node's own copy) "
-                              "or False (lean mode)")
-        if self.peers is not None and not isinstance(self.peers, bool):
-            raise ConfigError(f"peers={self.peers!r}: must be None (decided from the job's node count), True "
-                              "(pieces on other nodes, refused on fewer than k+m+1 nodes) or False (local RAM only)")
-        if self.peers is False and not self.local_copy:
-            raise ConfigError("peers=False with local_copy=False would hold no snapshot in RAM at all; "
-                              "keep local_copy=True")
-        if self.spill is None and (self.spill_every or self.spill_every_seconds):
-            raise ConfigError("spill_every/spill_every_seconds are set but spill=None: pass spill=URI")
+        check_protection(self.k, self.m, self.group_size, self.peers, self.local_copy)
+        check_memory(self.memory_budget, self.keep)
+        check_spill(self.spill, self.spill_every, self.spill_every_seconds, self.spill_bytes_per_s)
+        check_wire(self.transport, self.chunk, self.wire)
+        check_device(self.device_buffer, self.device_backend)
         if self.spill is not None and not (self.spill_every or self.spill_every_seconds):
             object.__setattr__(self, "spill_every", 1)
 

@@ -124,6 +124,15 @@ def loopback_env() -> None:
 loopback_env()
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a rendezvous, such as gloo's)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
 class LocalCluster:
     """``n`` simulated nodes (the head is node 0) on 127.0.0.1.
 

@@ -1,5 +1,7 @@
-"""A Snapshotter's options, in groups: frozen, validated when made, each message saying how to
-fix a bad value. Flat keywords (``k=2, spill="s3://..."``) are a shorthand for the same fields.
+"""A Snapshotter's options, in groups: frozen, validated when made (by the checks in
+``memsnap.config``, which ``SnapshotConfig`` shares), each message naming the bad value by its
+shorthand keyword and saying how to fix it. Flat keywords (``k=2, spill="s3://..."``) are a
+shorthand for the same fields.
 
     Snapshotter(job, rank, world,
                 protection=Protection(k=4, m=2),          # the erasure code and where pieces go
@@ -15,7 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from memsnap.config import check_device, check_failures, check_memory, check_protection, check_spill, check_wire
 from memsnap.errors import ConfigError
+from memsnap.policy import check_schedule
 
 
 @dataclass(frozen=True)
@@ -31,6 +35,9 @@ class Protection:
     peers: bool | None = None
     local_copy: bool = True
 
+    def __post_init__(self) -> None:
+        check_protection(self.k, self.m, self.group_size, self.peers, self.local_copy)
+
 
 @dataclass(frozen=True)
 class Memory:
@@ -38,6 +45,9 @@ class Memory:
 
     budget: int = 4 << 30
     keep: int = 2
+
+    def __post_init__(self) -> None:
+        check_memory(self.budget, self.keep)
 
 
 @dataclass(frozen=True)
@@ -50,6 +60,9 @@ class Spill:
     every_seconds: float | None = None
     bytes_per_s: int = 256 << 20
 
+    def __post_init__(self) -> None:
+        check_spill(self.uri, self.every, self.every_seconds, self.bytes_per_s)
+
 
 @dataclass(frozen=True)
 class When:
@@ -60,6 +73,10 @@ class When:
     every_seconds: float | None = None
     auto: bool = False
     mtbf_hours: float | None = None
+
+    def __post_init__(self) -> None:
+        check_schedule(self.every_steps, self.every_seconds, self.auto, self.mtbf_hours,
+                       what="when=When(every_steps=None, every_seconds=None, auto=False)")
 
 
 @dataclass(frozen=True)
@@ -74,9 +91,7 @@ class Failures:
     preemption_grace_s: float = 30.0
 
     def __post_init__(self) -> None:
-        if self.on_error not in ("warn", "raise"):
-            raise ConfigError(f"on_error={self.on_error!r}: use 'warn' (log, count and keep training) "
-                              "or 'raise' (a failed snapshot stops training)")
+        check_failures(self.on_error, self.max_staleness_steps, self.preemption, self.preemption_grace_s)
 
 
 @dataclass(frozen=True)
@@ -89,6 +104,9 @@ class Wire:
     transport: str = "tcp"
     chunk: int | None = None
     mode: str = "mac"
+
+    def __post_init__(self) -> None:
+        check_wire(self.transport, self.chunk, self.mode)
 
 
 @dataclass(frozen=True)
@@ -106,11 +124,7 @@ class Device:
     backend: str = "auto"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.buffer, bool) and (not isinstance(self.buffer, int) or self.buffer <= 0):
-            raise ConfigError(f"device_buffer={self.buffer!r}: use False (off), True (sized to each rank's "
-                              "snapshot) or a positive number of bytes of device memory per node")
-        if self.backend not in ("auto", "cuda", "cpu"):
-            raise ConfigError(f"device backend={self.backend!r}: use 'auto', 'cuda' or 'cpu'")
+        check_device(self.buffer, self.backend)
 
     @property
     def on(self) -> bool:

@@ -75,6 +75,28 @@ def require_positive_float(name: str, value: object, hint: str, *, allow_zero: b
     return float(value)
 
 
+def check_schedule(every_steps: object, every_seconds: object, auto: object, mtbf_hours: object,
+                   what: str) -> None:
+    """The fields that say when a snapshot is due (a ``Policy``'s, and ``memsnap.options.When``'s);
+    ``what`` names the whole in the message for a schedule that never snapshots."""
+    if not isinstance(auto, bool):
+        raise ConfigError(f"auto={auto!r} must be True or False")
+    if every_steps is not None:
+        require_positive_int("every_steps", every_steps,
+                             "snapshot every N >= 1 steps, or pass every_steps=None")
+    if every_seconds is not None:
+        require_positive_float("every_seconds", every_seconds,
+                               "snapshot every T > 0 seconds, or pass every_seconds=None")
+    if auto and every_seconds is not None:
+        raise ConfigError(f"auto=True picks the time interval itself, so every_seconds="
+                          f"{every_seconds!r} conflicts with it; drop one of the two")
+    if not auto and every_steps is None and every_seconds is None:
+        raise ConfigError(f"{what} never snapshots: give every_steps, every_seconds, or auto=True")
+    if mtbf_hours is not None:
+        require_positive_float("mtbf_hours", mtbf_hours,
+                               "give one node's mean time between failures in hours, e.g. 1000")
+
+
 @dataclass(frozen=True)
 class Policy:
     """When one tier snapshots. Give ``every_steps``, ``every_seconds``, both, or ``auto``.
@@ -95,10 +117,8 @@ class Policy:
     tier: str = "ram"
 
     def __post_init__(self) -> None:
-        self._check_triggers()
-        if self.mtbf_hours is not None:
-            require_positive_float("mtbf_hours", self.mtbf_hours,
-                                   "give one node's mean time between failures in hours, e.g. 1000")
+        check_schedule(self.every_steps, self.every_seconds, self.auto, self.mtbf_hours,
+                       what=f"Policy(tier={self.tier!r})")
         require_positive_int("nodes", self.nodes, "give the number of nodes in the job, e.g. 8")
         if self.initial_cost_seconds is not None:
             require_positive_float("initial_cost_seconds", self.initial_cost_seconds,
@@ -110,22 +130,6 @@ class Policy:
                               "measurement at 30%, 1 keeps only the newest")
         if self.tier not in TIERS:
             raise ConfigError(f"tier={self.tier!r} is not one of {TIERS}")
-
-    def _check_triggers(self) -> None:
-        if not isinstance(self.auto, bool):
-            raise ConfigError(f"auto={self.auto!r} must be True or False")
-        if self.every_steps is not None:
-            require_positive_int("every_steps", self.every_steps,
-                                 "snapshot every N >= 1 steps, or pass every_steps=None")
-        if self.every_seconds is not None:
-            require_positive_float("every_seconds", self.every_seconds,
-                                   "snapshot every T > 0 seconds, or pass every_seconds=None")
-        if self.auto and self.every_seconds is not None:
-            raise ConfigError(f"auto=True picks the time interval itself, so every_seconds="
-                              f"{self.every_seconds!r} conflicts with it; drop one of the two")
-        if not self.auto and self.every_steps is None and self.every_seconds is None:
-            raise ConfigError(f"Policy(tier={self.tier!r}) never snapshots: give every_steps, "
-                              "every_seconds, or auto=True")
 
     @property
     def mtbf_prior_seconds(self) -> float | None:

@@ -583,10 +583,11 @@ def job_config(job: str, opts: dict) -> SnapshotConfig:
     pro, mem, sp, wi = opts["protection"], opts["memory"], opts["spill"], opts["wire"]
     dev = opts["device"]
     uri = None if sp.uri is None else sp.uri.replace("{job}", job)  # each job (a Tune trial) its own directory
-    return SnapshotConfig(job, pro.k, pro.m, pro.group_size, mem.keep, mem.budget, uri, sp.every,
-                          sp.every_seconds, sp.bytes_per_s, wi.transport, wi.chunk,
-                          local_copy=pro.local_copy, peers=pro.peers, wire=wi.mode,
-                          device_buffer=dev.buffer, device_backend=dev.backend)
+    return SnapshotConfig(job, k=pro.k, m=pro.m, group_size=pro.group_size, local_copy=pro.local_copy,
+                          peers=pro.peers, keep=mem.keep, memory_budget=mem.budget, spill=uri,
+                          spill_every=sp.every, spill_every_seconds=sp.every_seconds,
+                          spill_bytes_per_s=sp.bytes_per_s, transport=wi.transport, chunk=wi.chunk,
+                          wire=wi.mode, device_buffer=dev.buffer, device_backend=dev.backend)
 
 
 def start_spare(job: str, node_id: str, **options: Any):

@@ -1,4 +1,5 @@
-"""Shared test set-up: the codec ISA in the header, loopback-only Ray, GPU skips."""
+"""Shared test set-up: the codec ISA in the header, loopback-only Ray, GPU skips, and the
+``job`` fixture of the modules that run one job on their own loopback cluster."""
 from __future__ import annotations
 
 import os
@@ -56,3 +57,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def job(request, tmp_path_factory):
+    """The job the module names as ``JOB_SPEC`` (a ``support.runtime.JobSpec``), running on its
+    own loopback cluster for the whole module; see ``support.runtime.running_job``."""
+    from support.runtime import running_job
+
+    spec = getattr(request.module, "JOB_SPEC", None)
+    if spec is None:
+        pytest.fail(f"{request.module.__name__} uses the job fixture but names no JOB_SPEC")
+    with running_job(spec, tmp_path_factory) as running:
+        yield running

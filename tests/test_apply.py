@@ -1,14 +1,13 @@
 """Apply: in-place restore into live objects, validation before mutation, aliases, DTensors."""
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 
 from memsnap.apply import apply
 from memsnap.capture import capture
 from memsnap.errors import ChecksumError, StateMismatchError
+from memsnap.localcluster import free_port
 
 
 def make(seed: int, hidden: int = 5):
@@ -163,9 +162,7 @@ def gloo_world_of_one():
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:
         yield init_device_mesh("cpu", (1,))
@@ -252,9 +249,7 @@ def test_two_gloo_ranks_store_and_restore_their_own_shards(tmp_path):
 
     from memsnap.manifest import Manifest
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     procs = [subprocess.Popen([sys.executable, "-c", TWO_RANK_CHILD, str(r), str(port), str(tmp_path)])
              for r in range(2)]
     try:

@@ -12,7 +12,7 @@ import os
 
 import pytest
 import ray
-from support.runtime import cluster, node_dead, start_all, wait_for
+from support.runtime import JobSpec, node_dead, wait_for
 
 from memsnap import naming, testing
 from memsnap.chaos import Fault, Injector, Schedule, read_log
@@ -20,6 +20,8 @@ from memsnap.chaos import Fault, Injector, Schedule, read_log
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 JOB = "chaos-faults"
+JOB_SPEC = JobSpec(JOB, 4, dict(k=2, m=1, chunk=64 * 255, memory_budget=128 << 20, spill_every=1000,
+                                on_error="raise", preemption=False), spill="chaos-spill")
 
 
 @ray.remote(num_cpus=0)
@@ -37,17 +39,6 @@ class Watched:
     def notice(self) -> dict:
         w = self.watcher
         return {"reason": w.reason, "left": w.seconds_left(), "signals": w.signals_installed, "pid": os.getpid()}
-
-
-@pytest.fixture(scope="module")
-def job(tmp_path_factory):
-    spill = str(tmp_path_factory.mktemp("chaos-spill"))
-    opts = dict(k=2, m=1, chunk=64 * 255, memory_budget=128 << 20, spill=spill, spill_every=1000,
-                on_error="raise", preemption=False)
-    with cluster(JOB, 4) as c:
-        trainers = start_all(JOB, [0, 1, 2, 3], opts)
-        yield {"cluster": c, "trainers": trainers, "spill": spill,
-               "nodes": ray.get([t.node.remote() for t in trainers], timeout=60)}
 
 
 def save_all(job, step: int, ranks=(0, 1, 2, 3)) -> None:

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pyarrow as pa
 import pytest
-import test_codec_oracle as oracle
+from support import gf_oracle as oracle
 
 from memsnap import codec
 from memsnap.errors import CodecError, ShardSizeError, TooFewShardsError

@@ -7,9 +7,9 @@ import mmap
 
 import numpy as np
 import pytest
-import test_codec_oracle as oracle
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support import gf_oracle as oracle
 
 from memsnap import codec
 

@@ -11,8 +11,10 @@ import signal
 import subprocess
 import sys
 import time
+from functools import partial
 
 import torch
+from support import states
 
 import memsnap
 from memsnap.storage import Store
@@ -24,12 +26,12 @@ ZYGOTE = """
 import os, sys
 sys.path.insert(0, {tests!r})
 import memsnap, memsnap.durable
-from test_crash_consistency import make_state
+from support.states import make_state
 for line in sys.stdin:
     step = int(line)
     pid = os.fork()
     if pid == 0:
-        state = make_state(step)
+        state = make_state(step, **{state!r})
         print("saving", os.getpid(), flush=True)
         memsnap.save({uri!r}, state, step)
         print("done", flush=True)
@@ -39,14 +41,8 @@ for line in sys.stdin:
 """
 
 
-def make_state(seed: int) -> dict:
-    """~50 MiB of model + AdamW state, determined by ``seed``."""
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)])
-    optim = torch.optim.AdamW(model.parameters())
-    model(torch.randn(2, 1024)).sum().backward()
-    optim.step()
-    return {"model": model, "optim": optim}
+STATE = dict(widths=(1024,) * 5, relu=False, warm=2)  # ~50 MiB of model + AdamW state
+make_state = partial(states.make_state, **STATE)
 
 
 def same_model(a: torch.nn.Module, b: torch.nn.Module) -> bool:
@@ -83,7 +79,7 @@ def test_sigkill_during_save_leaves_a_whole_step(tmp_path):
     memsnap.save(uri, expected[1], 1)
     save_s = time.perf_counter() - t0
     probe, outcomes = make_state(0), []
-    code = ZYGOTE.format(tests=os.path.dirname(__file__), uri=uri)
+    code = ZYGOTE.format(tests=os.path.dirname(__file__), uri=uri, state=STATE)
     zygote = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)
     try:

@@ -7,10 +7,12 @@ import os
 import subprocess
 import sys
 import warnings
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
+from support import states
 
 import memsnap
 from memsnap import meta, storage
@@ -42,13 +44,8 @@ print(json.dumps([x.hex() for x in losses]))
 """
 
 
-def small_state(seed: int = 0) -> dict:
-    torch.manual_seed(seed)
-    model = torch.nn.Linear(8, 4)
-    optim = torch.optim.AdamW(model.parameters(), lr=0.1)
-    model(torch.randn(3, 8)).sum().backward()
-    optim.step()
-    return {"model": model, "optim": optim}
+SMALL = dict(widths=(8, 4), lr=0.1, warm=3)  # one Linear(8, 4) and its AdamW, after a step
+small_state = partial(states.make_state, **SMALL)
 
 
 def params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -250,8 +247,8 @@ FRESH_LOAD = """
 import sys, torch
 sys.path.insert(0, {tests!r})
 import memsnap
-from test_durable import small_state
-print(memsnap.load({ckpt!r}, small_state(99)))
+from support.states import make_state
+print(memsnap.load({ckpt!r}, make_state(99, **{small!r})))
 """
 
 
@@ -270,7 +267,7 @@ def test_rollback_then_crash_resumes_the_new_run(tmp_path, monkeypatch):
         warnings.simplefilter("error")  # once per process and lineage
         memsnap.save(ckpt, small_state(120), 120, keep_last=2)
     assert Store.open(ckpt).steps() == [100, 110, 120]
-    proc = subprocess.run([sys.executable, "-c", FRESH_LOAD.format(tests=str(TESTS), ckpt=ckpt)],
+    proc = subprocess.run([sys.executable, "-c", FRESH_LOAD.format(tests=str(TESTS), ckpt=ckpt, small=SMALL)],
                           capture_output=True, text=True, timeout=120, cwd=str(REPO))
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == "120"
@@ -381,8 +378,7 @@ OLD_NAMES = {"extra/a%2Fb": "extra/a/b", "extra/a/b": "extra/a/b#1", "extra/%30"
 def test_checkpoints_with_the_older_text_names_still_load_by_position(tmp_path):
     """An older memsnap joined keys as text and numbered repeats ("extra/a/b#1"); the tensors of
     such a step are still matched by their position in the skeleton, at any world size."""
-    sys.path.insert(0, str(TESTS))
-    from test_validate import forge_manifest
+    from support.forge import forge_manifest
 
     saved = tricky_state(0)
     save_two_ranks(str(tmp_path), saved, 1)

@@ -48,7 +48,7 @@ class Agents:
 
 
 @pytest.fixture
-def job():
+def agents():
     cfg = SnapshotConfig("fault-cells", k=2, m=1, memory_budget=1 << 20)
     cores = {n: AgentCore(cfg.to_dict(), n, SECRET) for n in NODES}
     yield cfg, cores
@@ -75,8 +75,8 @@ def sent(cores, step: int) -> list[dict]:
     return reports
 
 
-def test_a_coordinator_lost_before_phase_two_leaves_the_step_uncommitted_and_the_next_commits(job):
-    cfg, cores = job
+def test_a_coordinator_lost_before_phase_two_leaves_the_step_uncommitted_and_the_next_commits(agents):
+    cfg, cores = agents
     first = coordinator(cfg, cores)
     for i, node in enumerate(NODES):
         first.join(node, {"port": i}, [i])
@@ -92,8 +92,8 @@ def test_a_coordinator_lost_before_phase_two_leaves_the_step_uncommitted_and_the
     assert second.newest() == 6 and second.resolved(5)  # wait(5) returns (6 is newer)
 
 
-def test_a_coordinator_lost_during_phase_two_keeps_the_commit_some_agents_heard(job):
-    cfg, cores = job
+def test_a_coordinator_lost_during_phase_two_keeps_the_commit_some_agents_heard(agents):
+    cfg, cores = agents
     first = coordinator(cfg, cores)
     for i, node in enumerate(NODES):
         first.join(node, {"port": i}, [i])
@@ -110,7 +110,7 @@ def test_a_coordinator_lost_during_phase_two_keeps_the_commit_some_agents_heard(
     assert second.log.records[7].holders(NODES[0]) == record.holders(NODES[0])
 
 
-def test_a_rebuilt_coordinator_knows_which_run_holds_each_rank_and_what_run_spilled_a_step(job, tmp_path):
+def test_a_rebuilt_coordinator_knows_which_run_holds_each_rank_and_what_run_spilled_a_step(agents, tmp_path):
     """The coordinator is lost: the one rebuilt from the agents still refuses a second live run,
     and a step the first run took is spilled naming that run, even after another took over."""
     from dataclasses import replace
@@ -118,7 +118,7 @@ def test_a_rebuilt_coordinator_knows_which_run_holds_each_rank_and_what_run_spil
     from memsnap.capture import capture
     from memsnap.identity import process_token
 
-    cfg, cores = job
+    cfg, cores = agents
     cfg = replace(cfg, spill=str(tmp_path / "spill"))
     live = process_token()  # the ranks of run trial-a are this (live) process
     first = CoordinatorCore(cfg.to_dict(), 4, directory=Agents(cores))

@@ -16,32 +16,17 @@ import urllib.request
 
 import pytest
 import ray
-from support.runtime import cluster, restore_all, start_all, wait_for
+from support.runtime import JobSpec, restore_all, wait_for
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 JOB = "rt-metrics"
 LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 SAMPLE = re.compile(r"^(\w+)(?:\{(.*)\})? (\S+)$")
-
-
-@pytest.fixture(scope="module")
-def job(tmp_path_factory):
-    spill = str(tmp_path_factory.mktemp("spill") / "root")
-    opts = dict(k=1, m=1, chunk=64 * 255, memory_budget=256 << 20, on_error="raise", preemption=False,
-                spill=spill, spill_every=1)
-    old = os.environ.get("MEMSNAP_METRICS_INTERVAL_S")
-    os.environ["MEMSNAP_METRICS_INTERVAL_S"] = "1"  # inherited by the cluster's workers
-    try:
-        with cluster(JOB, 3, system_config={"metrics_report_interval_ms": 1000}) as c:
-            trainers = start_all(JOB, [0, 1, 2], opts)
-            nodes = ray.get([t.node.remote() for t in trainers], timeout=60)
-            yield {"cluster": c, "trainers": trainers, "nodes": nodes}
-    finally:
-        if old is None:
-            os.environ.pop("MEMSNAP_METRICS_INTERVAL_S", None)
-        else:
-            os.environ["MEMSNAP_METRICS_INTERVAL_S"] = old
+JOB_SPEC = JobSpec(JOB, 3, dict(k=1, m=1, chunk=64 * 255, memory_budget=256 << 20, on_error="raise",
+                                preemption=False, spill_every=1), spill="spill/root",
+                   env={"MEMSNAP_METRICS_INTERVAL_S": "1"},
+                   system_config={"metrics_report_interval_ms": 1000})
 
 
 def scrape() -> list[tuple[str, dict, float]]:

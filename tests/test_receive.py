@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from functools import partial
 
 import pytest
 import torch
+from support import states
 from support.holders import tcp_holders
 from support.runtime import digest
 
@@ -28,14 +30,7 @@ K, M = 2, 1
 OWNER = "node-a"
 
 
-def make_state(seed: int, width: int = 96, stepped: bool = True) -> dict:
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, 7))
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    if stepped:
-        model(torch.randn(4, width)).sum().backward()
-        optim.step()
-    return {"model": model, "optim": optim, "epoch": seed}
+make_state = partial(states.make_state, widths=(96, 96, 7), warm=4, epoch=True)
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +82,7 @@ def test_shards_land_in_the_live_tensors_and_the_state_is_bitwise_equal(holders)
 def test_a_fresh_optimizer_adopts_new_tensors_received_whole(holders):
     """Before the first step an optimizer has no moments: they are received into new tensors."""
     record, want = publish(holders, make_state(3), step=4)
-    live = make_state(4, stepped=False)
+    live = make_state(4, warm=0)
     receive.into_state(peers(holders), *record, live)
     assert digest(live, rng=False) == want
     torch.manual_seed(0)
@@ -119,7 +114,7 @@ def test_a_flipped_byte_in_a_held_chunk_is_rebuilt_and_repaired(holders):
 
 def test_a_mismatched_state_is_refused_before_any_byte_is_written(holders):
     record, _ = publish(holders, make_state(10), step=7)
-    live = make_state(11, width=64)
+    live = make_state(11, widths=(64, 64, 7))
     want = digest(live, rng=False)
     with pytest.raises(StateMismatchError):
         receive.into_state(peers(holders), *record, live)

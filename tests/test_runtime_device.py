@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import ray
-from support.runtime import cluster, kill, start_trainer
+from support.runtime import JobSpec, kill, start_trainer
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -17,11 +17,7 @@ JOB = "rt-device"
 OPTS = dict(k=2, m=1, memory_budget=128 << 20, on_error="raise", preemption=False,
             device_buffer=True, device_backend="cpu")
 
-
-@pytest.fixture(scope="module")
-def job():
-    with cluster(JOB, 1) as c:
-        yield c
+JOB_SPEC = JobSpec(JOB, 1, ranks=())  # the cluster only: each test starts its trainers
 
 
 def test_a_crashed_rank_restores_from_the_agents_device_buffer(job):

@@ -13,7 +13,16 @@ import socket
 
 import pytest
 import ray
-from support.runtime import cluster, kill, lose_nodes, remove_arenas, restore_all, start_all, start_trainer, wait_for
+from support.runtime import (
+    JobSpec,
+    kill,
+    lose_nodes,
+    remove_arenas,
+    restore_all,
+    start_all,
+    start_trainer,
+    wait_for,
+)
 
 from memsnap import naming, shmdir, testing
 from memsnap.errors import TransportError
@@ -23,17 +32,8 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 JOB = "rt-failures"
 K, M = 2, 1
-
-
-@pytest.fixture(scope="module")
-def job(tmp_path_factory):
-    spill = str(tmp_path_factory.mktemp("spill"))
-    opts = dict(k=K, m=M, chunk=64 * 255, memory_budget=256 << 20, spill=spill, spill_every=2,
-                on_error="raise", preemption=False)
-    with cluster(JOB, 4) as c:
-        trainers = start_all(JOB, [0, 1, 2, 3], opts)
-        yield {"cluster": c, "trainers": trainers, "opts": opts, "digests": {}, "node_index": [0, 1, 2, 3],
-               "nodes": ray.get([t.node.remote() for t in trainers])}
+JOB_SPEC = JobSpec(JOB, 4, dict(k=K, m=M, chunk=64 * 255, memory_budget=256 << 20, spill_every=2,
+                                on_error="raise", preemption=False), spill="spill")
 
 
 def save_all(job, step: int, commit: bool = True) -> list[str]:

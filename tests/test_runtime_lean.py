@@ -10,7 +10,16 @@ from __future__ import annotations
 
 import pytest
 import ray
-from support.runtime import cluster, kill, lose_nodes, remove_arenas, restore_all, start_all, start_trainer, wait_for
+from support.runtime import (
+    JobSpec,
+    kill,
+    lose_nodes,
+    remove_arenas,
+    restore_all,
+    start_all,
+    start_trainer,
+    wait_for,
+)
 
 from memsnap import naming
 from memsnap.snapshotter import shutdown
@@ -19,16 +28,8 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 JOB = "rt-lean"
 K, M = 2, 1
-
-
-@pytest.fixture(scope="module")
-def job():
-    opts = dict(k=K, m=M, chunk=64 * 255, memory_budget=256 << 20, local_copy=False,
-                on_error="raise", preemption=False)
-    with cluster(JOB, 4) as c:
-        trainers = start_all(JOB, [0, 1, 2, 3], opts)
-        yield {"cluster": c, "trainers": trainers, "opts": opts, "digests": {},
-               "nodes": ray.get([t.node.remote() for t in trainers], timeout=60)}
+JOB_SPEC = JobSpec(JOB, 4, dict(k=K, m=M, chunk=64 * 255, memory_budget=256 << 20, local_copy=False,
+                                on_error="raise", preemption=False))
 
 
 def save_all(job, step: int) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import boto3
 import pytest
 from support.s3server import moto_s3
-from test_storage import make_snapshot, save_step
+from support.snapshots import make_snapshot, save_step
 
 from memsnap.errors import ChecksumError
 from memsnap.storage import Retention, Store

@@ -10,6 +10,7 @@ from memsnap import metrics
 from memsnap.cli import build_parser, main
 from memsnap.commands import _cluster, jobs, shutdown, status
 from memsnap.errors import ConfigError
+from memsnap.localcluster import free_port
 
 NODE_A, NODE_B, NODE_C = "a" * 56, "b" * 56, "c" * 56
 
@@ -111,11 +112,7 @@ def test_address_defaults_to_ray_address_then_auto(monkeypatch):
 
 
 def test_an_address_nobody_listens_on_is_refused_at_once():
-    import socket
-
-    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # a port that was free a moment ago: nothing listens there
     with pytest.raises(ConfigError, match=f"127.0.0.1:{port}"):
         _cluster._reachable(f"127.0.0.1:{port}", timeout=2)
 

@@ -18,10 +18,12 @@ import textwrap
 import threading
 import uuid
 from collections.abc import Mapping
+from functools import partial
 
 import pytest
 import ray
 import torch
+from support import states
 from support.runtime import cluster, kill, remove_arenas
 from support.runtime import digest as helpers_digest
 
@@ -36,18 +38,10 @@ BUDGET = 32 << 20  # per agent; an "over budget" state carries a 40 MiB tensor
 BASE = dict(k=K, m=M, memory_budget=BUDGET, preemption=False)
 
 
-def make_state(seed: int) -> dict:
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
-    return {"model": model, "optim": torch.optim.AdamW(model.parameters(), lr=1e-2)}
-
-
-def train_step(state: dict) -> None:
-    x = torch.randn(8, 16)
-    loss = (state["model"](x) - x).pow(2).mean()
-    state["optim"].zero_grad()
-    loss.backward()
-    state["optim"].step()
+STATE = dict(widths=(16, 32, 16), lr=1e-2)
+BATCH = 8
+make_state = partial(states.make_state, **STATE)
+train_step = partial(states.train_step, batch=BATCH)
 
 
 def digest(state: dict) -> str:
@@ -124,7 +118,7 @@ def local_cluster():
 
 
 @pytest.fixture
-def job(local_cluster, request):
+def own_job(local_cluster, request):
     """A unique job name; its actors, agents, coordinator and arenas are removed afterwards."""
     name = f"tc-{request.node.name[5:20].replace('_', '-')}-{uuid.uuid4().hex[:6]}"
     actors: list = []
@@ -153,8 +147,8 @@ def wait(rank, step: int) -> int | None:
     return ray.get(rank.wait.remote(step, 60), timeout=90)
 
 
-def test_every_steps_snapshots_steps_n_minus_1_2n_minus_1_and_skips_the_rest_untouched(job):
-    ranks = start_ranks(job, dict(every_steps=3, keep=3))
+def test_every_steps_snapshots_steps_n_minus_1_2n_minus_1_and_skips_the_rest_untouched(own_job):
+    ranks = start_ranks(own_job, dict(every_steps=3, keep=3))
     taken = []
     for step in range(9):
         results = step_all(ranks, step)
@@ -172,8 +166,8 @@ def test_every_steps_snapshots_steps_n_minus_1_2n_minus_1_and_skips_the_rest_unt
     assert st["committed_steps"] == [2, 5, 8] and st["failed_snapshots"] == 0
 
 
-def test_a_failed_snapshot_is_counted_and_training_goes_on(job):
-    ranks = start_ranks(job, dict(on_error="warn"))
+def test_a_failed_snapshot_is_counted_and_training_goes_on(own_job):
+    ranks = start_ranks(own_job, dict(on_error="warn"))
     assert all(r["saved"] for r in step_all(ranks, 0)) and wait(ranks[0], 0) == 0
     failed = step_all(ranks, 1, too_big=True)
     for r in failed:
@@ -187,15 +181,15 @@ def test_a_failed_snapshot_is_counted_and_training_goes_on(job):
     assert ray.get(ranks[0].status.remote(), timeout=60)["committed_steps"] == [0, 2]
 
 
-def test_on_error_raise_makes_a_failed_snapshot_a_hard_error(job):
-    ranks = start_ranks(job, dict(on_error="raise"))
+def test_on_error_raise_makes_a_failed_snapshot_a_hard_error(own_job):
+    ranks = start_ranks(own_job, dict(on_error="raise"))
     got = ray.get(ranks[0].step.remote(0, True), timeout=240)
     assert got["saved"] is None and got["error"].startswith("MemoryBudgetError:")
     assert got["counters"]["failed_saves"] == 1 and got["last_error"].startswith("step 0: MemoryBudgetError:")
 
 
-def test_snapshots_failing_for_longer_than_max_staleness_steps_stop_training(job):
-    ranks = start_ranks(job, dict(on_error="warn", max_staleness_steps=2))
+def test_snapshots_failing_for_longer_than_max_staleness_steps_stop_training(own_job):
+    ranks = start_ranks(own_job, dict(on_error="warn", max_staleness_steps=2))
     for step in (0, 1):
         assert all(r["saved"] is False and r["error"] is None for r in step_all(ranks, step, too_big=True))
     third = step_all(ranks, 2, too_big=True)
@@ -204,12 +198,12 @@ def test_snapshots_failing_for_longer_than_max_staleness_steps_stop_training(job
         assert r["counters"]["failed_saves"] == 3
 
 
-def test_a_single_process_snapshots_into_local_ram_and_the_spill(job, tmp_path):
+def test_a_single_process_snapshots_into_local_ram_and_the_spill(own_job, tmp_path):
     """world_size=1 has no peers: a crashed process restores from its node's agent, the
     spill holds the rest, and status() says no node loss is survivable from RAM."""
     from memsnap.localcluster import wait_for
 
-    name, actors = job
+    name, actors = own_job
     spill = str(tmp_path / "spill")
 
     def solo():
@@ -244,22 +238,23 @@ import json, sys, time
 import memsnap.localcluster  # binds Ray to loopback before it is imported
 import ray, torch
 from memsnap.snapshotter import Snapshotter
-from test_training_contract import digest, make_state, train_step
+from support.runtime import digest
+from support.states import make_state, train_step
 
 job, spill, out = sys.argv[1:4]
 # a torchrun-style process: RANK, WORLD_SIZE and RAY_ADDRESS come from the environment
 snap = Snapshotter.from_env(job=job, k={k}, m={m}, memory_budget={budget}, spill=spill, spill_every=1000)
 assert (snap.rank, snap.world) == (0, {world})
-state, step = make_state(0), -1
+state, step = make_state(0, **{state!r}), -1
 try:
     for step in range(1000):
-        train_step(state)
+        train_step(state, batch={batch})
         print("STEP", step, flush=True)
         snap.save(step, state)
         snap.wait(step, timeout=120)  # one step in flight at a time, however loaded the machine
 finally:
     with open(out, "w") as f:
-        json.dump({{"step": step, "digest": digest(state)}}, f)
+        json.dump({{"step": step, "digest": digest(state, rng=False)}}, f)
     print("EXIT", step, flush=True)
 """
 
@@ -276,17 +271,17 @@ def _lines(proc) -> queue.Queue:
     return q
 
 
-def test_sigterm_takes_a_last_snapshot_spills_it_and_exits_cleanly(job, local_cluster, tmp_path):
-    name, actors = job
+def test_sigterm_takes_a_last_snapshot_spills_it_and_exits_cleanly(own_job, local_cluster, tmp_path):
+    name, actors = own_job
     spill, out = str(tmp_path / "spill"), str(tmp_path / "rank0.json")
     script = tmp_path / "train.py"
-    script.write_text(textwrap.dedent(SCRIPT.format(world=WORLD, k=K, m=M, budget=BUDGET)))
+    script.write_text(textwrap.dedent(SCRIPT.format(world=WORLD, k=K, m=M, budget=BUDGET, state=STATE, batch=BATCH)))
     env = dict(os.environ, RANK="0", WORLD_SIZE=str(WORLD), RAY_ADDRESS=local_cluster.address)
     with open(tmp_path / "stderr.txt", "w") as err:
         proc = subprocess.Popen([sys.executable, str(script), name, spill, out],
                                 stdout=subprocess.PIPE, stderr=err, text=True, env=env)
     try:
-        others = start_ranks(job, dict(spill=spill, spill_every=1000, preemption=False), ranks=(1, 2))
+        others = start_ranks(own_job, dict(spill=spill, spill_every=1000, preemption=False), ranks=(1, 2))
         lines, exit_line = _lines(proc), None
         while (words := lines.get(timeout=180)) is not None:
             if words[:1] == ["STEP"]:  # the other ranks take the same step

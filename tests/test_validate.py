@@ -15,9 +15,9 @@ import warnings
 
 import pytest
 import torch
-import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.forge import forge_manifest
 
 import memsnap
 from memsnap import tree, validate
@@ -25,6 +25,7 @@ from memsnap.apply import apply
 from memsnap.capture import capture
 from memsnap.cli import main
 from memsnap.errors import FormatError, MemsnapError
+from memsnap.localcluster import free_port
 from memsnap.manifest import Manifest
 from memsnap.storage import Store
 from memsnap.transport import wire
@@ -307,24 +308,10 @@ def test_real_skeleton_round_trips(real):
 
 
 # --- the crafted negative offset -----------------------------------------------------------------
-def forge_manifest(root: str, step: int, rank: int, doc: dict) -> None:
-    """Write ``doc`` as a rank manifest and re-sign it in COMMITTED (a forger can)."""
-    store = Store.open(root)
-    raw = json.dumps(doc).encode()
-    with open(store.path(step, f"rank_{rank:05d}.json"), "wb") as f:
-        f.write(raw)
-    mpath = store.path(step, "COMMITTED")
-    with open(mpath) as f:
-        marker = json.load(f)
-    marker["ranks"][rank].update(json_bytes=len(raw), json_xxh3=xxhash.xxh3_64_hexdigest(raw))
-    with open(mpath, "w") as f:
-        json.dump(marker, f)
-
-
 NEGATIVE_OFFSET = textwrap.dedent("""
     import json, sys, torch, memsnap
     sys.path.insert(0, {tests!r})
-    from test_validate import forge_manifest
+    from support.forge import forge_manifest
     root = {root!r}
     model = torch.nn.Linear(64, 64)
     state = {{"model": model, "optim": torch.optim.SGD(model.parameters(), lr=0.1)}}
@@ -655,9 +642,7 @@ def test_the_malformed_rank_and_its_peer_agree(tmp_path, monkeypatch, rank, thei
 @pytest.mark.slow
 def test_ranks_agree_to_fall_back_when_one_manifest_is_malformed(tmp_path):
     root = two_rank_ckpt(str(tmp_path / "ckpt"))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = dict(os.environ, ROOT=root, PORT=str(port), GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
     procs = [subprocess.Popen([sys.executable, "-c", AGREE], env=dict(env, RANK=str(r)), text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in (0, 1)]

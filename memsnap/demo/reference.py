@@ -3,19 +3,13 @@ with no Ray and no memsnap, whose loss curve the resumed run must match bit for 
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import replace
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from memsnap.demo.train import TrainConfig, read_log, run
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from memsnap.localcluster import free_port
 
 
 def _rank_main(rank: int, cfg_json: dict, world: int, port: int) -> None:
@@ -35,6 +29,6 @@ def reference_losses(cfg: TrainConfig, world: int, log_path: str) -> dict[int, f
     if world == 1:
         run(cfg, 0, 1)
     else:
-        mp.start_processes(_rank_main, args=(cfg.to_json(), world, _free_port()), nprocs=world,
+        mp.start_processes(_rank_main, args=(cfg.to_json(), world, free_port()), nprocs=world,
                            join=True, start_method="spawn")
     return read_log(log_path)

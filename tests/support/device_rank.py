@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from functools import partial
 
 import torch
 import xxhash
@@ -22,26 +23,18 @@ from memsnap import capture as cap
 from memsnap.device import backend as pick_backend
 from memsnap.device.backend import BufferHandle
 from memsnap.device.tier import RankTier
+from support import states
 
 FEATURES = 64
 DEVICE = os.environ.get("MEMSNAP_TEST_DEVICE", "cpu")
 
 
-def make_state(seed: int) -> dict:
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(FEATURES, 96), torch.nn.ReLU(),
-                                torch.nn.Linear(96, FEATURES)).to(DEVICE)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    return {"model": model, "optim": optim}
+make_state = partial(states.make_state, widths=(FEATURES, 96, FEATURES), device=DEVICE)
 
 
 def train(state: dict, steps: int) -> None:
     for _ in range(steps):
-        x = torch.randn(8, FEATURES).to(DEVICE)
-        loss = (state["model"](x) - x).pow(2).mean()
-        state["optim"].zero_grad()
-        loss.backward()
-        state["optim"].step()
+        states.train_step(state, batch=8)
 
 
 def digest(state: dict) -> str:

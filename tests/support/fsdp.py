@@ -5,20 +5,15 @@ Used by the elastic restore tests and ``bench/recovery.py``. (No tests here.)
 """
 from __future__ import annotations
 
-import socket
 import time
 
 import ray
 import torch
 
+from memsnap.localcluster import free_port
+
 SMALL = {"l1.weight": ((24, 16), "shard"), "l1.bias": ((16,), "replicate"),
          "l2.weight": ((10, 16), "shard")}  # 10 rows: uneven over 3 and 4 ranks
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @ray.remote(num_cpus=0)

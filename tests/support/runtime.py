@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+from dataclasses import dataclass, field
+from functools import partial
 
 import ray
 import torch
@@ -14,27 +16,12 @@ import xxhash
 
 from memsnap import shmdir
 from memsnap.localcluster import LocalCluster, wait_for
+from support import states
 
 FEATURES = 256
-
-
-def make_state(seed: int) -> dict:
-    """A ~6 MiB state (after one step): MLP weights, AdamW moments, an LR schedule."""
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(FEATURES, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, FEATURES))
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    sched = torch.optim.lr_scheduler.StepLR(optim, step_size=2, gamma=0.5)
-    return {"model": model, "optim": optim, "sched": sched}
-
-
-def train_step(state: dict) -> float:
-    x = torch.randn(16, FEATURES)
-    loss = (state["model"](x) - x).pow(2).mean()
-    state["optim"].zero_grad()
-    loss.backward()
-    state["optim"].step()
-    state["sched"].step()
-    return float(loss)
+# A ~6 MiB state (after one step): MLP weights, AdamW moments, an LR schedule.
+make_state = partial(states.make_state, widths=(FEATURES, 1024, FEATURES), sched=True)
+train_step = partial(states.train_step, batch=16)
 
 
 def digest(state: dict, rng: bool = True) -> str:
@@ -177,4 +164,51 @@ def cluster(job: str, nodes: int, system_config: dict | None = None):
         remove_arenas(job)
 
 
-__all__ = ["cluster", "remove_arenas", "start_all", "start_trainer", "restore_all", "kill", "node_dead", "lose_nodes", "wait_for", "shutil"]
+@dataclass(frozen=True)
+class JobSpec:
+    """The job a test module runs on its own loopback cluster, named ``JOB_SPEC`` in the module:
+    the shared ``job`` fixture (tests/conftest.py) starts it once per module (``running_job``).
+
+    ``ranks``: one trainer per rank, rank ``i`` pinned to node ``ranks[i]`` (None: one per
+    node; ``()``: none, the module starts its own). ``spill``: the spill directory, a path
+    under the module's temporary directory (its first part is made, the rest left to the
+    spill), added to ``opts`` as ``spill=``. ``env``: environment variables for the cluster's
+    processes while it runs. ``system_config``: Ray system config keys for the head."""
+
+    name: str
+    nodes: int
+    opts: dict = field(default_factory=dict)
+    ranks: tuple[int, ...] | None = None
+    spill: str | None = None
+    env: dict = field(default_factory=dict)
+    system_config: dict | None = None
+
+
+@contextlib.contextmanager
+def running_job(spec: JobSpec, tmp_path_factory):
+    """``spec``'s cluster and trainers. Yields a dict: ``cluster``, ``trainers``, ``nodes``
+    (their node ids), ``node_index`` (their node numbers), ``opts``, ``spill`` (its path, or
+    None) and ``digests`` (empty: for the tests' own record)."""
+    opts, spill = dict(spec.opts), None
+    if spec.spill is not None:
+        head, _, rest = spec.spill.partition("/")
+        spill = str(tmp_path_factory.mktemp(head) / rest) if rest else str(tmp_path_factory.mktemp(head))
+        opts["spill"] = spill
+    ranks = list(range(spec.nodes)) if spec.ranks is None else list(spec.ranks)
+    old = {k: os.environ.get(k) for k in spec.env}
+    os.environ.update(spec.env)  # inherited by the cluster's workers
+    try:
+        with cluster(spec.name, spec.nodes, system_config=spec.system_config) as c:
+            trainers = start_all(spec.name, ranks, opts) if ranks else []
+            yield {"cluster": c, "trainers": trainers, "opts": opts, "spill": spill, "digests": {},
+                   "node_index": ranks, "nodes": ray.get([t.node.remote() for t in trainers], timeout=60)}
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+__all__ = ["JobSpec", "running_job", "cluster", "remove_arenas", "start_all", "start_trainer", "restore_all",
+           "kill", "node_dead", "lose_nodes", "wait_for", "shutil"]

@@ -3,14 +3,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 from collections.abc import Iterator
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from memsnap.localcluster import free_port
 
 
 def _fix_complete_multipart_root() -> None:
