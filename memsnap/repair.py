@@ -22,7 +22,7 @@ from memsnap.arena import Arena
 from memsnap.config import tunable
 from memsnap.errors import CommitError
 from memsnap.records import NodeReady, RankSource
-from memsnap.slots import Version
+from memsnap.versions import FAILED
 
 log = logging.getLogger("memsnap.agent")
 
@@ -60,8 +60,8 @@ class Repair:
         or one read from the owner's node or another holder of its owner."""
         core = self.core
         with core.lock:
-            v = core.slots.versions.get(step)
-            if v is not None and v.state == "committed" and rank in v.manifests:
+            v = core.versions.committed(step)
+            if v is not None and rank in v.manifests:
                 return v.manifests[rank]
         held = self.held_manifests(step, src.owner).get(rank)
         if held is not None:
@@ -89,8 +89,8 @@ class Repair:
         if key.owner != core.node or key.shard >= core.cfg.k:
             return None
         with core.lock:
-            v, info = core.slots.versions.get(key.step), core.infos.get(key.step)
-            if v is None or v.state != "committed" or info is None:
+            v, info = core.versions.committed(key.step), core.infos.get(key.step)
+            if v is None or info is None:
                 return None
             for r in info.regions:
                 reg = encode.Region(r.rank, r.nbytes, r.stripe_base, core.cfg.k, info.chunk)
@@ -105,24 +105,22 @@ class Repair:
         """Rebuild ``rank``'s bytes of ``step`` from the peers into a local arena (now a local copy)."""
         from memsnap.restore import gather
 
-        core, slots = self.core, self.core.slots
+        core, slots, versions = self.core, self.core.slots, self.core.versions
         manifest = self.manifest_for(step, rank, src)
         slots.await_prepared(rank)
         with core.lock:
-            slots.clear_for_restore(step)
-            v = slots.versions.get(step)
-            if v is None or v.state in ("failed", "freed"):
+            versions.clear_for_restore(step)
+            v = versions.get(step)
+            if v is None or v.state is FAILED:
                 slot = slots.free_slot(step)
                 if slot is None:
                     raise CommitError(f"node {core.node[:12]}: no arena slot is free for the restore of step {step}")
-                v = slots.versions[step] = Version(step, slot, state="restoring")
+                v = versions.restoring(step, slot)
             arena = slots.arena(rank, v.slot, src.nbytes, prefault=False)
-            v.sizes[rank] = src.nbytes
+            versions.restore_rank(v, rank, src.nbytes)
         stats = gather(core, src, arena.view(0, src.nbytes))
         with core.lock:
-            v.manifests[rank] = manifest
-            v.state = "committed"
-            slots.drop_if_lean(v, release=False)  # the rank reads the arena now; the next save reuses it
+            versions.restored(v, rank, manifest)  # (lean mode: the rank reads the arena now; the next save reuses it)
         core.counters["repaired_chunks"] += stats.get("repaired", 0)
         return {"path": arena.path, "nbytes": src.nbytes, "manifest": manifest, "stats": stats}
 
@@ -139,10 +137,10 @@ class Repair:
     def _rebuild_local(self, step: int, rank: int, src: RankSource, replace_corrupt: bool) -> bool:
         from memsnap.restore import gather
 
-        core, slots, nbytes = self.core, self.core.slots, src.nbytes
+        core, slots, versions, nbytes = self.core, self.core.slots, self.core.versions, src.nbytes
 
         def pointless() -> bool:
-            return slots.newer_than(step) or (not replace_corrupt and slots.holds(step, rank))
+            return versions.newer_than(step) or (not replace_corrupt and versions.holds(step, rank))
 
         with core.lock:
             if pointless():
@@ -158,17 +156,17 @@ class Repair:
                                  prefault=False)
             stats = gather(core, src, arena.view(0, nbytes))
             with core.lock:
-                v = slots.versions.get(step)
-                if slots.newer_than(step) or (v is not None and v.state != "committed"):
+                v = versions.get(step)
+                if versions.newer_than(step) or (v is not None and versions.committed(step) is None):
                     return False
                 if v is None:
-                    free = slots.free_slots()
+                    free = versions.free_slots()
                     if not free:
                         return False
-                    v = slots.versions[step] = Version(step, free[0], state="committed", gen=core.gen)
+                    v = versions.rebuilt(step, free[0], core.gen)
                 slots.install(rank, v.slot, arena)
                 installed = True
-                v.sizes[rank], v.manifests[rank] = nbytes, manifest
+                versions.add_copy(v, rank, nbytes, manifest)
         finally:
             if not installed:  # refused, failed, or not created at all: give the memory back
                 if arena is not None:

@@ -22,7 +22,7 @@ from memsnap.config import tunable
 from memsnap.errors import CommitError
 from memsnap.manifest import Manifest
 from memsnap.records import NodeReady, Region
-from memsnap.slots import Version
+from memsnap.versions import Version
 
 log = logging.getLogger("memsnap.agent")
 
@@ -60,9 +60,8 @@ class Sender:
         try:
             with self.lock:
                 with core.lock:
-                    if v.state != "queued":
+                    if not core.versions.sending(v):
                         return  # replaced by a newer capture while it waited
-                    v.state = "sending"
                 t = time.monotonic()
                 info = self._encode_and_push(v, local_ranks)
                 self.throughput.add(sum(v.sizes[r] for r in local_ranks), time.monotonic() - t)
@@ -70,16 +69,15 @@ class Sender:
         except Exception as exc:  # reported, never raised into the pool
             log.warning("node %s: step %d not sent: %s", core.node[:12], v.step, exc)
             with core.lock:
-                core.slots.fail(v, f"{type(exc).__name__}: {exc}")
+                core.versions.failed(v, f"{type(exc).__name__}: {exc}")
                 self.layout = None  # a holder may be gone: ask for the layout again
             core.tell("node_failed", v.step, core.node, v.error)
             return
         with core.lock:
-            if v.state != "sending":
-                return
-            v.state = "ready"
+            if not core.versions.sent(v):
+                return  # given up while it was sent
             core.infos[v.step] = info
-            if not core.cfg.local_copy and core.cfg.spill is None:
+            if core.policy.releases_when_sent:
                 core.slots.release(v)
         core.call("node_ready", info.to_wire())
 
@@ -99,7 +97,7 @@ class Sender:
         for reg in regs:
             data = core.slots.arenas[(reg.rank, v.slot)].view(0, reg.nbytes)
             man = fill_checksums(Manifest.from_json(v.manifests[reg.rank]), data)
-            v.manifests[reg.rank] = man.to_json().decode()
+            core.versions.checksummed(v, reg.rank, man.to_json().decode())
             digest.update(v.manifests[reg.rank].encode())
             encs.append(encode.Encoded(reg, data))
         info = NodeReady(v.step, core.node, v.gen, chunk, tuple(Region(r.rank, r.nbytes, r.stripe_base) for r in regs),
