@@ -174,7 +174,7 @@ class Versions(Mapping):
     def _move(self, v: Version, to: State) -> None:
         was = None if v.state is None else State(v.state)
         if to not in ALLOWED[was]:
-            raise VersionStateError(f"step {v.step}: a {was.value} version cannot become {to.value} "
+            raise VersionStateError(f"step {v.step}: a {'new' if was is None else was.value} version cannot become {to.value} "
                                     f"(it may become {sorted(s.value for s in ALLOWED[was]) or 'nothing'})")
         v.state = to
 
