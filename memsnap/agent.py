@@ -85,21 +85,30 @@ class AgentCore:
         self.versions = Versions(self.policy, self.cfg.slots, self.cfg.keep, self.counters, self._replaced)
         self.slots = Slots(self.cfg, node_id, self.budget, self.lock, self.versions, self._pinned)
         self.arenas = self.slots.arenas  # (the same table)
-        self.sender = Sender(self)
-        self.repair = Repair(self)
+        self.infos: dict[int, NodeReady] = {}  # this node's own NodeReady, by step
+        self.codec = codec_for(self.cfg.k, self.cfg.m)
         self.store = HeldChunks(self.budget)
-        self.store.own = self.repair.serve_own
         self.transport = make_transport(self.cfg.transport, secret=secret, host=host, **self._transport_opts())
+        self.dir = Directory(self.cfg.job)
+        # (the coordinator, the directory and the generation are looked up at each use: the
+        # Ray face, and tests, set them after this)
+        self.sender = Sender(node=node_id, cfg=self.cfg, lock=self.lock, versions=self.versions, slots=self.slots,
+                             transport=self.transport, codec=self.codec, budget=self.budget,
+                             counters=self.counters, infos=self.infos, call=lambda *a: self.call(*a),
+                             tell=lambda *a: self.tell(*a), call_all=lambda *a, **kw: self.dir.call_all(*a, **kw),
+                             world=lambda: self.world)
+        self.repair = Repair(node=node_id, cfg=self.cfg, lock=self.lock, versions=self.versions, slots=self.slots,
+                             infos=self.infos, store=self.store, transport=self.transport, codec=self.codec,
+                             budget=self.budget, counters=self.counters, agent=lambda node: self.dir.agent(node),
+                             gen=lambda: self.gen)
+        self.store.own = self.repair.serve_own
         self.address = self.transport.start(self.store)
         swept = arenas.sweep()  # arenas of agents killed by SIGKILL or the OOM killer
         if swept:
             log.warning("removed %d shared-memory file(s) of agents that are gone: %s", len(swept), swept[:4])
         arenas.check_capacity(self.cfg.memory_budget)
-        self.codec = codec_for(self.cfg.k, self.cfg.m)
         self.committed: dict[int, CommitNotice] = {}  # the commit notices of the steps kept
         self.newest: int | None = None  # the newest committed step this node heard of
-        self.infos: dict[int, NodeReady] = {}  # this node's own NodeReady, by step
-        self.dir = Directory(self.cfg.job)
         self.coordinator = None  # -> the coordinator's handle (set by the Ray face)
         self.changed = lambda: None  # wakes the relay's waiters (set by the Ray face)
         self.ranks: set[int] = set()
