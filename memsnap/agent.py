@@ -279,7 +279,7 @@ class AgentCore:
             if first:
                 for rank in self._departed(step, v):
                     self._depart(rank, step)
-            self.versions.commit(step, keep, bool(notice.spill), self._pinned, self.slots.release)
+            self.versions.committed(step, keep, bool(notice.spill), self._pinned, self.slots.release)
             self._forget_meta(lambda s: s in keep or s > step)
         self.store.drop(lambda key: key.step in keep or key.step > step)
         self.changed()
@@ -421,7 +421,7 @@ class AgentCore:
     def local(self, step: int, rank: int) -> dict | None:
         """Where this node still holds ``rank``'s committed bytes of ``step``, or None."""
         with self.lock:
-            v = self.versions.committed(step)
+            v = self.versions.committed_version(step)
             if v is None or rank not in v.manifests:
                 return None
             arena = self.arenas.get((rank, v.slot))

@@ -74,7 +74,7 @@ class Repair:
         """``rank``'s manifest of ``step``: this node's own copy, or one held here for its owner,
         or one read from the owner's node or another holder of its owner."""
         with self.lock:
-            v = self.versions.committed(step)
+            v = self.versions.committed_version(step)
             if v is not None and rank in v.manifests:
                 return v.manifests[rank]
         held = self.held_manifests(step, src.owner).get(rank)
@@ -102,7 +102,7 @@ class Repair:
         if key.owner != self.node or key.shard >= self.cfg.k:
             return None
         with self.lock:
-            v, info = self.versions.committed(key.step), self.infos.get(key.step)
+            v, info = self.versions.committed_version(key.step), self.infos.get(key.step)
             if v is None or info is None:
                 return None
             for r in info.regions:
@@ -170,7 +170,7 @@ class Repair:
             stats = gather(self, src, arena.view(0, nbytes))
             with self.lock:
                 v = versions.get(step)
-                if versions.newer_than(step) or (v is not None and versions.committed(step) is None):
+                if versions.newer_than(step) or (v is not None and versions.committed_version(step) is None):
                     return False
                 if v is None:
                     free = versions.free_slots()

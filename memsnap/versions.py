@@ -11,7 +11,7 @@ Its life (``State``, ``ALLOWED``)::
 
 ``Versions`` is the only code that adds a version to the table, moves one to another state
 or takes one out; every change is an event method (``begin``, ``captured``, ``sending``,
-``sent``, ``commit``, ``abandoned``, ``resumed``, ``spilled``, ``restoring``, ``restored``,
+``sent``, ``committed``, ``abandoned``, ``resumed``, ``spilled``, ``restoring``, ``restored``,
 ``rebuilt``...), and a move ``ALLOWED`` does not list raises ``VersionStateError``. The
 other parts of the agent ask it questions (``free_slot``, ``busy``, ``holds``,
 ``in_flight_before``...). A version taken out of the table is freed: its slot may take the
@@ -174,7 +174,8 @@ class Versions(Mapping):
     def _move(self, v: Version, to: State) -> None:
         was = None if v.state is None else State(v.state)
         if to not in ALLOWED[was]:
-            raise VersionStateError(f"step {v.step}: a {'new' if was is None else was.value} version cannot become {to.value} "
+            name = "new" if was is None else was.value
+            raise VersionStateError(f"step {v.step}: a {name} version cannot become {to.value} "
                                     f"(it may become {sorted(s.value for s in ALLOWED[was]) or 'nothing'})")
         v.state = to
 
@@ -306,7 +307,7 @@ class Versions(Mapping):
         return any(o is not v and o.slot == v.slot and o.state in LIVE for o in self._table.values())
 
     # --- what the coordinator decides ---------------------------------------------------------------
-    def commit(self, step: int, keep, spill_due: bool, pinned: Callable[[int], bool],
+    def committed(self, step: int, keep, spill_due: bool, pinned: Callable[[int], bool],
                release: Callable[[Version], None]) -> None:
         """Every node is ready with ``step``: it is committed here; the steps older than it
         and not in ``keep`` are freed (failed if they had not committed). ``release(v)``: the
@@ -403,7 +404,7 @@ class Versions(Mapping):
         v = self._table.get(step)
         return v is not None and v.state is COMMITTED and rank in v.manifests
 
-    def committed(self, step: int) -> Version | None:
+    def committed_version(self, step: int) -> Version | None:
         """``step``'s version if it is committed here (the node's local copy), else None."""
         v = self._table.get(step)
         return v if v is not None and v.state is COMMITTED else None

@@ -35,9 +35,9 @@ def ready(vs, step, slot, ranks=(0,)):
     return v
 
 
-def committed(vs, step, slot, keep=None, spill=False, released=None):
+def commit(vs, step, slot, keep=None, spill=False, released=None):
     v = ready(vs, step, slot)
-    vs.commit(step, set(keep or (step,)), spill, never, (released if released is not None else []).append)
+    vs.committed(step, set(keep or (step,)), spill, never, (released if released is not None else []).append)
     return v
 
 
@@ -82,8 +82,8 @@ def test_a_snapshot_goes_capturing_queued_sending_ready_committed():
     assert vs.sending(v) and v.state is SENDING
     vs.checksummed(v, 0, "m0+sums")
     assert vs.sent(v) and v.state is READY and vs.in_flight_before(6)
-    vs.commit(5, {5}, False, never, lambda v: pytest.fail("the local copy is kept"))
-    assert v.state is COMMITTED and vs.holds(5, 0) and vs.committed(5) is v and not vs.in_flight_before(6)
+    vs.committed(5, {5}, False, never, lambda v: pytest.fail("the local copy is kept"))
+    assert v.state is COMMITTED and vs.holds(5, 0) and vs.committed_version(5) is v and not vs.in_flight_before(6)
     assert vs.summary() == {5: ("committed", (0, 1))} and vs.local_bytes() == 128
     assert v.manifests == {0: "m0+sums", 1: "m1"}
     with pytest.raises(VersionStateError, match="step 5 is already committed"):
@@ -110,7 +110,7 @@ def test_a_failure_is_counted_once_and_never_touches_a_committed_version():
     vs.failed(v, "again")
     assert (v.state, v.error, vs.counters["failed_snapshots"]) == (FAILED, "boom", 1)
     assert not vs.sending(v) and not vs.sent(v)  # the sender finds it given up
-    c = committed(vs, 2, 1)
+    c = commit(vs, 2, 1)
     vs.failed(c, "late")
     assert c.state is COMMITTED and vs.counters["failed_snapshots"] == 1
     again = vs.begin(1, 2)  # a failed step may be captured again
@@ -131,7 +131,7 @@ def test_the_sender_finds_a_version_replaced_while_it_waited():
 # --- which slot -----------------------------------------------------------------------------------
 def test_newest_wins_but_a_sent_version_never_gives_way():
     vs, replaced = table(slots=3, keep=2)
-    committed(vs, 1, 0, keep=(1,))
+    commit(vs, 1, 0, keep=(1,))
     ready(vs, 2, 1)
     v3 = vs.begin(3, 2)
     assert vs.free_slot(4, never) == 2 and replaced == [(3, "still capturing", 4)] and v3.state is SUPERSEDED
@@ -146,7 +146,7 @@ def test_newest_wins_but_a_sent_version_never_gives_way():
 def test_committed_versions_beyond_keep_give_way_unless_the_spill_writes_them():
     vs, _ = table(slots=3, keep=2)
     for step in (1, 2, 3):
-        committed(vs, step, step - 1, keep=(1, 2, 3))
+        commit(vs, step, step - 1, keep=(1, 2, 3))
     assert vs.free_slot(4, lambda s: s == 1) is None  # 1 is beyond keep but being spilled
     assert sorted(vs) == [1, 2, 3]
     assert vs.free_slot(4, never) == 0 and sorted(vs) == [2, 3]
@@ -156,8 +156,8 @@ def test_committed_versions_beyond_keep_give_way_unless_the_spill_writes_them():
 
 def test_with_two_committed_and_no_free_slot_the_oldest_gives_way():
     vs, _ = table(slots=2, keep=2)
-    committed(vs, 1, 0, keep=(1,))
-    committed(vs, 2, 1, keep=(1, 2))
+    commit(vs, 1, 0, keep=(1,))
+    commit(vs, 2, 1, keep=(1, 2))
     assert vs.free_slot(3, lambda s: s == 1) is None and sorted(vs) == [1, 2]
     assert vs.free_slot(3, never) == 0 and sorted(vs) == [2]
 
@@ -165,26 +165,26 @@ def test_with_two_committed_and_no_free_slot_the_oldest_gives_way():
 # --- what the coordinator decides -------------------------------------------------------------------
 def test_a_commit_frees_older_steps_not_kept_and_fails_those_not_committed():
     vs, _ = table(slots=4, keep=2)
-    committed(vs, 1, 0, keep=(1,))
+    commit(vs, 1, 0, keep=(1,))
     sending = vs.begin(2, 1)
     vs.add_rank(sending, 0, 64)
     vs.captured(sending, 0, "{}", [0])
     vs.sending(sending)
     ready(vs, 3, 2)
-    vs.commit(3, {3}, False, lambda s: s == 1, [].append)
+    vs.committed(3, {3}, False, lambda s: s == 1, [].append)
     assert sorted(vs) == [1, 3] and vs[3].state is COMMITTED  # 1 is being spilled: it stays
     assert sending.state is FAILED and sending.error == "step 3 committed first"
     assert not vs.sent(sending) and vs.counters["failed_snapshots"] == 1
     q = vs.begin(4, 3)  # a step this node had not finished commits all the same
     vs.add_rank(q, 0, 64)
     vs.captured(q, 0, "{}", [0])
-    vs.commit(4, {3, 4}, False, never, [].append)
+    vs.committed(4, {3, 4}, False, never, [].append)
     assert q.state is COMMITTED and sorted(vs) == [3, 4]
 
 
 def test_abandoned_and_resumed_steps_are_freed():
     vs, _ = table(slots=4)
-    c = committed(vs, 1, 0)
+    c = commit(vs, 1, 0)
     for step in (2, 3, 4):
         vs.begin(step, step - 1)
     vs.abandoned(2, "a node skipped it", failed=False)
@@ -245,10 +245,10 @@ def test_lean_a_sent_version_frees_the_one_slot_and_its_commit_keeps_no_copy():
     v = ready(vs, 1, 0)
     assert vs.free_slots() == [0]  # its bytes are at its holders
     released = []
-    vs.commit(1, {1}, False, never, released.append)
+    vs.committed(1, {1}, False, never, released.append)
     assert v.state is COMMITTED and vs == {} and released == [v]
     local, _ = table(LOCAL)
-    committed(local, 1, 0, released=released)
+    commit(local, 1, 0, released=released)
     assert local.holds(1, 0) and released == [v]
 
 
@@ -257,19 +257,19 @@ def test_lean_with_a_spill_holds_a_due_step_until_it_is_written():
     v = ready(vs, 1, 0)
     assert vs.free_slots() == [1]  # a sent version keeps its slot until its commit says if it is due
     released = []
-    vs.commit(1, {1}, True, never, released.append)
-    assert vs.committed(1) is v and released == [] and vs.free_slots() == [1]
+    vs.committed(1, {1}, True, never, released.append)
+    assert vs.committed_version(1) is v and released == [] and vs.free_slots() == [1]
     w = ready(vs, 2, 1)
-    vs.commit(2, {1, 2}, True, lambda s: s == 1, released.append)  # 1 is being written: stays
+    vs.committed(2, {1, 2}, True, lambda s: s == 1, released.append)  # 1 is being written: stays
     assert sorted(vs) == [1, 2] and released == []
     assert vs.spilled(1) is v and sorted(vs) == [2]
-    vs.commit(3, {2, 3}, True, never, released.append)  # (3 is not here) 2, held for its spill, gives way
+    vs.committed(3, {2, 3}, True, never, released.append)  # (3 is not here) 2, held for its spill, gives way
     assert vs == {} and w.state is COMMITTED
     ready(vs, 4, 0)
-    vs.commit(4, {4}, False, never, released.append)  # not due: freed at once
+    vs.committed(4, {4}, False, never, released.append)  # not due: freed at once
     assert vs == {} and [r.step for r in released] == [4]
     local, _ = table(SlotPolicy(local_copy=True, spill=True))
-    committed(local, 1, 0, spill=True)
+    commit(local, 1, 0, spill=True)
     assert local.spilled(1) is None and local.holds(1, 0)  # the local copy stays
 
 
