@@ -291,3 +291,23 @@ def test_lean_a_restore_takes_the_slot_back_and_keeps_no_copy():
     ready(local, 6, 0)
     local.clear_for_restore(6)
     assert sorted(local) == [6]
+
+
+def test_no_other_part_of_the_agent_writes_the_version_table():
+    """The table's one writer is ``Versions``: the agent's other modules move no state and
+    add or drop no version themselves (a read such as ``v.state is FAILED`` is fine; a part's
+    own ``self.state`` is its status, not a version's)."""
+    import pathlib
+    import re
+
+    import memsnap
+
+    root = pathlib.Path(memsnap.__file__).parent
+    writes = re.compile(r"(?<!self)\.state\s*=(?!=)|versions\.pop\(|versions\[[^\]]*\]\s*=(?!=)"
+                        r"|\.(sizes|manifests)(\[[^\]]*\]\s*=(?!=)|\.pop\(|\.update\()")
+    found = []
+    for name in ("agent.py", "slots.py", "sender.py", "repair.py", "spill.py", "relay.py", "device/runtime.py"):
+        for n, line in enumerate((root / name).read_text().splitlines(), 1):
+            if writes.search(line):
+                found.append(f"{name}:{n}: {line.strip()}")
+    assert found == []
