@@ -6,8 +6,9 @@ Its life (``State``, ``ALLOWED``)::
     capturing -> queued -> sending -> ready -> committed     (a snapshot taken here)
     restoring -> committed                                   (a rank's bytes gathered back)
     (new) -> committed                                       (re-protection rebuilt a local copy)
+    capturing | queued | sending -> committed                (its commit, or a restore, came first)
     capturing | queued -> superseded                         (a newer capture took the slot)
-    any but committed -> failed
+    capturing | queued | sending | ready | restoring -> failed
 
 ``Versions`` is the only code that adds a version to the table, moves one to another state
 or takes one out; every change is an event method (``begin``, ``captured``, ``sending``,
@@ -21,7 +22,8 @@ next capture (its arenas stay; ``slots.Slots`` gives their pages back when the p
 states keep a slot, whether a committed version stays as the node's local copy, when the
 arenas give their pages back.
 
-Every method is called under the agent's lock.
+Every method is called under the agent's lock, but ``checksummed``: the sender fills the
+manifests of the version it is sending while it encodes.
 """
 from __future__ import annotations
 
