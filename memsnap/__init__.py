@@ -9,7 +9,8 @@ The data path, one module per stage:
     stripes.py / placement.py           which bytes go to which node
     transport/                          chunks between agents (authenticated TCP, Ray object store)
     chunkstore.py                       the chunks an agent holds for its peers
-    slots.py / sender.py / repair.py    an agent's versions, its sends, its repairs (agent.py composes)
+    versions.py / slots.py              an agent's version table (states, lean-mode policy), its arena slots
+    sender.py / repair.py               an agent's sends, its repairs (agent.py composes them all)
     durable.py / storage.py / spill.py  memsnap's on-disk / object-store format, and the spill
     restore.py / receive.py             bytes back from the peers, straight into the live tensors
     elastic.py / reshard.py             a step taken by another world size, resharded (RAM / disk)

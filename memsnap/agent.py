@@ -5,10 +5,12 @@ One detached agent per node and job, pinned to its node, ``num_cpus=0``. It owns
 slots per rank), (b) the parity it computes and (c) the chunks it holds for its peers,
 all charged against ``memory_budget``. Training processes never own snapshot bytes.
 
-``AgentCore`` composes one object per concern: ``slots.Slots`` (the versions in the arena
-slots, and which gives way under pressure), ``sender.Sender`` (one snapshot out to the
-holders), ``repair.Repair`` (bytes back in, and this node's own copy out to a rank that
-moved), and the held chunks (``chunkstore``) behind the transport.
+``AgentCore`` composes one object per concern: ``versions.Versions`` (the node's version
+table, its only writer: each step's state, and which version gives way under pressure),
+``versions.SlotPolicy`` (what lean mode changes), ``slots.Slots`` (the arenas behind the
+slots), ``sender.Sender`` (one snapshot out to the holders), ``repair.Repair`` (bytes back
+in, and this node's own copy out to a rank that moved), and the held chunks
+(``chunkstore``) behind the transport.
 
 Call protocol (who makes each call in brackets; the Ray face is ``actors.SnapshotAgent``,
 and ``relay.NodeRelay`` speaks to the coordinator for the node's ranks, once per node):
@@ -62,8 +64,9 @@ from memsnap.policy import agent_ram
 from memsnap.records import CommitNotice, Inventory, NodeReady, RankSource
 from memsnap.repair import Repair
 from memsnap.sender import Sender
-from memsnap.slots import IN_FLIGHT, Slots, Version
+from memsnap.slots import Slots
 from memsnap.transport import make_transport
+from memsnap.versions import CAPTURING, FAILED, SlotPolicy, Version, Versions
 
 if TYPE_CHECKING:
     from memsnap.spill import Spiller
@@ -83,23 +86,34 @@ class AgentCore:
         self.counters = {"failed_snapshots": 0, "pushed_bytes": 0, "repaired_chunks": 0,
                          "superseded": 0, "skipped_busy": 0}
         self.budget = MemoryBudget(self.cfg.memory_budget, node_id)
-        self.slots = Slots(self.cfg, node_id, self.budget, self.lock, self.counters, self._pinned, self._replaced)
-        self.versions, self.arenas = self.slots.versions, self.slots.arenas  # (the same tables)
-        self.sender = Sender(self)
-        self.repair = Repair(self)
+        self.policy = SlotPolicy.of(self.cfg)  # what lean mode changes
+        self.versions = Versions(self.policy, self.cfg.slots, self.cfg.keep, self.counters, self._replaced)
+        self.slots = Slots(self.cfg, node_id, self.budget, self.lock, self.versions, self._pinned)
+        self.arenas = self.slots.arenas  # (the same table)
+        self.infos: dict[int, NodeReady] = {}  # this node's own NodeReady, by step
+        self.codec = codec_for(self.cfg.k, self.cfg.m)
         self.store = HeldChunks(self.budget)
-        self.store.own = self.repair.serve_own
         self.transport = make_transport(self.cfg.transport, secret=secret, host=host, **self._transport_opts())
+        self.dir = Directory(self.cfg.job)
+        # (the coordinator, the directory and the generation are looked up at each use: the
+        # Ray face, and tests, set them after this)
+        self.sender = Sender(node=node_id, cfg=self.cfg, lock=self.lock, versions=self.versions, slots=self.slots,
+                             transport=self.transport, codec=self.codec, budget=self.budget,
+                             counters=self.counters, infos=self.infos, call=lambda *a: self.call(*a),
+                             tell=lambda *a: self.tell(*a), call_all=lambda *a, **kw: self.dir.call_all(*a, **kw),
+                             world=lambda: self.world)
+        self.repair = Repair(node=node_id, cfg=self.cfg, lock=self.lock, versions=self.versions, slots=self.slots,
+                             infos=self.infos, store=self.store, transport=self.transport, codec=self.codec,
+                             budget=self.budget, counters=self.counters, agent=lambda node: self.dir.agent(node),
+                             gen=lambda: self.gen)
+        self.store.own = self.repair.serve_own
         self.address = self.transport.start(self.store)
         swept = arenas.sweep()  # arenas of agents killed by SIGKILL or the OOM killer
         if swept:
             log.warning("removed %d shared-memory file(s) of agents that are gone: %s", len(swept), swept[:4])
         arenas.check_capacity(self.cfg.memory_budget)
-        self.codec = codec_for(self.cfg.k, self.cfg.m)
         self.committed: dict[int, CommitNotice] = {}  # the commit notices of the steps kept
         self.newest: int | None = None  # the newest committed step this node heard of
-        self.infos: dict[int, NodeReady] = {}  # this node's own NodeReady, by step
-        self.dir = Directory(self.cfg.job)
         self.coordinator: Callable[[], Any] | None = None  # -> the coordinator's handle (set by the Ray face)
         self.changed = lambda: None  # wakes the relay's waiters (set by the Ray face)
         self.ranks: set[int] = set()
@@ -158,24 +172,22 @@ class AgentCore:
             if step in self.skipped:  # skipped or replaced under load: every rank of the job skips it
                 return {"skipped": self.abandoned.get(step, "skipped under load")}
             v = self.versions.get(step)
-            if v is not None and v.state not in ("capturing", "failed"):
+            if v is not None and v.state not in (CAPTURING, FAILED):
                 raise CommitError(f"step {step} is already {v.state} on node {self.node[:12]}; "
                                   "save each step once, with a step number larger than the last")
-            if v is None or v.state == "failed":
+            if v is None or v.state is FAILED:
                 slot = self.slots.free_slot(step)
                 if slot is None:
                     if wait:
-                        return {"busy": f"every arena slot is busy {self.slots.busy()}"}
+                        return {"busy": f"every arena slot is busy {self.versions.busy()}"}
                     return {"skipped": self._skip(step)}
-                v = self.versions[step] = Version(step, slot, gen=self.gen)
+                v = self.versions.begin(step, slot, gen=self.gen)
             try:
                 arena = self.slots.arena(rank, v.slot, nbytes)
             except MemoryBudgetError:
-                if not v.sizes:
-                    self.versions.pop(step)
+                self.versions.withdraw(v)
                 raise
-            v.sizes[rank] = nbytes
-            v.manifests.pop(rank, None)
+            self.versions.add_rank(v, rank, nbytes)
             self._began[rank] = max(step, self._began.get(rank, step))
             self._check_budget_size(rank, nbytes)
         self.store.announce(step)  # holders accept pushes up to store_step_window above it
@@ -193,7 +205,7 @@ class AgentCore:
 
     def _skip(self, step: int) -> str:
         """No slot for ``step``: the save is skipped and counted, the older ones go on."""
-        why = f"node {self.node[:12]}: step {step} skipped, every arena slot is busy {self.slots.busy()}"
+        why = f"node {self.node[:12]}: step {step} skipped, every arena slot is busy {self.versions.busy()}"
         self.counters["skipped_busy"] += 1
         self._busy_warning(why)
         self.abandoned[step] = "skipped: the pipeline was busy"
@@ -248,16 +260,13 @@ class AgentCore:
             v = self.versions.get(step)
             if step in self.abandoned:
                 log.info("step %d was abandoned (%s); its capture is dropped", step, self.abandoned[step])
-                if v is not None and v.state == "capturing":
-                    self.versions.pop(step)  # its slot is free again (each rank writes only its own arena)
+                self.versions.capture_dropped(step)
                 return
-            if v is None or v.state != "capturing" or rank not in v.sizes:
+            if v is None or v.state is not CAPTURING or rank not in v.sizes:
                 raise CommitError(f"captured(step={step}, rank={rank}) without a matching begin on "
                                   f"node {self.node[:12]}; call begin first")
-            v.manifests[rank] = manifest_json
-            if not set(local_ranks) <= set(v.manifests):
+            if not self.versions.captured(v, rank, manifest_json, local_ranks):
                 return
-            v.state = "queued"
         metrics.captured(self.cfg.job, step)
         self.pool.submit(self.sender.send, v, sorted(local_ranks))  # 4-6: sender.py
 
@@ -276,20 +285,7 @@ class AgentCore:
             if first:
                 for rank in self._departed(step, v):
                     self._depart(rank, step)
-            hold = not self.cfg.local_copy and notice.spill  # lean: kept until spilled
-            if hold:  # an older step held for a spill gives way, unless it is being written
-                for old in [o for o in self.versions.values()
-                            if o.step < step and o.state == "committed" and not self._pinned(o.step)]:
-                    self.versions.pop(old.step)
-            if v is not None and v.state in ("ready", "queued", "sending", "restored"):
-                v.state = "committed"
-                if not hold:
-                    self.slots.drop_if_lean(v)
-            for old in list(self.versions.values()):
-                if old.step < step and old.step not in keep and not self._pinned(old.step):
-                    if old.state not in ("committed", "freed"):
-                        self.slots.fail(old, f"step {step} committed first")
-                    self.versions.pop(old.step)
+            self.versions.committed(step, keep, bool(notice.spill), self._pinned, self.slots.release)
             self._forget_meta(lambda s: s in keep or s > step)
         self.store.drop(lambda key: key.step in keep or key.step > step)
         self.changed()
@@ -343,8 +339,7 @@ class AgentCore:
         with self.lock:
             if self.newest is not None and self.newest >= step:
                 return True
-            return step in self.abandoned and not any(
-                s < step and v.state in IN_FLIGHT for s, v in self.versions.items())
+            return step in self.abandoned and not self.versions.in_flight_before(step)
 
     # --- manifests held beside the chunks ----------------------------------------------------------
     def committed_infos(self) -> dict:
@@ -387,12 +382,10 @@ class AgentCore:
         """The spill thread wrote ``ranks`` of ``step``: tell the coordinator; in lean mode the
         version was held only for this, so its slot is free again."""
         self.call("spilled", step, ranks)
-        if not self.cfg.local_copy:
-            with self.lock:
-                v = self.versions.get(step)
-                if v is not None and v.state == "committed":
-                    self.versions.pop(step)
-                    self.slots.release(v)
+        with self.lock:
+            v = self.versions.spilled(step)  # (lean mode: the version was held only for this)
+            if v is not None:
+                self.slots.release(v)
 
     def abandon(self, step: int, why: str = "a node or holder failed before acknowledging",
                 failed: bool = True) -> None:
@@ -405,11 +398,7 @@ class AgentCore:
             for s in sorted(self.abandoned)[:-16]:
                 del self.abandoned[s]
             self.skipped &= set(self.abandoned)
-            v = self.versions.get(step)
-            if v is not None and v.state != "committed":
-                if failed:
-                    self.slots.fail(v, f"abandoned: {why}")
-                self.versions.pop(step)
+            self.versions.abandoned(step, why, failed)
             if step not in self.committed:
                 self._forget_meta(lambda s: s != step)
         self.store.drop(lambda key: key.step != step)
@@ -423,9 +412,7 @@ class AgentCore:
         with self.lock:
             self.gen = max(self.gen, gen)
             self.counters["newest_begun"] = min(self.counters.get("newest_begun", -1), last)  # (metrics: lag)
-            for v in [v for v in self.versions.values() if v.step > last and v.state != "committed"]:
-                self.slots.fail(v, f"the job resumed from step {step}")
-                self.versions.pop(v.step)
+            self.versions.resumed(last, f"the job resumed from step {step}")
             for s in [s for s in self.abandoned if s > last]:
                 del self.abandoned[s]
             self.skipped &= set(self.abandoned)
@@ -440,9 +427,9 @@ class AgentCore:
     def local(self, step: int, rank: int) -> dict | None:
         """Where this node still holds ``rank``'s committed bytes of ``step``, or None."""
         with self.lock:
-            if not self.slots.holds(step, rank):
+            v = self.versions.committed_version(step)
+            if v is None or rank not in v.manifests:
                 return None
-            v = self.versions[step]
             arena = self.arenas.get((rank, v.slot))
             assert arena is not None  # holds() checked it
             return {"path": arena.path, "nbytes": v.sizes[rank], "manifest": v.manifests[rank]}
@@ -478,10 +465,9 @@ class AgentCore:
     def inventory(self) -> Inventory:
         """What this agent holds (the coordinator's coverage map) and what its RAM is used for."""
         with self.lock:
-            versions = {s: (v.state, tuple(sorted(v.manifests))) for s, v in self.versions.items()}
+            versions = self.versions.summary()
             arena_bytes = sum(a.nbytes for a in self.arenas.values() if a.resident)
-            local_bytes = sum(v.sizes.get(r, 0) for v in self.versions.values()
-                              if v.state == "committed" for r in v.manifests)
+            local_bytes = self.versions.local_bytes()
             return Inventory(
                 self.node, self.address, versions, self.store.inventory(), tuple(sorted(self.committed)),
                 {"arena": arena_bytes, "local": local_bytes, "held": self.store.held_bytes(),

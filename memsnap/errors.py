@@ -82,6 +82,11 @@ class CommitError(MemsnapError):
     """A snapshot could not be committed (a rank or holder failed before acknowledging)."""
 
 
+class VersionStateError(CommitError):
+    """A snapshot version was asked to move to a state its current one cannot become (a bug:
+    ``memsnap.versions.ALLOWED`` lists the moves)."""
+
+
 class JobInUseError(ConfigError):
     """A rank of another run that still runs holds this rank under the same job name: the two
     runs would share their snapshots (a distinct job name, or the same run id, fixes it)."""

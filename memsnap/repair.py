@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import replace
 
 import ray
@@ -22,31 +23,45 @@ from memsnap.arena import Arena
 from memsnap.config import tunable
 from memsnap.errors import CommitError
 from memsnap.records import NodeReady, RankSource
-from memsnap.slots import Version
+from memsnap.versions import FAILED
 
 log = logging.getLogger("memsnap.agent")
 
 
 class Repair:
-    """``core``: the node's ``AgentCore`` (its lock, slots, transport, codec, store, directory)."""
+    """Bytes back into this node. What it uses, and nothing else:
 
-    def __init__(self, core):
-        self.core = core
+    - ``node``, ``cfg``: this node and the job's configuration;
+    - ``lock``: the agent's lock, under which ``versions`` (the version table: a restore's
+      version goes restoring -> committed; a rebuilt local copy comes in committed) and the
+      held manifests change; ``infos``: this node's ``NodeReady`` by step (read);
+    - ``slots``: the arenas (a restore's is made in a free slot, a rebuilt copy installed);
+    - ``store``: the chunks held here (a rebuilt shard goes in); ``transport``, ``codec``: the
+      data plane (``restore.gather`` and ``restore.rebuild_shard`` take this object for it);
+    - ``budget``: charged for a rebuilt copy; ``counters``: ``repaired_chunks``;
+    - ``agent(node)``: another node's agent handle (None when it is gone or this node);
+    - ``gen()``: the job's restore generation as this node knows it."""
+
+    def __init__(self, *, node: str, cfg, lock, versions, slots, infos: dict, store, transport, codec, budget,
+                 counters: dict, agent: Callable, gen: Callable[[], int]):
+        self.node, self.cfg, self.lock, self.versions, self.slots, self.infos = node, cfg, lock, versions, slots, infos
+        self.store, self.transport, self.codec, self.budget, self.counters = store, transport, codec, budget, counters
+        self.agent, self.gen = agent, gen
         self.held_meta: dict[tuple[int, str], tuple[NodeReady, dict[int, str]]] = {}  # (step, owner) ->
         self.rebuild_lock = threading.Lock()
 
     # --- manifests ---------------------------------------------------------------------------------
     def hold_manifests(self, step: int, owner: str, info: dict, manifests: dict) -> None:
-        with self.core.lock:
+        with self.lock:
             self.held_meta[(step, owner)] = (NodeReady.from_wire(info), {int(r): m for r, m in manifests.items()})
 
     def held_manifests(self, step: int, owner: str) -> dict[int, str]:
-        with self.core.lock:
+        with self.lock:
             meta = self.held_meta.get((step, owner))
             return {} if meta is None else dict(meta[1])
 
     def forget(self, keep) -> None:
-        """Drop what is held for steps ``keep(step)`` rejects. Call under the core's lock."""
+        """Drop what is held for steps ``keep(step)`` rejects. Call under the agent's lock."""
         for key in [key for key in self.held_meta if not keep(key[0])]:
             del self.held_meta[key]
 
@@ -58,16 +73,15 @@ class Repair:
     def manifest_for(self, step: int, rank: int, src: RankSource) -> str:
         """``rank``'s manifest of ``step``: this node's own copy, or one held here for its owner,
         or one read from the owner's node or another holder of its owner."""
-        core = self.core
-        with core.lock:
-            v = core.slots.versions.get(step)
-            if v is not None and v.state == "committed" and rank in v.manifests:
+        with self.lock:
+            v = self.versions.committed_version(step)
+            if v is not None and rank in v.manifests:
                 return v.manifests[rank]
         held = self.held_manifests(step, src.owner).get(rank)
         if held is not None:
             return held
         for node in [src.owner, *src.holders]:
-            handle = core.dir.agent(node) if node != core.node else None
+            handle = self.agent(node) if node != self.node else None
             if handle is None:
                 continue
             try:
@@ -85,16 +99,15 @@ class Repair:
     # --- this node's own bytes, for a rank that moved ------------------------------------------------
     def serve_own(self, key) -> tuple[memoryview, int] | None:
         """Data shard ``key`` of this node's own committed stream, read from its arena."""
-        core = self.core
-        if key.owner != core.node or key.shard >= core.cfg.k:
+        if key.owner != self.node or key.shard >= self.cfg.k:
             return None
-        with core.lock:
-            v, info = core.slots.versions.get(key.step), core.infos.get(key.step)
-            if v is None or v.state != "committed" or info is None:
+        with self.lock:
+            v, info = self.versions.committed_version(key.step), self.infos.get(key.step)
+            if v is None or info is None:
                 return None
             for r in info.regions:
-                reg = encode.Region(r.rank, r.nbytes, r.stripe_base, core.cfg.k, info.chunk)
-                arena = core.slots.arenas.get((r.rank, v.slot))
+                reg = encode.Region(r.rank, r.nbytes, r.stripe_base, self.cfg.k, info.chunk)
+                arena = self.slots.arenas.get((r.rank, v.slot))
                 if reg.stripe_base <= key.stripe < reg.stripe_base + reg.stripes and arena is not None:
                     view = encode.shard_of(reg, arena.view(0, r.nbytes), key.stripe - reg.stripe_base, key.shard)
                     return view, xxhash.xxh3_64_intdigest(view)
@@ -105,25 +118,23 @@ class Repair:
         """Rebuild ``rank``'s bytes of ``step`` from the peers into a local arena (now a local copy)."""
         from memsnap.restore import gather
 
-        core, slots = self.core, self.core.slots
+        slots, versions = self.slots, self.versions
         manifest = self.manifest_for(step, rank, src)
         slots.await_prepared(rank)
-        with core.lock:
-            slots.clear_for_restore(step)
-            v = slots.versions.get(step)
-            if v is None or v.state in ("failed", "freed"):
+        with self.lock:
+            versions.clear_for_restore(step)
+            v = versions.get(step)
+            if v is None or v.state is FAILED:
                 slot = slots.free_slot(step)
                 if slot is None:
-                    raise CommitError(f"node {core.node[:12]}: no arena slot is free for the restore of step {step}")
-                v = slots.versions[step] = Version(step, slot, state="restoring")
+                    raise CommitError(f"node {self.node[:12]}: no arena slot is free for the restore of step {step}")
+                v = versions.restoring(step, slot)
             arena = slots.arena(rank, v.slot, src.nbytes, prefault=False)
-            v.sizes[rank] = src.nbytes
-        stats = gather(core, src, arena.view(0, src.nbytes))
-        with core.lock:
-            v.manifests[rank] = manifest
-            v.state = "committed"
-            slots.drop_if_lean(v, release=False)  # the rank reads the arena now; the next save reuses it
-        core.counters["repaired_chunks"] += stats.get("repaired", 0)
+            versions.restore_rank(v, rank, src.nbytes)
+        stats = gather(self, src, arena.view(0, src.nbytes))
+        with self.lock:
+            versions.restored(v, rank, manifest)  # (lean mode: the rank reads the arena now; the next save reuses it)
+        self.counters["repaired_chunks"] += stats.get("repaired", 0)
         return {"path": arena.path, "nbytes": src.nbytes, "manifest": manifest, "stats": stats}
 
     def rebuild_local(self, step: int, rank: int, src: RankSource, replace_corrupt: bool = False) -> bool:
@@ -139,42 +150,42 @@ class Repair:
     def _rebuild_local(self, step: int, rank: int, src: RankSource, replace_corrupt: bool) -> bool:
         from memsnap.restore import gather
 
-        core, slots, nbytes = self.core, self.core.slots, src.nbytes
+        slots, versions, nbytes = self.slots, self.versions, src.nbytes
 
         def pointless() -> bool:
-            return slots.newer_than(step) or (not replace_corrupt and slots.holds(step, rank))
+            return versions.newer_than(step) or (not replace_corrupt and versions.holds(step, rank))
 
-        with core.lock:
+        with self.lock:
             if pointless():
                 return False
         manifest = self.manifest_for(step, rank, src)
-        with core.lock:
+        with self.lock:
             if pointless():
                 return False
-            core.budget.charge(nbytes, f"the rebuilt local copy of rank {rank} (step {step})")
+            self.budget.charge(nbytes, f"the rebuilt local copy of rank {rank} (step {step})")
         arena, installed = None, False
         try:
-            arena = Arena.create(naming.arena_path(core.cfg.job, core.node, rank, "rebuild", step), nbytes,
+            arena = Arena.create(naming.arena_path(self.cfg.job, self.node, rank, "rebuild", step), nbytes,
                                  prefault=False)
-            stats = gather(core, src, arena.view(0, nbytes))
-            with core.lock:
-                v = slots.versions.get(step)
-                if slots.newer_than(step) or (v is not None and v.state != "committed"):
+            stats = gather(self, src, arena.view(0, nbytes))
+            with self.lock:
+                v = versions.get(step)
+                if versions.newer_than(step) or (v is not None and versions.committed_version(step) is None):
                     return False
                 if v is None:
-                    free = slots.free_slots()
+                    free = versions.free_slots()
                     if not free:
                         return False
-                    v = slots.versions[step] = Version(step, free[0], state="committed", gen=core.gen)
+                    v = versions.rebuilt(step, free[0], self.gen())
                 slots.install(rank, v.slot, arena)
                 installed = True
-                v.sizes[rank], v.manifests[rank] = nbytes, manifest
+                versions.add_copy(v, rank, nbytes, manifest)
         finally:
             if not installed:  # refused, failed, or not created at all: give the memory back
                 if arena is not None:
                     arena.close(unlink=True)
-                core.budget.release(nbytes)
-        core.counters["repaired_chunks"] += stats.get("repaired", 0)
+                self.budget.release(nbytes)
+        self.counters["repaired_chunks"] += stats.get("repaired", 0)
         return True
 
     # --- a lost holder's shards -----------------------------------------------------------------------
@@ -183,17 +194,16 @@ class Repair:
         and hold it here, with the owner's manifests (read from another holder)."""
         from memsnap.restore import rebuild_shard
 
-        core = self.core
         ready = NodeReady.from_wire(info)
-        n = rebuild_shard(core, step, k, m, ready, addrs, shard)
+        n = rebuild_shard(self, step, k, m, ready, addrs, shard)
         manifests: dict = {}
         for node in ready.holders:
-            handle = core.dir.agent(node) if node != core.node else None
+            handle = self.agent(node) if node != self.node else None
             if handle is not None and not manifests:
                 try:
                     manifests = ray.get(handle.held_manifests.remote(step, ready.node), timeout=tunable("call_timeout_s"))
                 except Exception as exc:
                     log.info("no manifests of %s at %s: %s", ready.node[:12], node[:12], exc)
-        holders = ready.holders[:shard] + (core.node,) + ready.holders[shard + 1:]
+        holders = ready.holders[:shard] + (self.node,) + ready.holders[shard + 1:]
         self.hold_manifests(step, ready.node, replace(ready, holders=holders).to_wire(), manifests)
         return n

@@ -155,7 +155,8 @@ def _padded(buf, chunk: int) -> memoryview:
 def rebuild_shard(core, step: int, k: int, m: int, info: NodeReady, addrs: dict, shard: int,
                   batch: int = 64) -> int:
     """Recreate shard ``shard`` of every stripe of owner ``info.node`` from its other holders
-    (at ``addrs``) and hold it here: re-protection on a new holder."""
+    (at ``addrs``) and hold it here: re-protection on a new holder. ``core`` needs ``node``,
+    ``store``, ``transport`` and ``codec`` (the agent's ``repair.Repair``)."""
     owner, chunk, total, holders = info.node, info.chunk, info.stripes(k), info.holders
     sources = [j for j in range(k + m) if j != shard and holders[j] != core.node]
     n = 0

@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import xxhash
@@ -22,7 +23,7 @@ from memsnap.config import tunable
 from memsnap.errors import CommitError
 from memsnap.manifest import Manifest
 from memsnap.records import NodeReady, Region
-from memsnap.slots import Version
+from memsnap.versions import Version
 
 log = logging.getLogger("memsnap.agent")
 
@@ -45,10 +46,25 @@ class Throughput:
 
 
 class Sender:
-    """``core``: the node's ``AgentCore`` (its lock, slots, transport, codec, coordinator)."""
+    """One snapshot of the node out at a time. What it uses, and nothing else:
 
-    def __init__(self, core):
-        self.core = core
+    - ``node``, ``cfg``: this node and the job's configuration;
+    - ``lock``: the agent's lock, under which ``versions`` (the version table: a version goes
+      queued -> sending -> ready, or failed) and ``infos`` (this node's ``NodeReady`` by
+      step, written once a send is acknowledged) change;
+    - ``slots``: the arenas the ranks captured into (read), whose pages it gives back when
+      the slot policy says so (``Slots.release``);
+    - ``transport``, ``codec``: the data plane and the Reed-Solomon code (None when m=0);
+      ``budget``: charged for the parity scratch; ``counters``: ``pushed_bytes``;
+    - ``call(method, *args)`` and ``tell(method, *args)``: the coordinator, waited for, or
+      logged when it fails; ``call_all(nodes, method, *args, timeout)``: the holders' agents;
+    - ``world()``: the job's world size as this node knows it (None before it joined)."""
+
+    def __init__(self, *, node: str, cfg, lock, versions, slots, transport, codec, budget, counters: dict,
+                 infos: dict, call: Callable, tell: Callable, call_all: Callable, world: Callable[[], int | None]):
+        self.node, self.cfg, self.agent_lock, self.versions, self.slots = node, cfg, lock, versions, slots
+        self.transport, self.codec, self.budget, self.counters, self.infos = transport, codec, budget, counters, infos
+        self.call, self.tell, self.call_all, self.world = call, tell, call_all, world
         self.lock = threading.Lock()  # one snapshot is encoded and sent at a time
         self.parity: OwnedBuffer | None = None
         self.layout: dict | None = None  # this node's holders and addresses, until the placement changes
@@ -56,54 +72,51 @@ class Sender:
 
     def send(self, v: Version, local_ranks: list[int]) -> None:
         """Send ``v`` (queued: every local rank captured) and report it; never raises."""
-        core = self.core
         try:
             with self.lock:
-                with core.lock:
-                    if v.state != "queued":
+                with self.agent_lock:
+                    if not self.versions.sending(v):
                         return  # replaced by a newer capture while it waited
-                    v.state = "sending"
                 t = time.monotonic()
                 info = self._encode_and_push(v, local_ranks)
                 self.throughput.add(sum(v.sizes[r] for r in local_ranks), time.monotonic() - t)
-                metrics.sent(core.cfg.job, core.node, time.monotonic() - t)
+                metrics.sent(self.cfg.job, self.node, time.monotonic() - t)
         except Exception as exc:  # reported, never raised into the pool
-            log.warning("node %s: step %d not sent: %s", core.node[:12], v.step, exc)
-            with core.lock:
-                core.slots.fail(v, f"{type(exc).__name__}: {exc}")
+            log.warning("node %s: step %d not sent: %s", self.node[:12], v.step, exc)
+            with self.agent_lock:
+                self.versions.failed(v, f"{type(exc).__name__}: {exc}")
                 self.layout = None  # a holder may be gone: ask for the layout again
-            core.tell("node_failed", v.step, core.node, v.error)
+            self.tell("node_failed", v.step, self.node, v.error)
             return
-        with core.lock:
-            if v.state != "sending":
-                return
-            v.state = "ready"
-            core.infos[v.step] = info
-            if not core.cfg.local_copy and core.cfg.spill is None:
-                core.slots.release(v)
-        core.call("node_ready", info.to_wire())
+        with self.agent_lock:
+            if not self.versions.sent(v):
+                return  # given up while it was sent
+            self.infos[v.step] = info
+            if self.versions.policy.releases_when_sent:
+                self.slots.release(v)
+        self.call("node_ready", info.to_wire())
 
     def _layout(self) -> dict:
         layout = self.layout
         if layout is None:
-            layout = self.layout = self.core.call("node_layout", self.core.node)
+            layout = self.layout = self.call("node_layout", self.node)
         return layout
 
     def _encode_and_push(self, v: Version, local_ranks: list[int]) -> NodeReady:
-        core, cfg = self.core, self.core.cfg
+        cfg = self.cfg
         layout = self._layout()
         sizes = {r: v.sizes[r] for r in local_ranks}
         chunk = cfg.chunk or _choose_chunk(max(sizes.values(), default=0), cfg.k)
         regs = encode.regions(sizes, cfg.k, chunk)
         encs, digest = [], xxhash.xxh3_64()
         for reg in regs:
-            data = core.slots.arenas[(reg.rank, v.slot)].view(0, reg.nbytes)
+            data = self.slots.arenas[(reg.rank, v.slot)].view(0, reg.nbytes)
             man = fill_checksums(Manifest.from_json(v.manifests[reg.rank]), data)
-            v.manifests[reg.rank] = man.to_json().decode()
+            self.versions.checksummed(v, reg.rank, man.to_json().decode())
             digest.update(v.manifests[reg.rank].encode())
             encs.append(encode.Encoded(reg, data))
-        info = NodeReady(v.step, core.node, v.gen, chunk, tuple(Region(r.rank, r.nbytes, r.stripe_base) for r in regs),
-                         tuple(layout["holders"]), digest.hexdigest(), core.world or 0)
+        info = NodeReady(v.step, self.node, v.gen, chunk, tuple(Region(r.rank, r.nbytes, r.stripe_base) for r in regs),
+                         tuple(layout["holders"]), digest.hexdigest(), self.world() or 0)
         if layout["holders"]:  # without peers the local copy (and the spill) is all there is
             self._push_all(v.step, encs, layout["addrs"], chunk)
             self._hand_manifests(info, {r: v.manifests[r] for r in local_ranks})
@@ -112,8 +125,8 @@ class Sender:
     def _hand_manifests(self, info: NodeReady, manifests: dict[int, str]) -> None:
         """The ranks' manifests go to every holder with the chunks (a restore on another node
         reads them there); a holder that does not take them fails the step like a lost push."""
-        got = self.core.dir.call_all(info.holders, "hold_manifests", info.step, self.core.node, info.to_wire(),
-                                     manifests, timeout=tunable("call_timeout_s"))
+        got = self.call_all(info.holders, "hold_manifests", info.step, self.node, info.to_wire(),
+                            manifests, timeout=tunable("call_timeout_s"))
         missing = sorted(set(info.holders) - set(got))
         if missing:
             raise CommitError(f"step {info.step}: holders {[h[:12] for h in missing]} did not take the manifests")
@@ -122,18 +135,17 @@ class Sender:
         """Data shards stream to their holders straight from the arenas while parity is encoded
         a batch of stripes at a time into two halves of a small scratch buffer: a half is
         reused once the pushes of the batch it held are acknowledged."""
-        core = self.core
-        k, m = core.cfg.k, core.cfg.m
+        k, m = self.cfg.k, self.cfg.m
         timeout = tunable("push_timeout_s")
 
         def push(j: int, items: list) -> None:
-            core.transport.push(addrs[j], items, timeout=timeout)
-            core.counters["pushed_bytes"] += sum(len(mv) for _, mv in items)
+            self.transport.push(addrs[j], items, timeout=timeout)
+            self.counters["pushed_bytes"] += sum(len(mv) for _, mv in items)
 
         total = sum(enc.lay.stripes for enc in encs)
         per = max(1, min(total, int(tunable("parity_window")) // max(1, m * chunk)))
         with ThreadPoolExecutor(max_workers=k + 2 * m) as ex:
-            futures = [ex.submit(push, j, [it for enc in encs for it in enc.items(step, core.node, j)])
+            futures = [ex.submit(push, j, [it for enc in encs for it in enc.items(step, self.node, j)])
                        for j in range(k)]
             if m:
                 scratch = self._parity(min(2, -(-total // per)) * per * m * chunk)
@@ -143,8 +155,8 @@ class Sender:
                         fut.result()  # raises at once if a push of this half failed
                     half = scratch.view((b % 2) * per * m * chunk, len(members) * m * chunk)
                     batch = encode.ParityBatch(members, m, chunk, half)
-                    batch.encode(core.codec)
-                    halves[b % 2] = [ex.submit(push, j, batch.items(step, core.node, j)) for j in range(k, k + m)]
+                    batch.encode(self.codec)
+                    halves[b % 2] = [ex.submit(push, j, batch.items(step, self.node, j)) for j in range(k, k + m)]
                 futures += halves[0] + halves[1]
             for fut in futures:
                 fut.result()
@@ -154,7 +166,7 @@ class Sender:
         if self.parity is None or self.parity.nbytes < nbytes:
             if self.parity is not None:
                 self.parity.free()
-            self.parity = OwnedBuffer(self.core.budget, nbytes, "the parity scratch buffer")
+            self.parity = OwnedBuffer(self.budget, nbytes, "the parity scratch buffer")
         return self.parity
 
     def parity_bytes(self) -> int:

@@ -1,10 +1,9 @@
-"""A node's arena slots and the versions in them: which step's bytes sit in which slot, in
-which state, and which version gives way when every slot is taken (newest wins).
+"""A node's arena slots: the arenas each rank captures into, made, reused and given back.
 
-A version's life: capturing -> queued (every local rank captured, waiting for the sender)
--> sending -> ready (every chunk acknowledged) -> committed, or failed / superseded. Each
-rank has ``cfg.slots`` arenas (``keep`` committed versions plus the one being captured; lean
-mode: one staging arena, and with a spill a second one for a step held until written).
+Each rank has ``cfg.slots`` arenas (``keep`` committed versions plus the one being captured;
+lean mode: one staging arena, and with a spill a second one for a step held until written).
+Which step's bytes sit in which slot, in which state, is the version table's
+(``versions.Versions``); a slot is free when no version holds it.
 """
 from __future__ import annotations
 
@@ -12,101 +11,50 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from memsnap import naming
 from memsnap.arena import Arena, MemoryBudget
 from memsnap.config import SnapshotConfig
 from memsnap.errors import MemoryBudgetError
+from memsnap.versions import IN_FLIGHT, LIVE, State, Version, Versions  # noqa: F401 (re-exported)
 
 log = logging.getLogger("memsnap.agent")
 
-IN_FLIGHT = ("capturing", "queued", "sending", "ready")  # taken here, its commit not yet heard
-LIVE = IN_FLIGHT + ("committed", "restoring")
-
-
-@dataclass
-class Version:
-    """One step's bytes on this node: which slot, which ranks, how far it got."""
-
-    step: int
-    slot: int
-    state: str = "capturing"  # capturing -> queued -> sending -> ready -> committed | failed
-    sizes: dict[int, int] = field(default_factory=dict)         # rank -> nbytes
-    manifests: dict[int, str] = field(default_factory=dict)     # rank -> manifest JSON
-    error: str | None = None
-    gen: int = 0  # the restore generation it was taken in (see ``AgentCore.resume``)
-
 
 class Slots:
-    """The version table and the arenas behind it. Every method is called under ``lock``
-    (shared with the agent), except ``prepare``, which takes it itself.
+    """The arenas behind the version table. Every method is called under ``lock`` (shared
+    with the agent), except ``prepare``, which takes it itself.
 
-    ``pinned(step)``: the spill thread is writing ``step`` (it may not be freed).
-    ``replaced(v, was, step)``: ``v`` gave its slot to ``step`` (``was``: how far it had got)."""
+    ``pinned(step)``: the spill thread is writing ``step`` (it may not be freed)."""
 
     def __init__(self, cfg: SnapshotConfig, node: str, budget: MemoryBudget, lock: threading.RLock,
-                 counters: dict, pinned: Callable[[int], bool], replaced: Callable[[Version, str, int], None]):
-        self.cfg, self.node, self.budget, self.lock, self.counters = cfg, node, budget, lock, counters
-        self.pinned, self.replaced = pinned, replaced
-        self.versions: dict[int, Version] = {}
+                 versions: Versions, pinned: Callable[[int], bool]):
+        self.cfg, self.node, self.budget, self.lock = cfg, node, budget, lock
+        self.versions, self.pinned = versions, pinned
         self.arenas: dict[tuple[int, int], Arena] = {}
         self.prepared: dict[int, Arena] = {}  # rank -> a touched arena its peer restore will fill
         self.preparing: dict[int, threading.Event] = {}
         self.making: dict[int, threading.Event] = {}  # rank -> set when the slot being made ahead is in
 
-    # --- which slot ----------------------------------------------------------------------------
+    # --- which slot (the version table decides) --------------------------------------------------
     def free_slot(self, step: int) -> int | None:
-        """A slot for ``step``, or None when the pipeline is busy (the save is skipped, not
-        failed). Under pressure the newest capture wins: it takes the slot of an older one
-        that has not started sending (never of one already sent: see below)."""
-        self._supersede()
-        free = self.free_slots()
-        committed = sorted(s for s, v in self.versions.items() if v.state == "committed")
-        if not free and len(committed) >= 2 and not self.pinned(committed[0]):
-            self.versions.pop(committed[0])  # a newer committed version stays whole
-            free = self.free_slots()
-        # A sent version ("ready": every chunk acknowledged, its commit on the way) never gives
-        # way: it is one notice from committing on every node, and a node that replaced it
-        # alone would make it fail everywhere; under steady pressure every node doing so in
-        # turn would let no step commit at all. The newer capture is skipped instead.
-        for state in ("queued", "capturing"):
-            if free:
-                break
-            older = sorted(s for s, v in self.versions.items() if v.state == state and s < step)
-            if older:
-                self._replace(self.versions[older[0]], step)
-                free = self.free_slots()
-        return free[0] if free else None
-
-    def _replace(self, v: Version, step: int) -> None:
-        was = {"queued": "not yet sent", "ready": "sent, not yet committed"}.get(v.state, "still capturing")
-        v.state, v.error = "superseded", f"replaced by step {step}"
-        self.versions.pop(v.step)
-        self.replaced(v, was, step)
-
-    def _supersede(self) -> None:
-        """Free committed versions beyond ``keep`` and forget failed ones."""
-        committed = sorted(s for s, v in self.versions.items() if v.state == "committed")
-        for s in committed[:-self.cfg.keep] if len(committed) > self.cfg.keep else []:
-            if not self.pinned(s):
-                self.versions.pop(s)
-        for s in [s for s, v in self.versions.items() if v.state == "failed"]:
-            self.versions.pop(s)
+        """A slot for ``step``, or None when the pipeline is busy (``Versions.free_slot``)."""
+        return self.versions.free_slot(step, self.pinned)
 
     def free_slots(self) -> list[int]:
-        """Lean mode: a slot is free again once its chunks are acknowledged ("ready"), or, with
-        a spill, once its commit arrives and no spill is due (else once it is spilled)."""
-        # lean mode: a committed version is still here only while it waits for its spill; with a
-        # spill, a sent ("ready") version keeps its slot until its commit says whether it is due
-        # (the commit reaches this agent after the coordinator has answered the ranks' wait)
-        live = LIVE if self.cfg.local_copy else ("capturing", "queued", "sending", "restoring", "committed") + (
-            ("ready",) if self.cfg.spill is not None else ())
-        used = {v.slot for v in self.versions.values() if v.state in live}
-        return [s for s in range(self.cfg.slots) if s not in used]
+        return self.versions.free_slots()
 
     def busy(self) -> list[tuple[int, str]]:
-        return sorted((v.step, v.state) for v in self.versions.values() if v.state in LIVE)
+        return self.versions.busy()
+
+    def clear_for_restore(self, step: int) -> None:
+        self.versions.clear_for_restore(step)
+
+    def holds(self, step: int, rank: int) -> bool:
+        return self.versions.holds(step, rank)
+
+    def newer_than(self, step: int) -> bool:
+        return self.versions.newer_than(step)
 
     # --- the arenas ------------------------------------------------------------------------------
     def arena(self, rank: int, slot: int, nbytes: int, prefault: bool = True) -> Arena:
@@ -249,16 +197,14 @@ class Slots:
             ready.close(unlink=True)
             self.budget.release(ready.nbytes)
             count, nbytes = count + 1, nbytes + ready.nbytes
-        for v in self.versions.values():
-            v.sizes.pop(rank, None)
-            v.manifests.pop(rank, None)
+        self.versions.forget_rank(rank)
         return count, nbytes
 
     def release(self, v: Version) -> None:
         """Lean mode: ``v``'s bytes are held by its peers (and spilled if that was due), so its
         arenas give their pages back until the next capture (RAM at rest: S(k+m)/k, not
         S(k+m)/k + S). Not when a newer version took the slot meanwhile."""
-        if any(o is not v and o.slot == v.slot and o.state in LIVE for o in self.versions.values()):
+        if self.versions.shares_slot(v):
             return
         for (_rank, slot), arena in self.arenas.items():
             if slot == v.slot:
@@ -269,35 +215,3 @@ class Slots:
             arena.close(unlink=True)
         self.arenas.clear()
         self.prepared.clear()
-
-    # --- states ----------------------------------------------------------------------------------
-    def fail(self, v: Version, why: str) -> None:
-        if v.state in ("failed", "committed", "freed"):
-            return
-        v.state, v.error = "failed", why
-        self.counters["failed_snapshots"] += 1
-
-    def drop_if_lean(self, v: Version, release: bool = True) -> None:
-        """Lean mode: a committed version is not kept as a local copy; its slot is free (and,
-        with ``release``, its pages go back to the kernel)."""
-        if not self.cfg.local_copy and self.versions.get(v.step) is v:
-            self.versions.pop(v.step)
-            if release:
-                self.release(v)
-
-    def clear_for_restore(self, step: int) -> None:
-        """Lean mode: the one slot may hold a step that was never committed here (the job
-        resumes from ``step``, so it is dropped anyway); give it up so ``step`` can use it."""
-        if self.cfg.local_copy:
-            return
-        for v in [v for v in self.versions.values() if (v.step, v.state) != (step, "restoring")]:
-            self.fail(v, f"the job restores step {step}")
-            self.versions.pop(v.step)
-
-    def holds(self, step: int, rank: int) -> bool:
-        """Whether ``rank``'s committed bytes of ``step`` are here."""
-        v = self.versions.get(step)
-        return v is not None and v.state == "committed" and rank in v.manifests
-
-    def newer_than(self, step: int) -> bool:
-        return any(s > step for s in self.versions)

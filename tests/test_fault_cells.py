@@ -18,7 +18,6 @@ from memsnap.config import SnapshotConfig
 from memsnap.coordinator import CoordinatorCore, rebuild_state
 from memsnap.localcluster import wait_for
 from memsnap.records import NodeReady, Region
-from memsnap.slots import Version
 from memsnap.storage import Store
 
 SECRET = b"c" * 32
@@ -68,7 +67,9 @@ def sent(cores, step: int) -> list[dict]:
     for i, (node, core) in enumerate(cores.items()):
         holders = tuple(NODES[(i + 1 + j) % 4] for j in range(3))
         info = NodeReady(step, node, 0, 4096, (Region(i, 4096, 0),), holders)
-        core.versions[step] = Version(step, 0, "ready", {i: 4096}, {i: "{}"})
+        v = core.versions.begin(step, 0)  # captured, sent, every chunk acknowledged: ready
+        core.versions.add_rank(v, i, 4096)
+        assert core.versions.captured(v, i, "{}", [i]) and core.versions.sending(v) and core.versions.sent(v)
         core.infos[step] = info
         core.ranks.add(i)
         reports.append(info.to_wire())

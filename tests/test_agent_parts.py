@@ -1,0 +1,156 @@
+"""The agent's sender and repair built from the few parts they use, without an AgentCore or
+Ray: a real version table and real arenas, a scripted coordinator and transport."""
+from __future__ import annotations
+
+import threading
+import uuid
+
+import pytest
+import torch
+
+from memsnap.agent import codec_for
+from memsnap.arena import MemoryBudget
+from memsnap.capture import capture
+from memsnap.config import SnapshotConfig
+from memsnap.manifest import Manifest
+from memsnap.records import NodeReady, RankSource, Region
+from memsnap.repair import Repair
+from memsnap.sender import Sender
+from memsnap.slots import Slots
+from memsnap.transport.base import ChunkKey
+from memsnap.versions import COMMITTED, FAILED, READY, SlotPolicy, Versions
+
+NODE = "a" * 56
+HOLDERS = ("h0", "h1", "h2")
+
+
+class Parts:
+    """A node's version table and arenas, as an AgentCore composes them."""
+
+    def __init__(self, local_copy: bool):
+        self.cfg = SnapshotConfig(f"parts-{uuid.uuid4().hex[:8]}", k=2, m=1, keep=2, memory_budget=1 << 22,
+                                  local_copy=local_copy)
+        self.lock, self.counters = threading.RLock(), {"pushed_bytes": 0, "repaired_chunks": 0}
+        self.budget = MemoryBudget(self.cfg.memory_budget, NODE)
+        self.versions = Versions(SlotPolicy.of(self.cfg), self.cfg.slots, self.cfg.keep, self.counters)
+        self.slots = Slots(self.cfg, NODE, self.budget, self.lock, self.versions, lambda s: False)
+        self.infos: dict = {}
+        self.called, self.told, self.pushed = [], [], {}
+        self.push_error: Exception | None = None
+
+    def call(self, method, *args):
+        self.called.append((method, *args))
+        if method == "node_layout":
+            return {"holders": list(HOLDERS), "addrs": [{"j": j} for j in range(3)], "epoch": 1}
+        return None
+
+    def push(self, addr, items, timeout):
+        if self.push_error is not None:
+            raise self.push_error
+        self.pushed.setdefault(addr["j"], []).extend(key for key, _ in items)
+
+    def sender(self) -> Sender:
+        transport = type("Transport", (), {"push": staticmethod(self.push)})()
+        return Sender(node=NODE, cfg=self.cfg, lock=self.lock, versions=self.versions, slots=self.slots,
+                      transport=transport, codec=codec_for(2, 1), budget=self.budget, counters=self.counters,
+                      infos=self.infos, call=self.call, tell=lambda *a: self.told.append(a),
+                      call_all=lambda nodes, method, *a, timeout: {n: None for n in nodes}, world=lambda: 4)
+
+    def repair(self) -> Repair:
+        return Repair(node=NODE, cfg=self.cfg, lock=self.lock, versions=self.versions, slots=self.slots,
+                      infos=self.infos, store=None, transport=None, codec=None, budget=self.budget,
+                      counters=self.counters, agent=lambda node: None, gen=lambda: 3)
+
+    def queued(self, step: int):
+        """Rank 0 captured a small state into a slot for ``step``: its version is queued."""
+        man, raw = capture({"w": torch.arange(1024, dtype=torch.float32)}, rng=False)
+        v = self.versions.begin(step, self.slots.free_slot(step))
+        self.slots.arena(0, v.slot, man.nbytes).view(0, man.nbytes)[:] = raw
+        self.versions.add_rank(v, 0, man.nbytes)
+        assert self.versions.captured(v, 0, man.to_json().decode(), [0])
+        return v, man
+
+
+@pytest.fixture(params=[True, False], ids=["local", "lean"])
+def parts(request):
+    p = Parts(local_copy=request.param)
+    yield p
+    p.slots.close_all()
+
+
+def test_a_queued_version_is_sent_to_every_holder_and_reported(parts):
+    v, man = parts.queued(1)
+    parts.sender().send(v, [0])
+    assert v.state is READY and parts.infos[1].holders == HOLDERS and parts.infos[1].world == 4
+    assert parts.called == [("node_layout", NODE), ("node_ready", parts.infos[1].to_wire())]
+    assert sorted(parts.pushed) == [0, 1, 2] and parts.counters["pushed_bytes"] >= man.nbytes * 3 // 2
+    assert all(key.step == 1 and key.owner == NODE and key.shard == j for j, keys in parts.pushed.items()
+               for key in keys)
+    assert Manifest.from_json(v.manifests[0]).to_json() != man.to_json()  # its checksums are filled
+    # lean mode without a spill: the arena gives its pages back once every chunk is acknowledged
+    assert parts.slots.arenas[(0, v.slot)].resident is parts.cfg.local_copy
+
+
+def test_a_send_that_fails_fails_the_version_tells_the_coordinator_and_forgets_the_layout(parts):
+    v, _ = parts.queued(1)
+    sender = parts.sender()
+    parts.push_error = ConnectionError("holder h1 is gone")
+    sender.send(v, [0])
+    assert v.state is FAILED and parts.counters["failed_snapshots"] == 1 and sender.layout is None
+    assert parts.told == [("node_failed", 1, NODE, "ConnectionError: holder h1 is gone")]
+    assert [c[0] for c in parts.called] == ["node_layout"] and 1 not in parts.infos
+
+
+def test_a_version_replaced_while_it_waited_is_not_sent(parts):
+    v, _ = parts.queued(1)
+    step = 1
+    while v.state == "queued":  # newer captures take the free slots, then the queued one's
+        step += 1
+        parts.versions.begin(step, parts.versions.free_slot(step, lambda s: False))
+    assert v.state == "superseded" and 1 not in parts.versions
+    parts.sender().send(v, [0])
+    assert parts.called == [] and parts.pushed == {} and parts.told == []
+
+
+def _gather(fill: bytes):
+    def gather(peers, src, out):
+        assert peers.transport is None and peers.codec is None  # the repair's own data plane
+        out[:] = fill * (len(out) // len(fill))
+        return {"repaired": 2}
+    return gather
+
+
+def source(step: int) -> RankSource:
+    return RankSource(step, 2, 1, "n0", 2048, Region(0, 4096, 0), HOLDERS, (None,) * 3)
+
+
+def test_a_recovered_rank_is_committed_here_and_a_lean_node_frees_the_slot_at_once(parts, monkeypatch):
+    import memsnap.restore
+
+    repair = parts.repair()
+    repair.hold_manifests(7, "n0", NodeReady(7, "n0", 0, 2048, (Region(0, 4096, 0),), HOLDERS).to_wire(), {0: "{}"})
+    monkeypatch.setattr(memsnap.restore, "gather", _gather(b"r"))
+    got = repair.recover(7, 0, source(7))
+    assert got["manifest"] == "{}" and got["nbytes"] == 4096 and parts.counters["repaired_chunks"] == 2
+    with open(got["path"], "rb") as f:
+        assert f.read(4096) == b"r" * 4096  # (lean mode too: the rank reads the arena now)
+    if parts.cfg.local_copy:
+        assert parts.versions.holds(7, 0) and repair.manifest_for(7, 0, source(7)) == "{}"
+        parts.infos[7] = NodeReady(7, NODE, 0, 2048, (Region(0, 4096, 0),), HOLDERS)
+        view, _ = repair.serve_own(ChunkKey(7, NODE, 0, 1))  # this node's own copy serves a rank that moved
+        assert bytes(view) == b"r" * 2048
+    else:
+        assert parts.versions == {} and parts.versions.free_slots() == [0]
+
+
+def test_a_rebuilt_local_copy_comes_in_committed_in_the_current_generation(parts, monkeypatch):
+    import memsnap.restore
+
+    repair = parts.repair()
+    repair.hold_manifests(8, "n0", NodeReady(8, "n0", 0, 2048, (Region(0, 4096, 0),), HOLDERS).to_wire(), {0: "m"})
+    monkeypatch.setattr(memsnap.restore, "gather", _gather(b"b"))
+    assert repair.rebuild_local(8, 0, source(8)) is True
+    v = parts.versions[8]
+    assert v.state is COMMITTED and v.gen == 3 and parts.versions.holds(8, 0) and v.manifests == {0: "m"}
+    assert repair.rebuild_local(8, 0, source(8)) is False  # already held
+    assert parts.budget.used == 4096
