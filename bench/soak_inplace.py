@@ -84,12 +84,27 @@ def main() -> None:
     a = ap.parse_args()
     os.environ["SOAK_STATE_MB"] = str(a.state_mb)
 
+
+    job = f"soak-inplace-{uuid.uuid4().hex[:6]}"
+    samples: list[dict] = []
+    splits: list[dict] = []
+    t0 = time.time()
+    try:
+        soak(a, job, samples, splits)
+        stopped = None
+    except Exception as exc:  # the report still says what was measured, and why it stopped
+        stopped = f"{type(exc).__name__}: {exc}"[:400]
+        print("the soak stopped early:", stopped, flush=True)
+    if samples:
+        report(a, samples, splits, time.time() - t0, stopped)
+    if stopped:
+        sys.exit(1)
+
+
+def soak(a, job: str, samples: list[dict], splits: list[dict]) -> None:
     import memsnap
     from memsnap.inplace import InplaceJob
 
-    job = f"soak-inplace-{uuid.uuid4().hex[:6]}"
-    samples, splits = [], []
-    t0 = time.time()
     with LocalCluster(nodes=5) as lc:
         nodes = [n.node_id for n in lc.nodes]
         j = InplaceJob(job, setup, train, rank_nodes=nodes[1:4], standby_nodes=[nodes[4]],
@@ -135,10 +150,9 @@ def main() -> None:
                 j.store.set("soak/stop", "1")
             runner.join(timeout=120)
             memsnap.shutdown(job, timeout=30)
-    report(a, samples, splits, time.time() - t0)
 
 
-def report(a, samples, splits, wall_s) -> None:
+def report(a, samples, splits, wall_s, stopped: str | None = None) -> None:
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     first, last = samples[min(1, len(samples) - 1)], samples[-1]
@@ -154,6 +168,8 @@ def report(a, samples, splits, wall_s) -> None:
         f"on a 2-core machine, {wall_s / 60:.1f} min. Rank 0's process (pid {last['pid']}) went through every "
         f"recovery in place; a rank 1 or 2 process was SIGKILLed each round and a standby took its rank.",
         "",
+        *([f"**The soak stopped after {len(samples)} of {a.recoveries} recoveries**: {stopped}", ""]
+          if stopped else []),
         "| after recovery | survivor RSS (MiB) | threads | fds | /dev/shm files | store keys |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
