@@ -136,6 +136,9 @@ class Coordinator:
     async def recovered(self, record: dict) -> None:
         self.core.recovered(record)
 
+    async def spare_joined(self, node: str, address: dict) -> bool:
+        return await self.pool.run(self.core.spare_joined, node, address)  # (asks the spares' agents)
+
     async def node_lost(self, node: str, why: str) -> bool:
         fenced = await self.pool.run(self.core.node_lost, node, why)
         if fenced:  # the node's agent stops serving and committing, even if it was only paused

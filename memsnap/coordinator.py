@@ -107,6 +107,22 @@ class CoordinatorCore:
                 self.reprotect.kick()
         return True
 
+    def spare_joined(self, node: str, address: dict) -> bool:
+        """A spare agent started on ``node`` after the placement (``start_spare``): the job is
+        placed anew with it (``Membership.add_spare``). True when the placement changed."""
+        with self.lock:
+            if node in self.fenced:
+                return False
+            changed = self.membership.add_spare(node, address)
+            if changed:
+                self.changed()
+        if changed:
+            log.info("job %r: spare node %s joins the placement", self.cfg.job, node[:12])
+            self.broadcast("layout_changed")
+            if self.log.records:
+                self.reprotect.kick()
+        return changed
+
     def find_spares(self, busy: set[str]) -> dict[str, dict]:
         """``{node: address}`` of the job's agents on live nodes that run no rank (spares)."""
         spare = sorted(self._alive() - busy)

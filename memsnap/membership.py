@@ -118,6 +118,19 @@ class Membership:
             return True
         return False
 
+    def add_spare(self, node: str, address: dict) -> bool:
+        """A spare agent started on ``node`` after the job was placed (a warm standby's node, a
+        node added to the cluster): the job is placed anew with it, so that a rank it takes over
+        later joins a placed node (not only in a dead node's slot) and pieces can go to it now.
+        True when the placement changed."""
+        if not self.peered or self.placement is None or node in self.placement.holders or node in self.by_node() \
+                or node not in self.alive():
+            return False
+        self.addrs[node] = address
+        epoch = self.epoch
+        self.maybe_place()
+        return self.epoch != epoch
+
     def maybe_place(self) -> None:
         if len(self.members) < self.world:
             return

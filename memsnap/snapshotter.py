@@ -601,7 +601,12 @@ def start_spare(job: str, node_id: str, **options: Any):
     cfg = job_config(job, resolve(groups, options))
     job_secret(job)  # made now if no rank made it yet: the agent reads it from Ray's key-value store
     handle = actors.agent_for(cfg, node_id)
-    _get(handle.address.remote())
+    address = _get(handle.address.remote())
+    try:  # a job already placed takes the spare in now (a standby's node, a node added later)
+        coordinator = ray.get_actor(naming.coordinator(job), namespace=naming.NAMESPACE)
+    except ValueError:
+        return handle  # no coordinator yet: the first placement finds the spare itself
+    _get(coordinator.spare_joined.remote(node_id, address))
     return handle
 
 

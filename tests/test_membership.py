@@ -143,3 +143,24 @@ def test_an_elastic_restart_needs_every_holder_of_another_run_gone():
     assert core.world == 4 and len(core.membership.members) == 4  # not resized
     got = core.join("a", {"port": 1}, [0, 1], 2, {0: claim("r", "y0"), 1: claim("r", "y1")})
     assert got["refused"] == {} and core.world == 2 and core.membership.members == {0: "a", 1: "a"}
+
+
+def test_a_spare_started_after_the_placement_joins_it_and_can_take_a_rank_over():
+    """A warm standby's node gets its agent once the job runs (the first standby was used up, a
+    rank's process died on a healthy node): its spare agent joins the placement then, and a
+    rank it takes over later joins a placed node. Before, that join needed a dead placed node
+    and was refused."""
+    nodes = {"a", "b", "c", "d", "late"}
+    core = coordinator({"a": 1, "b": 1, "c": 1}, spares=["d"], k=1, m=1)
+    core.membership.alive = lambda: set(nodes)
+    assert "late" not in core.membership.placement.holders
+    with pytest.raises(CommitError, match="no placed node was lost"):
+        coordinator({"a": 1, "b": 1, "c": 1}, spares=["d"], k=1, m=1).join("late", {"port": 1}, [1])
+    epoch = core.membership.epoch
+    assert core.spare_joined("late", {"port": 2}) is True
+    assert "late" in core.membership.placement.holders and core.membership.epoch == epoch + 1
+    assert core.spare_joined("late", {"port": 2}) is False  # placed already: nothing changes
+    core.join("late", {"port": 2}, [1])  # rank 1's process died on b; the standby on "late" takes it
+    assert core.answer("late")["ranks"] == [1] and core.answer("late")["layout"]["holders"]
+    core.node_lost("d", "its heartbeats stopped")
+    assert core.spare_joined("d", {"port": 1}) is False  # a fenced node never comes back as a spare

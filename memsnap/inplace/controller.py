@@ -260,7 +260,7 @@ class InplaceJob:
                 try:
                     out = ray.get(ref)
                 except Exception as exc:
-                    lost[rank] = f"its process ended ({type(exc).__name__})"
+                    lost[rank] = f"its process ended ({_why(exc)})"
                     continue
                 if out.get("outcome") == "finished":
                     results[rank] = out.get("result")
@@ -487,3 +487,9 @@ class InplaceJob:
                 ray.kill(s.actor, no_restart=True)
             except Exception:
                 pass
+
+
+def _why(exc: BaseException) -> str:
+    """A member's end in one line: the error's type and its last line (a task error's cause)."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[-1][:300]}" if lines else type(exc).__name__
