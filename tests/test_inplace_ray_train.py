@@ -1,6 +1,7 @@
 """In-place recovery under Ray Train: a ``TorchTrainer`` with ``InplaceTorchConfig`` loses one
-worker's process; Ray Train replaces only that worker, the survivors keep their processes and
-roll back from their own node's RAM, and training goes on bitwise as if nothing was lost."""
+worker (its process, or its whole node); Ray Train replaces only that worker, the survivors
+keep their processes and roll back from their own node's RAM, and training goes on bitwise as
+if nothing was lost."""
 from __future__ import annotations
 
 import json
@@ -22,7 +23,9 @@ STEPS = 40
 
 @pytest.fixture(scope="module")
 def cluster():
-    with LocalCluster(nodes=4) as lc:  # the head (driver, Ray Train's controller) and three for workers
+    # the head (the driver, Ray Train's controller, memsnap's coordinator) and three more: the
+    # three workers spread over four nodes leave one free for a lost node's placement-group slot
+    with LocalCluster(nodes=4) as lc:
         yield lc
 
 
@@ -31,7 +34,10 @@ def _progress(store, rank: int) -> int:
     return int(store.get(key)) if store.check([key]) else -1
 
 
-def test_a_killed_worker_is_replaced_alone_and_the_survivors_roll_back_in_place(cluster, tmp_path, monkeypatch):
+def _run_losing_a_worker(tmp_path, monkeypatch, lose) -> dict:
+    """Train ``STEPS`` steps on three workers; once they are 10 steps in, ``lose(store)`` loses
+    one (returns its rank and the time of the loss). Checks what every in-place recovery must
+    give, and returns what the caller checks further."""
     import torch.distributed as dist
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -61,35 +67,63 @@ def test_a_killed_worker_is_replaced_alone_and_the_survivors_roll_back_in_place(
     started = time.time()
     try:
         runner.start()
-        wait_for(lambda: _progress(store, 1) >= 10 or not runner.is_alive(), timeout=300,
-                 what="rank 1 to train 10 steps")
+        wait_for(lambda: min(_progress(store, r) for r in range(3)) >= 10 or not runner.is_alive(), timeout=300,
+                 what="every rank to train 10 steps")
         assert runner.is_alive(), out
         pids = {r: int(store.get(f"test/pid/{r}")) for r in range(3)}
-        at_kill = _progress(store, 1)
-        killed = time.time()
-        psutil.Process(pids[1]).kill()
+        lost, killed, at_kill = lose(store)
         runner.join(timeout=600)
         assert not runner.is_alive(), "the run did not finish"
         assert "error" not in out, out["error"]
+        survivors = [r for r in range(3) if r != lost]
         final = {r: json.loads(store.get(f"test/final/{r}")) for r in range(3)}
         # the survivors trained to the end in the processes they had; the replacement is new
-        assert final[0]["pid"] == pids[0] and final[2]["pid"] == pids[2] and final[1]["pid"] != pids[1]
-        assert final[0]["recoveries"] == 1 and final[2]["recoveries"] == 1 and final[1]["recoveries"] == 0
+        assert all(final[r]["pid"] == pids[r] for r in survivors) and final[lost]["pid"] != pids[lost]
+        assert [final[r]["recoveries"] for r in range(3)] == [0 if r == lost else 1 for r in range(3)]
         restored = {r: json.loads(store.get(f"test/restored/1/{r}")) for r in range(3)}
-        print("restored in generation 1:", restored, "rank 1 had trained", at_kill)
-        # survivors from their own node's RAM; the replacement, on the lost worker's node (Ray
-        # Train's placement group slot), from the RAM its node's agent still holds for it
-        assert restored[0]["tier"] == "local" and restored[2]["tier"] == "local"
-        assert restored[1]["tier"] in ("copy", "peer", "local"), restored
+        print("lost rank", lost, "restored in generation 1:", restored, "at the loss rank", lost,
+              "had trained", at_kill)
+        assert all(restored[r]["tier"] == "local" for r in survivors), restored  # from their own node's RAM
         assert len({r["start"] for r in restored.values()}) == 1
-        assert restored[0]["start"] >= at_kill - 3  # a step or two in flight is trained again, never more
+        assert restored[lost]["start"] >= at_kill - 3  # a step or two in flight is trained again, never more
         # every step trained again after the rollback gave the digest it gave the first time
         mismatched = [(r, s) for r in range(3) for s in range(STEPS) if store.check([f"test/mismatch/{r}/{s}"])]
         assert mismatched == []
-        print("steps trained again:", int(store.get("test/replayed")) if store.check(["test/replayed"]) else 0)
         assert len({f["digest"] for f in final.values()}) == 1
         first = max(float(store.get(f"test/first_step/1/{r}")) for r in range(3))
-        print(f"kill -> first step of every rank: {first - killed:.2f} s; run: {time.time() - started:.1f} s")
+        print("steps trained again:", int(store.get("test/replayed")) if store.check(["test/replayed"]) else 0)
+        print(f"loss -> first step of every rank: {first - killed:.2f} s; run: {time.time() - started:.1f} s")
+        return {"restored": restored, "lost": lost}
     finally:
         runner.join(timeout=60)
         memsnap.shutdown(job, timeout=30)
+
+
+def test_a_killed_worker_process_is_replaced_alone_and_the_survivors_roll_back_in_place(
+        cluster, tmp_path, monkeypatch):
+    def lose(store):
+        pid, at = int(store.get("test/pid/1")), _progress(store, 1)
+        t = time.time()
+        psutil.Process(pid).kill()
+        return 1, t, at
+
+    out = _run_losing_a_worker(tmp_path, monkeypatch, lose)
+    # the replacement starts in the lost worker's placement-group slot, on the same node, whose
+    # agent still holds the rank's state in RAM
+    assert out["restored"][1]["tier"] in ("local", "copy"), out
+
+
+def test_a_lost_node_is_replaced_by_a_worker_on_the_free_node_and_the_survivors_roll_back_in_place(
+        cluster, tmp_path, monkeypatch):
+    lc = cluster
+    head = lc.nodes[0].node_id
+
+    def lose(store):
+        nodes = {r: store.get(f"test/node/{r}").decode() for r in range(3)}
+        rank = next(r for r in (1, 2, 0) if nodes[r] != head)  # the head hosts the driver and the controller
+        node = next(n for n in lc.nodes if n.node_id == nodes[rank])
+        at = _progress(store, rank)
+        return rank, lc.kill_node_hard(node), at
+
+    out = _run_losing_a_worker(tmp_path, monkeypatch, lose)
+    assert out["restored"][out["lost"]]["tier"] == "peer", out  # rebuilt from the others' RAM

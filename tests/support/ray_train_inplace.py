@@ -46,6 +46,7 @@ def loop(config: dict) -> None:
     store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=60))
     rank = ray.train.get_context().get_world_rank()
     store.set(f"test/pid/{rank}", str(os.getpid()))
+    store.set(f"test/node/{rank}", ray.get_runtime_context().get_node_id())
     inner = inplace_job.make_train(config["steps"], step_s=config.get("step_s", 0.05))
 
     def train(ctx, state):
