@@ -93,6 +93,8 @@ def _run_losing_a_worker(tmp_path, monkeypatch, lose) -> dict:
         first = max(float(store.get(f"test/first_step/1/{r}")) for r in range(3))
         print("steps trained again:", int(store.get("test/replayed")) if store.check(["test/replayed"]) else 0)
         print(f"loss -> first step of every rank: {first - killed:.2f} s; run: {time.time() - started:.1f} s")
+        split = {k: round(v - killed, 2) for k, v in restored[lost]["times"].items()}
+        print("the replacement, seconds after the loss:", split)
         return {"restored": restored, "lost": lost}
     finally:
         runner.join(timeout=60)

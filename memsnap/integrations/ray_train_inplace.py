@@ -70,7 +70,14 @@ class InplaceTorchConfig(TorchConfig):
 
 
 def _set_env(values: dict[str, str]) -> None:
+    """On a worker, before its training function runs: memsnap's variables, and RANK,
+    WORLD_SIZE, LOCAL_RANK... as Ray Train's torch backend sets them (without its process group)."""
     os.environ.update(values)
+    try:
+        from ray.train.torch.config import _set_torch_distributed_env_vars
+    except ImportError:  # a private helper of Ray Train's: the variables are a courtesy
+        return
+    _set_torch_distributed_env_vars()
 
 
 class _InplaceBackend(_TorchBackend):
@@ -103,6 +110,7 @@ class _InplaceBackend(_TorchBackend):
 
     def on_start(self, worker_group, backend_config: BackendConfig):
         import ray
+        from ray.train.v2._internal.execution.worker_group import ReplicaGroup
 
         from memsnap.inplace.member import gen_key
 
@@ -114,6 +122,9 @@ class _InplaceBackend(_TorchBackend):
             self._end_generation(f"worker(s) {sorted(w.distributed_context.world_rank for w in workers)} "
                                  "replaced by Ray Train", workers)
         self.gen += 1
+        if not isinstance(worker_group, ReplicaGroup):  # the whole group: every rank is new
+            self.members.clear()
+            self.nodes.clear()
         for w in workers:
             rank = w.distributed_context.world_rank
             self.world = w.distributed_context.world_size
@@ -126,12 +137,6 @@ class _InplaceBackend(_TorchBackend):
             NODE_ENV: self.controller_node, BACKEND_ENV: getattr(backend_config, "backend", None) or "gloo",
             TIMEOUT_ENV: str(getattr(backend_config, "group_timeout_s", 60.0))}) for i, w in enumerate(workers)]
         ray.get(refs, timeout=120)
-        try:  # RANK, WORLD_SIZE, LOCAL_RANK... as Ray Train sets them (no process group)
-            from ray.train.torch.config import _set_torch_distributed_env_vars
-
-            worker_group.execute(_set_torch_distributed_env_vars)
-        except ImportError:
-            pass
         members = {name: rank for rank, name in self.members.items()}
         self.store.set(gen_key(self.job, self.gen),
                        json.dumps({"world": self.world, "members": members, "done": False}))

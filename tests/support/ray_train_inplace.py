@@ -25,8 +25,13 @@ class Recorded:
     def restore(self, state) -> int:
         start = self._ctx.restore(state)
         last = getattr(self._ctx.snapshotter, "last_restore", {}) or {}
+        import psutil
+
+        times = {k: v for k, v in self._ctx._m._report.items() if k in ("assigned", "formed", "registered")}
         self.store.set(f"test/restored/{self._ctx.generation}/{self._ctx.rank}",
-                       json.dumps({"pid": os.getpid(), "tier": last.get("tier"), "start": start}))
+                       json.dumps({"pid": os.getpid(), "tier": last.get("tier"), "start": start,
+                                   "times": {**times, "process": psutil.Process().create_time(),
+                                             "restored": time.time()}}))
         return start
 
     def save(self, step: int, state, **kwargs):
