@@ -26,8 +26,11 @@ class FakeWorker:
 @pytest.fixture
 def backend(monkeypatch):
     import ray
+    from ray.train._internal.utils import Singleton
 
     from memsnap.integrations.ray_train_inplace import InplaceTorchConfig
+
+    monkeypatch.setattr(Singleton, "_instances", {})  # a backend is one per process: a fresh one per test
 
     monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "127.0.0.1")
     monkeypatch.setattr(ray, "get_runtime_context", lambda: types.SimpleNamespace(get_node_id=lambda: "head"))
@@ -86,6 +89,18 @@ def test_the_backend_writes_generation_0_then_gives_a_replacement_the_lost_rank(
     assert _env(new)[rti.GEN_ENV] == "1" and _env(new)[rti.MEMBER_ENV] == "w1g1"
     assert all(len(w.calls) == 1 for w in workers)  # the survivors are told nothing but the store's keys
     assert b.nodes == {0: "n0", 1: "n3", 2: "n2"}
+
+
+def test_without_a_job_name_the_run_gets_the_one_from_ray_train_would_give_it(backend):
+    from memsnap.integrations.ray_train_inplace import InplaceTorchConfig
+
+    b, _ = backend
+    workers = [FakeWorker(0, 1, "n0")]
+    run = types.SimpleNamespace(run_config=types.SimpleNamespace(name="sweep-2026"), run_id="0123456789abcdef")
+    whole = types.SimpleNamespace(get_workers=lambda: workers, _train_run_context=run,
+                                  execute_single_async=lambda i, fn, *a: workers[i].execute_async(fn, *a))
+    b.on_start(whole, InplaceTorchConfig())
+    assert b.job == "sweep-2026-01234567"
 
 
 def test_run_outside_an_inplace_trainer_says_what_is_missing(monkeypatch):

@@ -56,7 +56,8 @@ TIMEOUT_ENV = "MEMSNAP_INPLACE_BACKEND_TIMEOUT_S"
 class InplaceTorchConfig(TorchConfig):
     """``TorchConfig`` for memsnap's in-place recovery (``torch_config=InplaceTorchConfig()``).
 
-    ``job``: the memsnap job name (default: one per trainer run); ``backend``: the process
+    ``job``: the memsnap job name (default: one per trainer run, the run's name and id, as
+    ``Snapshotter.from_ray_train`` names it); ``backend``: the process
     group's backend (gloo on CPU, as Ray Train picks by default); ``group_timeout_s``: the
     backend's own timeout for a collective nobody reported failed (a lost worker's
     survivors are told at once, long before it)."""
@@ -67,6 +68,21 @@ class InplaceTorchConfig(TorchConfig):
     @property
     def backend_cls(self):
         return _InplaceBackend
+
+
+def _run_job_name(worker_group) -> str:
+    """The job name ``Snapshotter.from_ray_train`` gives this run (its name and id), read from
+    the worker group Ray Train starts first; a name of its own where that cannot be read."""
+    from types import SimpleNamespace
+
+    from memsnap.integrations.ray_train import run_identity
+
+    run: Any = getattr(worker_group, "_train_run_context", None)  # Ray Train v2's, private
+    try:
+        return run_identity(SimpleNamespace(get_experiment_name=lambda: run.run_config.name),
+                            lambda: str(run.run_id))[0]
+    except Exception:  # noqa: BLE001 (not readable: any failure means a name of our own)
+        return f"raytrain-{uuid.uuid4().hex[:8]}"
 
 
 def _set_env(values: dict[str, str]) -> None:
@@ -95,13 +111,13 @@ class _InplaceBackend(_TorchBackend):
         self.members: dict[int, str] = {}  # world rank -> member name
         self.nodes: dict[int, str] = {}  # world rank -> Ray node id
 
-    def _ensure_store(self, config: BackendConfig) -> None:
+    def _ensure_store(self, config: BackendConfig, worker_group) -> None:
         if self.store is not None:
             return
         import ray
         import torch.distributed as dist
 
-        self.job = getattr(config, "job", None) or f"raytrain-{uuid.uuid4().hex[:8]}"
+        self.job = getattr(config, "job", None) or _run_job_name(worker_group)
         host = ray.util.get_node_ip_address()
         self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
                                    timeout=timedelta(seconds=60))
@@ -115,7 +131,7 @@ class _InplaceBackend(_TorchBackend):
         from memsnap.inplace.member import gen_key
 
         # Ray Train's controller calls its backend from one thread (start, replacements, shutdown)
-        self._ensure_store(backend_config)
+        self._ensure_store(backend_config, worker_group)
         assert self.job is not None
         workers = worker_group.get_workers()
         if self.gen >= 0:  # a replacement (or a full restart): the generation is over
