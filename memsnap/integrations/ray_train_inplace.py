@@ -156,7 +156,7 @@ class _InplaceBackend(_TorchBackend):
         members = {name: rank for rank, name in self.members.items()}
         self.store.set(gen_key(self.job, self.gen),
                        json.dumps({"world": self.world, "members": members, "done": False}))
-        log.warning("memsnap job %r: generation %d: %s", self.job, self.gen, members)
+        (log.warning if self.gen else log.info)("memsnap job %r: generation %d: %s", self.job, self.gen, members)
 
     def on_shutdown(self, worker_group, backend_config):
         """A replica group is shut down before it is replaced (its worker may be dead): its
