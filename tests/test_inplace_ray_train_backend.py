@@ -103,6 +103,13 @@ def test_without_a_job_name_the_run_gets_the_one_from_ray_train_would_give_it(ba
     assert b.job == "sweep-2026-01234567"
 
 
+def test_ray_train_v1_is_refused_with_the_fix(backend):
+    b, config = backend
+    v1_group = types.SimpleNamespace(workers=[], execute=lambda fn, *a: None)
+    with pytest.raises(RuntimeError, match="RAY_TRAIN_V2_ENABLED=1"):
+        b.on_start(v1_group, config)
+
+
 def test_run_outside_an_inplace_trainer_says_what_is_missing(monkeypatch):
     from memsnap.integrations import ray_train_inplace as rti
 

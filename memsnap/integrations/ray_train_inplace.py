@@ -130,6 +130,9 @@ class _InplaceBackend(_TorchBackend):
 
         from memsnap.inplace.member import gen_key
 
+        if not hasattr(worker_group, "get_workers"):
+            raise RuntimeError("InplaceTorchConfig needs Ray Train v2 (RAY_TRAIN_V2_ENABLED=1): Ray Train v1 "
+                               "restarts the whole worker group after a failure")
         # Ray Train's controller calls its backend from one thread (start, replacements, shutdown)
         self._ensure_store(backend_config, worker_group)
         assert self.job is not None
