@@ -85,6 +85,46 @@ class Recovery:
                 "pids": {r: rep.get("pid") for r, rep in sorted(self.reports.items())}}
 
 
+def pin_coordinator(job: str, options: dict, world: int, node: str) -> None:
+    """Start the job's coordinator on ``node`` (hard affinity), or find the one running:
+    ``options`` are the ranks' Snapshotter options."""
+    import ray
+
+    from memsnap import actors
+    from memsnap.options import resolve
+    from memsnap.snapshotter import job_config
+
+    opts = {k: v for k, v in options.items() if k != "run"}
+    groups = {g: opts.pop(g) for g in list(opts) if g in ("protection", "memory", "spill", "when",
+                                                          "failures", "wire", "device")}
+    cfg = job_config(job, resolve(groups, opts))
+    ray.get(actors.coordinator_for(cfg, world, node=node).config.remote(), timeout=120)
+
+
+def silent_nodes(job: str, nodes: Sequence[str], ping_s: float) -> list[str]:
+    """Those of ``nodes`` whose memsnap agent does not answer within ``ping_s`` (a rank's
+    process can die on a healthy node: a node whose agent answers keeps its place, and the
+    RAM it holds for its peers)."""
+    import ray
+
+    from memsnap.directory import find_agent
+
+    pings = {}
+    for node in nodes:
+        agent = find_agent(job, node)
+        if agent is not None:
+            pings[agent.address.remote()] = node
+    ready, _ = ray.wait(list(pings), num_returns=len(pings), timeout=ping_s) if pings else ([], [])
+    answered = set()
+    for ref in ready:
+        try:
+            ray.get(ref)
+            answered.add(pings[ref])
+        except Exception:
+            pass
+    return [n for n in nodes if n not in answered]
+
+
 def _seconds(name: str, value, zero_ok: bool = False) -> float:
     """``value`` as a finite number of seconds (> 0, or >= 0 with ``zero_ok``), else ConfigError."""
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
@@ -187,16 +227,7 @@ class InplaceJob:
         rank node's loss must not take the coordinator with it)."""
         import ray
 
-        from memsnap import actors
-        from memsnap.options import resolve
-        from memsnap.snapshotter import job_config
-
-        opts = {k: v for k, v in self.options.items() if k != "run"}
-        groups = {g: opts.pop(g) for g in list(opts) if g in ("protection", "memory", "spill", "when",
-                                                              "failures", "wire", "device")}
-        cfg = job_config(self.job, resolve(groups, opts))
-        here = ray.get_runtime_context().get_node_id()
-        ray.get(actors.coordinator_for(cfg, self.world, node=here).config.remote(), timeout=120)
+        pin_coordinator(self.job, self.options, self.world, ray.get_runtime_context().get_node_id())
 
     def _coordinator_call(self, method: str, *args, timeout_s: float = 60.0):
         """``method(*args)`` on the job's coordinator, through its restart if it was lost
@@ -330,28 +361,9 @@ class InplaceJob:
     def _fence_nodes(self, lost: dict[int, _Slot], why: str) -> list[str]:
         """Nodes all of whose ranks were lost and whose agent is silent: memsnap's coordinator
         fences them."""
-        import ray
-
-        from memsnap.directory import find_agent
-
         live_ranks = {s.node for r, s in self._ranks.items() if r not in lost}
         candidates = sorted({s.node for s in lost.values()} - live_ranks)
-        # a rank's process can die on a healthy node: a node whose agent still answers within
-        # agent_ping_s keeps its place (and the RAM it holds for its peers)
-        pings = {}
-        for node in candidates:
-            agent = find_agent(self.job, node)
-            if agent is not None:
-                pings[agent.address.remote()] = node
-        ready, _ = ray.wait(list(pings), num_returns=len(pings), timeout=self.agent_ping_s) if pings else ([], [])
-        answered = set()
-        for ref in ready:
-            try:
-                ray.get(ref)
-                answered.add(pings[ref])
-            except Exception:
-                pass
-        nodes = [n for n in candidates if n not in answered]
+        nodes = silent_nodes(self.job, candidates, self.agent_ping_s)
         if not nodes:
             return []
         for node in nodes:

@@ -154,7 +154,8 @@ class Member:
     def __init__(self, job: str, name: str, store_addr: tuple[str, int], setup: Callable, train: Callable,
                  snapshot_options: dict, *, beat_s: float = 0.1, backend: str = "gloo",
                  backend_timeout_s: float = 60.0, assign_timeout_s: float = 3600.0,
-                 preemption_poll_s: float | None = 1.0, handover_commit_s: float = 120.0):
+                 preemption_poll_s: float | None = 1.0, handover_commit_s: float = 120.0,
+                 watch_preemption: bool = True):
         import torch.distributed as dist
 
         self.job, self.name = job, name
@@ -179,7 +180,8 @@ class Member:
         self._report: dict = {}
         self._lock = threading.Lock()
         self._leaving = threading.Event()  # a preemption notice: hand over at the next step boundary
-        self._watcher = self._watch_preemption(preemption_poll_s)
+        # off where another runner owns the preemption notice (Ray Train's own watcher)
+        self._watcher = self._watch_preemption(preemption_poll_s) if watch_preemption else None
 
     def _watch_preemption(self, poll_s: float | None):
         from memsnap.preempt import PreemptionWatcher
@@ -261,10 +263,12 @@ class Member:
         import memsnap.transport  # noqa: F401
         return {**self.info(), "setup_s": time.time() - t}
 
-    def run(self) -> dict:
+    def run(self, first_gen: int = 0) -> dict:
         """Be a member until the job is done or this member is fenced (left out of a generation
-        it was a rank of). Returns what happened."""
-        gen = 0
+        it was a rank of). Returns what happened. ``first_gen``: the first generation this
+        process can be a member of (a process started to replace a lost one joins the job's
+        current generation, not the first)."""
+        gen = first_gen
         while True:
             assignment = self._await(gen)
             if assignment.get("done"):
