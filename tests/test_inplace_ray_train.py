@@ -101,6 +101,7 @@ def _run_losing_a_worker(tmp_path, monkeypatch, lose) -> dict:
         memsnap.shutdown(job, timeout=30)
 
 
+@pytest.mark.extended  # beside the node kill below, beyond CI's time: run with `pytest -m extended`
 def test_a_killed_worker_process_is_replaced_alone_and_the_survivors_roll_back_in_place(
         cluster, tmp_path, monkeypatch):
     def lose(store):
