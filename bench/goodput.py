@@ -1,5 +1,6 @@
-"""Goodput under node failures: memsnap against torch.save, DCP async_save and Ray Train
-checkpoints, one data-parallel job, one seeded fault schedule, each system in turn.
+"""Goodput under node failures: memsnap (restarting the job, or recovering in place) against
+torch.save, DCP async_save and Ray Train checkpoints, one data-parallel job, one seeded fault
+schedule, each system in turn.
 
     python bench/goodput.py [--state-mb 256] [--compute sleep|model] [--step-s 1.0]
         [--horizon-s 120] [--baseline-s 15] [--mtbf-s 50] [--seed 21] [--common-n 10]
@@ -13,8 +14,13 @@ step. Faults come from one seeded Poisson schedule (job MTBF ``--mtbf-s``): at e
 node that runs a rank (never the head) is killed abruptly and a replacement node is added;
 a fault that falls while the job is still recovering lands once it trains again. After a
 kill the whole job restarts (as Ray Train restarts its worker group): the ranks are killed,
-started again on the live nodes, restore and go on. Each system also runs ``--baseline-s``
-without faults, for its failure-free rate. See the results file for what is measured.
+started again on the live nodes, restore and go on. ``memsnap-inplace`` runs the same job,
+schedule and events under ``memsnap.inplace.InplaceJob`` with one warm standby on a spare
+node instead: the surviving ranks keep their processes and roll back from their own node's
+RAM, the standby takes the lost rank (restoring from its peers), and the next standby warms
+on the replacement node; its *detect* ends at memsnap's own decision, not Ray's verdict.
+Each system also runs ``--baseline-s`` without faults, for its failure-free rate. See the
+results file for what is measured.
 """
 from __future__ import annotations
 
@@ -117,6 +123,35 @@ class Nodes:
         return out
 
 
+class InplaceNodes(Nodes):
+    """``Nodes`` of an in-place run (the same ``live`` and ``slots``, shared): a lost rank moves
+    to the standby's node, not to the replacement, so before each fault the rank -> node map is
+    read from the job; the replacement ``inject`` adds is the free node the controller warms
+    the next standby on (once the recovery is decided: a node added after the decision is
+    not seen by it, so it is handed the node here)."""
+
+    def __init__(self, base: Nodes, job):
+        self.cluster, self.live, self.slots, self.job = base.cluster, base.live, base.slots, job
+
+    def sync(self) -> None:
+        index = {n.node_id: i for i, n in self.live.items()}
+        self.slots[:] = [index[self.job._ranks[r].node] for r in range(NODES)]
+
+    def inject(self, victim: int) -> dict:
+        j = self.job
+        self.sync()
+        decided = len(j.recoveries)
+        f = {**super().inject(victim), "rank": 1 + victim}
+        try:
+            wait_for(lambda: len(j.recoveries) > decided, timeout=60, what="the in-place recovery's decision")
+        except TimeoutError as exc:
+            _say(f"  {exc}")
+            return f
+        if not j._standbys and not any(t.is_alive() for t in j._warming):
+            j._warm_a_standby()
+        return f
+
+
 class Injector(threading.Thread):
     """Applies the schedule from ``t0``; a fault waits until training resumed after the last one."""
 
@@ -193,7 +228,7 @@ def agent_cpu_seconds(cluster: LocalCluster) -> float:
 # --- one run ----------------------------------------------------------------------------------------
 @dataclass
 class RunSpec:
-    system: str          # none | memsnap | torch.save | dcp | ray.train
+    system: str          # none | memsnap | memsnap-inplace | torch.save | dcp | ray.train
     interval: str        # steps between saves, or "auto"
     faults: bool
     label: str = ""
@@ -401,6 +436,85 @@ def run_ray_train(spec: RunSpec, cfg: dict, nodes: Nodes, schedule: list[dict], 
                      cfg["state_mb"] << 20)
 
 
+def run_inplace(spec: RunSpec, cfg: dict, nodes: Nodes, schedule: list[dict], horizon: float) -> RunResult:
+    """memsnap recovering in place: ``InplaceJob`` with rank r on ``nodes.slots[r]``'s node and
+    one warm standby on a spare node added for it; the timed part starts once every rank has
+    restored (the driver writes the deadline to the job's store). Each fault's ``t_dead`` is the
+    recovery's decision (``inplace_faults``). Afterwards ``nodes`` holds the ranks' last nodes
+    only: the node left without a rank (the last standby's) is removed, so the next system
+    runs on as many nodes as this one began with."""
+    from functools import partial
+
+    from goodput_job import DEADLINE_KEY, memsnap_options, read_events, setup_inplace, train_inplace
+    from goodput_timeline import inplace_faults
+
+    from memsnap.inplace import InplaceJob
+    from memsnap.snapshotter import shutdown
+
+    meter = StorageMeter(cfg["storage"])
+    meter.start()
+    spare = nodes.cluster.add_node()
+    nodes.live[nodes.cluster.index_of(spare)] = spare
+    control = cfg["events"] + ".controller"  # the controller's own records (recovery, standby, recovered)
+    j = InplaceJob(cfg["job"], partial(setup_inplace, cfg=cfg, world=NODES), partial(train_inplace, cfg=cfg),
+                   rank_nodes=[nodes.live[nodes.slots[r]].node_id for r in range(NODES)],
+                   standby_nodes=[spare.node_id], options=memsnap_options(cfg), events=control)
+    box: dict = {}
+
+    def go() -> None:
+        try:
+            box["results"] = j.run(timeout_s=horizon + 1800)
+        except BaseException as exc:
+            box["error"] = exc
+
+    th = threading.Thread(target=go, daemon=True)
+    th.start()
+    inp = InplaceNodes(nodes, j)
+    inj = Injector(inp, schedule if spec.faults else [], 0.0, 0.0, cfg["events"])
+    t0 = 0.0
+    try:
+        wait_for(lambda: sum(e["ev"] == "restored" for e in read_events(cfg["events"])) >= NODES
+                 or not th.is_alive(), timeout=900, what="the in-place ranks to restore")
+        if not th.is_alive():
+            raise box.get("error") or RuntimeError(f"{spec.name}: the in-place job ended before training")
+        t0 = time.time()
+        inj.t0, inj.deadline = t0, t0 + horizon
+        j.store.set(DEADLINE_KEY, repr(t0 + horizon))
+        inj.start()
+        th.join(timeout=horizon + 900)
+        if th.is_alive():
+            ev = read_events(cfg["events"])
+            raise TimeoutError(f"{spec.name}: the in-place job did not end within {horizon + 900:.0f} s of its "
+                               f"first step ({len(inj.faults)} node(s) killed, {len(j.recoveries)} recoveries, "
+                               f"{sum(e['ev'] == 'step' for e in ev)} steps)")
+        if "error" in box:
+            raise box["error"]
+    finally:
+        inj.stop.set()
+        if inj.is_alive():
+            inj.join(timeout=150)
+        if th.is_alive() and j.store is not None:
+            j.store.set(DEADLINE_KEY, "0")  # rank 0 reads it every step: the ranks stop together
+            th.join(timeout=180)
+        meter.stop.set()
+        meter.join(timeout=10)
+        recoveries = j.collect() if j.store is not None else [r.to_dict() for r in j.recoveries]
+        try:
+            inp.sync()
+        except (KeyError, AttributeError) as exc:  # the job never placed every rank: slots as they were
+            _say(f"  the ranks' nodes unknown ({type(exc).__name__}: {exc})")
+        try:
+            shutdown(cfg["job"], timeout=30)
+        except Exception as exc:
+            _say(f"shutdown {cfg['job']}: {exc}")
+        for index in [i for i in nodes.live if i not in nodes.slots]:
+            nodes.cluster.kill_node(nodes.live.pop(index))
+    standby = [e for e in read_events(control) if e.get("event") == "standby"]
+    faults = inplace_faults(inj.faults, recoveries)
+    return RunResult(vars(spec), t0, horizon, read_events(cfg["events"]), faults, meter.total(),
+                     cfg["state_mb"] << 20, {"recoveries": recoveries, "standby_events": standby})
+
+
 # --- the whole benchmark -------------------------------------------------------------------------
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -416,7 +530,7 @@ def main() -> None:
                          "at least 25 s apart, the last before the final 30 s)")
     ap.add_argument("--common-n", type=int, default=10, help="the interval every disk system also runs at")
     ap.add_argument("--spill-every", type=int, default=10, help="memsnap's durable spill, steps")
-    ap.add_argument("--systems", nargs="+", default=["memsnap", "torch.save", "dcp", "ray.train"])
+    ap.add_argument("--systems", nargs="+", default=["memsnap", "memsnap-inplace", "torch.save", "dcp", "ray.train"])
     ap.add_argument("--storage", default=None, help="the directory standing in for NFS (default: a temp dir)")
     ap.add_argument("--out", default=str(RESULTS / "goodput.md"))
     ap.add_argument("--render", action="store_true", help="only rewrite the .md/.png from the .json")
@@ -508,10 +622,12 @@ def measure(args, json_path: Path, keep: list[dict], keep_yd: dict[str, int] | N
         try:
             if spec.system == "ray.train":
                 res = run_ray_train(spec, cfg, cluster_nodes, schedule, horizon)
+            elif spec.system == "memsnap-inplace":
+                res = run_inplace(spec, cfg, cluster_nodes, schedule, horizon)
             else:
                 res = run_own(spec, cfg, cluster_nodes, schedule, horizon, **kw)
         finally:
-            if spec.system == "memsnap":
+            if spec.system in ("memsnap", "memsnap-inplace"):
                 try:
                     shutdown(job, timeout=30)
                 except Exception as exc:
@@ -548,6 +664,10 @@ def measure(args, json_path: Path, keep: list[dict], keep_yd: dict[str, int] | N
             one(nodes, RunSpec("memsnap", "1", True), args.horizon_s)
             one(nodes, RunSpec("memsnap", "auto", False), args.baseline_s)
             one(nodes, RunSpec("memsnap", "auto", True), args.horizon_s)
+            return
+        if system == "memsnap-inplace":  # a snapshot every step, as memsnap/1
+            one(nodes, RunSpec("memsnap-inplace", "1", False), args.baseline_s)
+            one(nodes, RunSpec("memsnap-inplace", "1", True), args.horizon_s)
             return
         base = one(nodes, RunSpec(system, str(args.common_n), False), args.baseline_s)
         cost = base["stall_steady"] or base["stall_first"] or 0.0
