@@ -126,30 +126,43 @@ class Nodes:
 class InplaceNodes(Nodes):
     """``Nodes`` of an in-place run (the same ``live`` and ``slots``, shared): a lost rank moves
     to the standby's node, not to the replacement, so before each fault the rank -> node map is
-    read from the job; the replacement ``inject`` adds is the free node the controller warms
-    the next standby on (once the recovery is decided: a node added after the decision is
-    not seen by it, so it is handed the node here)."""
+    read from the job. The replacement ``inject`` adds is the free node the next standby warms
+    on: the controller looks for a free node once, when it decides the recovery, which is
+    often before the replacement has started, so once both have happened (the node added, the
+    recovery decided) the node is handed to it here, without waiting for Ray's verdict."""
 
     def __init__(self, base: Nodes, job):
         self.cluster, self.live, self.slots, self.job = base.cluster, base.live, base.slots, job
+        self._decided = 0
+        self.handoffs: list[threading.Thread] = []
+        self.stop = threading.Event()  # the run is over: no more standbys
 
     def sync(self) -> None:
         index = {n.node_id: i for i, n in self.live.items()}
         self.slots[:] = [index[self.job._ranks[r].node] for r in range(NODES)]
 
     def inject(self, victim: int) -> dict:
-        j = self.job
         self.sync()
-        decided = len(j.recoveries)
-        f = {**super().inject(victim), "rank": 1 + victim}
+        self._decided = len(self.job.recoveries)
+        return {**super().inject(victim), "rank": 1 + victim}
+
+    def _replace(self, index: int):
+        out = super()._replace(index)
+        t = threading.Thread(target=self._hand_off, args=(self._decided,), daemon=True)
+        self.handoffs.append(t)
+        t.start()
+        return out
+
+    def _hand_off(self, decided: int) -> None:
+        j = self.job
         try:
-            wait_for(lambda: len(j.recoveries) > decided, timeout=60, what="the in-place recovery's decision")
+            wait_for(lambda: len(j.recoveries) > decided or self.stop.is_set(), timeout=120,
+                     what="the in-place recovery's decision")
         except TimeoutError as exc:
             _say(f"  {exc}")
-            return f
-        if not j._standbys and not any(t.is_alive() for t in j._warming):
+            return
+        if not self.stop.is_set() and not j._standbys and not any(t.is_alive() for t in j._warming):
             j._warm_a_standby()
-        return f
 
 
 class Injector(threading.Thread):
@@ -451,6 +464,9 @@ def run_inplace(spec: RunSpec, cfg: dict, nodes: Nodes, schedule: list[dict], ho
     from memsnap.inplace import InplaceJob
     from memsnap.snapshotter import shutdown
 
+    healed = nodes.heal()  # a node Ray declared dead during an earlier run: not this run's fault
+    if healed:
+        _say(f"  replaced nodes Ray declared dead before the run: {healed}")
     meter = StorageMeter(cfg["storage"])
     meter.start()
     spare = nodes.cluster.add_node()
@@ -493,6 +509,9 @@ def run_inplace(spec: RunSpec, cfg: dict, nodes: Nodes, schedule: list[dict], ho
         inj.stop.set()
         if inj.is_alive():
             inj.join(timeout=150)
+        inp.stop.set()
+        for t in inp.handoffs:
+            t.join(timeout=60)
         if th.is_alive() and j.store is not None:
             j.store.set(DEADLINE_KEY, "0")  # rank 0 reads it every step: the ranks stop together
             th.join(timeout=180)
@@ -508,9 +527,13 @@ def run_inplace(spec: RunSpec, cfg: dict, nodes: Nodes, schedule: list[dict], ho
         except Exception as exc:
             _say(f"shutdown {cfg['job']}: {exc}")
         for index in [i for i in nodes.live if i not in nodes.slots]:
-            nodes.cluster.kill_node(nodes.live.pop(index))
+            try:
+                nodes.cluster.kill_node(nodes.live.pop(index))
+            except Exception as exc:  # a node Ray declared dead on its own may be gone already
+                _say(f"  removing node {index}: {type(exc).__name__}: {exc}")
     standby = [e for e in read_events(control) if e.get("event") == "standby"]
-    faults = inplace_faults(inj.faults, recoveries)
+    # a recovery before the timed part is not the run's fault (as run_own drops a node lost then)
+    faults = inplace_faults(inj.faults, [r for r in recoveries if r["noticed"] >= t0])
     return RunResult(vars(spec), t0, horizon, read_events(cfg["events"]), faults, meter.total(),
                      cfg["state_mb"] << 20, {"recoveries": recoveries, "standby_events": standby})
 
