@@ -221,7 +221,8 @@ def inplace_rows(data: dict) -> list[str]:
         if warm and recs:
             gaps = [e["t"] - r["decided"] for e, r in zip(warm, recs)]
             lines += ["", f"{_name(run)}: each new standby warm (decided -> the controller's `standby` event, in the "
-                      "background on the replacement node): " + ", ".join(f"{g:.1f} s" for g in gaps) + "."]
+                      "background on the replacement node): " + ", ".join(f"{g:.1f} s" for g in gaps) + ". A loss that "
+                      "finds no standby warm yet waits for the one warming (its *detect* includes that wait)."]
     return lines + [""]
 
 
