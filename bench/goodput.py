@@ -138,8 +138,31 @@ class InplaceNodes(Nodes):
         self.stop = threading.Event()  # the run is over: no more standbys
 
     def sync(self) -> None:
-        index = {n.node_id: i for i, n in self.live.items()}
-        self.slots[:] = [index[self.job._ranks[r].node] for r in range(NODES)]
+        self.slots[:] = [self.live_index(self.job._ranks[r].node) for r in range(NODES)]
+
+    def settle(self, head: int) -> None:
+        """After the run: the head first (rank 0's node in every other system: never killed),
+        then the other nodes the job's ranks ended on, then other live nodes as needed; the
+        live nodes past those are removed (the last standby's, a node a lost rank left)."""
+        try:
+            ranks = [self.live_index(self.job._ranks[r].node) for r in range(NODES)]
+        except (KeyError, AttributeError) as exc:  # the job never placed every rank
+            _say(f"  the ranks' nodes unknown ({type(exc).__name__}: {exc})")
+            ranks = list(self.slots)
+        keep = [head] + [i for i in dict.fromkeys(ranks) if i != head]
+        keep += [i for i in self.live if i not in keep][:max(0, NODES - len(keep))]
+        self.slots[:] = keep[:NODES]
+        for index in [i for i in self.live if i not in self.slots]:
+            try:
+                self.cluster.kill_node(self.live.pop(index))
+            except Exception as exc:  # a node Ray declared dead on its own may be gone already
+                _say(f"  removing node {index}: {type(exc).__name__}: {exc}")
+
+    def live_index(self, node_id: str) -> int:
+        for i, n in self.live.items():
+            if n.node_id == node_id:
+                return i
+        raise KeyError(f"node {node_id[:12]} is not live")
 
     def inject(self, victim: int) -> dict:
         self.sync()
@@ -449,6 +472,19 @@ def run_ray_train(spec: RunSpec, cfg: dict, nodes: Nodes, schedule: list[dict], 
                      cfg["state_mb"] << 20)
 
 
+class _Pinned(set):
+    """A set whose ``pinned`` members stay in it (``discard`` leaves them)."""
+
+    def __init__(self, items=(), *, pinned: set):
+        super().__init__(items)
+        self.pinned = set(pinned)
+        self.update(self.pinned)
+
+    def discard(self, item) -> None:
+        if item not in self.pinned:
+            super().discard(item)
+
+
 def run_inplace(spec: RunSpec, cfg: dict, nodes: Nodes, schedule: list[dict], horizon: float) -> RunResult:
     """memsnap recovering in place: ``InplaceJob`` with rank r on ``nodes.slots[r]``'s node and
     one warm standby on a spare node added for it; the timed part starts once every rank has
@@ -458,6 +494,7 @@ def run_inplace(spec: RunSpec, cfg: dict, nodes: Nodes, schedule: list[dict], ho
     runs on as many nodes as this one began with."""
     from functools import partial
 
+    import ray
     from goodput_job import DEADLINE_KEY, memsnap_options, read_events, setup_inplace, train_inplace
     from goodput_timeline import inplace_faults
 
@@ -472,9 +509,14 @@ def run_inplace(spec: RunSpec, cfg: dict, nodes: Nodes, schedule: list[dict], ho
     spare = nodes.cluster.add_node()
     nodes.live[nodes.cluster.index_of(spare)] = spare
     control = cfg["events"] + ".controller"  # the controller's own records (recovery, standby, recovered)
+    liveness = {k: cfg[k] for k in ("lost_after_s", "suspect_after_s") if cfg.get(k) is not None}
     j = InplaceJob(cfg["job"], partial(setup_inplace, cfg=cfg, world=NODES), partial(train_inplace, cfg=cfg),
                    rank_nodes=[nodes.live[nodes.slots[r]].node_id for r in range(NODES)],
-                   standby_nodes=[spare.node_id], options=memsnap_options(cfg), events=control)
+                   standby_nodes=[spare.node_id], options=memsnap_options(cfg), events=control, **liveness)
+    # the head runs this driver, the controller, its store and the coordinator, and the bench
+    # never kills it: no standby there, even once a lost rank 0 has left it free
+    head = next(i for i, n in nodes.live.items() if n.node_id == ray.get_runtime_context().get_node_id())
+    j._used_nodes = _Pinned(j._used_nodes, pinned={nodes.live[head].node_id})
     box: dict = {}
 
     def go() -> None:
@@ -519,18 +561,10 @@ def run_inplace(spec: RunSpec, cfg: dict, nodes: Nodes, schedule: list[dict], ho
         meter.join(timeout=10)
         recoveries = j.collect() if j.store is not None else [r.to_dict() for r in j.recoveries]
         try:
-            inp.sync()
-        except (KeyError, AttributeError) as exc:  # the job never placed every rank: slots as they were
-            _say(f"  the ranks' nodes unknown ({type(exc).__name__}: {exc})")
-        try:
             shutdown(cfg["job"], timeout=30)
         except Exception as exc:
             _say(f"shutdown {cfg['job']}: {exc}")
-        for index in [i for i in nodes.live if i not in nodes.slots]:
-            try:
-                nodes.cluster.kill_node(nodes.live.pop(index))
-            except Exception as exc:  # a node Ray declared dead on its own may be gone already
-                _say(f"  removing node {index}: {type(exc).__name__}: {exc}")
+        inp.settle(head)
     standby = [e for e in read_events(control) if e.get("event") == "standby"]
     # a recovery before the timed part is not the run's fault (as run_own drops a node lost then)
     faults = inplace_faults(inj.faults, [r for r in recoveries if r["noticed"] >= t0])
@@ -554,6 +588,10 @@ def main() -> None:
     ap.add_argument("--common-n", type=int, default=10, help="the interval every disk system also runs at")
     ap.add_argument("--spill-every", type=int, default=10, help="memsnap's durable spill, steps")
     ap.add_argument("--systems", nargs="+", default=["memsnap", "memsnap-inplace", "torch.save", "dcp", "ray.train"])
+    ap.add_argument("--lost-after-s", type=float, default=None,
+                    help="memsnap-inplace: seconds without beats before a member is lost (InplaceJob's default)")
+    ap.add_argument("--suspect-after-s", type=float, default=None,
+                    help="memsnap-inplace: the same once a collective failed (InplaceJob's default)")
     ap.add_argument("--storage", default=None, help="the directory standing in for NFS (default: a temp dir)")
     ap.add_argument("--out", default=str(RESULTS / "goodput.md"))
     ap.add_argument("--render", action="store_true", help="only rewrite the .md/.png from the .json")
@@ -623,7 +661,8 @@ def measure(args, json_path: Path, keep: list[dict], keep_yd: dict[str, int] | N
                 "spill_bytes_per_s": 256 << 20,
                 # what `memsnap plan` says a node needs (RS(2,1), keep=2: 9x the state), and 256 MiB to spare
                 "memory_budget": int(agent_ram(args.state_mb << 20, k=2, m=1, keep=2)) + (256 << 20),
-                "node_mtbf_s": args.mtbf_s * NODES, "scratch": scratch}
+                "node_mtbf_s": args.mtbf_s * NODES, "scratch": scratch,
+                "lost_after_s": args.lost_after_s, "suspect_after_s": args.suspect_after_s}
     runs: list[dict] = list(keep)
     chosen: dict[str, int] = dict(keep_yd or {})  # Young/Daly N per disk system
     errors: dict[str, str] = {}
