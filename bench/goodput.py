@@ -4,6 +4,7 @@ schedule, each system in turn.
 
     python bench/goodput.py [--state-mb 256] [--compute sleep|model] [--step-s 1.0]
         [--horizon-s 120] [--baseline-s 15] [--mtbf-s 50] [--seed 21] [--common-n 10]
+        [--systems memsnap memsnap-inplace torch.save dcp ray.train] [--append]
         -> bench/results/goodput.md, goodput.png and goodput.json
     python bench/goodput.py --render   # rewrite the .md and .png from goodput.json
 

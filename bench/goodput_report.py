@@ -263,7 +263,10 @@ def write_report(data: dict, out: Path) -> None:
         "memsnap/1) with one warm standby on a spare node: after a kill nothing restarts: the controller "
         "notices the loss from the survivors' failed all-reduce or the lost member's missing heartbeats, the "
         "survivors keep their processes and roll back from their own node's RAM, the standby takes the lost "
-        "rank and restores from its peers, and the next standby warms on the replacement node.", "",
+        "rank and restores from its peers, and the next standby warms on the replacement node"
+        + (f" (a member is lost after {a.get('lost_after_s') or 1.0:g} s without heartbeats, "
+           f"{a.get('suspect_after_s') or 0.3:g} s once a collective failed)"
+           if a.get("lost_after_s") or a.get("suspect_after_s") else "") + ".", "",
         "* **useful steps**: the job's progress when the horizon ends (steps redone after a rollback count once).",
         "* **goodput**: useful steps per wall second over the same system's failure-free rate (same interval).",
         "* **lost steps (RPO)**: steps completed when the node died minus the step the job resumed from.",
