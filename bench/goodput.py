@@ -1,8 +1,10 @@
-"""Goodput under node failures: memsnap against torch.save, DCP async_save and Ray Train
-checkpoints, one data-parallel job, one seeded fault schedule, each system in turn.
+"""Goodput under node failures: memsnap (restarting the job, or recovering in place) against
+torch.save, DCP async_save and Ray Train checkpoints, one data-parallel job, one seeded fault
+schedule, each system in turn.
 
     python bench/goodput.py [--state-mb 256] [--compute sleep|model] [--step-s 1.0]
         [--horizon-s 120] [--baseline-s 15] [--mtbf-s 50] [--seed 21] [--common-n 10]
+        [--systems memsnap memsnap-inplace torch.save dcp ray.train] [--append]
         -> bench/results/goodput.md, goodput.png and goodput.json
     python bench/goodput.py --render   # rewrite the .md and .png from goodput.json
 
@@ -13,8 +15,13 @@ step. Faults come from one seeded Poisson schedule (job MTBF ``--mtbf-s``): at e
 node that runs a rank (never the head) is killed abruptly and a replacement node is added;
 a fault that falls while the job is still recovering lands once it trains again. After a
 kill the whole job restarts (as Ray Train restarts its worker group): the ranks are killed,
-started again on the live nodes, restore and go on. Each system also runs ``--baseline-s``
-without faults, for its failure-free rate. See the results file for what is measured.
+started again on the live nodes, restore and go on. ``memsnap-inplace`` runs the same job,
+schedule and events under ``memsnap.inplace.InplaceJob`` with one warm standby on a spare
+node instead: the surviving ranks keep their processes and roll back from their own node's
+RAM, the standby takes the lost rank (restoring from its peers), and the next standby warms
+on the replacement node; its *detect* ends at memsnap's own decision, not Ray's verdict.
+Each system also runs ``--baseline-s`` without faults, for its failure-free rate. See the
+results file for what is measured.
 """
 from __future__ import annotations
 
@@ -117,6 +124,71 @@ class Nodes:
         return out
 
 
+class InplaceNodes(Nodes):
+    """``Nodes`` of an in-place run (the same ``live`` and ``slots``, shared): a lost rank moves
+    to the standby's node, not to the replacement, so before each fault the rank -> node map is
+    read from the job. The replacement ``inject`` adds is the free node the next standby warms
+    on: the controller looks for a free node once, when it decides the recovery, which is
+    often before the replacement has started, so once both have happened (the node added, the
+    recovery decided) the node is handed to it here, without waiting for Ray's verdict."""
+
+    def __init__(self, base: Nodes, job):
+        self.cluster, self.live, self.slots, self.job = base.cluster, base.live, base.slots, job
+        self._decided = 0
+        self.handoffs: list[threading.Thread] = []
+        self.stop = threading.Event()  # the run is over: no more standbys
+
+    def sync(self) -> None:
+        self.slots[:] = [self.live_index(self.job._ranks[r].node) for r in range(NODES)]
+
+    def settle(self, head: int) -> None:
+        """After the run: the head first (rank 0's node in every other system: never killed),
+        then the other nodes the job's ranks ended on, then other live nodes as needed; the
+        live nodes past those are removed (the last standby's, a node a lost rank left)."""
+        try:
+            ranks = [self.live_index(self.job._ranks[r].node) for r in range(NODES)]
+        except (KeyError, AttributeError) as exc:  # the job never placed every rank
+            _say(f"  the ranks' nodes unknown ({type(exc).__name__}: {exc})")
+            ranks = list(self.slots)
+        keep = [head] + [i for i in dict.fromkeys(ranks) if i != head]
+        keep += [i for i in self.live if i not in keep][:max(0, NODES - len(keep))]
+        self.slots[:] = keep[:NODES]
+        for index in [i for i in self.live if i not in self.slots]:
+            try:
+                self.cluster.kill_node(self.live.pop(index))
+            except Exception as exc:  # a node Ray declared dead on its own may be gone already
+                _say(f"  removing node {index}: {type(exc).__name__}: {exc}")
+
+    def live_index(self, node_id: str) -> int:
+        for i, n in self.live.items():
+            if n.node_id == node_id:
+                return i
+        raise KeyError(f"node {node_id[:12]} is not live")
+
+    def inject(self, victim: int) -> dict:
+        self.sync()
+        self._decided = len(self.job.recoveries)
+        return {**super().inject(victim), "rank": 1 + victim}
+
+    def _replace(self, index: int):
+        out = super()._replace(index)
+        t = threading.Thread(target=self._hand_off, args=(self._decided,), daemon=True)
+        self.handoffs.append(t)
+        t.start()
+        return out
+
+    def _hand_off(self, decided: int) -> None:
+        j = self.job
+        try:
+            wait_for(lambda: len(j.recoveries) > decided or self.stop.is_set(), timeout=120,
+                     what="the in-place recovery's decision")
+        except TimeoutError as exc:
+            _say(f"  {exc}")
+            return
+        if not self.stop.is_set() and not j._standbys and not any(t.is_alive() for t in j._warming):
+            j._warm_a_standby()
+
+
 class Injector(threading.Thread):
     """Applies the schedule from ``t0``; a fault waits until training resumed after the last one."""
 
@@ -193,7 +265,7 @@ def agent_cpu_seconds(cluster: LocalCluster) -> float:
 # --- one run ----------------------------------------------------------------------------------------
 @dataclass
 class RunSpec:
-    system: str          # none | memsnap | torch.save | dcp | ray.train
+    system: str          # none | memsnap | memsnap-inplace | torch.save | dcp | ray.train
     interval: str        # steps between saves, or "auto"
     faults: bool
     label: str = ""
@@ -401,6 +473,106 @@ def run_ray_train(spec: RunSpec, cfg: dict, nodes: Nodes, schedule: list[dict], 
                      cfg["state_mb"] << 20)
 
 
+class _Pinned(set):
+    """A set whose ``pinned`` members stay in it (``discard`` leaves them)."""
+
+    def __init__(self, items=(), *, pinned: set):
+        super().__init__(items)
+        self.pinned = set(pinned)
+        self.update(self.pinned)
+
+    def discard(self, item) -> None:
+        if item not in self.pinned:
+            super().discard(item)
+
+
+def run_inplace(spec: RunSpec, cfg: dict, nodes: Nodes, schedule: list[dict], horizon: float) -> RunResult:
+    """memsnap recovering in place: ``InplaceJob`` with rank r on ``nodes.slots[r]``'s node and
+    one warm standby on a spare node added for it; the timed part starts once every rank has
+    restored (the driver writes the deadline to the job's store). Each fault's ``t_dead`` is the
+    recovery's decision (``inplace_faults``). Afterwards ``nodes`` holds the ranks' last nodes
+    only: the node left without a rank (the last standby's) is removed, so the next system
+    runs on as many nodes as this one began with."""
+    from functools import partial
+
+    import ray
+    from goodput_job import DEADLINE_KEY, memsnap_options, read_events, setup_inplace, train_inplace
+    from goodput_timeline import inplace_faults
+
+    from memsnap.inplace import InplaceJob
+    from memsnap.snapshotter import shutdown
+
+    healed = nodes.heal()  # a node Ray declared dead during an earlier run: not this run's fault
+    if healed:
+        _say(f"  replaced nodes Ray declared dead before the run: {healed}")
+    meter = StorageMeter(cfg["storage"])
+    meter.start()
+    spare = nodes.cluster.add_node()
+    nodes.live[nodes.cluster.index_of(spare)] = spare
+    control = cfg["events"] + ".controller"  # the controller's own records (recovery, standby, recovered)
+    liveness = {k: cfg[k] for k in ("lost_after_s", "suspect_after_s") if cfg.get(k) is not None}
+    j = InplaceJob(cfg["job"], partial(setup_inplace, cfg=cfg, world=NODES), partial(train_inplace, cfg=cfg),
+                   rank_nodes=[nodes.live[nodes.slots[r]].node_id for r in range(NODES)],
+                   standby_nodes=[spare.node_id], options=memsnap_options(cfg), events=control, **liveness)
+    # the head runs this driver, the controller, its store and the coordinator, and the bench
+    # never kills it: no standby there, even once a lost rank 0 has left it free
+    head = next(i for i, n in nodes.live.items() if n.node_id == ray.get_runtime_context().get_node_id())
+    j._used_nodes = _Pinned(j._used_nodes, pinned={nodes.live[head].node_id})
+    box: dict = {}
+
+    def go() -> None:
+        try:
+            box["results"] = j.run(timeout_s=horizon + 1800)
+        except BaseException as exc:
+            box["error"] = exc
+
+    th = threading.Thread(target=go, daemon=True)
+    th.start()
+    inp = InplaceNodes(nodes, j)
+    inj = Injector(inp, schedule if spec.faults else [], 0.0, 0.0, cfg["events"])
+    t0 = 0.0
+    try:
+        wait_for(lambda: sum(e["ev"] == "restored" for e in read_events(cfg["events"])) >= NODES
+                 or not th.is_alive(), timeout=900, what="the in-place ranks to restore")
+        if not th.is_alive():
+            raise box.get("error") or RuntimeError(f"{spec.name}: the in-place job ended before training")
+        t0 = time.time()
+        inj.t0, inj.deadline = t0, t0 + horizon
+        j.store.set(DEADLINE_KEY, repr(t0 + horizon))
+        inj.start()
+        th.join(timeout=horizon + 900)
+        if th.is_alive():
+            ev = read_events(cfg["events"])
+            raise TimeoutError(f"{spec.name}: the in-place job did not end within {horizon + 900:.0f} s of its "
+                               f"first step ({len(inj.faults)} node(s) killed, {len(j.recoveries)} recoveries, "
+                               f"{sum(e['ev'] == 'step' for e in ev)} steps)")
+        if "error" in box:
+            raise box["error"]
+    finally:
+        inj.stop.set()
+        if inj.is_alive():
+            inj.join(timeout=150)
+        inp.stop.set()
+        for t in inp.handoffs:
+            t.join(timeout=60)
+        if th.is_alive() and j.store is not None:
+            j.store.set(DEADLINE_KEY, "0")  # rank 0 reads it every step: the ranks stop together
+            th.join(timeout=180)
+        meter.stop.set()
+        meter.join(timeout=10)
+        recoveries = j.collect() if j.store is not None else [r.to_dict() for r in j.recoveries]
+        try:
+            shutdown(cfg["job"], timeout=30)
+        except Exception as exc:
+            _say(f"shutdown {cfg['job']}: {exc}")
+        inp.settle(head)
+    standby = [e for e in read_events(control) if e.get("event") == "standby"]
+    # a recovery before the timed part is not the run's fault (as run_own drops a node lost then)
+    faults = inplace_faults(inj.faults, [r for r in recoveries if r["noticed"] >= t0])
+    return RunResult(vars(spec), t0, horizon, read_events(cfg["events"]), faults, meter.total(),
+                     cfg["state_mb"] << 20, {"recoveries": recoveries, "standby_events": standby})
+
+
 # --- the whole benchmark -------------------------------------------------------------------------
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -416,7 +588,11 @@ def main() -> None:
                          "at least 25 s apart, the last before the final 30 s)")
     ap.add_argument("--common-n", type=int, default=10, help="the interval every disk system also runs at")
     ap.add_argument("--spill-every", type=int, default=10, help="memsnap's durable spill, steps")
-    ap.add_argument("--systems", nargs="+", default=["memsnap", "torch.save", "dcp", "ray.train"])
+    ap.add_argument("--systems", nargs="+", default=["memsnap", "memsnap-inplace", "torch.save", "dcp", "ray.train"])
+    ap.add_argument("--lost-after-s", type=float, default=None,
+                    help="memsnap-inplace: seconds without beats before a member is lost (InplaceJob's default)")
+    ap.add_argument("--suspect-after-s", type=float, default=None,
+                    help="memsnap-inplace: the same once a collective failed (InplaceJob's default)")
     ap.add_argument("--storage", default=None, help="the directory standing in for NFS (default: a temp dir)")
     ap.add_argument("--out", default=str(RESULTS / "goodput.md"))
     ap.add_argument("--render", action="store_true", help="only rewrite the .md/.png from the .json")
@@ -486,7 +662,8 @@ def measure(args, json_path: Path, keep: list[dict], keep_yd: dict[str, int] | N
                 "spill_bytes_per_s": 256 << 20,
                 # what `memsnap plan` says a node needs (RS(2,1), keep=2: 9x the state), and 256 MiB to spare
                 "memory_budget": int(agent_ram(args.state_mb << 20, k=2, m=1, keep=2)) + (256 << 20),
-                "node_mtbf_s": args.mtbf_s * NODES, "scratch": scratch}
+                "node_mtbf_s": args.mtbf_s * NODES, "scratch": scratch,
+                "lost_after_s": args.lost_after_s, "suspect_after_s": args.suspect_after_s}
     runs: list[dict] = list(keep)
     chosen: dict[str, int] = dict(keep_yd or {})  # Young/Daly N per disk system
     errors: dict[str, str] = {}
@@ -508,10 +685,12 @@ def measure(args, json_path: Path, keep: list[dict], keep_yd: dict[str, int] | N
         try:
             if spec.system == "ray.train":
                 res = run_ray_train(spec, cfg, cluster_nodes, schedule, horizon)
+            elif spec.system == "memsnap-inplace":
+                res = run_inplace(spec, cfg, cluster_nodes, schedule, horizon)
             else:
                 res = run_own(spec, cfg, cluster_nodes, schedule, horizon, **kw)
         finally:
-            if spec.system == "memsnap":
+            if spec.system in ("memsnap", "memsnap-inplace"):
                 try:
                     shutdown(job, timeout=30)
                 except Exception as exc:
@@ -548,6 +727,10 @@ def measure(args, json_path: Path, keep: list[dict], keep_yd: dict[str, int] | N
             one(nodes, RunSpec("memsnap", "1", True), args.horizon_s)
             one(nodes, RunSpec("memsnap", "auto", False), args.baseline_s)
             one(nodes, RunSpec("memsnap", "auto", True), args.horizon_s)
+            return
+        if system == "memsnap-inplace":  # a snapshot every step, as memsnap/1
+            one(nodes, RunSpec("memsnap-inplace", "1", False), args.baseline_s)
+            one(nodes, RunSpec("memsnap-inplace", "1", True), args.horizon_s)
             return
         base = one(nodes, RunSpec(system, str(args.common_n), False), args.baseline_s)
         cost = base["stall_steady"] or base["stall_first"] or 0.0

@@ -6,8 +6,10 @@ A step's compute is the real model on the CPU (``compute="model"``) or a sleep o
 ``step_s`` seconds standing in for GPU time that leaves the CPU to the agents
 (``compute="sleep"``; the model still does its all-reduce and optimizer step).
 
-Every rank appends JSON events (``ready``, ``restored``, ``step``, ``save``) to one file
-per run; ``bench/goodput.py`` rebuilds the timeline from them.
+Every rank appends JSON events (``built``, ``restored``, ``step``, ``save``) to one file
+per run; ``bench/goodput.py`` rebuilds the timeline from them. ``setup_inplace`` and
+``train_inplace`` run the same job under ``memsnap.inplace.InplaceJob`` (the
+``memsnap-inplace`` system).
 """
 from __future__ import annotations
 
@@ -52,7 +54,19 @@ class Job:
     def state(self) -> dict:
         return {"model": self.model, "optim": self.optim, "bulk": {"frozen": self.bulk}}
 
-    def step(self, step: int) -> None:
+    def take_rank(self, rank: int, world: int, fresh: bool) -> None:
+        """Make the parts of the state that depend on the rank and are not snapshotted right for
+        ``rank`` (an in-place member builds rank 0's state before it has a rank): the input
+        generator starts again from the rank's seed, as a rank rebuilt by a restart does, and a
+        ``fresh`` state (nothing restored) gets the rank's buffer fill."""
+        self.rank, self.world = rank, world
+        self.gen = torch.Generator().manual_seed(self.cfg["seed"] * 1000 + rank)
+        if fresh:
+            self.bulk.fill_(float(rank + 1))
+
+    def step(self, step: int, average=None) -> None:
+        """One step; ``average(params)`` averages the gradients (default: a ``dist.all_reduce``
+        per parameter)."""
         x = torch.randn(64, WIDTH, generator=self.gen)
         if self.cfg["compute"] == "model":
             for _ in range(self.cfg["model_passes"]):
@@ -64,7 +78,9 @@ class Job:
             self.optim.zero_grad(set_to_none=True)
             loss.backward()
             time.sleep(self.cfg["step_s"])
-        if self.world > 1:
+        if average is not None:
+            average(self.model.parameters())
+        elif self.world > 1:
             for p in self.model.parameters():
                 dist.all_reduce(p.grad)
                 p.grad /= self.world
@@ -254,6 +270,51 @@ def train(job: Job, prot, cfg: dict, first: int, attempt: int, deadline: float) 
             event(cfg["events"], ev="step", step=step, attempt=attempt)
         if saved is not None:
             event(cfg["events"], ev="save", rank=job.rank, step=step, attempt=attempt, **saved)
+        step += 1
+    return step
+
+
+# --- in place (the memsnap-inplace system) ------------------------------------------------------
+DEADLINE_KEY = "goodput/deadline"  # in the in-place job's rendezvous store: the run's end, wall clock
+
+
+def setup_inplace(ctx, cfg: dict, world: int) -> Job:
+    """``InplaceJob``'s ``setup``: a member has no rank yet (a standby may take any), so every
+    member builds rank 0's state; ``train_inplace`` makes it the rank's after its restore."""
+    return Job(0, world, cfg)
+
+
+def train_inplace(ctx, job: Job, cfg: dict) -> int:
+    """``InplaceJob``'s ``train``, called in each generation (survivors and the standby that
+    took a lost rank alike): the ``built`` event (the rank is in the new group, ready to
+    restore), ``ctx.restore``, then ``train``'s loop with the gradients averaged through the
+    re-formable group. Rank 0's clock ends it for every rank (a one-element all-reduce each
+    step) at the deadline the driver writes to ``DEADLINE_KEY`` when the timed part starts
+    (rank 0 reads it each step: the driver may bring it forward to stop the job)."""
+    import ray
+
+    rank, gen, store = ctx.rank, ctx.generation, ctx.store
+    event(cfg["events"], ev="built", rank=rank, gen=gen, pid=os.getpid(), node=ray.get_runtime_context().get_node_id())
+    t = time.perf_counter()
+    first = ctx.restore(job.state())
+    wall = time.perf_counter() - t
+    job.take_rank(rank, ctx.world_size, fresh=first == 0)
+    event(cfg["events"], ev="restored", rank=rank, gen=gen, step=first - 1 if first else None, wall=wall)
+    store.wait([DEADLINE_KEY])
+
+    def go_on() -> bool:
+        flag = torch.tensor([1.0 if rank == 0 and time.time() < float(store.get(DEADLINE_KEY)) else 0.0])
+        ctx.all_reduce(flag)
+        return flag.item() > 0
+
+    step = first
+    while go_on():
+        job.step(step, average=ctx.average_gradients)
+        taken, stall = _timed(lambda step=step: ctx.save(step, job.state()))
+        if rank == 0:
+            event(cfg["events"], ev="step", step=step, attempt=gen)
+        if taken:
+            event(cfg["events"], ev="save", rank=rank, step=step, attempt=gen, stall=stall, bytes=0)
         step += 1
     return step
 

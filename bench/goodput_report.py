@@ -48,7 +48,7 @@ def lag_s(run: dict, data: dict) -> float:
     """How long after its stall a snapshot completes: memsnap's commit (calibration), DCP's
     background write (its ``written`` events); 0 for the synchronous savers."""
     system = run["spec"]["system"]
-    if system == "memsnap":
+    if system in ("memsnap", "memsnap-inplace"):
         c = _calibration(data)
         if c:
             return c["steady"]["commit"]
@@ -135,7 +135,9 @@ def measured_figures(data: dict) -> gm.Measured | None:
         return None
     ms = [r for r in data["runs"] if r["spec"]["system"] == "memsnap" and r["spec"]["faults"]]
     disk = [r for r in data["runs"] if r["spec"]["system"] == "torch.save" and r["spec"]["faults"]]
-    fails = [f for r in data["runs"] if r["spec"]["faults"] for f in r["failures"] if "restart" in f]
+    # the projection's detect and restart are a whole-job restart's: the in-place runs stay out
+    fails = [f for r in data["runs"] if r["spec"]["faults"] and r["spec"]["system"] != "memsnap-inplace"
+             for f in r["failures"] if "restart" in f]
     peer = _med([f["restore_wall"] for r in ms for f in r["failures"] if "restore_wall" in f])
     store = _med([f["restore_wall"] for r in disk for f in r["failures"] if "restore_wall" in f])
     if not (peer and fails):
@@ -166,6 +168,62 @@ def _passes(data: dict) -> str:
                 f"{p['date']}, {', '.join(p['systems'])}, {p['seconds'] / 60:.1f} min, load "
                 f"{min(la[0] for la in p['loadavg_after_each_run']):.1f}-{max(la[0] for la in p['loadavg_after_each_run']):.1f}"
                 for p in passes) + ". Each system's runs are from the last pass that ran it.")
+
+
+def ranking(data: dict) -> str:
+    """The faulted runs by goodput, best first."""
+    ranked = sorted(pairs(data), key=lambda p: -goodput(*p))
+    if not ranked:
+        return ""
+    return "Goodput, best first: " + ", ".join(f"{_name(r)} {goodput(r, b):.2f}" for r, b in ranked) + "."
+
+
+def _s(x) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def inplace_rows(data: dict) -> list[str]:
+    """Where each in-place recovery's time went, per fault (the memsnap-inplace runs)."""
+    runs = [r for r in data["runs"] if r["spec"]["faults"] and any("inplace" in f for f in r["failures"])]
+    if not runs:
+        return []
+    lines = ["## Where the in-place recoveries' time went (memsnap-inplace)", "",
+             "Per fault, from the kill: *first sign* (the controller's `noticed`: a survivor's failed all-reduce "
+             "published, or a member's beats or actor gone), *detect* (-> the next generation written: the lost "
+             "rank named, its node fenced, the standby given the rank; the table above's *detect* is kill -> "
+             "this decision), *re-form* (-> every member formed the new gloo group), *restore* (-> every rank "
+             "restored: the survivors from their own node's RAM, the standby from its peers, its `Snapshotter` "
+             "created first), *first step* (-> every rank completed a step), and the whole: kill -> every "
+             "rank's first completed step. *Ray's verdict*: kill -> Ray's GCS declares the node dead (the other "
+             "systems' detect; the in-place job does not wait for it). *Survivors' pids*: the pid each surviving "
+             "rank reported at the start of the generation before and of the one the recovery formed.", "",
+             "| run | kill at s | rank lost | first sign | detect | re-form | restore | first step | "
+             "**kill -> every rank stepped** | Ray's verdict | restore tiers | survivors' pids |",
+             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
+    for run in runs:
+        for f in run["failures"]:
+            x = f.get("inplace")
+            if x is None:
+                lines.append(f"| {_name(run)} | {f['t_kill_s']:.1f} | - | not recovered in place | | | | | | | | |")
+                continue
+            tiers = ", ".join(f"{k}: {v}" for k, v in sorted(x["tiers"].items(), key=lambda kv: int(kv[0])))
+            pids = "unchanged" if x["survivors_kept"] else "CHANGED: " + ", ".join(
+                f"r{k} {a} -> {b}" for k, (a, b) in x["pids"].items())
+            lost = ", ".join(map(str, x["lost"])) or "none (a collective failed)"
+            lines.append(
+                f"| {_name(run)} | {f['t_kill_s']:.1f}{' (not scheduled)' if f.get('unscheduled') else ''} | {lost} | "
+                f"{_s(x['kill_to_sign'])} | {_s(x['detect'])} | {_s(x['reform'])} | {_s(x['restore'])} | "
+                f"{_s(x['first_step'])} | **{_s(x['kill_to_all_stepped'])}** | {_s(x['ray_verdict'])} | {tiers} | "
+                f"{pids} |")
+    for run in runs:
+        warm = run.get("extra", {}).get("standby_events") or []
+        recs = run.get("extra", {}).get("recoveries") or []
+        if warm and recs:
+            gaps = [e["t"] - r["decided"] for e, r in zip(warm, recs)]
+            lines += ["", f"{_name(run)}: each new standby warm (decided -> the controller's `standby` event, in the "
+                      "background on the replacement node): " + ", ".join(f"{g:.1f} s" for g in gaps) + ". A loss that "
+                      "finds no standby warm yet waits for the one warming (its *detect* includes that wait)."]
+    return lines + [""]
 
 
 def write_report(data: dict, out: Path) -> None:
@@ -200,13 +258,24 @@ def write_report(data: dict, out: Path) -> None:
         "kill times (in the table's runs) differ a little between systems. After a kill the whole job "
         "restarts, as Ray Train restarts its worker group: the surviving ranks are killed, 4 ranks start "
         "on the live nodes, restore, and train on. Ray Train runs the same loop in a `TorchTrainer` "
-        "(`FailureConfig(max_failures=-1)`), which restarts the group itself.", "",
+        "(`FailureConfig(max_failures=-1)`), which restarts the group itself. **memsnap-inplace** runs the "
+        "same job, schedule and events under `memsnap.inplace.InplaceJob` (a snapshot every step, as "
+        "memsnap/1) with one warm standby on a spare node: after a kill nothing restarts: the controller "
+        "notices the loss from the survivors' failed all-reduce or the lost member's missing heartbeats, the "
+        "survivors keep their processes and roll back from their own node's RAM, the standby takes the lost "
+        "rank and restores from its peers, and the next standby warms on the replacement node"
+        + (f" (a member is lost after {a.get('lost_after_s') or 1.0:g} s without heartbeats, "
+           f"{a.get('suspect_after_s') or 0.3:g} s once a collective failed)"
+           if a.get("lost_after_s") or a.get("suspect_after_s") else "") + ".", "",
         "* **useful steps**: the job's progress when the horizon ends (steps redone after a rollback count once).",
         "* **goodput**: useful steps per wall second over the same system's failure-free rate (same interval).",
         "* **lost steps (RPO)**: steps completed when the node died minus the step the job resumed from.",
         "* **RTO**: seconds from the kill to the next completed step, split into *detect* (kill until Ray's GCS "
         f"declares the node dead; its health checks here: {_health(data)}), *restart* (until every new rank has built its "
-        "state and joined the process group), *restore* (until every rank has loaded the checkpoint) and the first step.",
+        "state and joined the process group), *restore* (until every rank has loaded the checkpoint) and the first step. "
+        "For memsnap-inplace, *detect* ends at memsnap's own decision (the next generation written), not at Ray's "
+        "verdict, and *restart* is until every rank has begun the new generation (the group re-formed, the standby's "
+        "`Snapshotter` created); its own split is in the section on the in-place recoveries.",
         "* **stall**: wall seconds `save` blocks training, per rank: the first save of a run and the median of the others.",
         "* **to storage**: bytes written under the directory that stands in for NFS (the largest size seen of every "
         "file, polled every 0.2 s). memsnap writes there only when it spills.",
@@ -230,6 +299,8 @@ def write_report(data: dict, out: Path) -> None:
             f"{run['rate'] / none['rate'] if none else float('nan'):.2f} | "
             f"{_f(_mean(lost), '.1f')} ({', '.join(map(str, lost))}) | {rto} | "
             f"{_f(run['stall_first'])} / {_f(run['stall_steady'])} | {run['storage_bytes'] / GIB:.2f} GiB |")
+    if ranking(data):
+        lines += ["", ranking(data)]
     if none:
         lines += ["", f"*vs. unprotected*: steps/s with faults over the rate of the same job without any protection "
                   f"and without faults ({none['rate']:.3f} steps/s), which also charges each system its failure-free "
@@ -246,7 +317,7 @@ def write_report(data: dict, out: Path) -> None:
                   "of this file)."]
     for system, err in data.get("errors", {}).items():
         lines += ["", f"**{system} did not complete**: `{err[:400]}`"]
-    lines += [""] + _stall_rows(data)
+    lines += [""] + inplace_rows(data) + _stall_rows(data)
     check = model_check(data)
     if check:
         worst = max(abs(c["error"]) for c in check if c["error"] is not None)
@@ -294,7 +365,9 @@ def write_report(data: dict, out: Path) -> None:
               "a wait until Ray declares the node dead, and the next fault only once the job trains again), node kills "
               "only. `memsnap.chaos` lands the same kill on the loopback cluster, but not that wait for training.",
               "* After a kill the lost rank starts on the replacement node and the other ranks on their own nodes: "
-              "in memsnap's restore the lost rank reads from its peers and the others from their node's RAM.",
+              "in memsnap's restore the lost rank reads from its peers and the others from their node's RAM. In "
+              "memsnap-inplace the lost rank moves to the standby's node instead (the replacement warms the next "
+              "standby), and the cluster has one node more than the job's ranks while it runs.",
               ""]
     out.write_text("\n".join(lines))
     plot(data, out.with_suffix(".png"))

@@ -33,6 +33,56 @@ class RunResult:
     extra: dict = field(default_factory=dict)
 
 
+def inplace_faults(faults: list[dict], recoveries: list[dict]) -> list[dict]:
+    """The faults of an in-place run on memsnap's own timeline. Each kill is matched (in the
+    order of the kills) to the first recovery decided after it that lost the killed rank
+    (``rank``); its ``t_dead`` becomes that decision, Ray's verdict is kept as ``t_dead_ray``,
+    and the recovery (``InplaceJob.collect()``'s record: noticed, decided, split, tiers, pids)
+    comes along as ``recovery``. A recovery no kill explains (a member that missed its beats,
+    a collective that failed with every member alive) cost the run like a fault: it is one,
+    unscheduled, from the controller's first sign."""
+    out, used = [], set()
+    for f in sorted(faults, key=lambda f: f["t_kill"]):
+        f = dict(f)
+        for i, rec in enumerate(recoveries):
+            if i in used or rec["decided"] < f["t_kill"]:
+                continue
+            if f.get("rank") is not None and f["rank"] not in {int(x) for x in rec["lost"]}:
+                continue
+            used.add(i)
+            f.update(t_dead_ray=f["t_dead"], t_dead=rec["decided"], recovery=rec)
+            break
+        out.append(f)
+    for i, rec in enumerate(recoveries):
+        if i not in used:
+            out.append({"t_kill": rec["noticed"], "t_dead": rec["decided"], "unscheduled": True,
+                        "why": rec.get("why"), "recovery": rec})
+    return sorted(out, key=lambda f: f["t_kill"])
+
+
+def _inplace_split(f: dict, events: list[dict]) -> dict:
+    """Where the seconds of one in-place recovery went (from the kill, the controller's record
+    and the members' reports), and whether the survivors kept their processes: each rank's pid
+    in the ``built`` events of the generation before and of the one the recovery formed."""
+    rec = f["recovery"]
+    split = rec["split"]
+    out = {"gen": rec["gen"], "lost": sorted(int(x) for x in rec["lost"]),
+           "kill_to_sign": rec["noticed"] - f["t_kill"], "detect": split["detect"], "reform": split["reform"],
+           "restore": split["restore"], "first_step": split["first_step"],
+           "kill_to_all_stepped": None if split.get("total") is None else rec["noticed"] + split["total"] - f["t_kill"],
+           "ray_verdict": f["t_dead_ray"] - f["t_kill"] if "t_dead_ray" in f else None,
+           "tiers": {int(k): v for k, v in rec.get("tiers", {}).items()}}
+    pid: dict[int, dict[int, int]] = {}
+    for e in events:
+        if e["ev"] == "built" and "gen" in e:
+            pid.setdefault(e["gen"], {}).setdefault(e["rank"], e["pid"])
+    before, after = pid.get(rec["gen"] - 1, {}), pid.get(rec["gen"], {})
+    survivors = [r for r in sorted(after) if r not in out["lost"]]
+    out["pids"] = {r: [before.get(r), after[r]] for r in survivors}
+    out["survivors_kept"] = bool(survivors) and all(before.get(r) == after[r] for r in survivors)
+    return out
+
+
 def analyse(r: RunResult) -> dict:
     """Progress, goodput inputs and per-failure RPO/RTO of one run (times from its ``t0``)."""
     steps = [e for e in r.events if e["ev"] == "step" and e["t"] <= r.t0 + r.horizon_s]
@@ -53,6 +103,8 @@ def analyse(r: RunResult) -> dict:
         # the old ranks' progress: a step whose all-reduce ended before the kill can be logged just after it
         before = [e for e in steps if e["t"] < (min(built) if built else f["t_kill"])]
         rec = {"at_s": f.get("at_s"), "unscheduled": f.get("unscheduled", False), "t_kill_s": f["t_kill"] - r.t0, "detect": f["t_dead"] - f["t_kill"]}
+        if "recovery" in f:  # in place: memsnap's own decision ends detect (inplace_faults)
+            rec["inplace"] = _inplace_split(f, r.events)
         progress = before[-1]["step"] + 1 if before else 0
         t_rest = max(e["t"] for e in restored[:NODES]) if len(restored) >= NODES else nxt
         after = [e for e in steps if t_rest < e["t"] < nxt]  # the new ranks' steps

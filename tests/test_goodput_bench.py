@@ -87,3 +87,90 @@ def test_a_step_the_old_ranks_log_just_after_the_kill_is_progress_not_recovery()
                              ev, faults, 0, 1))["failures"]
     assert f["lost_steps"] == 6  # 11 steps done, resumed at step 5
     assert f["rto"] == pytest.approx(23.5 - 10.5) and f["first_step"] == pytest.approx(1.0)
+
+
+def _inplace(t0: float) -> tuple[list[dict], list[dict], list[dict]]:
+    """An in-place run: steps 0-9 at t0+1..t0+10, a snapshot every step; rank 2's node is killed
+    at t0+10.5, the controller notices at t0+10.8 and decides at t0+11.0 (Ray's verdict comes at
+    t0+16); every rank begins generation 1 by t0+11.3 (rank 2: the standby, a new pid), restores
+    step 9 by t0+12.0 and steps 10.. end from t0+13.0. A second recovery at t0+25 no kill explains."""
+    ev = []
+    for gen, t, pids in ((0, t0 - 2, {r: 100 + r for r in range(NODES)}),
+                         (1, t0 + 11.0, {0: 100, 1: 101, 2: 200, 3: 103})):
+        ev += [{"ev": "built", "rank": r, "gen": gen, "pid": pids[r], "t": t + 0.1 * (r + 1)} for r in range(NODES)]
+        ev += [{"ev": "restored", "rank": r, "gen": gen, "step": None if gen == 0 else 9, "wall": 0.5,
+                "t": t + 1.0} for r in range(NODES)]
+    for s in range(10):
+        ev.append({"ev": "step", "step": s, "attempt": 0, "t": t0 + 1 + s})
+    for i, s in enumerate(range(10, 30)):
+        ev.append({"ev": "step", "step": s, "attempt": 1, "t": t0 + 13.0 + i})
+    ev.sort(key=lambda e: e["t"])
+    faults = [{"at_s": 10.0, "t_kill": t0 + 10.5, "t_dead": t0 + 16.0, "killed": 3, "replacement": 5, "rank": 2}]
+    split = {"detect": 0.2, "reform": 0.3, "restore": 0.7, "first_step": 1.0, "total": 2.2}
+    recoveries = [
+        {"gen": 1, "lost": {"2": "r2"}, "takeover": {"2": "s0"}, "why": "rank 2: its process ended",
+         "noticed": t0 + 10.8, "decided": t0 + 11.0, "split": split,
+         "tiers": {"0": "local", "1": "local", "2": "peers", "3": "local"}, "pids": {}},
+        {"gen": 2, "lost": {"1": "r1"}, "takeover": {"1": "s1"}, "why": "rank 1: no heartbeat for 1.2 s",
+         "noticed": t0 + 25.0, "decided": t0 + 25.1, "split": dict(split, reform=None, total=None),
+         "tiers": {}, "pids": {}}]
+    return ev, faults, recoveries
+
+
+def test_in_place_faults_end_detect_at_memsnaps_decision():
+    from goodput_timeline import inplace_faults
+
+    t0 = 1000.0
+    ev, faults, recoveries = _inplace(t0)
+    fs = inplace_faults(faults, recoveries)
+    assert [f.get("unscheduled", False) for f in fs] == [False, True]
+    kill, extra = fs
+    assert kill["t_dead"] == t0 + 11.0 and kill["t_dead_ray"] == t0 + 16.0  # Ray's verdict is kept
+    assert kill["recovery"]["gen"] == 1 and faults[0]["t_dead"] == t0 + 16.0  # the input is not changed
+    assert extra["t_kill"] == t0 + 25.0 and extra["t_dead"] == t0 + 25.1 and "rank 1" in extra["why"]
+    a = analyse(RunResult({"system": "memsnap-inplace", "interval": "1", "faults": True, "label": ""}, t0, 35.0,
+                          ev, fs, 0, 64 << 20))
+    f, g = a["failures"]
+    assert f["detect"] == pytest.approx(0.5)  # kill -> decided, not kill -> Ray's verdict (5.5 s)
+    assert f["restart"] == pytest.approx(0.4)  # decided -> every rank began generation 1
+    assert f["restore"] == pytest.approx(0.6) and f["first_step"] == pytest.approx(1.0)
+    assert f["rto"] == pytest.approx(2.5) and f["lost_steps"] == 0  # a snapshot every step: nothing lost
+    x = f["inplace"]
+    assert x["kill_to_sign"] == pytest.approx(0.3) and x["detect"] == pytest.approx(0.2)
+    assert x["kill_to_all_stepped"] == pytest.approx(2.5) and x["ray_verdict"] == pytest.approx(5.5)
+    assert x["lost"] == [2] and x["tiers"][2] == "peers"
+    assert x["survivors_kept"] and x["pids"] == {0: [100, 100], 1: [101, 101], 3: [103, 103]}
+    # the unscheduled one never formed its generation here: no split to the end, no survivors seen
+    assert g["unscheduled"] and g["inplace"]["kill_to_all_stepped"] is None and not g["inplace"]["survivors_kept"]
+    assert "rto" not in g
+
+
+def test_a_kill_no_recovery_lost_keeps_rays_verdict():
+    from goodput_timeline import inplace_faults
+
+    t0 = 0.0
+    _, faults, recoveries = _inplace(t0)
+    (f, g, h) = inplace_faults([dict(faults[0], rank=3)], recoveries)  # rank 3 was never lost
+    assert "recovery" not in f and f["t_dead"] == t0 + 16.0
+    assert g["unscheduled"] and h["unscheduled"]
+
+
+def test_the_report_shows_the_in_place_split_and_ranks_goodput():
+    from goodput_report import inplace_rows, ranking
+    from goodput_timeline import inplace_faults
+
+    t0 = 1000.0
+    ev, faults, recoveries = _inplace(t0)
+    spec = {"system": "memsnap-inplace", "interval": "1", "faults": True, "label": ""}
+    run = {"spec": spec, **analyse(RunResult(spec, t0, 35.0, ev, inplace_faults(faults, recoveries), 0, 1)),
+           "extra": {"recoveries": recoveries, "standby_events": [{"t": t0 + 14.0, "event": "standby"}]}}
+    base = {"spec": dict(spec, faults=False), "rate": 1.0}
+    other = {"spec": {"system": "dcp", "interval": "5", "faults": True, "label": ""}, "rate": 0.3, "failures": []}
+    data = {"runs": [run, base, other, {"spec": dict(other["spec"], faults=False), "rate": 0.6}]}
+    rows = inplace_rows(data)
+    row = next(r for r in rows if r.startswith("| memsnap-inplace/1 | 10.5 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[2:10] == ["2", "0.30", "0.20", "0.30", "0.70", "1.00", "**2.50**", "5.50"]
+    assert "2: peers" in cells[10] and cells[11] == "unchanged"
+    assert any("3.0 s" in r for r in rows)  # the new standby warm 3 s after the decision
+    assert ranking(data) == f"Goodput, best first: memsnap-inplace/1 {run['rate']:.2f}, dcp/5 0.50."
