@@ -7,6 +7,7 @@ first m data shards from the other k shards.  "1 MiB" is one stripe holding 1 Mi
 cache); "256 MiB" is 256 MiB of data in stripes of 1 MiB shards (out of cache).  The k shards
 of a stripe are staggered by an odd number of cache lines (see ``--layout``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,12 +51,12 @@ def carve(count: int, k: int, m: int, shard: int, stagger: int) -> Stripes:
     arena = np.empty(count * (k + 2 * m) * stride + 4096, dtype=np.uint8)
     arena[:] = np.random.default_rng(1).integers(0, 256, arena.size, dtype=np.uint8)
     base = (-arena.ctypes.data) % 4096  # the first shard page aligned
-    views = [arena[base + i * stride: base + i * stride + shard] for i in range(count * (k + 2 * m))]
+    views = [arena[base + i * stride : base + i * stride + shard] for i in range(count * (k + 2 * m))]
     per = k + 2 * m
     return Stripes(
-        data=[views[s * per: s * per + k] for s in range(count)],
-        parity=[views[s * per + k: s * per + k + m] for s in range(count)],
-        rebuilt=[views[s * per + k + m: (s + 1) * per] for s in range(count)],
+        data=[views[s * per : s * per + k] for s in range(count)],
+        parity=[views[s * per + k : s * per + k + m] for s in range(count)],
+        rebuilt=[views[s * per + k + m : (s + 1) * per] for s in range(count)],
     )
 
 
@@ -66,8 +67,7 @@ def clock_for(name: str) -> Callable[[], int]:
     return time.thread_time_ns if name.endswith("1t") else time.perf_counter_ns
 
 
-def interleaved_best(ops: dict[str, Callable[[], None]], nbytes: int, rounds: int,
-                     inner: int = 1) -> dict[str, float]:
+def interleaved_best(ops: dict[str, Callable[[], None]], nbytes: int, rounds: int, inner: int = 1) -> dict[str, float]:
     """GB/s of each op, best of `rounds`; every round runs every op `inner` times in a row (the
     first warms the cache for in-cache sizes), op after op, so that a burst of load from other
     processes hits all of them alike."""
@@ -89,8 +89,7 @@ def memsnap_ops(st: Stripes, k: int, m: int, threads: int):
     rs = codec.ReedSolomon(k, m, threads=threads)
     for d, p in zip(st.data, st.parity):
         rs.encode_into(d, p)
-    calls = [([None] * m + d[m:] + p, dict(zip(range(m), r)))
-             for d, p, r in zip(st.data, st.parity, st.rebuilt)]
+    calls = [([None] * m + d[m:] + p, dict(zip(range(m), r))) for d, p, r in zip(st.data, st.parity, st.rebuilt)]
 
     def encode() -> None:
         for d, p in zip(st.data, st.parity):
@@ -249,8 +248,17 @@ def measure(k: int, m: int, total: int, rounds: int, isal, eclib: str | None) ->
     return interleaved_best(ops, st.data_bytes, rounds)
 
 
-LAYOUT_COLUMNS = ("memsnap enc", "memsnap dec", "ISA-L enc", "ISA-L dec", "pyeclib enc",
-                  "pyeclib dec", "zfec enc", "zfec dec", "memcpy")
+LAYOUT_COLUMNS = (
+    "memsnap enc",
+    "memsnap dec",
+    "ISA-L enc",
+    "ISA-L dec",
+    "pyeclib enc",
+    "pyeclib dec",
+    "zfec enc",
+    "zfec dec",
+    "memcpy",
+)
 
 
 def layout_check(rounds: int, isal, eclib: str | None) -> list[str]:
@@ -267,8 +275,11 @@ def layout_check(rounds: int, isal, eclib: str | None) -> list[str]:
         ops["zfec enc 1t"], ops["zfec dec 1t"] = zfec_ops(st, 4, 2)
         ops["memcpy 1t"] = memcpy_op(st)
         r = {n[:-3]: v for n, v in interleaved_best(ops, st.data_bytes, rounds).items()}
-        ratio = (f"{r['memsnap enc'] / r['ISA-L enc']:.2f}x / {r['memsnap dec'] / r['ISA-L dec']:.2f}x"
-                 if isal is not None else "-")
+        ratio = (
+            f"{r['memsnap enc'] / r['ISA-L enc']:.2f}x / {r['memsnap dec'] / r['ISA-L dec']:.2f}x"
+            if isal is not None
+            else "-"
+        )
         cells = [f"{r[c]:.2f}" if c in r else "-" for c in LAYOUT_COLUMNS]
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {ratio} |")
     return lines
@@ -288,8 +299,7 @@ def cpu_description() -> tuple[str, str]:
     return model, flags
 
 
-def render(rows: dict[str, dict[str, float]], layout: list[str], eclib: str | None, isal,
-           repeat: int) -> str:
+def render(rows: dict[str, dict[str, float]], layout: list[str], eclib: str | None, isal, repeat: int) -> str:
     model, flags = cpu_description()
     cols = sorted({c for r in rows.values() for c in r}, key=lambda c: (c.split()[0] != "memsnap", c))
     out = [
@@ -307,9 +317,15 @@ def render(rows: dict[str, dict[str, float]], layout: list[str], eclib: str | No
     ]
     for name, r in rows.items():
         out.append(f"| {name} | " + " | ".join(f"{r[c]:.2f}" if c in r else "-" for c in cols) + " |")
-    out += ["", "## k=4 m=2, 64 MiB of data in 1 MiB shards, one thread, by stripe layout", "",
-            "| layout | " + " | ".join(LAYOUT_COLUMNS) + " | memsnap/ISA-L enc / dec |",
-            "|---" * (len(LAYOUT_COLUMNS) + 2) + "|", *layout, ""]
+    out += [
+        "",
+        "## k=4 m=2, 64 MiB of data in 1 MiB shards, one thread, by stripe layout",
+        "",
+        "| layout | " + " | ".join(LAYOUT_COLUMNS) + " | memsnap/ISA-L enc / dec |",
+        "|---" * (len(LAYOUT_COLUMNS) + 2) + "|",
+        *layout,
+        "",
+    ]
     return "\n".join(out)
 
 

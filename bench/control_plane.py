@@ -11,6 +11,7 @@ Llama-like model with AdamW (1,000+ tensors).
     python bench/control_plane.py [--ranks 64 512 4096] [--steps 5]
         -> bench/results/control_plane.md
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,8 +57,12 @@ def llama_manifest(layers: int = 32, d: int = 32, vocab: int = 128) -> str:
     """A Llama-shaped model (embedding, ``layers`` blocks of 9 weights, norm, head) with AdamW
     after one step: its manifest as memsnap's planner writes it."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Embedding(vocab, d), *[Block(d) for _ in range(layers)],
-                                torch.nn.RMSNorm(d), torch.nn.Linear(d, vocab, bias=False))
+    model = torch.nn.Sequential(
+        torch.nn.Embedding(vocab, d),
+        *[Block(d) for _ in range(layers)],
+        torch.nn.RMSNorm(d),
+        torch.nn.Linear(d, vocab, bias=False),
+    )
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(torch.randint(0, vocab, (2, 8))).sum().backward()
     optim.step()
@@ -125,9 +130,14 @@ def current(ranks: int, steps: int) -> dict:
     core.plan(0)
     replies = [cloudpickle.dumps(core.plans_for(n, 0)) for n in nodes]
     plan_cpu = time.process_time() - t0
-    return {"bytes": sorted(wire)[len(wire) // 2], "cpu": sorted(cpu)[len(cpu) // 2],
-            "latency": sorted(latency)[len(latency) // 2], "plan_bytes": sum(len(r) for r in replies),
-            "plan_cpu": plan_cpu, "join_bytes": sum(size(n, addr(n), [r.rank for r in regions[n]]) for n in nodes)}
+    return {
+        "bytes": sorted(wire)[len(wire) // 2],
+        "cpu": sorted(cpu)[len(cpu) // 2],
+        "latency": sorted(latency)[len(latency) // 2],
+        "plan_bytes": sum(len(r) for r in replies),
+        "plan_cpu": plan_cpu,
+        "join_bytes": sum(size(n, addr(n), [r.rank for r in regions[n]]) for n in nodes),
+    }
 
 
 def inventories(nodes, regions, holders, chunk, step) -> dict:
@@ -136,8 +146,10 @@ def inventories(nodes, regions, holders, chunk, step) -> dict:
         stripes = sum(r.stripes(K, chunk) for r in regions[owner])
         for j, h in enumerate(holders[owner]):
             held[h].setdefault(owner, {})[j] = stripes
-    return {n: Inventory(n, versions={step: ("committed", tuple(r.rank for r in regions[n]))},
-                         held={step: held[n]}) for n in nodes}
+    return {
+        n: Inventory(n, versions={step: ("committed", tuple(r.rank for r in regions[n]))}, held={step: held[n]})
+        for n in nodes
+    }
 
 
 # --- the previous protocol: manifests in every report, record and plan ------------------------------
@@ -147,14 +159,37 @@ def previous(ranks: int, steps: int, manifest: str) -> dict:
     and each rank's restore plan (the whole record)."""
     nodes, chunk, holders, regions = layout(ranks)
     mans = {r: manifest.replace('"rank": 0', f'"rank": {r}', 1) + " " * (r % 2) for r in range(ranks)}
-    reports = {n: {"chunk": chunk, "holders": list(holders[n]), "gen": 0,
-                   "ranks": {r.rank: {"rank": r.rank, "nbytes": r.nbytes, "stripe_base": r.stripe_base, "k": K,
-                                      "chunk": chunk, "owner": n, "manifest": mans[r.rank]} for r in regions[n]}}
-               for n in nodes}
+    reports = {
+        n: {
+            "chunk": chunk,
+            "holders": list(holders[n]),
+            "gen": 0,
+            "ranks": {
+                r.rank: {
+                    "rank": r.rank,
+                    "nbytes": r.nbytes,
+                    "stripe_base": r.stripe_base,
+                    "k": K,
+                    "chunk": chunk,
+                    "owner": n,
+                    "manifest": mans[r.rank],
+                }
+                for r in regions[n]
+            },
+        }
+        for n in nodes
+    }
     report_bytes = sum(size(0, n, rep) for n, rep in reports.items())
     t0 = time.process_time()
-    record = {"step": 0, "k": K, "m": M, "ranks": {}, "holders": {}, "addrs": {n: addr(n) for n in nodes},
-              "time": time.time()}
+    record = {
+        "step": 0,
+        "k": K,
+        "m": M,
+        "ranks": {},
+        "holders": {},
+        "addrs": {n: addr(n) for n in nodes},
+        "time": time.time(),
+    }
     for n, info in reports.items():
         record["holders"][n] = list(info["holders"])
         for rank, entry in info["ranks"].items():
@@ -162,8 +197,15 @@ def previous(ranks: int, steps: int, manifest: str) -> dict:
     one = cloudpickle.dumps((0, record, [0]))  # one agent's commit call; each agent gets its own
     build = time.process_time() - t0
     plan_one = len(cloudpickle.dumps({"step": 0, "tier": "peer", "plan": "ram", "record": record}))
-    return {"reports": report_bytes, "record": len(one), "build": build, "dumps": _dumps_seconds(record),
-            "plan_one": plan_one, "nodes": len(nodes), "ranks": ranks}
+    return {
+        "reports": report_bytes,
+        "record": len(one),
+        "build": build,
+        "dumps": _dumps_seconds(record),
+        "plan_one": plan_one,
+        "nodes": len(nodes),
+        "ranks": ranks,
+    }
 
 
 def scaled(p: dict, factor: float) -> dict:
@@ -172,8 +214,12 @@ def scaled(p: dict, factor: float) -> dict:
     nodes, ranks = p["nodes"] * factor, p["ranks"] * factor
     record, dumps = p["record"] * factor, p["dumps"] * factor
     cpu = p["build"] * factor + (nodes - 1) * dumps
-    return {"bytes": p["reports"] * factor + record * nodes, "cpu": cpu, "latency": cpu,
-            "plan_bytes": p["plan_one"] * factor * ranks}
+    return {
+        "bytes": p["reports"] * factor + record * nodes,
+        "cpu": cpu,
+        "latency": cpu,
+        "plan_bytes": p["plan_one"] * factor * ranks,
+    }
 
 
 def _dumps_seconds(record) -> float:
@@ -197,9 +243,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ranks", type=int, nargs="+", default=[64, 512, 4096])
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--previous-up-to", type=int, default=512,
-                    help="measure the previous protocol up to this many ranks; scale it above (it is linear "
-                         "in ranks per message and in nodes per broadcast)")
+    ap.add_argument(
+        "--previous-up-to",
+        type=int,
+        default=512,
+        help="measure the previous protocol up to this many ranks; scale it above (it is linear "
+        "in ranks per message and in nodes per broadcast)",
+    )
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
     manifest = llama_manifest()
@@ -209,10 +259,13 @@ def main() -> None:
         base = min(ranks, args.previous_up_to)
         old = scaled(previous(base, 1, manifest), ranks / base)
         rows.append((ranks, new, old, base != ranks))
-        print(f"{ranks} ranks: control {fmt_bytes(new['bytes'])}/step (was {fmt_bytes(old['bytes'])}), "
-              f"coordinator CPU {fmt_s(new['cpu'])}/step (was {fmt_s(old['cpu'])}), "
-              f"restore plans {fmt_bytes(new['plan_bytes'])} in {fmt_s(new['plan_cpu'])} "
-              f"(was {fmt_bytes(old['plan_bytes'])})", flush=True)
+        print(
+            f"{ranks} ranks: control {fmt_bytes(new['bytes'])}/step (was {fmt_bytes(old['bytes'])}), "
+            f"coordinator CPU {fmt_s(new['cpu'])}/step (was {fmt_s(old['cpu'])}), "
+            f"restore plans {fmt_bytes(new['plan_bytes'])} in {fmt_s(new['plan_cpu'])} "
+            f"(was {fmt_bytes(old['plan_bytes'])})",
+            flush=True,
+        )
     write(rows, manifest, args)
 
 
@@ -239,11 +292,15 @@ def write(rows, manifest: str, args) -> None:
     ]
     for ranks, new, old, scaled in rows:
         nodes = ranks // PER_NODE
-        lines.append(f"| {ranks} ({nodes}) | current | {fmt_bytes(new['bytes'])} | {fmt_s(new['cpu'])} | "
-                     f"{fmt_s(new['latency'])} | {fmt_bytes(new['plan_bytes'])} | {fmt_s(new['plan_cpu'])} |")
+        lines.append(
+            f"| {ranks} ({nodes}) | current | {fmt_bytes(new['bytes'])} | {fmt_s(new['cpu'])} | "
+            f"{fmt_s(new['latency'])} | {fmt_bytes(new['plan_bytes'])} | {fmt_s(new['plan_cpu'])} |"
+        )
         note = " (scaled from 512)" if scaled else ""
-        lines.append(f"| {ranks} ({nodes}) | previous{note} | {fmt_bytes(old['bytes'])} | {fmt_s(old['cpu'])} | "
-                     f"{fmt_s(old['latency'])} | {fmt_bytes(old['plan_bytes'])} | (whole record per rank) |")
+        lines.append(
+            f"| {ranks} ({nodes}) | previous{note} | {fmt_bytes(old['bytes'])} | {fmt_s(old['cpu'])} | "
+            f"{fmt_s(old['latency'])} | {fmt_bytes(old['plan_bytes'])} | (whole record per rank) |"
+        )
     big = rows[-1][1]
     lines += [
         "",

@@ -19,6 +19,7 @@ it, a random byte- and JSON-level mutator runs the same checks for the same time
 
 Exit code 0: nothing but memsnap errors; 1: a crash (the input is written as crash-*).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -68,12 +69,30 @@ def llama_state(blocks: int = 2, d: int = 8, vocab: int = 16) -> dict:
     """A small Llama-like model (attention, gated MLP, RMSNorms, tied head) after one AdamW step."""
     torch.manual_seed(0)
     lin = lambda i, o: torch.nn.Linear(i, o, bias=False)  # noqa: E731
-    layers = [torch.nn.ModuleDict({"attn_norm": torch.nn.RMSNorm(d), "q": lin(d, d), "k": lin(d, d),
-                                   "v": lin(d, d), "o": lin(d, d), "mlp_norm": torch.nn.RMSNorm(d),
-                                   "gate": lin(d, 2 * d), "up": lin(d, 2 * d), "down": lin(2 * d, d)})
-              for _ in range(blocks)]
-    model = torch.nn.ModuleDict({"embed": torch.nn.Embedding(vocab, d), "blocks": torch.nn.ModuleList(layers),
-                                 "norm": torch.nn.RMSNorm(d), "head": lin(d, vocab)})
+    layers = [
+        torch.nn.ModuleDict(
+            {
+                "attn_norm": torch.nn.RMSNorm(d),
+                "q": lin(d, d),
+                "k": lin(d, d),
+                "v": lin(d, d),
+                "o": lin(d, d),
+                "mlp_norm": torch.nn.RMSNorm(d),
+                "gate": lin(d, 2 * d),
+                "up": lin(d, 2 * d),
+                "down": lin(2 * d, d),
+            }
+        )
+        for _ in range(blocks)
+    ]
+    model = torch.nn.ModuleDict(
+        {
+            "embed": torch.nn.Embedding(vocab, d),
+            "blocks": torch.nn.ModuleList(layers),
+            "norm": torch.nn.RMSNorm(d),
+            "head": lin(d, vocab),
+        }
+    )
     model["head"].weight = model["embed"].weight
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loss = sum(p.sum() for p in model.parameters())
@@ -104,8 +123,10 @@ class Harness:
             return [self.marker]
         if target == "tiling":  # 1-d of 8 in two halves (exact); 2-d 4x4 in overlapping quarters
             return [bytes([1, 8, 0, 4, 4, 4]), bytes([2, 4, 4, 0, 0, 2, 2, 1, 1, 2, 2, 2, 2, 2, 2])]
-        return [b"\0" + wire.REQUEST.pack(wire.PUSH, 40, 1 << 20, 12345),
-                b"\xff" + wire.RESPONSE.pack(wire.OK, 0, 64, 1)]
+        return [
+            b"\0" + wire.REQUEST.pack(wire.PUSH, 40, 1 << 20, 12345),
+            b"\xff" + wire.RESPONSE.pack(wire.OK, 0, 64, 1),
+        ]
 
     def check(self, target: str, data: bytes) -> None:
         """Run one input; memsnap errors are the expected way to refuse it."""
@@ -137,18 +158,44 @@ class Harness:
         if len(data) < 2:
             return
         ndim = 1 + data[0] % 2
-        whole = tuple(1 + b % 8 for b in data[1:1 + ndim])
-        boxes, rest = [], data[1 + ndim:]
+        whole = tuple(1 + b % 8 for b in data[1 : 1 + ndim])
+        boxes, rest = [], data[1 + ndim :]
         for at in range(0, len(rest) - 2 * ndim + 1, 2 * ndim):
             lo = tuple(rest[at + d] % (n + 1) for d, n in enumerate(whole))
             boxes.append((lo, tuple(rest[at + ndim + d] % (n - o + 1) for d, (o, n) in enumerate(zip(lo, whole)))))
         if not boxes or len(whole) != ndim:
             return
-        saved = [Manifest([TensorEntry("w", "float32", shape, 0, 4 * validate.numel(shape), global_shape=whole,
-                                       global_offset=lo, placements=("Shard(0)",), mesh_shape=(len(boxes),))],
-                          {"w": {"__tensor__": 0}}, 0) for lo, shape in boxes]
-        live = TensorEntry("w", "float32", whole, 0, 4 * validate.numel(whole), global_shape=whole,
-                           global_offset=(0,) * ndim, placements=("Shard(0)",), mesh_shape=(1,))
+        saved = [
+            Manifest(
+                [
+                    TensorEntry(
+                        "w",
+                        "float32",
+                        shape,
+                        0,
+                        4 * validate.numel(shape),
+                        global_shape=whole,
+                        global_offset=lo,
+                        placements=("Shard(0)",),
+                        mesh_shape=(len(boxes),),
+                    )
+                ],
+                {"w": {"__tensor__": 0}},
+                0,
+            )
+            for lo, shape in boxes
+        ]
+        live = TensorEntry(
+            "w",
+            "float32",
+            whole,
+            0,
+            4 * validate.numel(whole),
+            global_shape=whole,
+            global_offset=(0,) * ndim,
+            placements=("Shard(0)",),
+            mesh_shape=(1,),
+        )
         count = torch.zeros(whole, dtype=torch.int64)
         for lo, shape in set(boxes):
             count[tuple(slice(o, o + n) for o, n in zip(lo, shape))] += 1
@@ -163,8 +210,11 @@ class Harness:
             raise AssertionError(f"boxes {boxes} do not tile {whole} but were accepted")
 
     def _header(self, data: bytes) -> None:
-        layout, kinds, what = ((wire.REQUEST, (wire.PUSH, wire.FETCH), "request") if data[:1] != b"\xff"
-                               else (wire.RESPONSE, (wire.OK, wire.MISSING, wire.FAILED), "response"))
+        layout, kinds, what = (
+            (wire.REQUEST, (wire.PUSH, wire.FETCH), "request")
+            if data[:1] != b"\xff"
+            else (wire.RESPONSE, (wire.OK, wire.MISSING, wire.FAILED), "response")
+        )
         validate.wire_header(data[1:], layout, kinds, wire.MAX_CHUNK, what)
 
 
@@ -178,8 +228,18 @@ def run_atheris(target: str, seconds: int, corpus: str) -> None:
             f.write(seed)
     max_len = 2 * max(len(x) for x in h.seeds(target))
     extra = {} if target in ("header", "tiling") else {"custom_mutator": _json_mutator}
-    atheris.Setup([sys.argv[0], f"-max_total_time={seconds}", f"-max_len={max_len}", "-print_final_stats=1",
-                   f"-artifact_prefix={target}-", corpus], lambda data: h.check(target, data), **extra)
+    atheris.Setup(
+        [
+            sys.argv[0],
+            f"-max_total_time={seconds}",
+            f"-max_len={max_len}",
+            "-print_final_stats=1",
+            f"-artifact_prefix={target}-",
+            corpus,
+        ],
+        lambda data: h.check(target, data),
+        **extra,
+    )
     atheris.Fuzz()
 
 
@@ -196,8 +256,26 @@ def _json_mutator(data: bytes, max_size: int, seed: int) -> bytes:
     return atheris.Mutate(data, max_size)
 
 
-NASTY = [None, True, -1, -4096, 0, 63, 2**63, 2**64, 1.5, "", "x" * 300, [], {}, [[[]]],
-         {"__tensor__": -1}, {"__tuple__": 1}, {"__dict__": [[[], 0]]}, {"__ndarray__": ["O", [1], ""]}]
+NASTY = [
+    None,
+    True,
+    -1,
+    -4096,
+    0,
+    63,
+    2**63,
+    2**64,
+    1.5,
+    "",
+    "x" * 300,
+    [],
+    {},
+    [[[]]],
+    {"__tensor__": -1},
+    {"__tuple__": 1},
+    {"__dict__": [[[], 0]]},
+    {"__ndarray__": ["O", [1], ""]},
+]
 
 
 def _locations(doc, path=()):
@@ -217,7 +295,7 @@ def _mutate(rng: random.Random, seed: bytes, locations: list, json_only: bool = 
         node = doc
         for k in path[:-1]:
             node = node[k]
-        node[path[-1]] = rng.choice(NASTY + [rng.randint(-2**70, 2**70)])
+        node[path[-1]] = rng.choice(NASTY + [rng.randint(-(2**70), 2**70)])
         return json.dumps(doc).encode()
     data = bytearray(seed)
     at = rng.randrange(len(data) + 1)
@@ -227,7 +305,7 @@ def _mutate(rng: random.Random, seed: bytes, locations: list, json_only: bool = 
     elif op == 1:
         data[at:at] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 4)))
     else:
-        del data[at:at + rng.randint(1, 8)]
+        del data[at : at + rng.randint(1, 8)]
     return bytes(data)
 
 
@@ -235,8 +313,7 @@ def run_random(target: str, seconds: int, seed: int = 0) -> int:
     """The fallback without atheris: random mutations of the seeds for ``seconds``."""
     h, rng = Harness(), random.Random(seed)
     seeds = h.seeds(target)
-    locations = {s: (list(_locations(json.loads(s))) if target not in ("header", "tiling") else [])
-                 for s in seeds}
+    locations = {s: (list(_locations(json.loads(s))) if target not in ("header", "tiling") else []) for s in seeds}
     n, deadline = 0, time.monotonic() + seconds
     while time.monotonic() < deadline:
         base = rng.choice(seeds)
@@ -264,8 +341,16 @@ def run_all(seconds: int, corpus_root: str) -> int:
     """Each target in a child process; print one summary line per target."""
     worst = 0
     for target in TARGETS:
-        cmd = [sys.executable, __file__, "--target", target, "--seconds", str(seconds),
-               "--corpus", os.path.join(corpus_root, target)]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--target",
+            target,
+            "--seconds",
+            str(seconds),
+            "--corpus",
+            os.path.join(corpus_root, target),
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         m = _DONE.search(proc.stderr)
         execs, cov, ft = (m.group(1), m.group(2) or "-", m.group(3) or "-") if m else ("?", "?", "?")

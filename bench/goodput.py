@@ -23,6 +23,7 @@ on the replacement node; its *detect* ends at memsnap's own decision, not Ray's 
 Each system also runs ``--baseline-s`` without faults, for its failure-free rate. See the
 results file for what is measured.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,8 +41,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
-os.environ["PYTHONPATH"] = os.pathsep.join(
-    p for p in (str(HERE.parent), str(HERE), os.environ.get("PYTHONPATH")) if p)
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE.parent), str(HERE), os.environ.get("PYTHONPATH")) if p)
 
 import psutil  # noqa: E402
 from goodput_timeline import NODES, RunResult, analyse, poisson_schedule  # noqa: E402
@@ -55,8 +55,12 @@ GIB = 1 << 30
 # Ray's health checks: a node is declared dead after 5 missed pings 1 s apart (5-8 s), and a
 # new node gets 5 s before its first; the localcluster default (0.5 s x 3) declares live and
 # starting nodes dead on a machine as loaded as this one.
-HEALTH_CHECKS = {"health_check_initial_delay_ms": 5000, "health_check_period_ms": 1000,
-                 "health_check_timeout_ms": 3000, "health_check_failure_threshold": 5}
+HEALTH_CHECKS = {
+    "health_check_initial_delay_ms": 5000,
+    "health_check_period_ms": 1000,
+    "health_check_timeout_ms": 3000,
+    "health_check_failure_threshold": 5,
+}
 
 
 # --- the fault schedule and the one place a fault is injected ------------------------------------
@@ -65,8 +69,11 @@ def _node_processes(node) -> list[psutil.Process]:
     out = []
     for info in node.all_processes.get("raylet", []):
         try:
-            out += [c for c in psutil.Process(info.process.pid).children(recursive=True)
-                    if " ".join(c.cmdline()).startswith("ray::")]
+            out += [
+                c
+                for c in psutil.Process(info.process.pid).children(recursive=True)
+                if " ".join(c.cmdline()).startswith("ray::")
+            ]
         except psutil.Error:
             pass
     return out
@@ -106,8 +113,12 @@ class Nodes:
             except psutil.Error:
                 pass
         node, new = self._replace(index)
-        wait_for(lambda: any(n["NodeID"] == node.node_id and not n["Alive"] for n in ray.nodes()),
-                 timeout=120, what="Ray to declare the killed node dead", interval=0.05)
+        wait_for(
+            lambda: any(n["NodeID"] == node.node_id and not n["Alive"] for n in ray.nodes()),
+            timeout=120,
+            what="Ray to declare the killed node dead",
+            interval=0.05,
+        )
         return {"t_kill": t_kill, "t_dead": time.time(), "killed": index, "replacement": new}
 
     def heal(self) -> list[dict]:
@@ -151,7 +162,7 @@ class InplaceNodes(Nodes):
             _say(f"  the ranks' nodes unknown ({type(exc).__name__}: {exc})")
             ranks = list(self.slots)
         keep = [head] + [i for i in dict.fromkeys(ranks) if i != head]
-        keep += [i for i in self.live if i not in keep][:max(0, NODES - len(keep))]
+        keep += [i for i in self.live if i not in keep][: max(0, NODES - len(keep))]
         self.slots[:] = keep[:NODES]
         for index in [i for i in self.live if i not in self.slots]:
             try:
@@ -180,8 +191,11 @@ class InplaceNodes(Nodes):
     def _hand_off(self, decided: int) -> None:
         j = self.job
         try:
-            wait_for(lambda: len(j.recoveries) > decided or self.stop.is_set(), timeout=120,
-                     what="the in-place recovery's decision")
+            wait_for(
+                lambda: len(j.recoveries) > decided or self.stop.is_set(),
+                timeout=120,
+                what="the in-place recovery's decision",
+            )
         except TimeoutError as exc:
             _say(f"  {exc}")
             return
@@ -265,8 +279,8 @@ def agent_cpu_seconds(cluster: LocalCluster) -> float:
 # --- one run ----------------------------------------------------------------------------------------
 @dataclass
 class RunSpec:
-    system: str          # none | memsnap | memsnap-inplace | torch.save | dcp | ray.train
-    interval: str        # steps between saves, or "auto"
+    system: str  # none | memsnap | memsnap-inplace | torch.save | dcp | ray.train
+    interval: str  # steps between saves, or "auto"
     faults: bool
     label: str = ""
 
@@ -292,8 +306,13 @@ def _rank_actor():
             import torch.distributed as dist
             from goodput_job import PROTECTIONS, Job, event
 
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                    world_size=world, timeout=timedelta(seconds=120))
+            dist.init_process_group(
+                "gloo",
+                init_method=f"tcp://127.0.0.1:{port}",
+                rank=rank,
+                world_size=world,
+                timeout=timedelta(seconds=120),
+            )
             self.cfg = cfg
             self.job = Job(rank, world, cfg)
             self.prot = PROTECTIONS[cfg["system"]](self.job, cfg)
@@ -333,8 +352,9 @@ def _rank_actor():
     return Rank
 
 
-def run_own(spec: RunSpec, cfg: dict, nodes: Nodes, schedule: list[dict], horizon: float,
-            calibrate: int = 0) -> RunResult:
+def run_own(
+    spec: RunSpec, cfg: dict, nodes: Nodes, schedule: list[dict], horizon: float, calibrate: int = 0
+) -> RunResult:
     """A run of none / memsnap / torch.save / dcp with this driver restarting the job."""
     import ray
 
@@ -346,8 +366,12 @@ def run_own(spec: RunSpec, cfg: dict, nodes: Nodes, schedule: list[dict], horizo
     def start(attempt: int):
         for tries in range(4):
             port = _port()
-            ranks = [Rank.options(resources={f"memsnap_node_{nodes.slots[r]}": 0.01}, max_restarts=0)
-                     .remote(r, NODES, cfg, port) for r in range(NODES)]
+            ranks = [
+                Rank.options(resources={f"memsnap_node_{nodes.slots[r]}": 0.01}, max_restarts=0).remote(
+                    r, NODES, cfg, port
+                )
+                for r in range(NODES)
+            ]
             try:
                 ray.get([r.nbytes.remote() for r in ranks], timeout=300)
                 got = ray.get([r.restore.remote() for r in ranks], timeout=600)
@@ -436,18 +460,24 @@ def run_ray_train(spec: RunSpec, cfg: dict, nodes: Nodes, schedule: list[dict], 
     def fit() -> None:
         try:
             trainer = TorchTrainer(
-                ray_train_loop, train_loop_config={**cfg, "deadline_file": cfg["events"] + ".deadline"},
+                ray_train_loop,
+                train_loop_config={**cfg, "deadline_file": cfg["events"] + ".deadline"},
                 scaling_config=ScalingConfig(num_workers=NODES, placement_strategy="STRICT_SPREAD"),
-                run_config=RunConfig(storage_path=cfg["storage"], name="goodput",
-                                     failure_config=FailureConfig(max_failures=-1)))
+                run_config=RunConfig(
+                    storage_path=cfg["storage"], name="goodput", failure_config=FailureConfig(max_failures=-1)
+                ),
+            )
             box["result"] = trainer.fit()
         except BaseException as exc:
             box["error"] = exc
 
     th = threading.Thread(target=fit, daemon=True)
     th.start()
-    wait_for(lambda: sum(e["ev"] == "restored" for e in read_events(cfg["events"])) >= NODES or not th.is_alive(),
-             timeout=600, what="the Ray Train workers to start")
+    wait_for(
+        lambda: sum(e["ev"] == "restored" for e in read_events(cfg["events"])) >= NODES or not th.is_alive(),
+        timeout=600,
+        what="the Ray Train workers to start",
+    )
     t0 = time.time()
     deadline = t0 + horizon
     Path(cfg["events"] + ".deadline.tmp").write_text(repr(deadline))
@@ -465,12 +495,12 @@ def run_ray_train(spec: RunSpec, cfg: dict, nodes: Nodes, schedule: list[dict], 
         raise TimeoutError(
             f"{spec.name}: TorchTrainer.fit did not return within {horizon + 240:.0f} s of the first step; "
             f"{len(inj.faults)} node(s) killed, the last event from a worker {last - t0:.0f} s after the first step "
-            f"({sum(e['ev'] == 'built' for e in ev)} worker starts, {sum(e['ev'] == 'step' for e in ev)} steps)")
+            f"({sum(e['ev'] == 'built' for e in ev)} worker starts, {sum(e['ev'] == 'step' for e in ev)} steps)"
+        )
     if "error" in box:
         raise box["error"]
     events = read_events(cfg["events"])
-    return RunResult(vars(spec), t0, horizon, events, inj.faults, meter.total(),
-                     cfg["state_mb"] << 20)
+    return RunResult(vars(spec), t0, horizon, events, inj.faults, meter.total(), cfg["state_mb"] << 20)
 
 
 class _Pinned(set):
@@ -511,9 +541,16 @@ def run_inplace(spec: RunSpec, cfg: dict, nodes: Nodes, schedule: list[dict], ho
     nodes.live[nodes.cluster.index_of(spare)] = spare
     control = cfg["events"] + ".controller"  # the controller's own records (recovery, standby, recovered)
     liveness = {k: cfg[k] for k in ("lost_after_s", "suspect_after_s") if cfg.get(k) is not None}
-    j = InplaceJob(cfg["job"], partial(setup_inplace, cfg=cfg, world=NODES), partial(train_inplace, cfg=cfg),
-                   rank_nodes=[nodes.live[nodes.slots[r]].node_id for r in range(NODES)],
-                   standby_nodes=[spare.node_id], options=memsnap_options(cfg), events=control, **liveness)
+    j = InplaceJob(
+        cfg["job"],
+        partial(setup_inplace, cfg=cfg, world=NODES),
+        partial(train_inplace, cfg=cfg),
+        rank_nodes=[nodes.live[nodes.slots[r]].node_id for r in range(NODES)],
+        standby_nodes=[spare.node_id],
+        options=memsnap_options(cfg),
+        events=control,
+        **liveness,
+    )
     # the head runs this driver, the controller, its store and the coordinator, and the bench
     # never kills it: no standby there, even once a lost rank 0 has left it free
     head = next(i for i, n in nodes.live.items() if n.node_id == ray.get_runtime_context().get_node_id())
@@ -532,8 +569,11 @@ def run_inplace(spec: RunSpec, cfg: dict, nodes: Nodes, schedule: list[dict], ho
     inj = Injector(inp, schedule if spec.faults else [], 0.0, 0.0, cfg["events"])
     t0 = 0.0
     try:
-        wait_for(lambda: sum(e["ev"] == "restored" for e in read_events(cfg["events"])) >= NODES
-                 or not th.is_alive(), timeout=900, what="the in-place ranks to restore")
+        wait_for(
+            lambda: sum(e["ev"] == "restored" for e in read_events(cfg["events"])) >= NODES or not th.is_alive(),
+            timeout=900,
+            what="the in-place ranks to restore",
+        )
         if not th.is_alive():
             raise box.get("error") or RuntimeError(f"{spec.name}: the in-place job ended before training")
         t0 = time.time()
@@ -543,9 +583,11 @@ def run_inplace(spec: RunSpec, cfg: dict, nodes: Nodes, schedule: list[dict], ho
         th.join(timeout=horizon + 900)
         if th.is_alive():
             ev = read_events(cfg["events"])
-            raise TimeoutError(f"{spec.name}: the in-place job did not end within {horizon + 900:.0f} s of its "
-                               f"first step ({len(inj.faults)} node(s) killed, {len(j.recoveries)} recoveries, "
-                               f"{sum(e['ev'] == 'step' for e in ev)} steps)")
+            raise TimeoutError(
+                f"{spec.name}: the in-place job did not end within {horizon + 900:.0f} s of its "
+                f"first step ({len(inj.faults)} node(s) killed, {len(j.recoveries)} recoveries, "
+                f"{sum(e['ev'] == 'step' for e in ev)} steps)"
+            )
         if "error" in box:
             raise box["error"]
     finally:
@@ -569,8 +611,16 @@ def run_inplace(spec: RunSpec, cfg: dict, nodes: Nodes, schedule: list[dict], ho
     standby = [e for e in read_events(control) if e.get("event") == "standby"]
     # a recovery before the timed part is not the run's fault (as run_own drops a node lost then)
     faults = inplace_faults(inj.faults, [r for r in recoveries if r["noticed"] >= t0])
-    return RunResult(vars(spec), t0, horizon, read_events(cfg["events"]), faults, meter.total(),
-                     cfg["state_mb"] << 20, {"recoveries": recoveries, "standby_events": standby})
+    return RunResult(
+        vars(spec),
+        t0,
+        horizon,
+        read_events(cfg["events"]),
+        faults,
+        meter.total(),
+        cfg["state_mb"] << 20,
+        {"recoveries": recoveries, "standby_events": standby},
+    )
 
 
 # --- the whole benchmark -------------------------------------------------------------------------
@@ -583,23 +633,40 @@ def main() -> None:
     ap.add_argument("--horizon-s", type=float, default=120.0, help="wall seconds of each run with faults")
     ap.add_argument("--baseline-s", type=float, default=15.0, help="wall seconds of each failure-free run")
     ap.add_argument("--mtbf-s", type=float, default=50.0, help="the schedule's job MTBF, seconds")
-    ap.add_argument("--seed", type=int, default=21,
-                    help="the schedule's seed (21: the first seed whose draw at the defaults has 3 faults "
-                         "at least 25 s apart, the last before the final 30 s)")
+    ap.add_argument(
+        "--seed",
+        type=int,
+        default=21,
+        help="the schedule's seed (21: the first seed whose draw at the defaults has 3 faults "
+        "at least 25 s apart, the last before the final 30 s)",
+    )
     ap.add_argument("--common-n", type=int, default=10, help="the interval every disk system also runs at")
     ap.add_argument("--spill-every", type=int, default=10, help="memsnap's durable spill, steps")
     ap.add_argument("--systems", nargs="+", default=["memsnap", "memsnap-inplace", "torch.save", "dcp", "ray.train"])
-    ap.add_argument("--lost-after-s", type=float, default=None,
-                    help="memsnap-inplace: seconds without beats before a member is lost (InplaceJob's default)")
-    ap.add_argument("--suspect-after-s", type=float, default=None,
-                    help="memsnap-inplace: the same once a collective failed (InplaceJob's default)")
+    ap.add_argument(
+        "--lost-after-s",
+        type=float,
+        default=None,
+        help="memsnap-inplace: seconds without beats before a member is lost (InplaceJob's default)",
+    )
+    ap.add_argument(
+        "--suspect-after-s",
+        type=float,
+        default=None,
+        help="memsnap-inplace: the same once a collective failed (InplaceJob's default)",
+    )
     ap.add_argument("--storage", default=None, help="the directory standing in for NFS (default: a temp dir)")
     ap.add_argument("--out", default=str(RESULTS / "goodput.md"))
     ap.add_argument("--render", action="store_true", help="only rewrite the .md/.png from the .json")
-    ap.add_argument("--note", action="append", default=[],
-                    help="with --render: a note on this run for the results file (repeatable)")
-    ap.add_argument("--append", action="store_true",
-                    help="run only --systems again and keep the other systems' runs from the .json")
+    ap.add_argument(
+        "--note",
+        action="append",
+        default=[],
+        help="with --render: a note on this run for the results file (repeatable)",
+    )
+    ap.add_argument(
+        "--append", action="store_true", help="run only --systems again and keep the other systems' runs from the .json"
+    )
     args = ap.parse_args()
     out = Path(args.out)
     if args.render:
@@ -644,12 +711,19 @@ def earlier_passes(old: dict) -> list[dict]:
     if old.get("passes"):
         return old["passes"]
     m = old["machine"]
-    return [{"date": m["date"], "seconds": m["seconds"], "loadavg_after_each_run": m["loadavg_after_each_run"],
-             "systems": sorted({r["spec"]["system"] for r in old["runs"]} - {"none"})}]
+    return [
+        {
+            "date": m["date"],
+            "seconds": m["seconds"],
+            "loadavg_after_each_run": m["loadavg_after_each_run"],
+            "systems": sorted({r["spec"]["system"] for r in old["runs"]} - {"none"}),
+        }
+    ]
 
 
-def measure(args, json_path: Path, keep: list[dict], keep_yd: dict[str, int] | None = None,
-            passes: list[dict] | None = None) -> dict:
+def measure(
+    args, json_path: Path, keep: list[dict], keep_yd: dict[str, int] | None = None, passes: list[dict] | None = None
+) -> dict:
     from memsnap import shmdir
     from memsnap.snapshotter import shutdown
 
@@ -657,13 +731,21 @@ def measure(args, json_path: Path, keep: list[dict], keep_yd: dict[str, int] | N
     schedule = poisson_schedule(args.mtbf_s, args.horizon_s, args.seed)
     storage_root = args.storage or tempfile.mkdtemp(prefix="memsnap-goodput-nfs-")
     scratch = tempfile.mkdtemp(prefix="memsnap-goodput-scratch-")
-    base_cfg = {"state_mb": args.state_mb, "compute": args.compute, "step_s": args.step_s,
-                "model_passes": args.model_passes, "seed": args.seed, "spill_every": args.spill_every,
-                "spill_bytes_per_s": 256 << 20,
-                # what `memsnap plan` says a node needs (RS(2,1), keep=2: 9x the state), and 256 MiB to spare
-                "memory_budget": int(agent_ram(args.state_mb << 20, k=2, m=1, keep=2)) + (256 << 20),
-                "node_mtbf_s": args.mtbf_s * NODES, "scratch": scratch,
-                "lost_after_s": args.lost_after_s, "suspect_after_s": args.suspect_after_s}
+    base_cfg = {
+        "state_mb": args.state_mb,
+        "compute": args.compute,
+        "step_s": args.step_s,
+        "model_passes": args.model_passes,
+        "seed": args.seed,
+        "spill_every": args.spill_every,
+        "spill_bytes_per_s": 256 << 20,
+        # what `memsnap plan` says a node needs (RS(2,1), keep=2: 9x the state), and 256 MiB to spare
+        "memory_budget": int(agent_ram(args.state_mb << 20, k=2, m=1, keep=2)) + (256 << 20),
+        "node_mtbf_s": args.mtbf_s * NODES,
+        "scratch": scratch,
+        "lost_after_s": args.lost_after_s,
+        "suspect_after_s": args.suspect_after_s,
+    }
     runs: list[dict] = list(keep)
     chosen: dict[str, int] = dict(keep_yd or {})  # Young/Daly N per disk system
     errors: dict[str, str] = {}
@@ -700,26 +782,52 @@ def measure(args, json_path: Path, keep: list[dict], keep_yd: dict[str, int] | N
         loads.append(os.getloadavg())
         cpu_busy.append(psutil.cpu_percent(None))
         a = analyse(res)
-        summary = {"spec": res.spec, "state_bytes": res.state_bytes, "faults": res.faults, "extra": res.extra,
-                   "t0": res.t0, "events": res.events, **a}  # the raw events, to analyse again
-        _say(f"  {spec.name}: {a['useful_steps']} useful steps, {len(res.faults)} faults, "
-             f"lost {[f.get('lost_steps') for f in a['failures']]}, rto "
-             f"{[round(f.get('rto', -1), 1) for f in a['failures']]}, stall {a['stall_steady']}, "
-             f"storage {a['storage_bytes'] / GIB:.2f} GiB")
+        summary = {
+            "spec": res.spec,
+            "state_bytes": res.state_bytes,
+            "faults": res.faults,
+            "extra": res.extra,
+            "t0": res.t0,
+            "events": res.events,
+            **a,
+        }  # the raw events, to analyse again
+        _say(
+            f"  {spec.name}: {a['useful_steps']} useful steps, {len(res.faults)} faults, "
+            f"lost {[f.get('lost_steps') for f in a['failures']]}, rto "
+            f"{[round(f.get('rto', -1), 1) for f in a['failures']]}, stall {a['stall_steady']}, "
+            f"storage {a['storage_bytes'] / GIB:.2f} GiB"
+        )
         runs.append(summary)
         json_path.write_text(json.dumps(result(), indent=1))  # every run is kept as soon as it ends
         return summary
 
     def result() -> dict:
-        return {"args": vars(args), "schedule": schedule, "runs": runs, "young_daly": chosen,
-                "none_step_s": step_s, "errors": errors, "health_checks": HEALTH_CHECKS,
-                "machine": {"cpus": os.cpu_count(), "loadavg_after_each_run": loads, "cpu_busy_percent": cpu_busy,
-                            "mem_total_gib": psutil.virtual_memory().total / GIB,
-                            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                            "seconds": time.time() - t_begin},
-                "passes": [*(passes or []), {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                                             "seconds": time.time() - t_begin, "loadavg_after_each_run": loads,
-                                             "systems": list(args.systems)}]}
+        return {
+            "args": vars(args),
+            "schedule": schedule,
+            "runs": runs,
+            "young_daly": chosen,
+            "none_step_s": step_s,
+            "errors": errors,
+            "health_checks": HEALTH_CHECKS,
+            "machine": {
+                "cpus": os.cpu_count(),
+                "loadavg_after_each_run": loads,
+                "cpu_busy_percent": cpu_busy,
+                "mem_total_gib": psutil.virtual_memory().total / GIB,
+                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                "seconds": time.time() - t_begin,
+            },
+            "passes": [
+                *(passes or []),
+                {
+                    "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                    "seconds": time.time() - t_begin,
+                    "loadavg_after_each_run": loads,
+                    "systems": list(args.systems),
+                },
+            ],
+        }
 
     def one_system(system: str) -> None:
         if system == "memsnap":
@@ -773,8 +881,20 @@ def render(data: dict, out: Path) -> None:
 
     for run in data["runs"]:
         if "events" in run:
-            run.update(analyse(RunResult(run["spec"], run["t0"], run["horizon_s"], run["events"], run["faults"],
-                                         run["storage_bytes"], run["state_bytes"], run.get("extra", {}))))
+            run.update(
+                analyse(
+                    RunResult(
+                        run["spec"],
+                        run["t0"],
+                        run["horizon_s"],
+                        run["events"],
+                        run["faults"],
+                        run["storage_bytes"],
+                        run["state_bytes"],
+                        run.get("extra", {}),
+                    )
+                )
+            )
     write_report(data, out)
 
 

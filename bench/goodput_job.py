@@ -11,6 +11,7 @@ per run; ``bench/goodput.py`` rebuilds the timeline from them. ``setup_inplace``
 ``train_inplace`` run the same job under ``memsnap.inplace.InplaceJob`` (the
 ``memsnap-inplace`` system).
 """
+
 from __future__ import annotations
 
 import glob
@@ -89,8 +90,7 @@ class Job:
 
     # --- torch.save / torch.load (also the files of a Ray Train checkpoint) ----------------------
     def torch_state(self, step: int) -> dict:
-        return {"model": self.model.state_dict(), "optim": self.optim.state_dict(), "bulk": self.bulk,
-                "step": step}
+        return {"model": self.model.state_dict(), "optim": self.optim.state_dict(), "bulk": self.bulk, "step": step}
 
     def write_torch(self, path: str, step: int) -> int:
         with open(path + ".tmp", "wb") as f:
@@ -131,11 +131,21 @@ class NoProtection:
 def memsnap_options(cfg: dict) -> dict:
     """The Snapshotter options of a memsnap run: RS(``k``, ``m``) (default 2, 1), a snapshot
     every ``interval`` steps (or ``auto``), a spill every ``spill_every`` steps."""
-    when = {"auto": True, "every_steps": None, "mtbf_hours": cfg["node_mtbf_s"] / 3600} \
-        if cfg["interval"] == "auto" else {"every_steps": int(cfg["interval"])}
-    return dict(k=cfg.get("k", 2), m=cfg.get("m", 1), memory_budget=cfg["memory_budget"], spill=cfg["storage"],
-                spill_every=cfg["spill_every"], spill_bytes_per_s=cfg["spill_bytes_per_s"], preemption=False,
-                **when)
+    when = (
+        {"auto": True, "every_steps": None, "mtbf_hours": cfg["node_mtbf_s"] / 3600}
+        if cfg["interval"] == "auto"
+        else {"every_steps": int(cfg["interval"])}
+    )
+    return dict(
+        k=cfg.get("k", 2),
+        m=cfg.get("m", 1),
+        memory_budget=cfg["memory_budget"],
+        spill=cfg["storage"],
+        spill_every=cfg["spill_every"],
+        spill_bytes_per_s=cfg["spill_bytes_per_s"],
+        preemption=False,
+        **when,
+    )
 
 
 class MemsnapProtection:
@@ -168,8 +178,11 @@ class TorchSaveProtection:
         self.root, self.every = cfg["storage"], int(cfg["interval"])
 
     def restore(self, job: Job) -> int | None:
-        done = sorted(int(os.path.basename(d)[5:]) for d in glob.glob(os.path.join(self.root, "step-*"))
-                      if os.path.exists(os.path.join(d, "COMMITTED")))
+        done = sorted(
+            int(os.path.basename(d)[5:])
+            for d in glob.glob(os.path.join(self.root, "step-*"))
+            if os.path.exists(os.path.join(d, "COMMITTED"))
+        )
         if not done:
             return None
         return job.read_torch(os.path.join(self.root, f"step-{done[-1]}", f"rank-{job.rank}.pt"))
@@ -213,8 +226,11 @@ class DcpProtection:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
-        done = sorted(int(os.path.basename(d)[5:]) for d in glob.glob(os.path.join(self.root, "step-*"))
-                      if os.path.exists(os.path.join(d, ".metadata")))
+        done = sorted(
+            int(os.path.basename(d)[5:])
+            for d in glob.glob(os.path.join(self.root, "step-*"))
+            if os.path.exists(os.path.join(d, ".metadata"))
+        )
         if not done:
             return None
         sd = self._sd(job)
@@ -230,12 +246,14 @@ class DcpProtection:
         t = time.perf_counter()
         if self.future is not None:
             self.future.result()
-        self.future = dcp.async_save(self._sd(job), checkpoint_id=os.path.join(self.root, f"step-{step}"),
-                                     process_group=self.group)
+        self.future = dcp.async_save(
+            self._sd(job), checkpoint_id=os.path.join(self.root, f"step-{step}"), process_group=self.group
+        )
         stall = time.perf_counter() - t
         began, events = time.time(), self.events
-        self.future.add_done_callback(lambda _: event(events, ev="written", rank=job.rank, step=step,
-                                                      lag=time.time() - began))
+        self.future.add_done_callback(
+            lambda _: event(events, ev="written", rank=job.rank, step=step, lag=time.time() - began)
+        )
         if job.rank == 0:
             for old in glob.glob(os.path.join(self.root, "step-*")):
                 if int(os.path.basename(old)[5:]) < step - 2 * self.every:
@@ -247,8 +265,12 @@ class DcpProtection:
             self.future.result()
 
 
-PROTECTIONS = {"none": NoProtection, "memsnap": MemsnapProtection, "torch.save": TorchSaveProtection,
-               "dcp": DcpProtection}
+PROTECTIONS = {
+    "none": NoProtection,
+    "memsnap": MemsnapProtection,
+    "torch.save": TorchSaveProtection,
+    "dcp": DcpProtection,
+}
 
 
 def go_on(job: Job, deadline: float) -> bool:

@@ -1,4 +1,5 @@
 """Writes bench/results/goodput.md and the timeline plot from goodput.json (bench/goodput.py)."""
+
 from __future__ import annotations
 
 import statistics
@@ -31,8 +32,11 @@ def _name(run: dict) -> str:
 def pairs(data: dict) -> list[tuple[dict, dict]]:
     """(faulted run, failure-free run of the same system and interval) for every faulted run."""
     free = {(r["spec"]["system"], r["spec"]["interval"]): r for r in data["runs"] if not r["spec"]["faults"]}
-    return [(r, free[(r["spec"]["system"], r["spec"]["interval"])]) for r in data["runs"]
-            if r["spec"]["faults"] and (r["spec"]["system"], r["spec"]["interval"]) in free]
+    return [
+        (r, free[(r["spec"]["system"], r["spec"]["interval"])])
+        for r in data["runs"]
+        if r["spec"]["faults"] and (r["spec"]["system"], r["spec"]["interval"]) in free
+    ]
 
 
 def _faults(run: dict) -> str:
@@ -70,14 +74,27 @@ def model_check(data: dict) -> list[dict]:
         # auto: the steps run per snapshot taken in this run
         every = int(interval) if interval.isdigit() else max(1, round(run["executed"] / max(run["saves"], 1)))
         warm = max(0.0, _med([f["first_step"] for f in fails]) - step_s)  # the first step back is slower
-        pred = gm.run_goodput(fault_times_s=[f["t_kill_s"] for f in run["failures"]], horizon_s=run["horizon_s"],
-                              step_s=step_s, every_steps=every, lag_s=lag_s(run, data),
-                              detect_s=_med([f["detect"] for f in fails]),
-                              restart_s=_med([f["restart"] for f in fails]) + warm,
-                              restore_s=_med([f["restore"] for f in fails]))
+        pred = gm.run_goodput(
+            fault_times_s=[f["t_kill_s"] for f in run["failures"]],
+            horizon_s=run["horizon_s"],
+            step_s=step_s,
+            every_steps=every,
+            lag_s=lag_s(run, data),
+            detect_s=_med([f["detect"] for f in fails]),
+            restart_s=_med([f["restart"] for f in fails]) + warm,
+            restore_s=_med([f["restore"] for f in fails]),
+        )
         meas = goodput(run, base)
-        out.append({"run": _name(run), "every": every, "faults": len(run["failures"]), "measured": meas,
-                    "predicted": pred, "error": (pred - meas) / meas if meas else None})
+        out.append(
+            {
+                "run": _name(run),
+                "every": every,
+                "faults": len(run["failures"]),
+                "measured": meas,
+                "predicted": pred,
+                "error": (pred - meas) / meas if meas else None,
+            }
+        )
     return out
 
 
@@ -94,10 +111,12 @@ def _calibration(data: dict) -> dict | None:
     ranks, cpu, saves = len(c["saves"][0]), c["agent_cpu_s"], c["saves"]
     out = {"gib": gib, "ranks": ranks, "n": len(saves)}
     for part, lo, hi in (("fresh", 0, FRESH), ("steady", FRESH, len(saves))):
-        out[part] = {"stall": _med([s["stall"] for step in saves[lo:hi] for s in step]),
-                     "stall_max": max(s["stall"] for step in saves[lo:hi] for s in step),
-                     "commit": _med([s["commit_wait"] for step in saves[lo:hi] for s in step]),
-                     "cpu_per_gib": (cpu[hi] - cpu[lo]) / ((hi - lo) * ranks * gib)}
+        out[part] = {
+            "stall": _med([s["stall"] for step in saves[lo:hi] for s in step]),
+            "stall_max": max(s["stall"] for step in saves[lo:hi] for s in step),
+            "commit": _med([s["commit_wait"] for step in saves[lo:hi] for s in step]),
+            "cpu_per_gib": (cpu[hi] - cpu[lo]) / ((hi - lo) * ranks * gib),
+        }
     out["first"] = {"stall": _med([s["stall"] for s in saves[0]]), "cpu_per_gib": (cpu[1] - cpu[0]) / (ranks * gib)}
     return out
 
@@ -108,14 +127,16 @@ def _stall_rows(data: dict) -> list[str]:
         return []
     f, st, one = c["fresh"], c["steady"], c["first"]
     return [
-        "## memsnap's own costs per GiB (the figures to carry to a real node)", "",
+        "## memsnap's own costs per GiB (the figures to carry to a real node)",
+        "",
         f"Measured in the failure-free memsnap run before its timed part: every rank snapshots {c['n']} steps in a "
         f"row, each time waiting for the commit (RS(2,1), keep=2, {c['gib'] * 1024:.0f} MiB per rank, {c['ranks']} "
         "ranks, right after `restore()`). The agents' CPU is the sum of user + system seconds of the 4 "
         "`SnapshotAgent` processes (psutil, children of this cluster's raylets) over those snapshots: "
         "checksum, encode, send, receive and commit, divided by the GiB snapshotted (all ranks). The first "
         f"{FRESH} snapshots each use an arena slot for the first time (keep + 1 slots per rank); the rest "
-        "reuse them.", "",
+        "reuse them.",
+        "",
         f"| | first snapshot | first {FRESH} snapshots (median) | steady state, snapshots {FRESH + 1}-{c['n']} (median) |",
         "| --- | --- | --- | --- |",
         f"| `save()` stall per rank | {one['stall']:.3f} s | {f['stall']:.3f} s (max {f['stall_max']:.2f}) | "
@@ -124,7 +145,8 @@ def _stall_rows(data: dict) -> list[str]:
         f"{st['stall'] / c['gib']:.3f} s/GiB |",
         f"| agent CPU per GiB snapshotted | {one['cpu_per_gib']:.2f} core-s/GiB | {f['cpu_per_gib']:.2f} core-s/GiB | "
         f"{st['cpu_per_gib']:.2f} core-s/GiB |",
-        f"| from `save()` returning to the commit | - | {f['commit']:.2f} s | {st['commit']:.2f} s |", "",
+        f"| from `save()` returning to the commit | - | {f['commit']:.2f} s | {st['commit']:.2f} s |",
+        "",
     ]
 
 
@@ -136,26 +158,38 @@ def measured_figures(data: dict) -> gm.Measured | None:
     ms = [r for r in data["runs"] if r["spec"]["system"] == "memsnap" and r["spec"]["faults"]]
     disk = [r for r in data["runs"] if r["spec"]["system"] == "torch.save" and r["spec"]["faults"]]
     # the projection's detect and restart are a whole-job restart's: the in-place runs stay out
-    fails = [f for r in data["runs"] if r["spec"]["faults"] and r["spec"]["system"] != "memsnap-inplace"
-             for f in r["failures"] if "restart" in f]
+    fails = [
+        f
+        for r in data["runs"]
+        if r["spec"]["faults"] and r["spec"]["system"] != "memsnap-inplace"
+        for f in r["failures"]
+        if "restart" in f
+    ]
     peer = _med([f["restore_wall"] for r in ms for f in r["failures"] if "restore_wall" in f])
     store = _med([f["restore_wall"] for r in disk for f in r["failures"] if "restore_wall" in f])
     if not (peer and fails):
         return None
     if not store:  # no disk run recovered here: the model's illustrative default, said in the text
         store = c["gib"] / gm.Measured().storage_restore_gibps
-    return gm.Measured(stall_s_per_gib=c["steady"]["stall"] / c["gib"], agent_cpu_s_per_gib=c["steady"]["cpu_per_gib"],
-                       peer_restore_gibps=c["gib"] / peer, storage_restore_gibps=c["gib"] / store,
-                       detect_s=_med([f["detect"] for f in fails]), restart_s=_med([f["restart"] for f in fails]))
+    return gm.Measured(
+        stall_s_per_gib=c["steady"]["stall"] / c["gib"],
+        agent_cpu_s_per_gib=c["steady"]["cpu_per_gib"],
+        peer_restore_gibps=c["gib"] / peer,
+        storage_restore_gibps=c["gib"] / store,
+        detect_s=_med([f["detect"] for f in fails]),
+        restart_s=_med([f["restart"] for f in fails]),
+    )
 
 
 def _health(data: dict) -> str:
     h = data.get("health_checks")
     if not h:  # results written before the settings were recorded: the bench's constant
         from goodput import HEALTH_CHECKS as h
-    return (f"a ping every {h['health_check_period_ms'] / 1000:g} s, dead after "
-            f"{h['health_check_failure_threshold']} missed, the first {h['health_check_initial_delay_ms'] / 1000:g} s "
-            "after a node starts")
+    return (
+        f"a ping every {h['health_check_period_ms'] / 1000:g} s, dead after "
+        f"{h['health_check_failure_threshold']} missed, the first {h['health_check_initial_delay_ms'] / 1000:g} s "
+        "after a node starts"
+    )
 
 
 def _passes(data: dict) -> str:
@@ -163,11 +197,16 @@ def _passes(data: dict) -> str:
     passes = data.get("passes") or []
     if len(passes) < 2:
         return ""
-    return (f" Measured in {len(passes)} passes (`--append` reruns some systems and keeps the others' runs; the "
-            "figures above are the last pass's): " + "; ".join(
-                f"{p['date']}, {', '.join(p['systems'])}, {p['seconds'] / 60:.1f} min, load "
-                f"{min(la[0] for la in p['loadavg_after_each_run']):.1f}-{max(la[0] for la in p['loadavg_after_each_run']):.1f}"
-                for p in passes) + ". Each system's runs are from the last pass that ran it.")
+    return (
+        f" Measured in {len(passes)} passes (`--append` reruns some systems and keeps the others' runs; the "
+        "figures above are the last pass's): "
+        + "; ".join(
+            f"{p['date']}, {', '.join(p['systems'])}, {p['seconds'] / 60:.1f} min, load "
+            f"{min(la[0] for la in p['loadavg_after_each_run']):.1f}-{max(la[0] for la in p['loadavg_after_each_run']):.1f}"
+            for p in passes
+        )
+        + ". Each system's runs are from the last pass that ran it."
+    )
 
 
 def ranking(data: dict) -> str:
@@ -187,19 +226,23 @@ def inplace_rows(data: dict) -> list[str]:
     runs = [r for r in data["runs"] if r["spec"]["faults"] and any("inplace" in f for f in r["failures"])]
     if not runs:
         return []
-    lines = ["## Where the in-place recoveries' time went (memsnap-inplace)", "",
-             "Per fault, from the kill: *first sign* (the controller's `noticed`: a survivor's failed all-reduce "
-             "published, or a member's beats or actor gone), *detect* (-> the next generation written: the lost "
-             "rank named, its node fenced, the standby given the rank; the table above's *detect* is kill -> "
-             "this decision), *re-form* (-> every member formed the new gloo group), *restore* (-> every rank "
-             "restored: the survivors from their own node's RAM, the standby from its peers, its `Snapshotter` "
-             "created first), *first step* (-> every rank completed a step), and the whole: kill -> every "
-             "rank's first completed step. *Ray's verdict*: kill -> Ray's GCS declares the node dead (the other "
-             "systems' detect; the in-place job does not wait for it). *Survivors' pids*: the pid each surviving "
-             "rank reported at the start of the generation before and of the one the recovery formed.", "",
-             "| run | kill at s | rank lost | first sign | detect | re-form | restore | first step | "
-             "**kill -> every rank stepped** | Ray's verdict | restore tiers | survivors' pids |",
-             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
+    lines = [
+        "## Where the in-place recoveries' time went (memsnap-inplace)",
+        "",
+        "Per fault, from the kill: *first sign* (the controller's `noticed`: a survivor's failed all-reduce "
+        "published, or a member's beats or actor gone), *detect* (-> the next generation written: the lost "
+        "rank named, its node fenced, the standby given the rank; the table above's *detect* is kill -> "
+        "this decision), *re-form* (-> every member formed the new gloo group), *restore* (-> every rank "
+        "restored: the survivors from their own node's RAM, the standby from its peers, its `Snapshotter` "
+        "created first), *first step* (-> every rank completed a step), and the whole: kill -> every "
+        "rank's first completed step. *Ray's verdict*: kill -> Ray's GCS declares the node dead (the other "
+        "systems' detect; the in-place job does not wait for it). *Survivors' pids*: the pid each surviving "
+        "rank reported at the start of the generation before and of the one the recovery formed.",
+        "",
+        "| run | kill at s | rank lost | first sign | detect | re-form | restore | first step | "
+        "**kill -> every rank stepped** | Ray's verdict | restore tiers | survivors' pids |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |",
+    ]
     for run in runs:
         for f in run["failures"]:
             x = f.get("inplace")
@@ -207,22 +250,29 @@ def inplace_rows(data: dict) -> list[str]:
                 lines.append(f"| {_name(run)} | {f['t_kill_s']:.1f} | - | not recovered in place | | | | | | | | |")
                 continue
             tiers = ", ".join(f"{k}: {v}" for k, v in sorted(x["tiers"].items(), key=lambda kv: int(kv[0])))
-            pids = "unchanged" if x["survivors_kept"] else "CHANGED: " + ", ".join(
-                f"r{k} {a} -> {b}" for k, (a, b) in x["pids"].items())
+            pids = (
+                "unchanged"
+                if x["survivors_kept"]
+                else "CHANGED: " + ", ".join(f"r{k} {a} -> {b}" for k, (a, b) in x["pids"].items())
+            )
             lost = ", ".join(map(str, x["lost"])) or "none (a collective failed)"
             lines.append(
                 f"| {_name(run)} | {f['t_kill_s']:.1f}{' (not scheduled)' if f.get('unscheduled') else ''} | {lost} | "
                 f"{_s(x['kill_to_sign'])} | {_s(x['detect'])} | {_s(x['reform'])} | {_s(x['restore'])} | "
                 f"{_s(x['first_step'])} | **{_s(x['kill_to_all_stepped'])}** | {_s(x['ray_verdict'])} | {tiers} | "
-                f"{pids} |")
+                f"{pids} |"
+            )
     for run in runs:
         warm = run.get("extra", {}).get("standby_events") or []
         recs = run.get("extra", {}).get("recoveries") or []
         if warm and recs:
             gaps = [e["t"] - r["decided"] for e, r in zip(warm, recs)]
-            lines += ["", f"{_name(run)}: each new standby warm (decided -> the controller's `standby` event, in the "
-                      "background on the replacement node): " + ", ".join(f"{g:.1f} s" for g in gaps) + ". A loss that "
-                      "finds no standby warm yet waits for the one warming (its *detect* includes that wait)."]
+            lines += [
+                "",
+                f"{_name(run)}: each new standby warm (decided -> the controller's `standby` event, in the "
+                "background on the replacement node): " + ", ".join(f"{g:.1f} s" for g in gaps) + ". A loss that "
+                "finds no standby warm yet waits for the one warming (its *detect* includes that wait).",
+            ]
     return lines + [""]
 
 
@@ -232,24 +282,31 @@ def write_report(data: dict, out: Path) -> None:
     runs = data["runs"]
     state_mib = runs[0]["state_bytes"] / (1 << 20)
     lines = [
-        "# Goodput under node failures (`bench/goodput.py`)", "",
+        "# Goodput under node failures (`bench/goodput.py`)",
+        "",
         f"`python bench/goodput.py --state-mb {a['state_mb']} --compute {a['compute']} --step-s {a['step_s']} "
         f"--horizon-s {a['horizon_s']:g} --baseline-s {a['baseline_s']:g} --mtbf-s {a['mtbf_s']:g} --seed {a['seed']} "
         f"--common-n {a['common_n']}`; {mach['date']}; {mach['cpus']} CPUs, {mach['mem_total_gib']:.0f} GiB RAM; "
         f"the whole run took {mach['seconds'] / 60:.1f} min. Machine load (1-min load average after each run): "
         f"{min(la[0] for la in loads):.1f}-{max(la[0] for la in loads):.1f}, CPU busy "
         f"{min(mach['cpu_busy_percent']):.0f}-{max(mach['cpu_busy_percent']):.0f}% over a run (psutil)."
-        + _passes(data), "",
-        "## How it was measured", "",
+        + _passes(data),
+        "",
+        "## How it was measured",
+        "",
         f"One data-parallel job, one rank on each of 4 simulated Ray nodes on this machine (loopback; every address "
         f"127.0.0.1), each rank with {state_mib:.0f} MiB of state: a small MLP with AdamW whose gradients are "
         "averaged by a gloo all-reduce, beside a frozen buffer (bench/goodput_job.py). "
-        + ("Each step's compute is a sleep of "
-           f"{a['step_s']} s standing in for GPU time (the CPU is left to the agents, as on a GPU node), plus the "
-           "model's forward, backward, all-reduce and optimizer step." if a["compute"] == "sleep" else
-           f"Each step runs the model {a['model_passes']} times on the CPU.")
+        + (
+            "Each step's compute is a sleep of "
+            f"{a['step_s']} s standing in for GPU time (the CPU is left to the agents, as on a GPU node), plus the "
+            "model's forward, backward, all-reduce and optimizer step."
+            if a["compute"] == "sleep"
+            else f"Each step runs the model {a['model_passes']} times on the CPU."
+        )
         + f" Each system runs {a['horizon_s']:g} wall seconds from its first step with the faults and "
-        f"{a['baseline_s']:g} s without, for its failure-free rate.", "",
+        f"{a['baseline_s']:g} s without, for its failure-free rate.",
+        "",
         f"Faults: one Poisson schedule, job MTBF {a['mtbf_s']:g} s, seed {a['seed']}: "
         f"{', '.join(format(f['at_s'], '.1f') + ' s' for f in data['schedule'])} after the first step. At each, a node "
         "that runs a rank (never the head) is killed abruptly (`ray.cluster_utils.Cluster.remove_node`, "
@@ -264,9 +321,14 @@ def write_report(data: dict, out: Path) -> None:
         "notices the loss from the survivors' failed all-reduce or the lost member's missing heartbeats, the "
         "survivors keep their processes and roll back from their own node's RAM, the standby takes the lost "
         "rank and restores from its peers, and the next standby warms on the replacement node"
-        + (f" (a member is lost after {a.get('lost_after_s') or 1.0:g} s without heartbeats, "
-           f"{a.get('suspect_after_s') or 0.3:g} s once a collective failed)"
-           if a.get("lost_after_s") or a.get("suspect_after_s") else "") + ".", "",
+        + (
+            f" (a member is lost after {a.get('lost_after_s') or 1.0:g} s without heartbeats, "
+            f"{a.get('suspect_after_s') or 0.3:g} s once a collective failed)"
+            if a.get("lost_after_s") or a.get("suspect_after_s")
+            else ""
+        )
+        + ".",
+        "",
         "* **useful steps**: the job's progress when the horizon ends (steps redone after a rollback count once).",
         "* **goodput**: useful steps per wall second over the same system's failure-free rate (same interval).",
         "* **lost steps (RPO)**: steps completed when the node died minus the step the job resumed from.",
@@ -280,8 +342,10 @@ def write_report(data: dict, out: Path) -> None:
         "* **to storage**: bytes written under the directory that stands in for NFS (the largest size seen of every "
         "file, polled every 0.2 s). memsnap writes there only when it spills.",
         "* **not scheduled**: a node Ray declared dead on its own (e.g. missed health checks); the job lost it like "
-        "any other, so it counts as a fault of that run.", "",
-        "## Results", "",
+        "any other, so it counts as a fault of that run.",
+        "",
+        "## Results",
+        "",
         "| system | N | faults | useful steps | failure-free steps/s | steps/s with faults | goodput | vs. unprotected | "
         "lost steps per failure | RTO s (detect + restart + restore + step) | stall first / steady s | to storage |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -289,86 +353,124 @@ def write_report(data: dict, out: Path) -> None:
     none = next((r for r in runs if r["spec"]["system"] == "none"), None)
     for run, base in pairs(data):
         f = [x for x in run["failures"] if "rto" in x]
-        rto = (f"{_mean([x['rto'] for x in f]):.1f} ({_mean([x['detect'] for x in f]):.1f} + "
-               f"{_mean([x['restart'] for x in f]):.1f} + {_mean([x['restore'] for x in f]):.1f} + "
-               f"{_mean([x['first_step'] for x in f]):.1f})") if f else "-"
+        rto = (
+            (
+                f"{_mean([x['rto'] for x in f]):.1f} ({_mean([x['detect'] for x in f]):.1f} + "
+                f"{_mean([x['restart'] for x in f]):.1f} + {_mean([x['restore'] for x in f]):.1f} + "
+                f"{_mean([x['first_step'] for x in f]):.1f})"
+            )
+            if f
+            else "-"
+        )
         lost = [x["lost_steps"] for x in f]
         lines.append(
             f"| {_name(run)} | {run['spec']['interval']} | {_faults(run)} | {run['useful_steps']} | "
             f"{base['rate']:.3f} | {run['rate']:.3f} | **{goodput(run, base):.2f}** | "
             f"{run['rate'] / none['rate'] if none else float('nan'):.2f} | "
             f"{_f(_mean(lost), '.1f')} ({', '.join(map(str, lost))}) | {rto} | "
-            f"{_f(run['stall_first'])} / {_f(run['stall_steady'])} | {run['storage_bytes'] / GIB:.2f} GiB |")
+            f"{_f(run['stall_first'])} / {_f(run['stall_steady'])} | {run['storage_bytes'] / GIB:.2f} GiB |"
+        )
     if ranking(data):
         lines += ["", ranking(data)]
     if none:
-        lines += ["", f"*vs. unprotected*: steps/s with faults over the rate of the same job without any protection "
-                  f"and without faults ({none['rate']:.3f} steps/s), which also charges each system its failure-free "
-                  "overhead (on this box the agents' work shares 2 cores with the ranks)."]
+        lines += [
+            "",
+            f"*vs. unprotected*: steps/s with faults over the rate of the same job without any protection "
+            f"and without faults ({none['rate']:.3f} steps/s), which also charges each system its failure-free "
+            "overhead (on this box the agents' work shares 2 cores with the ranks).",
+        ]
     yd = data.get("young_daly", {})
     if yd:
-        lines += ["", "Young/Daly intervals for the disk systems (N = sqrt(2 x stall x MTBF) / step time, from the "
-                  "median stall of their failure-free run at the common N and the schedule's MTBF): "
-                  + ", ".join(f"{k} N = {v}" for k, v in yd.items()) + "."]
+        lines += [
+            "",
+            "Young/Daly intervals for the disk systems (N = sqrt(2 x stall x MTBF) / step time, from the "
+            "median stall of their failure-free run at the common N and the schedule's MTBF): "
+            + ", ".join(f"{k} N = {v}" for k, v in yd.items())
+            + ".",
+        ]
     present = {r["spec"]["system"] for r in runs if r["spec"]["faults"]}
     missing = [x for x in a.get("systems", []) if x not in present and x not in data.get("errors", {})]
     if missing:
-        lines += ["", f"**Not measured in this run**: {', '.join(missing)} (the run ended before them; see the end "
-                  "of this file)."]
+        lines += [
+            "",
+            f"**Not measured in this run**: {', '.join(missing)} (the run ended before them; see the end "
+            "of this file).",
+        ]
     for system, err in data.get("errors", {}).items():
         lines += ["", f"**{system} did not complete**: `{err[:400]}`"]
     lines += [""] + inplace_rows(data) + _stall_rows(data)
     check = model_check(data)
     if check:
         worst = max(abs(c["error"]) for c in check if c["error"] is not None)
-        lines += ["## The goodput model against the measurement", "",
-                  "`memsnap.goodput_model.run_goodput` (what `memsnap plan --goodput` projects with) given each run's "
-                  "kill times, its system's failure-free step time, its interval, the lag until a snapshot completes, "
-                  "and the median detect / restart (plus how much slower the first step back was) / restore seconds "
-                  "measured in the run; the model supplies the work lost per failure ((N-1)/2 steps + lag/step + half "
-                  "a step in progress, never more than the time the run had left) instead of what the run lost.", "",
-                  "| run | N | faults | measured goodput | model | error |", "| --- | --- | --- | --- | --- | --- |"]
+        lines += [
+            "## The goodput model against the measurement",
+            "",
+            "`memsnap.goodput_model.run_goodput` (what `memsnap plan --goodput` projects with) given each run's "
+            "kill times, its system's failure-free step time, its interval, the lag until a snapshot completes, "
+            "and the median detect / restart (plus how much slower the first step back was) / restore seconds "
+            "measured in the run; the model supplies the work lost per failure ((N-1)/2 steps + lag/step + half "
+            "a step in progress, never more than the time the run had left) instead of what the run lost.",
+            "",
+            "| run | N | faults | measured goodput | model | error |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
         for c in check:
-            lines.append(f"| {c['run']} | {c['every']} | {c['faults']} | {c['measured']:.3f} | {c['predicted']:.3f} | "
-                         f"{100 * c['error']:+.1f}% |")
+            lines.append(
+                f"| {c['run']} | {c['every']} | {c['faults']} | {c['measured']:.3f} | {c['predicted']:.3f} | "
+                f"{100 * c['error']:+.1f}% |"
+            )
         lines += ["", f"Largest error: {100 * worst:.1f}% (the target is 15%).", ""]
     x = measured_figures(data)
     if x is not None:
-        lines += ["## Carried to 1k-16k GPUs", "",
-                  f"`memsnap plan --goodput` with the figures measured here (stall {x.stall_s_per_gib:.3f} s/GiB, agent CPU "
-                  f"{x.agent_cpu_s_per_gib:.2f} core-s/GiB, restore {x.peer_restore_gibps:.2f} GiB/s from peers and "
-                  f"{x.storage_restore_gibps:.2f} GiB/s from storage"
-                  f"{'' if any(r['spec']['system'] == 'torch.save' and r['spec']['faults'] for r in runs) else ' (the model default: no torch.save run recovered here)'}"
-                  f", detect {x.detect_s:.1f} s, restart "
-                  f"{x.restart_s:.1f} s) and the model's default cluster (8 GPUs and 10 GiB of state per GPU, "
-                  "per-node MTBF from the Llama 3 report's 419 unexpected interruptions in 54 days on 16,384 GPUs, "
-                  "100 GiB/s of shared storage, 2 GiB/s per node to it, 10 GiB/s NIC, 4 agent cores, 10 s steps):", "",
-                  "| GPUs | job MTBF | memsnap in place goodput (period) | memsnap restarting goodput (period) "
-                  "| sync disk goodput (period) | async disk goodput (period) "
-                  "| closest to running out |", "| --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [
+            "## Carried to 1k-16k GPUs",
+            "",
+            f"`memsnap plan --goodput` with the figures measured here (stall {x.stall_s_per_gib:.3f} s/GiB, agent CPU "
+            f"{x.agent_cpu_s_per_gib:.2f} core-s/GiB, restore {x.peer_restore_gibps:.2f} GiB/s from peers and "
+            f"{x.storage_restore_gibps:.2f} GiB/s from storage"
+            f"{'' if any(r['spec']['system'] == 'torch.save' and r['spec']['faults'] for r in runs) else ' (the model default: no torch.save run recovered here)'}"
+            f", detect {x.detect_s:.1f} s, restart "
+            f"{x.restart_s:.1f} s) and the model's default cluster (8 GPUs and 10 GiB of state per GPU, "
+            "per-node MTBF from the Llama 3 report's 419 unexpected interruptions in 54 days on 16,384 GPUs, "
+            "100 GiB/s of shared storage, 2 GiB/s per node to it, 10 GiB/s NIC, 4 agent cores, 10 s steps):",
+            "",
+            "| GPUs | job MTBF | memsnap in place goodput (period) | memsnap restarting goodput (period) "
+            "| sync disk goodput (period) | async disk goodput (period) "
+            "| closest to running out |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+        ]
         for gpus in (1024, 2048, 4096, 8192, 16384):
             c = gm.Cluster(gpus=gpus)
             ps = gm.project(c, x)
             tight = "; ".join(f"{p.system}: {p.binding[0]} {100 * p.binding[1]:.0f}%" for p in ps)
-            lines.append(f"| {gpus} | {c.mtbf_s / 3600:.2f} h | " + " | ".join(
-                f"{p.goodput:.3f} ({p.period_s:.0f} s)" for p in ps) + f" | {tight} |")
+            lines.append(
+                f"| {gpus} | {c.mtbf_s / 3600:.2f} h | "
+                + " | ".join(f"{p.goodput:.3f} ({p.period_s:.0f} s)" for p in ps)
+                + f" | {tight} |"
+            )
         lines.append("")
     if data.get("notes"):
         lines += ["## Notes on this run", ""] + [f"* {n}" for n in data["notes"]] + [""]
-    lines += ["## Timeline", "", f"![progress against time, faults marked]({out.with_suffix('.png').name})", "",
-              "## Limits", "",
-              "* 4 simulated nodes share 2 cores: the agents' background work competes with the ranks and with other "
-              "jobs on the machine; the per-GiB figures above are the ones to carry to a real node.",
-              "* The directory standing in for NFS is this machine's local disk (page cache included); on shared "
-              "storage the disk systems' saves and restores slow down as nodes are added (see the projection).",
-              "* Faults are injected by the bench's own seeded schedule (`Nodes.inject`: the kill, a replacement node, "
-              "a wait until Ray declares the node dead, and the next fault only once the job trains again), node kills "
-              "only. `memsnap.chaos` lands the same kill on the loopback cluster, but not that wait for training.",
-              "* After a kill the lost rank starts on the replacement node and the other ranks on their own nodes: "
-              "in memsnap's restore the lost rank reads from its peers and the others from their node's RAM. In "
-              "memsnap-inplace the lost rank moves to the standby's node instead (the replacement warms the next "
-              "standby), and the cluster has one node more than the job's ranks while it runs.",
-              ""]
+    lines += [
+        "## Timeline",
+        "",
+        f"![progress against time, faults marked]({out.with_suffix('.png').name})",
+        "",
+        "## Limits",
+        "",
+        "* 4 simulated nodes share 2 cores: the agents' background work competes with the ranks and with other "
+        "jobs on the machine; the per-GiB figures above are the ones to carry to a real node.",
+        "* The directory standing in for NFS is this machine's local disk (page cache included); on shared "
+        "storage the disk systems' saves and restores slow down as nodes are added (see the projection).",
+        "* Faults are injected by the bench's own seeded schedule (`Nodes.inject`: the kill, a replacement node, "
+        "a wait until Ray declares the node dead, and the next fault only once the job trains again), node kills "
+        "only. `memsnap.chaos` lands the same kill on the loopback cluster, but not that wait for training.",
+        "* After a kill the lost rank starts on the replacement node and the other ranks on their own nodes: "
+        "in memsnap's restore the lost rank reads from its peers and the others from their node's RAM. In "
+        "memsnap-inplace the lost rank moves to the standby's node instead (the replacement warms the next "
+        "standby), and the cluster has one node more than the job's ranks while it runs.",
+        "",
+    ]
     out.write_text("\n".join(lines))
     plot(data, out.with_suffix(".png"))
     print("\n".join(lines))
@@ -385,8 +487,14 @@ def plot(data: dict, path: Path) -> None:
     for r in faulted:
         (line,) = ax.step([p[0] for p in r["curve"]], [p[1] for p in r["curve"]], where="post", label=_name(r))
         kills = [f["t_kill_s"] for f in r["failures"]]
-        ax.plot(kills, [([0] + [p[1] for p in r["curve"] if p[0] <= t])[-1] for t in kills], "x",
-                color=line.get_color(), markersize=9, markeredgewidth=2)
+        ax.plot(
+            kills,
+            [([0] + [p[1] for p in r["curve"] if p[0] <= t])[-1] for t in kills],
+            "x",
+            color=line.get_color(),
+            markersize=9,
+            markeredgewidth=2,
+        )
     for f in data["schedule"]:
         ax.axvline(f["at_s"], color="grey", linestyle=":", linewidth=1)
     ax.set_xlim(0, data["args"]["horizon_s"])

@@ -1,6 +1,7 @@
 """The timeline of a run of ``bench/goodput.py``: its fault schedule, and what its events say
 (progress, RPO and RTO per failure, stalls). No Ray, no cluster: tests/test_goodput_bench.py
 checks it on made-up events."""
+
 from __future__ import annotations
 
 import random
@@ -55,8 +56,15 @@ def inplace_faults(faults: list[dict], recoveries: list[dict]) -> list[dict]:
         out.append(f)
     for i, rec in enumerate(recoveries):
         if i not in used:
-            out.append({"t_kill": rec["noticed"], "t_dead": rec["decided"], "unscheduled": True,
-                        "why": rec.get("why"), "recovery": rec})
+            out.append(
+                {
+                    "t_kill": rec["noticed"],
+                    "t_dead": rec["decided"],
+                    "unscheduled": True,
+                    "why": rec.get("why"),
+                    "recovery": rec,
+                }
+            )
     return sorted(out, key=lambda f: f["t_kill"])
 
 
@@ -66,12 +74,18 @@ def _inplace_split(f: dict, events: list[dict]) -> dict:
     in the ``built`` events of the generation before and of the one the recovery formed."""
     rec = f["recovery"]
     split = rec["split"]
-    out = {"gen": rec["gen"], "lost": sorted(int(x) for x in rec["lost"]),
-           "kill_to_sign": rec["noticed"] - f["t_kill"], "detect": split["detect"], "reform": split["reform"],
-           "restore": split["restore"], "first_step": split["first_step"],
-           "kill_to_all_stepped": None if split.get("total") is None else rec["noticed"] + split["total"] - f["t_kill"],
-           "ray_verdict": f["t_dead_ray"] - f["t_kill"] if "t_dead_ray" in f else None,
-           "tiers": {int(k): v for k, v in rec.get("tiers", {}).items()}}
+    out = {
+        "gen": rec["gen"],
+        "lost": sorted(int(x) for x in rec["lost"]),
+        "kill_to_sign": rec["noticed"] - f["t_kill"],
+        "detect": split["detect"],
+        "reform": split["reform"],
+        "restore": split["restore"],
+        "first_step": split["first_step"],
+        "kill_to_all_stepped": None if split.get("total") is None else rec["noticed"] + split["total"] - f["t_kill"],
+        "ray_verdict": f["t_dead_ray"] - f["t_kill"] if "t_dead_ray" in f else None,
+        "tiers": {int(k): v for k, v in rec.get("tiers", {}).items()},
+    }
     pid: dict[int, dict[int, int]] = {}
     for e in events:
         if e["ev"] == "built" and "gen" in e:
@@ -102,7 +116,12 @@ def analyse(r: RunResult) -> dict:
         restored = [e for e in r.events if e["ev"] == "restored" and f["t_kill"] < e["t"] < nxt]
         # the old ranks' progress: a step whose all-reduce ended before the kill can be logged just after it
         before = [e for e in steps if e["t"] < (min(built) if built else f["t_kill"])]
-        rec = {"at_s": f.get("at_s"), "unscheduled": f.get("unscheduled", False), "t_kill_s": f["t_kill"] - r.t0, "detect": f["t_dead"] - f["t_kill"]}
+        rec = {
+            "at_s": f.get("at_s"),
+            "unscheduled": f.get("unscheduled", False),
+            "t_kill_s": f["t_kill"] - r.t0,
+            "detect": f["t_dead"] - f["t_kill"],
+        }
         if "recovery" in f:  # in place: memsnap's own decision ends detect (inplace_faults)
             rec["inplace"] = _inplace_split(f, r.events)
         progress = before[-1]["step"] + 1 if before else 0
@@ -112,17 +131,30 @@ def analyse(r: RunResult) -> dict:
             t_built = max(built[:NODES])
             step = restored[0]["step"]
             resumed = 0 if step is None else step + 1
-            rec.update(restart=t_built - f["t_dead"], restore=t_rest - t_built,
-                       restore_wall=max(e["wall"] for e in restored[:NODES]),
-                       rto=after[0]["t"] - f["t_kill"], lost_steps=progress - resumed,
-                       first_step=after[0]["t"] - t_rest)
+            rec.update(
+                restart=t_built - f["t_dead"],
+                restore=t_rest - t_built,
+                restore_wall=max(e["wall"] for e in restored[:NODES]),
+                rto=after[0]["t"] - f["t_kill"],
+                lost_steps=progress - resumed,
+                first_step=after[0]["t"] - t_rest,
+            )
         fails.append(rec)
     curve = [(e["t"] - r.t0, e["step"] + 1) for e in steps]
-    return {"useful_steps": useful, "first_step": first, "executed": len(timed), "horizon_s": r.horizon_s, "rate": (useful - first) / r.horizon_s,
-            "curve": curve, "failures": fails, "saves": len(saves) // NODES if saves else 0,
-            "stall_first": statistics.median(first_stall) if first_stall else None,
-            "stall_steady": statistics.median(later) if later else None,
-            "storage_bytes": r.storage_bytes,
-            # DCP: seconds from async_save returning to its write being done, median over ranks and saves
-            "write_lag": statistics.median(lags) if (lags := [e["lag"] for e in r.events if e["ev"] == "written"])
-            else None}
+    return {
+        "useful_steps": useful,
+        "first_step": first,
+        "executed": len(timed),
+        "horizon_s": r.horizon_s,
+        "rate": (useful - first) / r.horizon_s,
+        "curve": curve,
+        "failures": fails,
+        "saves": len(saves) // NODES if saves else 0,
+        "stall_first": statistics.median(first_stall) if first_stall else None,
+        "stall_steady": statistics.median(later) if later else None,
+        "storage_bytes": r.storage_bytes,
+        # DCP: seconds from async_save returning to its write being done, median over ranks and saves
+        "write_lag": statistics.median(lags)
+        if (lags := [e["lag"] for e in r.events if e["ev"] == "written"])
+        else None,
+    }

@@ -23,6 +23,7 @@ Whatever CUDA refuses (IPC, host registration) is caught, reported in the result
 fallback that ran instead is named. Without CUDA the script prints why and exits 0 without
 touching the results file.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,8 +57,10 @@ def probe() -> dict:
     info["torch"] = torch.__version__
     info["cuda"] = torch.cuda.is_available()
     if not info["cuda"]:
-        info["why"] = (f"torch {torch.__version__} sees no CUDA device (built with CUDA "
-                       f"{torch.version.cuda}, CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+        info["why"] = (
+            f"torch {torch.__version__} sees no CUDA device (built with CUDA "
+            f"{torch.version.cuda}, CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})"
+        )
     else:
         info["device"] = torch.cuda.get_device_name(0)
         info["devices"] = torch.cuda.device_count()
@@ -81,8 +84,13 @@ def ensure_codec() -> None:
     try:
         import memsnap._codec  # noqa: F401 (built?)
     except ImportError:
-        subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=ROOT, check=True,
-                       stdout=subprocess.DEVNULL, timeout=300)
+        subprocess.run(
+            [sys.executable, "setup.py", "build_ext", "--inplace"],
+            cwd=ROOT,
+            check=True,
+            stdout=subprocess.DEVNULL,
+            timeout=300,
+        )
 
 
 # --- the agent process ------------------------------------------------------------------------
@@ -160,7 +168,7 @@ class _TorchHost:
         self.t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
     def view(self, offset: int = 0, nbytes: int | None = None):
-        return memoryview(self.t.numpy())[offset:offset + (nbytes or self.nbytes)]
+        return memoryview(self.t.numpy())[offset : offset + (nbytes or self.nbytes)]
 
     def close(self) -> None:
         self.t = None
@@ -171,8 +179,13 @@ class Agent:
 
     def __init__(self):
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--agent"], env=env, text=True,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--agent"],
+            env=env,
+            text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
 
     def ask(self, **msg) -> dict:
         self.proc.stdin.write(json.dumps(msg) + "\n")
@@ -227,7 +240,9 @@ def d2h(notes: list) -> list[tuple]:
     rows.append(("pageable", n / _timed(functools.partial(pageable.copy_, src, non_blocking=True)) / 1e9, ""))
     del pageable
     pinned = torch.empty(n, dtype=torch.uint8, pin_memory=True)
-    rows.append(("pinned (pin_memory=True)", n / _timed(functools.partial(pinned.copy_, src, non_blocking=True)) / 1e9, ""))
+    rows.append(
+        ("pinned (pin_memory=True)", n / _timed(functools.partial(pinned.copy_, src, non_blocking=True)) / 1e9, "")
+    )
     del pinned
     path = os.path.join(naming.arena_dir(), f"memsnap-gpubench{os.getpid()}-d2h")
     for size in (n, 256 << 20):
@@ -241,8 +256,13 @@ def d2h(notes: list) -> list[tuple]:
             part = src[:size]
             gbs = size / _timed(functools.partial(dst.copy_, part, non_blocking=True)) / 1e9
             same = torch.equal(dst[:4096], part[:4096].cpu())
-            rows.append((f"shared-memory arena, {size >> 20} MiB", gbs,
-                         f"{arena.pinning.reason}; bytes {'match' if same else 'DIFFER'}"))
+            rows.append(
+                (
+                    f"shared-memory arena, {size >> 20} MiB",
+                    gbs,
+                    f"{arena.pinning.reason}; bytes {'match' if same else 'DIFFER'}",
+                )
+            )
             if not arena.pinning.pinned:
                 notes.append(f"cudaHostRegister of the shared-memory arena: {arena.pinning.reason}")
             del dst
@@ -281,8 +301,14 @@ def d2d(notes: list) -> list[tuple]:
 
                 seconds = _timed(functools.partial(once, manifest, sources))
                 same = torch.equal(tier.buffer(handle).tensor[: 1 << 20], src[: 1 << 20])
-                rows.append((size, seconds, f"agent's buffer over CUDA IPC; bytes {'match' if same else 'DIFFER'}; "
-                             f"handle opened {tier.opens}x"))
+                rows.append(
+                    (
+                        size,
+                        seconds,
+                        f"agent's buffer over CUDA IPC; bytes {'match' if same else 'DIFFER'}; "
+                        f"handle opened {tier.opens}x",
+                    )
+                )
             else:
                 if tier is not None and tier.refused and not any("IPC refused" in n for n in notes):
                     notes.append(f"CUDA IPC refused: {tier.refused}. D2D below is into a local allocation")
@@ -379,13 +405,18 @@ def stall(notes: list, steps: int) -> list[tuple]:
     skipped = [0]
     manifest_json = manifest.to_json().decode()
     try:
+
         def snap(i: int) -> None:
             got = agent.ask(op="begin", step=i, nbytes=nbytes)["handle"]
             if got is None:  # the agent is still draining the last one: this step is skipped
                 skipped[0] += 1
                 return
-            ok = tier.capture(BufferHandle.from_json(got), manifest, sources,
-                              on_done=lambda: agent.ask(op="captured", step=i, manifest=manifest_json))
+            ok = tier.capture(
+                BufferHandle.from_json(got),
+                manifest,
+                sources,
+                on_done=lambda: agent.ask(op="captured", step=i, manifest=manifest_json),
+            )
             if not ok:
                 raise RuntimeError(f"device tier refused: {tier.refused}")
 
@@ -393,16 +424,23 @@ def stall(notes: list, steps: int) -> list[tuple]:
         tier.wait()
         drains = agent.ask(op="drains")
         drain_s = statistics.median(drains["seconds"]) if drains["seconds"] else float("nan")
-        rows.append(("device tier (D2D)", statistics.median(t), statistics.median(t) - statistics.median(base),
-                     f"handle opened {tier.opens}x; {skipped[0]} of {steps} snapshots skipped while the agent "
-                     f"drained; agent drain {nbytes / GiB / drain_s:.1f} GiB/s into {drains['host']}"))
+        rows.append(
+            (
+                "device tier (D2D)",
+                statistics.median(t),
+                statistics.median(t) - statistics.median(base),
+                f"handle opened {tier.opens}x; {skipped[0]} of {steps} snapshots skipped while the agent "
+                f"drained; agent drain {nbytes / GiB / drain_s:.1f} GiB/s into {drains['host']}",
+            )
+        )
     except Exception as exc:
         notes.append(f"device tier stall: {type(exc).__name__}: {exc}; the side-stream D2H row is the fallback")
     finally:
         tier.close()
         agent.close()
-    rows.append(("state", nbytes / GiB, 0.0, f"{sum(p.numel() for p in model.parameters()) / 1e9:.2f} B params "
-                 "+ AdamW moments"))
+    rows.append(
+        ("state", nbytes / GiB, 0.0, f"{sum(p.numel() for p in model.parameters()) / 1e9:.2f} B params + AdamW moments")
+    )
     return rows
 
 
@@ -423,8 +461,10 @@ def coding(notes: list) -> list[tuple]:
         rs, gpu = codec.ReedSolomon(k, m, threads=0), CupyReedSolomon(k, m)
         rng = np.random.default_rng(k)
         small = [rng.integers(0, 256, (1 << 20) + 3, dtype=np.uint8) for _ in range(k)]
-        same = all(cp.asnumpy(g).tobytes() == c.tobytes()
-                   for g, c in zip(gpu.encode([cp.asarray(s) for s in small]), rs.encode(small)))
+        same = all(
+            cp.asnumpy(g).tobytes() == c.tobytes()
+            for g, c in zip(gpu.encode([cp.asarray(s) for s in small]), rs.encode(small))
+        )
         data = [cp.random.randint(0, 256, shard, dtype=cp.uint8) for _ in range(k)]
         parity = gpu.encode(data)
         full = data + parity
@@ -466,12 +506,21 @@ def _best(fn, reps: int = 3) -> float:
 
 def gpu_tests() -> tuple[str, int]:
     tests = os.path.join(ROOT, "tests")
-    files = sorted(os.path.join(tests, f) for f in os.listdir(tests)
-                   if f.startswith("test_") and f.endswith(".py") and "mark.gpu" in open(os.path.join(tests, f)).read())
+    files = sorted(
+        os.path.join(tests, f)
+        for f in os.listdir(tests)
+        if f.startswith("test_") and f.endswith(".py") and "mark.gpu" in open(os.path.join(tests, f)).read()
+    )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, tests, os.environ.get("PYTHONPATH", "")]))
     try:
-        out = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-m", "gpu", "-q", "-rs",
-                              *files], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+        out = subprocess.run(
+            [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-m", "gpu", "-q", "-rs", *files],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
     except subprocess.TimeoutExpired as exc:
         return f"pytest -m gpu timed out after 240 s:\n{(exc.stdout or '')[-3000:]}", 124
     return (out.stdout + out.stderr)[-4000:], out.returncode
@@ -479,28 +528,47 @@ def gpu_tests() -> tuple[str, int]:
 
 # --- report -------------------------------------------------------------------------------------
 def report(info: dict, parts: dict, notes: list, seconds: float) -> str:
-    lines = ["# GPU path: D2H, device tier, CuPy coding", "",
-             f"Run of `python bench/gpu.py` on {info.get('device')} ({info.get('devices')} visible), torch "
-             f"{info.get('torch')} (CUDA {info.get('cuda_version')}), CuPy {info.get('cupy')}, Ray {info.get('ray')}, "
-             f"Python {info['python']}; {seconds:.0f} s in all.", ""]
+    lines = [
+        "# GPU path: D2H, device tier, CuPy coding",
+        "",
+        f"Run of `python bench/gpu.py` on {info.get('device')} ({info.get('devices')} visible), torch "
+        f"{info.get('torch')} (CUDA {info.get('cuda_version')}), CuPy {info.get('cupy')}, Ray {info.get('ray')}, "
+        f"Python {info['python']}; {seconds:.0f} s in all.",
+        "",
+    ]
     if "d2h" in parts:
         lines += ["## D2H copy of 1 GiB", "", "| destination | GB/s | notes |", "|---|---|---|"]
         lines += [f"| {a} | {b:.1f} | {c} |" for a, b, c in parts["d2h"]] + [""]
     if "d2d" in parts:
-        lines += ["## D2D capture into the agent's device buffer", "", "| size | ms | GB/s | into |", "|---|---|---|---|"]
+        lines += [
+            "## D2D capture into the agent's device buffer",
+            "",
+            "| size | ms | GB/s | into |",
+            "|---|---|---|---|",
+        ]
         lines += [f"| {s / GiB:.0f} GiB | {t * 1e3:.2f} | {s / t / 1e9:.0f} | {w} |" for s, t, w in parts["d2d"]] + [""]
     if "stall" in parts:
         rows = parts["stall"]
         gib = next(r[1] for r in rows if r[0] == "state")
-        lines += [f"## Stall per snapshot, a snapshot every step ({gib:.2f} GiB of state)", "",
-                  "| capture | step ms (median) | stall ms | stall ms per GiB | notes |", "|---|---|---|---|---|"]
-        lines += [f"| {a} | {b * 1e3:.1f} | {c * 1e3:.1f} | {c * 1e3 / gib:.2f} | {d} |" for a, b, c, d in rows
-                  if a != "state"]
+        lines += [
+            f"## Stall per snapshot, a snapshot every step ({gib:.2f} GiB of state)",
+            "",
+            "| capture | step ms (median) | stall ms | stall ms per GiB | notes |",
+            "|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {a} | {b * 1e3:.1f} | {c * 1e3:.1f} | {c * 1e3 / gib:.2f} | {d} |"
+            for a, b, c, d in rows
+            if a != "state"
+        ]
         lines += ["", f"State: {next(r[3] for r in rows if r[0] == 'state')}.", ""]
     if "coding" in parts:
-        lines += ["## Reed-Solomon: CuPy kernel vs the CPU codec (GB/s of data)", "",
-                  "| geometry | GPU encode | GPU decode (m data shards lost) | CPU encode (all cores) | CPU decode | parity identical |",
-                  "|---|---|---|---|---|---|"]
+        lines += [
+            "## Reed-Solomon: CuPy kernel vs the CPU codec (GB/s of data)",
+            "",
+            "| geometry | GPU encode | GPU decode (m data shards lost) | CPU encode (all cores) | CPU decode | parity identical |",
+            "|---|---|---|---|---|---|",
+        ]
         lines += [f"| {g} | {a:.1f} | {b:.1f} | {c:.1f} | {d:.1f} | {e} |" for g, a, b, c, d, e in parts["coding"]]
         lines += [""]
     if "tests" in parts:
@@ -526,8 +594,14 @@ def targets(parts: dict) -> list[str]:
     if pinned and "side-stream D2H" in stall_rows and "state" in stall_rows:
         step, stall_s = stall_rows["side-stream D2H"][1], stall_rows["side-stream D2H"][2]
         rate = stall_rows["state"][1] * GiB / 1e9 / max(step, 1e-9)  # a lower bound: the copy ran within the step
-        rows.append(("side-stream D2H >= 80% of pinned D2H", f"copy done within a {step * 1e3:.0f} ms step "
-                     f"(>= {rate:.1f} GB/s, pinned {pinned:.1f} GB/s; stall {stall_s * 1e3:.1f} ms)", rate >= 0.8 * pinned))
+        rows.append(
+            (
+                "side-stream D2H >= 80% of pinned D2H",
+                f"copy done within a {step * 1e3:.0f} ms step "
+                f"(>= {rate:.1f} GB/s, pinned {pinned:.1f} GB/s; stall {stall_s * 1e3:.1f} ms)",
+                rate >= 0.8 * pinned,
+            )
+        )
     else:
         rows.append(("side-stream D2H >= 80% of pinned D2H", "not measured", None))
     coding_rows = {r[0]: r for r in parts.get("coding", [])}
@@ -556,17 +630,25 @@ def main() -> int:
     if args.check or not info["cuda"]:
         print(json.dumps(info, indent=1))
         if not info["cuda"]:
-            print(f"bench/gpu.py: no CUDA: {info['why']}. Nothing measured; {os.path.relpath(args.out, ROOT)} "
-                  "is left as it is. Run it on a machine with a GPU.")
+            print(
+                f"bench/gpu.py: no CUDA: {info['why']}. Nothing measured; {os.path.relpath(args.out, ROOT)} "
+                "is left as it is. Run it on a machine with a GPU."
+            )
         return 0
     ensure_codec()
     t0, parts, notes = time.perf_counter(), {}, []
     if info.get("cupy") is None:
-        notes.append(f"CuPy missing ({info.get('cupy_why')}): no device tier over CUDA IPC and no GPU coding; "
-                     "pip install 'memsnap[gpu]'")
-    for name, fn in (("d2h", lambda: d2h(notes)), ("d2d", lambda: d2d(notes)),
-                     ("stall", lambda: stall(notes, args.steps)), ("coding", lambda: coding(notes)),
-                     ("tests", gpu_tests)):
+        notes.append(
+            f"CuPy missing ({info.get('cupy_why')}): no device tier over CUDA IPC and no GPU coding; "
+            "pip install 'memsnap[gpu]'"
+        )
+    for name, fn in (
+        ("d2h", lambda: d2h(notes)),
+        ("d2d", lambda: d2d(notes)),
+        ("stall", lambda: stall(notes, args.steps)),
+        ("coding", lambda: coding(notes)),
+        ("tests", gpu_tests),
+    ):
         if name in args.skip:
             continue
         t = time.perf_counter()

@@ -20,6 +20,7 @@ every step. The same cluster runs, one after the other (in place first):
    restore (each rank's tier), first step, kill -> every rank's first step, the survivors'
    pids before and after, the steps trained twice.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,8 +38,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
-os.environ["PYTHONPATH"] = os.pathsep.join(
-    p for p in (str(HERE.parent), str(HERE), os.environ.get("PYTHONPATH")) if p)
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE.parent), str(HERE), os.environ.get("PYTHONPATH")) if p)
 
 import goodput  # noqa: E402
 import goodput_timeline  # noqa: E402
@@ -123,8 +123,15 @@ def run_inplace(lc: LocalCluster, cfg: dict, opts: dict, kills: int, settle_step
     by_id = {n.node_id: n for n in lc.nodes}
     job_name = f"inplace-bench-{uuid.uuid4().hex[:6]}"
     events = os.path.join(cfg["scratch"], f"{job_name}.jsonl")
-    j = InplaceJob(job_name, make_setup(cfg), make_train(cfg), rank_nodes=[n.node_id for n in workers[:RANKS]],
-                   standby_nodes=[workers[RANKS].node_id], options=opts, events=events)
+    j = InplaceJob(
+        job_name,
+        make_setup(cfg),
+        make_train(cfg),
+        rank_nodes=[n.node_id for n in workers[:RANKS]],
+        standby_nodes=[workers[RANKS].node_id],
+        options=opts,
+        events=events,
+    )
     # the head runs the driver, the controller and its rendezvous store: no standby there, so
     # each recovery's new standby goes to the fresh node the bench adds
     j._used_nodes.add(head.node_id)
@@ -134,10 +141,17 @@ def run_inplace(lc: LocalCluster, cfg: dict, opts: dict, kills: int, settle_step
     runner.start()
     records = []
     try:
-        wait_for(lambda: j.store is not None and all(_last(j.store, 0, r) is not None
-                                                     and _last(j.store, 0, r)[0] >= settle_steps
-                                                     for r in range(RANKS)),
-                 timeout=600, what=f"every rank to train {settle_steps} steps", interval=0.2)
+        wait_for(
+            lambda: (
+                j.store is not None
+                and all(
+                    _last(j.store, 0, r) is not None and _last(j.store, 0, r)[0] >= settle_steps for r in range(RANKS)
+                )
+            ),
+            timeout=600,
+            what=f"every rank to train {settle_steps} steps",
+            interval=0.2,
+        )
         _say(f"in place: {RANKS} ranks training ({time.time() - t_start:.0f} s after the start)")
         a, ta = _last(j.store, 0, 0)[:2]
         wait_for(lambda: _last(j.store, 0, 0)[0] >= a + settle_steps, timeout=300, what="steady steps", interval=0.1)
@@ -167,19 +181,31 @@ def run_inplace(lc: LocalCluster, cfg: dict, opts: dict, kills: int, settle_step
             wait_for(reported, timeout=600, what=f"recovery {i + 1}: every rank's first step", interval=0.05)
             rec = j.recoveries[i]
             last_old = max(v[0] for r in range(RANKS) if (v := _last(j.store, gen, r)) is not None)
-            record = {"kill": i + 1, "victim": victim, "t_kill": t_kill, **rec.to_dict(),
-                      "reports": {r: rec.reports[r] for r in sorted(rec.reports)},
-                      "pids_before": {r: before[r]["pid"] for r in before},
-                      "last_step_before": last_old, "progress_at_kill": progress_before,
-                      "coordinator_on_killed_node": coord_node == node.node_id, "coordinator_node": coord_node,
-                      "snapshots_before": {r: _last(j.store, gen, r)[2:] for r in range(RANKS)}}
+            record = {
+                "kill": i + 1,
+                "victim": victim,
+                "t_kill": t_kill,
+                **rec.to_dict(),
+                "reports": {r: rec.reports[r] for r in sorted(rec.reports)},
+                "pids_before": {r: before[r]["pid"] for r in before},
+                "last_step_before": last_old,
+                "progress_at_kill": progress_before,
+                "coordinator_on_killed_node": coord_node == node.node_id,
+                "coordinator_node": coord_node,
+                "snapshots_before": {r: _last(j.store, gen, r)[2:] for r in range(RANKS)},
+            }
             records.append(record)
             _say(f"in place: recovery {i + 1}: {summarise_inplace(record)}")
             # a few steps in the new generation (its snapshots committed) before the next kill
-            wait_for(lambda g=j.gen, rec=rec: all(
-                (v := _last(j.store, g, r)) is not None and v[0] >= rec.reports[r]["first_step_no"] + settle_steps
-                for r in range(RANKS)),
-                     timeout=600, what="steps after the recovery", interval=0.2)
+            wait_for(
+                lambda g=j.gen, rec=rec: all(
+                    (v := _last(j.store, g, r)) is not None and v[0] >= rec.reports[r]["first_step_no"] + settle_steps
+                    for r in range(RANKS)
+                ),
+                timeout=600,
+                what="steps after the recovery",
+                interval=0.2,
+            )
         j.store.set("bench/stop", "1")
         runner.join(timeout=600)
         if runner.is_alive():
@@ -219,17 +245,23 @@ def summarise_inplace(rec: dict) -> dict:
     stepped = max(r["first_step"] for r in reps.values())
     split = rec["split"]
     taken = [r for r in reps.values() if r.get("takeover") and "registered" in r]
-    return {"kill_to_sign": rec["noticed"] - rec["t_kill"], "detect": split["detect"], "reform": split["reform"],
-            "restore": split["restore"],
-            "register": max(r["registered"] - r["formed"] for r in taken) if taken else None,
-            "first_step": split["first_step"], "kill_to_all_stepped": stepped - rec["t_kill"],
-            "tiers": {int(r): reps[r].get("tier") for r in reps},
-            "restore_s": {int(r): reps[r].get("restore_s") for r in reps},
-            "steps_lost": rec["last_step_before"] - next(iter(reps.values()))["step"],
-            "restored_step": {int(r): reps[r]["step"] for r in reps},
-            "coordinator_lost": rec.get("coordinator_on_killed_node"),
-            "pids_same": all(rec["pids"][r] == rec["pids_before"][r] for r in rec["pids_before"]
-                             if int(r) != rec["victim"])}
+    return {
+        "kill_to_sign": rec["noticed"] - rec["t_kill"],
+        "detect": split["detect"],
+        "reform": split["reform"],
+        "restore": split["restore"],
+        "register": max(r["registered"] - r["formed"] for r in taken) if taken else None,
+        "first_step": split["first_step"],
+        "kill_to_all_stepped": stepped - rec["t_kill"],
+        "tiers": {int(r): reps[r].get("tier") for r in reps},
+        "restore_s": {int(r): reps[r].get("restore_s") for r in reps},
+        "steps_lost": rec["last_step_before"] - next(iter(reps.values()))["step"],
+        "restored_step": {int(r): reps[r]["step"] for r in reps},
+        "coordinator_lost": rec.get("coordinator_on_killed_node"),
+        "pids_same": all(
+            rec["pids"][r] == rec["pids_before"][r] for r in rec["pids_before"] if int(r) != rec["victim"]
+        ),
+    }
 
 
 # --- the whole-job restart ----------------------------------------------------------------------------
@@ -248,12 +280,18 @@ def run_restart(lc: LocalCluster, cfg: dict, kills: int, gap_s: float) -> dict:
     nodes = Nodes(lc)
     alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
     nodes.live = {lc.index_of(n): n for n in lc.nodes if n.node_id in alive}  # by memsnap_node_<i>
-    nodes.slots = sorted(nodes.live)[1:1 + RANKS]  # one rank per worker node, none on the head
+    nodes.slots = sorted(nodes.live)[1 : 1 + RANKS]  # one rank per worker node, none on the head
     job_name = f"inplace-bench-restart-{uuid.uuid4().hex[:6]}"
     storage = os.path.join(cfg["storage_root"], job_name)
     os.makedirs(storage)
-    run_cfg = dict(cfg, system="memsnap", interval="1", job=job_name, storage=storage,
-                   events=os.path.join(cfg["scratch"], f"{job_name}.jsonl"))
+    run_cfg = dict(
+        cfg,
+        system="memsnap",
+        interval="1",
+        job=job_name,
+        storage=storage,
+        events=os.path.join(cfg["scratch"], f"{job_name}.jsonl"),
+    )
     schedule = [{"at_s": 8.0 + gap_s * i, "victim": i % (RANKS - 1)} for i in range(kills)]
     horizon = 8.0 + gap_s * kills + 10.0
     try:
@@ -280,60 +318,79 @@ def render(data: dict, out: Path) -> None:
     inp = [summarise_inplace(r) for r in data["inplace"]["recoveries"]]
     rst = [f for f in data["restart"]["failures"] if "rto" in f]
     a = data["args"]
-    lines = ["# In-place recovery vs the whole-job restart (`python bench/inplace.py`)", "",
-             f"`{data['command']}`; {data['date']}; {os.cpu_count()} CPUs (shared with other work), "
-             f"{data['mem_gib']:.0f} GiB RAM; the whole run took {data['seconds'] / 60:.1f} min; "
-             f"1-min load average {data['load_start'][0]:.1f} at the start, {data['load_mid'][0]:.1f} between the "
-             f"two parts, {data['load_end'][0]:.1f} at the end.", "",
-             "## How it was measured", "",
-             f"One data-parallel job of {RANKS} ranks on a {NODES}-node loopback Ray cluster (head + {RANKS} rank "
-             f"nodes + 1 spare, every address 127.0.0.1; Ray's health checks as in bench/goodput.py: a ping every 1 s, "
-             f"dead after 5 missed). Each rank holds {data['state_mib']:.0f} MiB of state (bench/goodput_job.py's "
-             f"workload: a 4-layer MLP with AdamW beside a bulk buffer). A step: forward/backward, a sleep of "
-             f"{a['step_s']} s standing in for GPU time, the gradient average (gloo), the optimizer step, then "
-             f"`save` every step (the pipeline skips a step while the previous snapshot is still in flight). "
-             f"Snapshot options, the same for both: RS(k={a['k']}, m={a['m']}), keep=2, a spill to local disk every "
-             f"{a['spill_every']} steps. RS({a['k']},{a['m']}) because the whole-job restart has only its "
-             f"{RANKS} rank nodes' agents to place each rank's pieces on (the other {RANKS - 1} nodes: k+m <= "
-             f"{RANKS - 1}), and the in-place run must use the same code to compare like with like; replication "
-             "also has no parity to encode, which matters when 3 ranks snapshot 256 MiB every step on 2 cores.", "",
-             f"* **whole-job restart**: bench/goodput.py's `run_own` (what memsnap does without `memsnap.inplace`, "
-             f"as Ray Train restarts its worker group): a rank's node is killed (`kill_node` + its `ray::` "
-             f"workers), a replacement node is added, and once Ray declares the node dead every rank is killed; "
-             f"{RANKS} ranks start again (one on the replacement), build their state, create their `Snapshotter` and "
-             f"`restore()`. Kills {a['restart_gap_s']:.0f} s apart, each once the job trains again. *detect* is kill -> "
-             "Ray declares the node dead (the replacement node starts meanwhile), *restart* -> every new rank built "
-             "and registered, *restore* -> every rank restored, *first step* -> rank 0's first completed step "
-             "(an all-reduce: every rank has done it).",
-             f"* **in place**: `memsnap.inplace.InplaceJob`, one warm standby on the spare node. The node of rank 1, "
-             f"then 2, then 1... is killed hard (its raylet and every process under it, as "
-             f"tests/test_inplace_cluster.py does), {len(inp)} times in a row. Before each kill the bench adds a "
-             "fresh node (the controller looks for a free node once, when it decides a recovery, and warms the next "
-             "standby there in the background) and waits for a warm standby and "
-             f"{a['settle_steps']} steps of the new generation. *kill -> first sign*: the controller's `noticed` "
-             "(a survivor's failed all-reduce published, or a dead actor/heartbeat); *detect*: -> the next "
-             "generation written (survivors fenced in, the standby named, the node fenced at the coordinator); "
-             "*re-form*: -> every member formed the new gloo group; *restore*: -> every rank restored (the standby's "
-             "includes creating its `Snapshotter`); *first step*: -> every rank completed a step; the last row "
-             "is kill -> every rank's first completed step.",
-             "* **steps lost**: steps trained twice (the newest step completed before the kill minus the step "
-             "restored).", "",
-             "## Results", "",
-             f"Median and range over the kills ({len(inp)} in place, {len(rst)} whole-job restarts).", "",
-             "| in place | median s | range s | per kill |", "| --- | ---: | ---: | --- |"]
-    for key, name in [("kill_to_sign", "kill -> first sign (`noticed`)"), ("detect", "detect (noticed -> decided)"),
-                      ("reform", "re-form (every member formed the group)"), ("restore", "restore (every rank)"),
-                      ("register", "  of which: the standby creates its `Snapshotter`"),
-                      ("first_step", "first step (every rank)"),
-                      ("kill_to_all_stepped", "**kill -> every rank's first completed step**")]:
+    lines = [
+        "# In-place recovery vs the whole-job restart (`python bench/inplace.py`)",
+        "",
+        f"`{data['command']}`; {data['date']}; {os.cpu_count()} CPUs (shared with other work), "
+        f"{data['mem_gib']:.0f} GiB RAM; the whole run took {data['seconds'] / 60:.1f} min; "
+        f"1-min load average {data['load_start'][0]:.1f} at the start, {data['load_mid'][0]:.1f} between the "
+        f"two parts, {data['load_end'][0]:.1f} at the end.",
+        "",
+        "## How it was measured",
+        "",
+        f"One data-parallel job of {RANKS} ranks on a {NODES}-node loopback Ray cluster (head + {RANKS} rank "
+        f"nodes + 1 spare, every address 127.0.0.1; Ray's health checks as in bench/goodput.py: a ping every 1 s, "
+        f"dead after 5 missed). Each rank holds {data['state_mib']:.0f} MiB of state (bench/goodput_job.py's "
+        f"workload: a 4-layer MLP with AdamW beside a bulk buffer). A step: forward/backward, a sleep of "
+        f"{a['step_s']} s standing in for GPU time, the gradient average (gloo), the optimizer step, then "
+        f"`save` every step (the pipeline skips a step while the previous snapshot is still in flight). "
+        f"Snapshot options, the same for both: RS(k={a['k']}, m={a['m']}), keep=2, a spill to local disk every "
+        f"{a['spill_every']} steps. RS({a['k']},{a['m']}) because the whole-job restart has only its "
+        f"{RANKS} rank nodes' agents to place each rank's pieces on (the other {RANKS - 1} nodes: k+m <= "
+        f"{RANKS - 1}), and the in-place run must use the same code to compare like with like; replication "
+        "also has no parity to encode, which matters when 3 ranks snapshot 256 MiB every step on 2 cores.",
+        "",
+        f"* **whole-job restart**: bench/goodput.py's `run_own` (what memsnap does without `memsnap.inplace`, "
+        f"as Ray Train restarts its worker group): a rank's node is killed (`kill_node` + its `ray::` "
+        f"workers), a replacement node is added, and once Ray declares the node dead every rank is killed; "
+        f"{RANKS} ranks start again (one on the replacement), build their state, create their `Snapshotter` and "
+        f"`restore()`. Kills {a['restart_gap_s']:.0f} s apart, each once the job trains again. *detect* is kill -> "
+        "Ray declares the node dead (the replacement node starts meanwhile), *restart* -> every new rank built "
+        "and registered, *restore* -> every rank restored, *first step* -> rank 0's first completed step "
+        "(an all-reduce: every rank has done it).",
+        f"* **in place**: `memsnap.inplace.InplaceJob`, one warm standby on the spare node. The node of rank 1, "
+        f"then 2, then 1... is killed hard (its raylet and every process under it, as "
+        f"tests/test_inplace_cluster.py does), {len(inp)} times in a row. Before each kill the bench adds a "
+        "fresh node (the controller looks for a free node once, when it decides a recovery, and warms the next "
+        "standby there in the background) and waits for a warm standby and "
+        f"{a['settle_steps']} steps of the new generation. *kill -> first sign*: the controller's `noticed` "
+        "(a survivor's failed all-reduce published, or a dead actor/heartbeat); *detect*: -> the next "
+        "generation written (survivors fenced in, the standby named, the node fenced at the coordinator); "
+        "*re-form*: -> every member formed the new gloo group; *restore*: -> every rank restored (the standby's "
+        "includes creating its `Snapshotter`); *first step*: -> every rank completed a step; the last row "
+        "is kill -> every rank's first completed step.",
+        "* **steps lost**: steps trained twice (the newest step completed before the kill minus the step restored).",
+        "",
+        "## Results",
+        "",
+        f"Median and range over the kills ({len(inp)} in place, {len(rst)} whole-job restarts).",
+        "",
+        "| in place | median s | range s | per kill |",
+        "| --- | ---: | ---: | --- |",
+    ]
+    for key, name in [
+        ("kill_to_sign", "kill -> first sign (`noticed`)"),
+        ("detect", "detect (noticed -> decided)"),
+        ("reform", "re-form (every member formed the group)"),
+        ("restore", "restore (every rank)"),
+        ("register", "  of which: the standby creates its `Snapshotter`"),
+        ("first_step", "first step (every rank)"),
+        ("kill_to_all_stepped", "**kill -> every rank's first completed step**"),
+    ]:
         med, rng = _stat([r[key] for r in inp])
-        lines.append(f"| {name} | {med} | {rng} | {', '.join('-' if r[key] is None else f'{r[key]:.2f}' for r in inp)} |")
+        lines.append(
+            f"| {name} | {med} | {rng} | {', '.join('-' if r[key] is None else f'{r[key]:.2f}' for r in inp)} |"
+        )
     med, rng = _stat([r["steps_lost"] for r in inp])
     lines.append(f"| steps lost (trained twice) | {med} | {rng} | {', '.join(str(r['steps_lost']) for r in inp)} |")
     lines += ["", "| whole-job restart | median s | range s | per kill |", "| --- | ---: | ---: | --- |"]
-    for key, name in [("detect", "detect (kill -> Ray declares the node dead)"), ("restart", "restart (every rank built)"),
-                      ("restore", "restore (every rank)"), ("first_step", "first step"),
-                      ("rto", "**kill -> first completed step**")]:
+    for key, name in [
+        ("detect", "detect (kill -> Ray declares the node dead)"),
+        ("restart", "restart (every rank built)"),
+        ("restore", "restore (every rank)"),
+        ("first_step", "first step"),
+        ("rto", "**kill -> first completed step**"),
+    ]:
         med, rng = _stat([f.get(key) for f in rst])
         lines.append(f"| {name} | {med} | {rng} | {', '.join(f'{f[key]:.2f}' for f in rst)} |")
     med, rng = _stat([f.get("lost_steps") for f in rst])
@@ -342,35 +399,57 @@ def render(data: dict, out: Path) -> None:
     if "error" in data["restart"]:
         lines += ["", f"The whole-job restart could not be measured in this run: {data['restart']['error']}"]
     if r:
-        lines += ["", f"**Ratio, kill -> every rank trains again: whole-job restart / in place = "
-              f"{r['total']:.1f}x** (medians: {r['restart_total']:.2f} s / {r['inplace_total']:.2f} s). "
-              f"Leaving detection out of both (the whole-job restart's waits on Ray's health checks; the in-place "
-              f"one on its own heartbeats and failed collectives): {r['after_detect']:.1f}x "
-              f"({r['restart_after_detect']:.2f} s / {r['inplace_after_detect']:.2f} s)."]
-    lines += ["", f"Failure-free step: {data['inplace']['step_s']:.3f} s in place (rank 0, the mean of "
-              f"{a['settle_steps']} steps before the first kill).", "",
-              "### Per recovery, in place", "",
-              "| kill | rank lost | restored step | tiers (rank: tier) | restore s per rank | survivors' pids before -> after |",
-              "| ---: | ---: | ---: | --- | --- | --- |"]
+        lines += [
+            "",
+            f"**Ratio, kill -> every rank trains again: whole-job restart / in place = "
+            f"{r['total']:.1f}x** (medians: {r['restart_total']:.2f} s / {r['inplace_total']:.2f} s). "
+            f"Leaving detection out of both (the whole-job restart's waits on Ray's health checks; the in-place "
+            f"one on its own heartbeats and failed collectives): {r['after_detect']:.1f}x "
+            f"({r['restart_after_detect']:.2f} s / {r['inplace_after_detect']:.2f} s).",
+        ]
+    lines += [
+        "",
+        f"Failure-free step: {data['inplace']['step_s']:.3f} s in place (rank 0, the mean of "
+        f"{a['settle_steps']} steps before the first kill).",
+        "",
+        "### Per recovery, in place",
+        "",
+        "| kill | rank lost | restored step | tiers (rank: tier) | restore s per rank | survivors' pids before -> after |",
+        "| ---: | ---: | ---: | --- | --- | --- |",
+    ]
     for rec, s in zip(data["inplace"]["recoveries"], inp):
         tiers = ", ".join(f"{k}: {v}" for k, v in sorted(s["tiers"].items()))
         rs = ", ".join(f"{k}: {v:.2f}" if v is not None else f"{k}: -" for k, v in sorted(s["restore_s"].items()))
-        pids = ", ".join(f"r{k} {rec['pids_before'][k]} -> {rec['pids'][k]}" for k in sorted(rec["pids_before"])
-                         if int(k) != rec["victim"])
-        lines.append(f"| {rec['kill']} | {rec['victim']} | {min(s['restored_step'].values())} | {tiers} | {rs} | "
-                     f"{pids} ({'unchanged' if s['pids_same'] else 'CHANGED'}) |")
+        pids = ", ".join(
+            f"r{k} {rec['pids_before'][k]} -> {rec['pids'][k]}"
+            for k in sorted(rec["pids_before"])
+            if int(k) != rec["victim"]
+        )
+        lines.append(
+            f"| {rec['kill']} | {rec['victim']} | {min(s['restored_step'].values())} | {tiers} | {rs} | "
+            f"{pids} ({'unchanged' if s['pids_same'] else 'CHANGED'}) |"
+        )
     warm = [e for e in data["inplace"]["standby_events"]]
     if warm:
         gaps = [e["t"] - rec["decided"] for e, rec in zip(warm, data["inplace"]["recoveries"])]
-        lines += ["", "New standby warm (decided -> the controller's `standby` event): "
-                  + ", ".join(f"{g:.1f} s" for g in gaps) + " (in the background, on the fresh node)."]
+        lines += [
+            "",
+            "New standby warm (decided -> the controller's `standby` event): "
+            + ", ".join(f"{g:.1f} s" for g in gaps)
+            + " (in the background, on the fresh node).",
+        ]
     cl = [i + 1 for i, s in enumerate(inp) if s["coordinator_lost"]]
-    lines += ["", "The memsnap coordinator actor ran on the killed node in kill(s) "
-              f"{', '.join(map(str, cl))}." if cl else "", "",
-              "Snapshots before each kill (rank: captured, skipped as the pipeline was busy, since the "
-              "generation began): " + "; ".join(
-                  f"kill {rec['kill']}: " + ", ".join(f"{k}: {v[0]}/{v[1]}" for k, v in rec["snapshots_before"].items())
-                  for rec in data["inplace"]["recoveries"])]
+    lines += [
+        "",
+        f"The memsnap coordinator actor ran on the killed node in kill(s) {', '.join(map(str, cl))}." if cl else "",
+        "",
+        "Snapshots before each kill (rank: captured, skipped as the pipeline was busy, since the "
+        "generation began): "
+        + "; ".join(
+            f"kill {rec['kill']}: " + ", ".join(f"{k}: {v[0]}/{v[1]}" for k, v in rec["snapshots_before"].items())
+            for rec in data["inplace"]["recoveries"]
+        ),
+    ]
     lines += ["", "Raw records: `" + out.with_suffix(".json").name + "` beside this file.", ""]
     out.write_text("\n".join(lines) + "\n" + data.get("notes", ""))
 
@@ -384,8 +463,14 @@ def ratios(inplace: dict, restart: dict) -> dict:
     rt = statistics.median(f["rto"] for f in rst)
     ia = statistics.median(r["kill_to_all_stepped"] - r["kill_to_sign"] - r["detect"] for r in inp)
     ra = statistics.median(f["rto"] - f["detect"] for f in rst)
-    return {"inplace_total": it, "restart_total": rt, "total": rt / it,
-            "inplace_after_detect": ia, "restart_after_detect": ra, "after_detect": ra / ia}
+    return {
+        "inplace_total": it,
+        "restart_total": rt,
+        "total": rt / it,
+        "inplace_after_detect": ia,
+        "restart_after_detect": ra,
+        "after_detect": ra / ia,
+    }
 
 
 def main() -> None:
@@ -411,10 +496,21 @@ def main() -> None:
     scratch = tempfile.mkdtemp(prefix="memsnap-inplace-scratch-")
     storage_root = tempfile.mkdtemp(prefix="memsnap-inplace-nfs-")
     state = args.state_mb * MIB
-    cfg = {"state_mb": args.state_mb, "compute": "sleep", "step_s": args.step_s, "model_passes": 0, "seed": 21,
-           "spill_every": args.spill_every, "spill_bytes_per_s": 256 << 20, "k": args.k, "m": args.m,
-           "memory_budget": int(agent_ram(state, k=args.k, m=args.m, keep=2)) + (256 << 20),
-           "node_mtbf_s": 3600.0, "scratch": scratch, "storage_root": storage_root}
+    cfg = {
+        "state_mb": args.state_mb,
+        "compute": "sleep",
+        "step_s": args.step_s,
+        "model_passes": 0,
+        "seed": 21,
+        "spill_every": args.spill_every,
+        "spill_bytes_per_s": 256 << 20,
+        "k": args.k,
+        "m": args.m,
+        "memory_budget": int(agent_ram(state, k=args.k, m=args.m, keep=2)) + (256 << 20),
+        "node_mtbf_s": 3600.0,
+        "scratch": scratch,
+        "storage_root": storage_root,
+    }
     from goodput_job import memsnap_options
 
     opts = memsnap_options(dict(cfg, interval="1", storage=os.path.join(storage_root, "inplace")))
@@ -430,18 +526,29 @@ def main() -> None:
             except Exception as exc:  # the in-place numbers still go to the file, with the reason
                 restart = {"failures": [], "rate": None, "error": f"{type(exc).__name__}: {exc}"}
             for f in restart["failures"]:
-                _say(f"  restart: {({k: round(v, 2) if isinstance(v, float) else v for k, v in f.items()})}")
+                _say(f"  restart: { ({k: round(v, 2) if isinstance(v, float) else v for k, v in f.items()}) }")
         goodput.reap_children()
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
         shutil.rmtree(storage_root, ignore_errors=True)
     cmd = "python bench/inplace.py" + "".join(
-        f" --{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("out", "render"))
-    data = {"args": vars(args), "command": cmd, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "seconds": time.time() - t0, "mem_gib": psutil.virtual_memory().total / (1 << 30),
-            "state_mib": state / MIB, "load_start": load_start, "load_mid": load_mid, "load_end": os.getloadavg(),
-            "options": {k: v for k, v in opts.items() if k != "spill"}, "inplace": inplace, "restart": restart,
-            "ratios": ratios(inplace, restart)}
+        f" --{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("out", "render")
+    )
+    data = {
+        "args": vars(args),
+        "command": cmd,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "seconds": time.time() - t0,
+        "mem_gib": psutil.virtual_memory().total / (1 << 30),
+        "state_mib": state / MIB,
+        "load_start": load_start,
+        "load_mid": load_mid,
+        "load_end": os.getloadavg(),
+        "options": {k: v for k, v in opts.items() if k != "spill"},
+        "inplace": inplace,
+        "restart": restart,
+        "ratios": ratios(inplace, restart),
+    }
     out.with_suffix(".json").write_text(json.dumps(data, indent=1, default=str))
     render(data, out)
     _say(f"ratios: {data['ratios']}; written {out}")

@@ -11,6 +11,7 @@ A test that fails here once is a race to fix, not noise.
 machine's 1-minute load average is sampled every 5 s throughout. The busy loops are killed
 at the end, whatever happened.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,7 +48,7 @@ def counts(xml: Path) -> dict:
     """Tests, failures, errors and skips from pytest's JUnit XML (every <testsuite>)."""
     out = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
     root = ET.parse(xml).getroot()
-    for suite in ([root] if root.tag == "testsuite" else root.iter("testsuite")):
+    for suite in [root] if root.tag == "testsuite" else root.iter("testsuite"):
         for key in out:
             out[key] += int(suite.get(key, 0))
     failed, why = [], {}
@@ -59,8 +60,9 @@ def counts(xml: Path) -> dict:
             name = f"{case.get('classname')}::{case.get('name')}"
             failed.append(name)
             why[name] = _one_line(bad.get("message") or bad.text or "")
-    skipped = sorted({_module(case.get("classname", "")) for case in root.iter("testcase")
-                      if case.find("skipped") is not None})
+    skipped = sorted(
+        {_module(case.get("classname", "")) for case in root.iter("testcase") if case.find("skipped") is not None}
+    )
     return {**out, "failed": failed, "why": why, "skipped_in": skipped}
 
 
@@ -68,7 +70,7 @@ def _one_line(message: str, limit: int = 300) -> str:
     """What pytest said of a failure, on one line: kept in the report, so a failure seen once
     can be told apart from the next one even after the logs are gone."""
     line = " ".join(message.split())
-    return line if len(line) <= limit else line[:limit - 3] + "..."
+    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def _module(classname: str) -> str:
@@ -84,17 +86,38 @@ def run_suite(name: str, log: Path) -> dict:
         sampler.start()
         t = time.monotonic()
         with open(log, "ab") as f:
-            rc = subprocess.call([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                                  f"--junitxml={xml}", *SUITES[name]], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
+            rc = subprocess.call(
+                [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}", *SUITES[name]],
+                cwd=ROOT,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+            )
         wall = time.monotonic() - t
         sampler.stop.set()
         sampler.join()
-        got = counts(xml) if xml.exists() else {"tests": 0, "failures": 0, "errors": 1, "skipped": 0,
-                                                "failed": ["(pytest wrote no report)"], "why": {},
-                                                "skipped_in": []}
+        got = (
+            counts(xml)
+            if xml.exists()
+            else {
+                "tests": 0,
+                "failures": 0,
+                "errors": 1,
+                "skipped": 0,
+                "failed": ["(pytest wrote no report)"],
+                "why": {},
+                "skipped_in": [],
+            }
+        )
     load = sampler.samples or [os.getloadavg()[0]]
-    return {"suite": name, "rc": rc, "wall": wall, "load_min": min(load), "load_mean": sum(load) / len(load),
-            "load_max": max(load), **got}
+    return {
+        "suite": name,
+        "rc": rc,
+        "wall": wall,
+        "load_min": min(load),
+        "load_mean": sum(load) / len(load),
+        "load_max": max(load),
+        **got,
+    }
 
 
 def main() -> None:
@@ -102,11 +125,18 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--busy", type=int, default=2, help="busy-loop processes (default: 2, one per core here)")
     ap.add_argument("--suites", nargs="+", choices=sorted(SUITES), default=["default", "slow"])
-    ap.add_argument("--slow-runs", type=int, default=None,
-                    help="run the slow suite only in the first N runs (default: every run); it takes "
-                         "tens of minutes under load")
+    ap.add_argument(
+        "--slow-runs",
+        type=int,
+        default=None,
+        help="run the slow suite only in the first N runs (default: every run); it takes tens of minutes under load",
+    )
     ap.add_argument("--out", default=str(HERE / "results" / "loaded_suite.md"))
-    ap.add_argument("--log", default=None, help="pytest's output, all runs (default: memsnap-loaded-suite.log in the temp directory)")
+    ap.add_argument(
+        "--log",
+        default=None,
+        help="pytest's output, all runs (default: memsnap-loaded-suite.log in the temp directory)",
+    )
     args = ap.parse_args()
     if args.runs < 1 or args.busy < 0:
         sys.exit(f"--runs {args.runs} --busy {args.busy}: need at least 1 run and 0 or more busy loops")
@@ -126,9 +156,12 @@ def main() -> None:
                 r = run_suite(name, log)
                 r["run"] = i
                 results.append(r)
-                print(f"[loaded_suite]   {r['tests']} tests, {r['failures']} failed, {r['errors']} errors, "
-                      f"{r['skipped']} skipped in {r['wall'] / 60:.1f} min (load {r['load_mean']:.1f})",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"[loaded_suite]   {r['tests']} tests, {r['failures']} failed, {r['errors']} errors, "
+                    f"{r['skipped']} skipped in {r['wall'] / 60:.1f} min (load {r['load_mean']:.1f})",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 write(out, args, begin, results, log, quiet=True)
     finally:
         for p in loops:
@@ -148,24 +181,27 @@ def _commit() -> str:
 def write(out: Path, args, begin: str, results: list[dict], log: Path, quiet: bool = False) -> None:
     green = all(r["rc"] == 0 and not r["failures"] and not r["errors"] for r in results)
     lines = [
-        "# The test suites under load (`bench/loaded_suite.py`)", "",
+        "# The test suites under load (`bench/loaded_suite.py`)",
+        "",
         f"`python bench/loaded_suite.py --runs {args.runs} --busy {args.busy} --suites {' '.join(args.suites)}"
         f"{'' if getattr(args, 'slow_runs', None) is None else f' --slow-runs {args.slow_runs}'}`; "
         f"started {begin}; commit {getattr(args, 'commit', None) or _commit()}; {os.cpu_count()} CPUs. {args.busy} busy-loop processes (`while True: pass`) ran for "
-        "the whole time, so the suites had to share every core, as on a CI machine another job shares.", "",
+        "the whole time, so the suites had to share every core, as on a CI machine another job shares.",
+        "",
         "| run | suite | tests | passed | failed | errors | skipped | minutes | load (1-min avg) min / mean / max |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
         passed = r["tests"] - r["failures"] - r["errors"] - r["skipped"]
-        lines.append(f"| {r['run']} | {r['suite']} | {r['tests']} | {passed} | {r['failures']} | {r['errors']} | "
-                     f"{r['skipped']} | {r['wall'] / 60:.1f} | {r['load_min']:.1f} / {r['load_mean']:.1f} / "
-                     f"{r['load_max']:.1f} |")
+        lines.append(
+            f"| {r['run']} | {r['suite']} | {r['tests']} | {passed} | {r['failures']} | {r['errors']} | "
+            f"{r['skipped']} | {r['wall'] / 60:.1f} | {r['load_min']:.1f} / {r['load_mean']:.1f} / "
+            f"{r['load_max']:.1f} |"
+        )
     lines += ["", f"**{'Every run green.' if green else 'Not green.'}**"]
     failed = [(r["run"], r["suite"], t, r.get("why", {}).get(t)) for r in results for t in r["failed"]]
     if failed:
-        lines += ["", "Failed:", ""] + [f"* run {i}, {s}: `{t}`" + (f": {w}" if w else "")
-                                        for i, s, t, w in failed]
+        lines += ["", "Failed:", ""] + [f"* run {i}, {s}: `{t}`" + (f": {w}" if w else "") for i, s, t, w in failed]
     skipped_in = sorted({m for r in results for m in r["skipped_in"]})
     if skipped_in:
         lines += ["", "Skipped tests are in: " + ", ".join(f"`{m}`" for m in skipped_in) + "."]

@@ -24,6 +24,7 @@ is recorded, so the first ``keep+1`` (fresh arena slots) can be set against late
 
     python bench/overhead.py [--steps 100] [--rounds 5] [--models small] [--frozen-mib 0 256]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,9 +64,17 @@ class Rank:
         from memsnap.snapshotter import Snapshotter
 
         if every not in self.snaps:
-            self.snaps[every] = Snapshotter(job=f"{self.job}-{every}", rank=self.rank, world_size=NODES,
-                                            k=2, m=1, keep=self.keep, memory_budget=self.budget,
-                                            every_steps=every, preemption=False)
+            self.snaps[every] = Snapshotter(
+                job=f"{self.job}-{every}",
+                rank=self.rank,
+                world_size=NODES,
+                k=2,
+                m=1,
+                keep=self.keep,
+                memory_budget=self.budget,
+                every_steps=every,
+                preemption=False,
+            )
         return self.snaps[every]
 
     def start(self, every: int) -> int:
@@ -140,8 +149,10 @@ class Rank:
         return self.snaps[every].status()["bytes"]["local"]
 
     def status(self) -> dict:
-        return {str(e): {k: s.status().get(k) for k in ("committed_step", "failed_saves", "skipped_busy")}
-                for e, s in self.snaps.items()}
+        return {
+            str(e): {k: s.status().get(k) for k in ("committed_step", "failed_saves", "skipped_busy")}
+            for e, s in self.snaps.items()
+        }
 
 
 class DcpAsync:
@@ -181,13 +192,26 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--rounds", type=int, default=5, help="counted rounds, after one warm-up round")
     ap.add_argument("--models", nargs="+", default=["small"], help="demo model sizes")
-    ap.add_argument("--frozen-mib", nargs="+", type=float, default=[0.0, 256.0],
-                    help="MiB of frozen state per rank beside the model; one table per model and size")
+    ap.add_argument(
+        "--frozen-mib",
+        nargs="+",
+        type=float,
+        default=[0.0, 256.0],
+        help="MiB of frozen state per rank beside the model; one table per model and size",
+    )
     ap.add_argument("--first-saves", type=int, default=12, help="snapshots taken one at a time before the rounds")
-    ap.add_argument("--memory-budget-gib", type=float, default=BUDGET / (1 << 30),
-                    help="each agent's memory_budget; the agents' pools of held chunks grow up to it")
-    ap.add_argument("--keep", type=int, default=KEEP,
-                    help="committed versions each agent keeps (keep+1 arena slots per rank; less RAM with 1)")
+    ap.add_argument(
+        "--memory-budget-gib",
+        type=float,
+        default=BUDGET / (1 << 30),
+        help="each agent's memory_budget; the agents' pools of held chunks grow up to it",
+    )
+    ap.add_argument(
+        "--keep",
+        type=int,
+        default=KEEP,
+        help="committed versions each agent keeps (keep+1 arena slots per rank; less RAM with 1)",
+    )
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "overhead.md"))
     args = ap.parse_args()
     KEEP, BUDGET = args.keep, int(args.memory_budget_gib * (1 << 30))
@@ -246,12 +270,24 @@ def first_saves(cluster, ranks, n: int) -> dict:
         made = ray.get(ranks[0].arena_bytes.remote(1), timeout=120) if i < KEEP + 2 else None
         cpu = cpu_seconds(pids)
         got = ray.get([a.one_save.remote(1) for a in ranks], timeout=600)
-        rows.append({"i": i, "made": made, "stall_max": max(g["stall"] for g in got),
-                     "stall_min": min(g["stall"] for g in got),
-                     "captured": sum(g["captured"] for g in got), "committed": all(g["committed"] for g in got),
-                     "agent_cpu": cpu_seconds(pids) - cpu, "load": os.getloadavg()[0]})
-        print(f"snapshot {i}: save() stall {rows[-1]['stall_min']:.3f}-{rows[-1]['stall_max']:.3f} s, agents "
-              f"{rows[-1]['agent_cpu']:.2f} core-s, captured by {rows[-1]['captured']} ranks", file=sys.stderr, flush=True)
+        rows.append(
+            {
+                "i": i,
+                "made": made,
+                "stall_max": max(g["stall"] for g in got),
+                "stall_min": min(g["stall"] for g in got),
+                "captured": sum(g["captured"] for g in got),
+                "committed": all(g["committed"] for g in got),
+                "agent_cpu": cpu_seconds(pids) - cpu,
+                "load": os.getloadavg()[0],
+            }
+        )
+        print(
+            f"snapshot {i}: save() stall {rows[-1]['stall_min']:.3f}-{rows[-1]['stall_max']:.3f} s, agents "
+            f"{rows[-1]['agent_cpu']:.2f} core-s, captured by {rows[-1]['captured']} ranks",
+            file=sys.stderr,
+            flush=True,
+        )
     return {"nbytes": nbytes, "start_s": started, "agents": len(pids), "rows": rows, "pids": pids}
 
 
@@ -262,22 +298,31 @@ def measure(cluster, model: str, mib: float, args, load: list) -> dict:
     name = f"{model}+{mib:g} MiB"
     work = tempfile.mkdtemp(prefix="memsnap-overhead-")
     rounds: list[dict[str, dict]] = []
-    ranks = [Rank.options(resources={f"memsnap_node_{i}": 0.01}).remote(i, model, mib, work, KEEP, BUDGET)
-             for i in range(NODES)]
+    ranks = [
+        Rank.options(resources={f"memsnap_node_{i}": 0.01}).remote(i, model, mib, work, KEEP, BUDGET)
+        for i in range(NODES)
+    ]
     job = f"bench-overhead-{model}-{mib:g}"
     try:
         first = first_saves(cluster, ranks, args.first_saves)
         ray.get([a.drop_state.remote() for a in ranks], timeout=120)
         for r in range(args.rounds + 1):
             got = {}
-            order = configs[r % len(configs):] + configs[:r % len(configs)]  # no seat is always first
+            order = configs[r % len(configs) :] + configs[: r % len(configs)]  # no seat is always first
             for cfg in order:
                 cpu = cpu_seconds(first["pids"]) if cfg == "memsnap/1" else 0.0
                 runs = ray.get([a.run.remote(cfg, args.steps) for a in ranks], timeout=1800)
-                got[cfg] = {"sps": min(x["sps"] for x in runs), "stalls": [t for x in runs for t in x["stalls"]],
-                            "agent_cpu": cpu_seconds(first["pids"]) - cpu if cfg == "memsnap/1" else None}
-                print(f"{name} round {r}{' (warm-up)' if r == 0 else ''} {cfg:14s} {got[cfg]['sps']:7.2f} steps/s "
-                      f"(slowest rank), {len(got[cfg]['stalls'])} saves", file=sys.stderr, flush=True)
+                got[cfg] = {
+                    "sps": min(x["sps"] for x in runs),
+                    "stalls": [t for x in runs for t in x["stalls"]],
+                    "agent_cpu": cpu_seconds(first["pids"]) - cpu if cfg == "memsnap/1" else None,
+                }
+                print(
+                    f"{name} round {r}{' (warm-up)' if r == 0 else ''} {cfg:14s} {got[cfg]['sps']:7.2f} steps/s "
+                    f"(slowest rank), {len(got[cfg]['stalls'])} saves",
+                    file=sys.stderr,
+                    flush=True,
+                )
             load.append(os.getloadavg())
             if r > 0:
                 rounds.append(got)
@@ -289,8 +334,16 @@ def measure(cluster, model: str, mib: float, args, load: list) -> dict:
             ray.kill(a)
         shutil.rmtree(work, ignore_errors=True)
     first.pop("pids")
-    return {"name": name, "model": model, "mib": mib, "configs": configs, "rounds": rounds, "status": status,
-            "nbytes": first["nbytes"], "first": first}
+    return {
+        "name": name,
+        "model": model,
+        "mib": mib,
+        "configs": configs,
+        "rounds": rounds,
+        "status": status,
+        "nbytes": first["nbytes"],
+        "first": first,
+    }
 
 
 def _median(xs: list[float]) -> float:
@@ -311,8 +364,7 @@ def write(sections: list[dict], args, load: list) -> None:
 
     loads = [f"{a[0]:.1f}" for a in load]
     lines = [
-        "# Training throughput with snapshots, first-snapshot and steady-state stall, agent CPU "
-        "(`bench/overhead.py`)",
+        "# Training throughput with snapshots, first-snapshot and steady-state stall, agent CPU (`bench/overhead.py`)",
         "",
         f"`python bench/overhead.py --steps {args.steps} --rounds {args.rounds} --models {' '.join(args.models)} "
         f"--frozen-mib {' '.join(f'{m:g}' for m in args.frozen_mib)} --first-saves {args.first_saves} --keep {args.keep} "
@@ -339,52 +391,74 @@ def write(sections: list[dict], args, load: list) -> None:
     for sec in sections:
         rounds, mib = sec["rounds"], sec["nbytes"] / (1 << 20)
         what = f"model + {sec['mib']:g} MiB frozen" if sec["mib"] else "model, no frozen table"
-        lines += ["", f"## `{sec['model']}` {what}: {mib:.1f} MiB of snapshot state per rank before the first "
-                  f"optimizer step (weights, scheduler, RNG, sampler{', frozen table' if sec['mib'] else ''}; the "
-                  "rounds add AdamW's two moments, 2x the weights)", "",
-                  "| configuration | steps/s (median) | range | vs. none (median ratio) | throughput cost | "
-                  "saves per rank and round (median) | stall per save: median | p90 | max |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [
+            "",
+            f"## `{sec['model']}` {what}: {mib:.1f} MiB of snapshot state per rank before the first "
+            f"optimizer step (weights, scheduler, RNG, sampler{', frozen table' if sec['mib'] else ''}; the "
+            "rounds add AdamW's two moments, 2x the weights)",
+            "",
+            "| configuration | steps/s (median) | range | vs. none (median ratio) | throughput cost | "
+            "saves per rank and round (median) | stall per save: median | p90 | max |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
         for name in sec["configs"]:
             sps = [r[name]["sps"] for r in rounds]
             ratio = _median([r[name]["sps"] / r["none"]["sps"] for r in rounds])
             stalls = [t for r in rounds for t in r[name]["stalls"]]
             nsaves = _median([len(r[name]["stalls"]) / NODES for r in rounds])
-            st = ("- | - | -" if not stalls else
-                  f"{_median(stalls):.3f} s | {_pct(stalls, 0.9):.3f} s | {max(stalls):.3f} s")
-            lines.append(f"| {name} | {_median(sps):.2f} | {min(sps):.2f}-{max(sps):.2f} | {ratio:.3f} | "
-                         f"{100 * (1 - ratio):.1f}% | {nsaves:g} | {st} |")
+            st = (
+                "- | - | -"
+                if not stalls
+                else f"{_median(stalls):.3f} s | {_pct(stalls, 0.9):.3f} s | {max(stalls):.3f} s"
+            )
+            lines.append(
+                f"| {name} | {_median(sps):.2f} | {min(sps):.2f}-{max(sps):.2f} | {ratio:.3f} | "
+                f"{100 * (1 - ratio):.1f}% | {nsaves:g} | {st} |"
+            )
         first = sec["first"]
         gib = sec["nbytes"] * NODES / (1 << 30)
-        lines += ["", f"### First snapshots against steady state ({mib:.1f} MiB per rank, {NODES} ranks)", "",
-                  f"The memsnap/1 job started as a training job does (every rank: `Snapshotter`, then `restore`, "
-                  f"which found nothing and had the agents make each rank's {KEEP + 1} arena slots; "
-                  f"{first['start_s']:.2f} s for all ranks together), then took {len(first['rows'])} snapshots one "
-                  "at a time, the first right after `restore` returned: every rank saves, then waits for the "
-                  "commit. Stall: the slowest and fastest rank's `save()`; agents: CPU seconds (user + system) of "
-                  f"the job's {first['agents']} agent processes from before the save to the commit, per GiB "
-                  "snapshotted (all ranks); slots made: the arena bytes the agents held just before the save "
-                  f"(all {KEEP + 1} slots of every rank: {(KEEP + 1) * NODES * mib:.0f} MiB).", "",
-                  "| snapshot | save() stall, slowest rank | fastest rank | agents' CPU | core-s per GiB | "
-                  "slots made before it | load |",
-                  "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        lines += [
+            "",
+            f"### First snapshots against steady state ({mib:.1f} MiB per rank, {NODES} ranks)",
+            "",
+            f"The memsnap/1 job started as a training job does (every rank: `Snapshotter`, then `restore`, "
+            f"which found nothing and had the agents make each rank's {KEEP + 1} arena slots; "
+            f"{first['start_s']:.2f} s for all ranks together), then took {len(first['rows'])} snapshots one "
+            "at a time, the first right after `restore` returned: every rank saves, then waits for the "
+            "commit. Stall: the slowest and fastest rank's `save()`; agents: CPU seconds (user + system) of "
+            f"the job's {first['agents']} agent processes from before the save to the commit, per GiB "
+            "snapshotted (all ranks); slots made: the arena bytes the agents held just before the save "
+            f"(all {KEEP + 1} slots of every rank: {(KEEP + 1) * NODES * mib:.0f} MiB).",
+            "",
+            "| snapshot | save() stall, slowest rank | fastest rank | agents' CPU | core-s per GiB | "
+            "slots made before it | load |",
+            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
         for row in first["rows"]:
             made = "" if row["made"] is None else f"{row['made'] / (1 << 20):.0f} MiB"
-            lines.append(f"| {row['i'] + 1}{'' if row['committed'] else ' (not committed)'} | {row['stall_max']:.3f} s | "
-                         f"{row['stall_min']:.3f} s | {row['agent_cpu']:.2f} s | {row['agent_cpu'] / gib:.2f} | "
-                         f"{made} | {row['load']:.1f} |")
-        head, tail = first["rows"][:KEEP + 1], first["rows"][KEEP + 1:]
+            lines.append(
+                f"| {row['i'] + 1}{'' if row['committed'] else ' (not committed)'} | {row['stall_max']:.3f} s | "
+                f"{row['stall_min']:.3f} s | {row['agent_cpu']:.2f} s | {row['agent_cpu'] / gib:.2f} | "
+                f"{made} | {row['load']:.1f} |"
+            )
+        head, tail = first["rows"][: KEEP + 1], first["rows"][KEEP + 1 :]
         if tail:
-            lines += ["", f"First {KEEP + 1} (fresh slots): stall {_median([r['stall_max'] for r in head]):.3f} s "
-                      f"(median of the slowest rank), agents {_median([r['agent_cpu'] for r in head]) / gib:.2f} "
-                      f"core-s/GiB; later: stall {_median([r['stall_max'] for r in tail]):.3f} s, agents "
-                      f"{_median([r['agent_cpu'] for r in tail]) / gib:.2f} core-s/GiB."]
+            lines += [
+                "",
+                f"First {KEEP + 1} (fresh slots): stall {_median([r['stall_max'] for r in head]):.3f} s "
+                f"(median of the slowest rank), agents {_median([r['agent_cpu'] for r in head]) / gib:.2f} "
+                f"core-s/GiB; later: stall {_median([r['stall_max'] for r in tail]):.3f} s, agents "
+                f"{_median([r['agent_cpu'] for r in tail]) / gib:.2f} core-s/GiB.",
+            ]
         cpu = [r["memsnap/1"]["agent_cpu"] for r in rounds]
         saved = [len(r["memsnap/1"]["stalls"]) * sec["nbytes"] / (1 << 30) for r in rounds]
         if sum(saved):
-            lines += ["", f"During the memsnap/1 rounds (snapshots back to back while training): agents "
-                      f"{sum(cpu):.1f} core-s for {sum(saved):.2f} GiB captured = "
-                      f"{sum(cpu) / sum(saved):.2f} core-s per GiB snapshotted."]
+            lines += [
+                "",
+                f"During the memsnap/1 rounds (snapshots back to back while training): agents "
+                f"{sum(cpu):.1f} core-s for {sum(saved):.2f} GiB captured = "
+                f"{sum(cpu) / sum(saved):.2f} core-s per GiB snapshotted.",
+            ]
         lines += ["", f"memsnap status at the end (per every_steps): {sec['status']}"]
     text = "\n".join(lines) + "\n"
     print(text)

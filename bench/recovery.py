@@ -22,6 +22,7 @@
    run and the same processes. ``--elastic-only`` runs this part alone and rewrites only its
    section of ``--out``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,7 +40,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 os.environ["PYTHONPATH"] = os.pathsep.join(
-    p for p in (os.path.dirname(HERE), os.path.join(os.path.dirname(HERE), "tests"), os.environ.get("PYTHONPATH")) if p)
+    p for p in (os.path.dirname(HERE), os.path.join(os.path.dirname(HERE), "tests"), os.environ.get("PYTHONPATH")) if p
+)
 
 import ray  # noqa: E402
 import torch  # noqa: E402
@@ -59,7 +61,8 @@ class Blob(torch.nn.Module):
         g = torch.Generator().manual_seed(seed)
         n = max(1, mib // 16)
         self.ps = torch.nn.ParameterList(
-            torch.nn.Parameter(torch.rand(mib * MIB // 4 // n, generator=g)) for _ in range(n))
+            torch.nn.Parameter(torch.rand(mib * MIB // 4 // n, generator=g)) for _ in range(n)
+        )
 
 
 @ray.remote(num_cpus=0)
@@ -121,14 +124,18 @@ def free_job(job: str) -> None:
 
 
 def _start(job, nodes, mib, opts, seed0=0):
-    ranks = [Rank.options(resources={f"memsnap_node_{n}": 0.01}).remote(r, len(nodes), mib, seed0 + r, opts, job)
-             for r, n in enumerate(nodes)]
+    ranks = [
+        Rank.options(resources={f"memsnap_node_{n}": 0.01}).remote(r, len(nodes), mib, seed0 + r, opts, job)
+        for r, n in enumerate(nodes)
+    ]
     ray.get([r.node.remote() for r in ranks], timeout=600)
     return ranks
 
 
 def _drop_cache(path: str) -> None:
-    for root, _, files in os.walk(path) if os.path.isdir(path) else [(os.path.dirname(path), [], [os.path.basename(path)])]:
+    for root, _, files in (
+        os.walk(path) if os.path.isdir(path) else [(os.path.dirname(path), [], [os.path.basename(path)])]
+    ):
         for f in files:
             fd = os.open(os.path.join(root, f), os.O_RDONLY)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -143,20 +150,23 @@ def _timed(fn) -> float:
 
 # --- 1. restore of a lost node -------------------------------------------------------------------
 def peer_vs_durable(mib: int, spill: str) -> dict:
-    opts = dict(k=2, m=1, keep=1, memory_budget=(mib * 6 + 256) * MIB, spill=spill, spill_every=1,
-                spill_bytes_per_s=4 << 30)
+    opts = dict(
+        k=2, m=1, keep=1, memory_budget=(mib * 6 + 256) * MIB, spill=spill, spill_every=1, spill_bytes_per_s=4 << 30
+    )
     out = {}
     with LocalCluster(nodes=4, cpus_per_node=1, object_store_mb=96) as c:
         try:
             ranks = _start(JOB, [0, 1, 2, 3], mib, opts)
             ray.get([r.save.remote(1) for r in ranks], timeout=600)
             assert ray.get(ranks[0].wait.remote(1), timeout=900) == 1
-            wait_for(lambda: ray.get(ranks[0].status.remote())["durable_step"] == 1, timeout=900,
-                     what="step 1 spilled")
+            wait_for(lambda: ray.get(ranks[0].status.remote())["durable_step"] == 1, timeout=900, what="step 1 spilled")
             lost = ray.get(ranks[1].node.remote())
             c.kill_node(next(n for n in c.nodes if n.node_id == lost))
-            wait_for(lambda: any(n["NodeID"] == lost and not n["Alive"] for n in ray.nodes()), timeout=120,
-                     what="the node declared dead")
+            wait_for(
+                lambda: any(n["NodeID"] == lost and not n["Alive"] for n in ray.nodes()),
+                timeout=120,
+                what="the node declared dead",
+            )
             c.add_node()
             ranks[1] = Rank.options(resources={"memsnap_node_4": 0.01}).remote(1, 4, mib, 50, opts, JOB)
             ray.get(ranks[1].node.remote(), timeout=600)
@@ -175,9 +185,13 @@ def data_path_alone(ranks, lost: str, rounds: int = 7) -> dict:
     live tensors (what ``restore`` does); into the replacement node's arena, whose pages are
     backed already (the objstore transport's way), then rank 1's apply from that arena.
     Returns the median and best of each."""
-    wait_for(lambda: (lambda st: st["reprotect"]["running"] == 0 and st["protection"]
-                      and min(st["protection"].values()) == 2)(ray.get(ranks[0].status.remote(), timeout=60)),
-             timeout=600, what="re-protection to finish (it would share the cores)")
+    wait_for(
+        lambda: (
+            lambda st: st["reprotect"]["running"] == 0 and st["protection"] and min(st["protection"].values()) == 2
+        )(ray.get(ranks[0].status.remote(), timeout=60)),
+        timeout=600,
+        what="re-protection to finish (it would share the cores)",
+    )
     new = ray.get(ranks[1].node.remote())
     a_new = ray.get_actor(naming.agent(JOB, new), namespace=naming.NAMESPACE)
     source = ray.get(ranks[1].source.remote(), timeout=60)  # rank 1's part of the restore plan
@@ -281,8 +295,15 @@ def elastic_ram_vs_durable(mib: int, work: str, rounds: int = 3) -> dict:
     spill = os.path.join(work, "elastic-spill")
     rows = 4 * mib * MIB // (1024 * 4)  # (rows, 1024) float32 = 4 * mib MiB, over 4 then 3 ranks
     layout = {"l1.weight": ((rows, 1024), "shard"), "l1.bias": ((1024,), "replicate")}
-    opts = dict(k=2, m=1, keep=1, memory_budget=(mib * 24 + 256) * MIB, spill=f"file://{spill}", spill_every=1,
-                spill_bytes_per_s=4 << 30)
+    opts = dict(
+        k=2,
+        m=1,
+        keep=1,
+        memory_budget=(mib * 24 + 256) * MIB,
+        spill=f"file://{spill}",
+        spill_every=1,
+        spill_bytes_per_s=4 << 30,
+    )
     with LocalCluster(nodes=4, cpus_per_node=1, object_store_mb=96) as c:
         try:
             ranks = start(job, opts, [0, 1, 2, 3], layout, timeout=600)
@@ -294,8 +315,11 @@ def elastic_ram_vs_durable(mib: int, work: str, rounds: int = 3) -> dict:
             for r in ranks:
                 ray.kill(r, no_restart=True)
             c.kill_node(next(n for n in c.nodes if n.node_id == lost))
-            wait_for(lambda: any(n["NodeID"] == lost and not n["Alive"] for n in ray.nodes()), timeout=120,
-                     what="the node declared dead")
+            wait_for(
+                lambda: any(n["NodeID"] == lost and not n["Alive"] for n in ray.nodes()),
+                timeout=120,
+                what="the node declared dead",
+            )
             ranks = start(job, opts, [0, 1, 2], layout, timeout=600)
             ram = [ray.get([r.restore.remote() for r in ranks], timeout=900) for _ in range(rounds)]
             assert {t for got in ram for _, t, *_ in got} == {"elastic"}, ram
@@ -305,14 +329,22 @@ def elastic_ram_vs_durable(mib: int, work: str, rounds: int = 3) -> dict:
             digests = {tuple(d for _, _, d, *_ in got) for got in ram} | {tuple(d for d, _ in got) for got in warm}
             assert digests == {tuple(d for d, _ in cold)}  # every way, every round: the same bytes on every rank
             slowest = [max(got, key=lambda x: x[3]) for got in ram]
-            print(f"  RAM rounds (slowest rank): {[round(x[3], 3) for x in slowest]}; durable warm: "
-                  f"{[round(max(w for _, w in got), 3) for got in warm]}; cold {max(w for _, w in cold):.3f}", flush=True)
-            return {"mib": mib, "nbytes": 3 * rows * 1024 * 4, "rounds": rounds,
-                    "ram_first": slowest[0][3], "ram_first_phases": slowest[0][4],
-                    "ram": statistics.median(x[3] for x in slowest[1:]) if rounds > 1 else slowest[0][3],
-                    "ram_phases": slowest[-1][4],
-                    "warm": statistics.median(max(w for _, w in got) for got in warm),
-                    "cold": max(w for _, w in cold)}
+            print(
+                f"  RAM rounds (slowest rank): {[round(x[3], 3) for x in slowest]}; durable warm: "
+                f"{[round(max(w for _, w in got), 3) for got in warm]}; cold {max(w for _, w in cold):.3f}",
+                flush=True,
+            )
+            return {
+                "mib": mib,
+                "nbytes": 3 * rows * 1024 * 4,
+                "rounds": rounds,
+                "ram_first": slowest[0][3],
+                "ram_first_phases": slowest[0][4],
+                "ram": statistics.median(x[3] for x in slowest[1:]) if rounds > 1 else slowest[0][3],
+                "ram_phases": slowest[-1][4],
+                "warm": statistics.median(max(w for _, w in got) for got in warm),
+                "cold": max(w for _, w in cold),
+            }
         finally:
             free_job(job)
 
@@ -323,26 +355,36 @@ def elastic_section(res: dict) -> list[str]:
     def phases(sec: dict) -> str:
         return ", ".join(f"{k} {v:.3f}" for k, v in sec.items())
 
-    lines = [ELASTIC_BEGIN, f"## Resharding restore, 4 -> 3 ranks (`--elastic-mib {res['mib']}`)", "",
-             f"FSDP-style state: a `Shard(0)` weight of {4 * res['mib']} MiB (float32, 1024 columns) and its two "
-             f"AdamW moments, {res['nbytes'] / MIB:.0f} MiB in all (plus a replicated bias), on 4 ranks (one per "
-             "simulated node, gloo, k=2, m=1). Step 1 is committed and spilled; one node is killed and not "
-             "replaced; 3 ranks restart (a new gloo group, world size 3) and every rank calls `restore` at once, "
-             f"{n} times (each a full collective restore: plan, manifests, partial fetch, reshard, load). Then, in "
-             f"the same processes, every rank loads the same step with `memsnap.load(..., world_size=3)` from the "
-             f"spill (local disk), {n} times with a warm page cache, then once after dropping it with "
-             "`posix_fadvise(DONTNEED)`. Each time is the slowest rank's; every way and every round gave every "
-             "rank the same bytes (checked).", "",
-             "| resharding restore, 4 -> 3 ranks | seconds (slowest rank) | GiB/s per rank |",
-             "| --- | ---: | ---: |"]
-    for name, key in [("memsnap RAM (tier `elastic`), first restore (opens its connections to the agents)",
-                       "ram_first"),
-                      (f"memsnap RAM (tier `elastic`), later restores (median of {n - 1})", "ram"),
-                      (f"memsnap.load from the durable tier, resharded, warm cache (median of {n})", "warm"),
-                      ("memsnap.load from the durable tier, resharded, cold cache", "cold")]:
+    lines = [
+        ELASTIC_BEGIN,
+        f"## Resharding restore, 4 -> 3 ranks (`--elastic-mib {res['mib']}`)",
+        "",
+        f"FSDP-style state: a `Shard(0)` weight of {4 * res['mib']} MiB (float32, 1024 columns) and its two "
+        f"AdamW moments, {res['nbytes'] / MIB:.0f} MiB in all (plus a replicated bias), on 4 ranks (one per "
+        "simulated node, gloo, k=2, m=1). Step 1 is committed and spilled; one node is killed and not "
+        "replaced; 3 ranks restart (a new gloo group, world size 3) and every rank calls `restore` at once, "
+        f"{n} times (each a full collective restore: plan, manifests, partial fetch, reshard, load). Then, in "
+        f"the same processes, every rank loads the same step with `memsnap.load(..., world_size=3)` from the "
+        f"spill (local disk), {n} times with a warm page cache, then once after dropping it with "
+        "`posix_fadvise(DONTNEED)`. Each time is the slowest rank's; every way and every round gave every "
+        "rank the same bytes (checked).",
+        "",
+        "| resharding restore, 4 -> 3 ranks | seconds (slowest rank) | GiB/s per rank |",
+        "| --- | ---: | ---: |",
+    ]
+    for name, key in [
+        ("memsnap RAM (tier `elastic`), first restore (opens its connections to the agents)", "ram_first"),
+        (f"memsnap RAM (tier `elastic`), later restores (median of {n - 1})", "ram"),
+        (f"memsnap.load from the durable tier, resharded, warm cache (median of {n})", "warm"),
+        ("memsnap.load from the durable tier, resharded, cold cache", "cold"),
+    ]:
         lines.append(f"| {name} | {res[key]:.3f} | {per_rank / res[key] / gib:.2f} |")
-    lines += ["", f"Phases of the slowest rank's RAM restore (s): first {phases(res['ram_first_phases'])}; "
-              f"last {phases(res['ram_phases'])}.", ELASTIC_END]
+    lines += [
+        "",
+        f"Phases of the slowest rank's RAM restore (s): first {phases(res['ram_first_phases'])}; "
+        f"last {phases(res['ram_phases'])}.",
+        ELASTIC_END,
+    ]
     return lines
 
 
@@ -384,7 +426,7 @@ def raw_socket(nbytes: int = 1 << 30) -> float:
     s = socket.create_connection(("127.0.0.1", port))
     t = time.perf_counter()
     for off in range(0, nbytes, 4 * MIB):
-        s.sendall(data[off:off + 4 * MIB])
+        s.sendall(data[off : off + 4 * MIB])
     s.recv(1)
     dt = time.perf_counter() - t
     s.close()
@@ -413,13 +455,22 @@ def _ram_of(job: str, k: int, m: int, mib: int, local_copy: bool) -> dict:
         for step in (1, 2):
             ray.get([r.save.remote(step) for r in ranks], timeout=600)
             ray.get(ranks[0].wait.remote(step), timeout=600)
-            wait_for(lambda step=step: _committed_on_agents(job, nodes, step), timeout=120,
-                     what="the commit reaching every agent")
+            wait_for(
+                lambda step=step: _committed_on_agents(job, nodes, step),
+                timeout=120,
+                what="the commit reaching every agent",
+            )
             agents = ray.get(ranks[0].status.remote())["agents"].values()
             if step == 1:  # one version saved: each agent has exactly one arena slot and parity buffer
-                out = dict(k=k, m=m, S=max(a["arena"] for a in agents), local=max(a["local"] for a in agents),
-                           parity=max(a["parity"] for a in agents), held=max(a["held"] for a in agents),
-                           total=max(a["arena"] + a["parity"] + a["held"] for a in agents))
+                out = dict(
+                    k=k,
+                    m=m,
+                    S=max(a["arena"] for a in agents),
+                    local=max(a["local"] for a in agents),
+                    parity=max(a["parity"] for a in agents),
+                    held=max(a["held"] for a in agents),
+                    total=max(a["arena"] + a["parity"] + a["held"] for a in agents),
+                )
         return dict(out, arena2=max(a["arena"] for a in agents))
     finally:
         for r in ranks:
@@ -468,30 +519,51 @@ def run(args, work: str) -> None:
     print(f"  {peer}", flush=True)
     nbytes = args.mib * MIB
     alone = peer["alone"]
-    rows = [("memsnap peer RAM (k=2, m=1), collective restore, lost rank end to end", peer["wall"]),
-            ("  of which: fetch + decode straight into the live tensors", peer["seconds"].get("fetch", float("nan"))),
-            ("memsnap peer data path alone, straight into the live tensors, end to end (median of 7)",
-             alone["direct"]["median"]),
-            ("  best of 7", alone["direct"]["best"]),
-            ("memsnap peer data path alone, through the agent's arena: fetch + decode (median of 7)",
-             alone["touched"]["median"]),
-            ("memsnap peer data path alone, through the agent's arena: apply, verify + copy (median of 7)",
-             alone["apply"]["median"]),
-            ("memsnap peer data path alone, through the agent's arena, end to end (sum of the medians)",
-             alone["touched"]["median"] + alone["apply"]["median"])]
-    rows.append(("memsnap durable, local disk, warm cache", min(durable_restore(spill, args.mib, None) for _ in range(2))))
+    rows = [
+        ("memsnap peer RAM (k=2, m=1), collective restore, lost rank end to end", peer["wall"]),
+        ("  of which: fetch + decode straight into the live tensors", peer["seconds"].get("fetch", float("nan"))),
+        (
+            "memsnap peer data path alone, straight into the live tensors, end to end (median of 7)",
+            alone["direct"]["median"],
+        ),
+        ("  best of 7", alone["direct"]["best"]),
+        (
+            "memsnap peer data path alone, through the agent's arena: fetch + decode (median of 7)",
+            alone["touched"]["median"],
+        ),
+        (
+            "memsnap peer data path alone, through the agent's arena: apply, verify + copy (median of 7)",
+            alone["apply"]["median"],
+        ),
+        (
+            "memsnap peer data path alone, through the agent's arena, end to end (sum of the medians)",
+            alone["touched"]["median"] + alone["apply"]["median"],
+        ),
+    ]
+    rows.append(
+        ("memsnap durable, local disk, warm cache", min(durable_restore(spill, args.mib, None) for _ in range(2)))
+    )
     rows.append(("memsnap durable, local disk, cold cache", durable_restore(spill, args.mib, spill)))
     if not args.no_s3:
         rows.append(("memsnap durable, moto S3 on loopback", s3_copy(spill, args.mib)))
     tpath = os.path.join(work, "state.pt")
     torch.save(Blob(args.mib, 3).state_dict(), tpath)
-    rows.append(("torch.load + load_state_dict, local disk, warm cache", min(torch_load(tpath, args.mib, False) for _ in range(2))))
+    rows.append(
+        (
+            "torch.load + load_state_dict, local disk, warm cache",
+            min(torch_load(tpath, args.mib, False) for _ in range(2)),
+        )
+    )
     rows.append(("torch.load + load_state_dict, local disk, cold cache", torch_load(tpath, args.mib, True)))
     paths = [os.path.join(work, f"state{r}.pt") for r in range(4)]
     for r, path in enumerate(paths):
         torch.save(Blob(args.mib, 10 + r).state_dict(), path)
-    rows.append(("torch.load + load_state_dict, 4 ranks at once (as the collective restore), cold cache, slowest",
-                 torch_load_together(paths, args.mib)))
+    rows.append(
+        (
+            "torch.load + load_state_dict, 4 ranks at once (as the collective restore), cold cache, slowest",
+            torch_load_together(paths, args.mib),
+        )
+    )
     print("RAM per node ...", flush=True)
     ram = ram_table(args.ram_mib)
     write(args.out, args, ceiling, nbytes, rows, peer, ram)
@@ -502,54 +574,73 @@ def run(args, work: str) -> None:
 def write(path, args, ceiling, nbytes, rows, peer, ram) -> None:
     gib = 1 << 30
     lines = [
-        "# Recovery benchmark (`python bench/recovery.py`)", "",
+        "# Recovery benchmark (`python bench/recovery.py`)",
+        "",
         f"One run on this machine ({os.cpu_count()} cores, shared with other work), a simulated Ray cluster on "
         f"127.0.0.1. State per node: {args.mib} MiB of float32 parameters. Peer restore = node killed "
         "(`LocalCluster.kill_node`), replacement node added, every rank calls `restore`; the lost rank's "
-        "time is shown.", "",
-        f"Raw loopback socket ceiling (one stream, 1 GiB, best of 3): **{ceiling / gib:.2f} GiB/s**", "",
-        "| restore of one node's state | seconds | GiB/s |", "| --- | ---: | ---: |",
+        "time is shown.",
+        "",
+        f"Raw loopback socket ceiling (one stream, 1 GiB, best of 3): **{ceiling / gib:.2f} GiB/s**",
+        "",
+        "| restore of one node's state | seconds | GiB/s |",
+        "| --- | ---: | ---: |",
     ]
     for name, sec in rows:
         lines.append(f"| {name} | {sec:.3f} | {nbytes / sec / gib:.2f} |" if sec else f"| {name} | n/a | |")
     fetch, alone = peer["seconds"].get("fetch"), peer["alone"]
     if fetch:
+
         def x(sec: float) -> str:
             return f"{nbytes / sec / ceiling:.2f}x"
 
-        lines += ["", "Against the socket ceiling (target >= 0.5x end to end):", "",
-                  f"- collective restore (all 4 ranks load at once, on the same 2 cores): fetch+decode "
-                  f"{x(fetch)}, lost rank end to end {x(peer['wall'])};",
-                  f"- data path alone (other ranks idle, re-protection done), straight into the live tensors: "
-                  f"end to end {x(alone['direct']['median'])} (median), {x(alone['direct']['best'])} (best);",
-                  f"- data path alone through the agent's arena (`MEMSNAP_DIRECT_RESTORE=0`, and the objstore "
-                  f"transport): fetch {x(alone['touched']['median'])}, end to end "
-                  f"{x(alone['touched']['median'] + alone['apply']['median'])} (medians)."]
-    lines += ["", f"## RAM per node ({args.ram_mib} MiB of state per node, 5 nodes, one version)", "",
-              "Measured from the agents' own accounting after one committed snapshot (largest node). "
-              "S = the node's arena (its local copy), parity = the owner's parity scratch (two batches of "
-              "`parity_window` stripes, reused by every snapshot), "
-              "held = its peers' chunks. The lean columns come from a second job with `local_copy=False`: "
-              "its committed local copy (0 when lean mode keeps none), its held chunks against S(k+m)/k, "
-              "and its total, with its target S(k+m)/k: once its chunks are held, the staging arena gives "
-              "its pages back until the next capture. "
-              "Arenas after a 2nd save: with the local copy (keep=1) the committed step 1 stays whole while "
-              "step 2 is captured into a second slot; lean mode reuses its one arena (resident bytes: 0 once "
-              "step 2's chunks are held).", "",
-              "| k | m | S (MiB) | parity | held | total | target S(1+(k+m)/k) | total / target | "
-              "arena + held / target | lean: local copy | lean: held / S(k+m)/k | lean: total | lean: total / S(k+m)/k | "
-              "arenas after a 2nd save: local copy / lean |",
-              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        lines += [
+            "",
+            "Against the socket ceiling (target >= 0.5x end to end):",
+            "",
+            f"- collective restore (all 4 ranks load at once, on the same 2 cores): fetch+decode "
+            f"{x(fetch)}, lost rank end to end {x(peer['wall'])};",
+            f"- data path alone (other ranks idle, re-protection done), straight into the live tensors: "
+            f"end to end {x(alone['direct']['median'])} (median), {x(alone['direct']['best'])} (best);",
+            f"- data path alone through the agent's arena (`MEMSNAP_DIRECT_RESTORE=0`, and the objstore "
+            f"transport): fetch {x(alone['touched']['median'])}, end to end "
+            f"{x(alone['touched']['median'] + alone['apply']['median'])} (medians).",
+        ]
+    lines += [
+        "",
+        f"## RAM per node ({args.ram_mib} MiB of state per node, 5 nodes, one version)",
+        "",
+        "Measured from the agents' own accounting after one committed snapshot (largest node). "
+        "S = the node's arena (its local copy), parity = the owner's parity scratch (two batches of "
+        "`parity_window` stripes, reused by every snapshot), "
+        "held = its peers' chunks. The lean columns come from a second job with `local_copy=False`: "
+        "its committed local copy (0 when lean mode keeps none), its held chunks against S(k+m)/k, "
+        "and its total, with its target S(k+m)/k: once its chunks are held, the staging arena gives "
+        "its pages back until the next capture. "
+        "Arenas after a 2nd save: with the local copy (keep=1) the committed step 1 stays whole while "
+        "step 2 is captured into a second slot; lean mode reuses its one arena (resident bytes: 0 once "
+        "step 2's chunks are held).",
+        "",
+        "| k | m | S (MiB) | parity | held | total | target S(1+(k+m)/k) | total / target | "
+        "arena + held / target | lean: local copy | lean: held / S(k+m)/k | lean: total | lean: total / S(k+m)/k | "
+        "arenas after a 2nd save: local copy / lean |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for r in ram:
         k, m, s = r["k"], r["m"], r["S"]
         t1, t2 = s * (1 + (k + m) / k), s * (k + m) / k
-        lines.append(f"| {k} | {m} | {s / MIB:.1f} | {r['parity'] / MIB:.1f} | {r['held'] / MIB:.1f} | "
-                     f"{r['total'] / MIB:.1f} | {t1 / MIB:.1f} | {r['total'] / t1:.3f} | "
-                     f"{(s + r['held']) / t1:.3f} | {r['lean_local'] / MIB:.1f} | {r['lean_held'] / t2:.3f} | "
-                     f"{r['lean_total'] / MIB:.1f} | {r['lean_total'] / t2:.3f} | "
-                     f"{r['arena2'] / MIB:.1f} / {r['lean_arena2'] / MIB:.1f} |")
-    lines += ["", "Parity is encoded a batch of stripes at a time into the scratch while data shards stream "
-              "from the arena, so the scratch is a fixed few MiB, not S*m/k."]
+        lines.append(
+            f"| {k} | {m} | {s / MIB:.1f} | {r['parity'] / MIB:.1f} | {r['held'] / MIB:.1f} | "
+            f"{r['total'] / MIB:.1f} | {t1 / MIB:.1f} | {r['total'] / t1:.3f} | "
+            f"{(s + r['held']) / t1:.3f} | {r['lean_local'] / MIB:.1f} | {r['lean_held'] / t2:.3f} | "
+            f"{r['lean_total'] / MIB:.1f} | {r['lean_total'] / t2:.3f} | "
+            f"{r['arena2'] / MIB:.1f} / {r['lean_arena2'] / MIB:.1f} |"
+        )
+    lines += [
+        "",
+        "Parity is encoded a batch of stripes at a time into the scratch while data shards stream "
+        "from the arena, so the scratch is a fixed few MiB, not S*m/k.",
+    ]
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")

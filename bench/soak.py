@@ -16,6 +16,7 @@ Each cycle every rank changes its state, saves it and waits for the commit; ever
 on purpose (a leak is per save or per restore, not per byte, and 1,000 cycles must fit in
 minutes on 2 cores); the processes are found by their Ray process titles.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,8 +54,9 @@ class SoakRank:
         self.model = torch.nn.Linear(1024, mib * 256)  # mib MiB of float32 weights
         self.optim = torch.optim.SGD(self.model.parameters(), lr=0.1)
         self.state = {"model": self.model, "optim": self.optim}
-        self.snap = Snapshotter(job=JOB, rank=rank, world_size=world, k=2, m=1, memory_budget=256 << 20,
-                                on_error="raise", preemption=False)
+        self.snap = Snapshotter(
+            job=JOB, rank=rank, world_size=world, k=2, m=1, memory_budget=256 << 20, on_error="raise", preemption=False
+        )
 
     def cycle(self, step: int) -> int | None:
         with torch.no_grad():
@@ -124,8 +126,12 @@ dist.destroy_process_group()
 def dcp_rows(cycles: int, mib: int, every: int) -> list[dict]:
     """The DCP ``async_save`` process's samples (its RSS, fds and threads every ``every`` saves)."""
     with tempfile.TemporaryDirectory(prefix="soak-dcp-") as tmp:
-        proc = subprocess.run([sys.executable, "-c", DCP_CHILD, str(cycles), str(mib), str(every), tmp],
-                              capture_output=True, text=True, timeout=3600)
+        proc = subprocess.run(
+            [sys.executable, "-c", DCP_CHILD, str(cycles), str(mib), str(every), tmp],
+            capture_output=True,
+            text=True,
+            timeout=3600,
+        )
     if proc.returncode != 0:
         raise RuntimeError(f"the DCP soak process failed:\n{proc.stderr[-3000:]}")
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -145,8 +151,9 @@ def main() -> None:
     rows, restores, t0 = [], [], time.time()
     with LocalCluster(nodes=4, cpus_per_node=1, object_store_mb=96):
         try:
-            ranks = [SoakRank.options(resources={f"memsnap_node_{i}": 0.01}).remote(i, 4, args.state_mb)
-                     for i in range(4)]
+            ranks = [
+                SoakRank.options(resources={f"memsnap_node_{i}": 0.01}).remote(i, 4, args.state_mb) for i in range(4)
+            ]
             ray.get([r.cycle.remote(0) for r in ranks], timeout=300)
             procs = processes()
             print("processes:", {k: len(v) for k, v in procs.items()}, flush=True)
@@ -170,7 +177,7 @@ def drift(rows: list[dict], key: str) -> tuple[float, float, float]:
     """(value after warm-up, value at the end, change in %): medians of the samples of the
     second tenth of the run and of its last tenth."""
     n = max(1, len(rows) // 10)
-    warm = statistics.median(r[key] for r in rows[n:2 * n] or rows[:1])
+    warm = statistics.median(r[key] for r in rows[n : 2 * n] or rows[:1])
     end = statistics.median(r[key] for r in rows[-n:])
     return warm, end, 0.0 if warm == 0 else 100.0 * (end - warm) / warm
 
@@ -198,17 +205,23 @@ def write(rows: list[dict], restores: list, peer: list[dict], args, seconds: flo
         warm, end, pct = drift(rows, key)
         worst = max(worst, abs(pct)) if warm >= 1 else worst
         lines.append(f"| {key} | {warm:.1f} | {end:.1f} | {pct:+.1f}% |")
-    lines += ["", f"Largest change after warm-up: {worst:.1f}% (the target is within 5%).", "",
-              f"The process that saves, side by side ({args.cycles} saves of the same {args.state_mb} MiB "
-              "state each): one memsnap rank (the ranks' totals / 4) against one process saving with DCP "
-              "`async_save` and waiting for each save.", "",
-              "| what | memsnap rank: warm | end | change | DCP async_save: warm | end | change |",
-              "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [
+        "",
+        f"Largest change after warm-up: {worst:.1f}% (the target is within 5%).",
+        "",
+        f"The process that saves, side by side ({args.cycles} saves of the same {args.state_mb} MiB "
+        "state each): one memsnap rank (the ranks' totals / 4) against one process saving with DCP "
+        "`async_save` and waiting for each save.",
+        "",
+        "| what | memsnap rank: warm | end | change | DCP async_save: warm | end | change |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for what in ("rss_mib", "fds", "threads"):
         m_warm, m_end, m_pct = (x / 4 if i < 2 else x for i, x in enumerate(drift(rows, f"rank_{what}")))
         d_warm, d_end, d_pct = drift(peer, f"dcp_{what}")
-        lines.append(f"| {what} | {m_warm:.1f} | {m_end:.1f} | {m_pct:+.1f}% | {d_warm:.1f} | {d_end:.1f} | "
-                     f"{d_pct:+.1f}% |")
+        lines.append(
+            f"| {what} | {m_warm:.1f} | {m_end:.1f} | {m_pct:+.1f}% | {d_warm:.1f} | {d_end:.1f} | {d_pct:+.1f}% |"
+        )
     lines += ["", "![soak](soak.png)", ""]
     Path(args.out).write_text("\n".join(lines))
     plot(rows, keys, Path(args.out).with_suffix(".png"))

@@ -15,6 +15,7 @@ Every recovery's split (detect, re-form, restore, first step) is recorded too.
 The state is small on purpose (a leak is per recovery, not per byte, and 100 recoveries must
 fit in minutes on 2 cores; bench/inplace.py measures recovery at 256 MiB per rank).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,8 +29,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH"))
-                                           if p)
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH")) if p)
 
 import psutil  # noqa: E402
 
@@ -84,7 +84,6 @@ def main() -> None:
     a = ap.parse_args()
     os.environ["SOAK_STATE_MB"] = str(a.state_mb)
 
-
     job = f"soak-inplace-{uuid.uuid4().hex[:6]}"
     samples: list[dict] = []
     splits: list[dict] = []
@@ -107,15 +106,21 @@ def soak(a, job: str, samples: list[dict], splits: list[dict]) -> None:
 
     with LocalCluster(nodes=5) as lc:
         nodes = [n.node_id for n in lc.nodes]
-        j = InplaceJob(job, setup, train, rank_nodes=nodes[1:4], standby_nodes=[nodes[4]],
-                       options=dict(k=1, m=1, keep=2, memory_budget=max(64, 12 * a.state_mb) << 20,
-                                    every_steps=1))
+        j = InplaceJob(
+            job,
+            setup,
+            train,
+            rank_nodes=nodes[1:4],
+            standby_nodes=[nodes[4]],
+            options=dict(k=1, m=1, keep=2, memory_budget=max(64, 12 * a.state_mb) << 20, every_steps=1),
+        )
         import threading
 
         out = {}
         runner = threading.Thread(target=lambda: out.update(r=j.run(timeout_s=24 * 3600)), daemon=True)
         runner.start()
         try:
+
             def stepped(rank, beyond):
                 key = f"soak/progress/{rank}"
                 return j.store is not None and j.store.check([key]) and int(j.store.get(key)) > beyond
@@ -129,20 +134,33 @@ def soak(a, job: str, samples: list[dict], splits: list[dict]) -> None:
                 at = int(j.store.get("soak/progress/0"))
                 psutil.Process(pid).kill()
                 wait_for(lambda i=i: len(j.recoveries) > i, timeout=120, what=f"recovery {i + 1}")
-                wait_for(lambda at=at: all(stepped(r, at + 2) for r in range(3)), timeout=300,
-                         what=f"every rank to train on after recovery {i + 1}")
+                wait_for(
+                    lambda at=at: all(stepped(r, at + 2) for r in range(3)),
+                    timeout=300,
+                    what=f"every rank to train on after recovery {i + 1}",
+                )
                 rec = j.collect()[i]
                 splits.append(rec["split"])
                 with survivor.oneshot():
-                    samples.append({"recovery": i + 1, "rss_mb": survivor.memory_info().rss / 2**20,
-                                    "threads": survivor.num_threads(), "fds": survivor.num_fds(),
-                                    "shm_files": shm_files(job), "store_keys": j.store.num_keys(),
-                                    "pid": survivor.pid})
+                    samples.append(
+                        {
+                            "recovery": i + 1,
+                            "rss_mb": survivor.memory_info().rss / 2**20,
+                            "threads": survivor.num_threads(),
+                            "fds": survivor.num_fds(),
+                            "shm_files": shm_files(job),
+                            "store_keys": j.store.num_keys(),
+                            "pid": survivor.pid,
+                        }
+                    )
                 s = samples[-1]
-                print(f"recovery {i + 1}: rank {victim} lost; split " +
-                      ", ".join(f"{k} {v:.3f}" for k, v in rec["split"].items() if v is not None) +
-                      f"; survivor rss {s['rss_mb']:.1f} MiB threads {s['threads']} fds {s['fds']} "
-                      f"shm files {s['shm_files']}", flush=True)
+                print(
+                    f"recovery {i + 1}: rank {victim} lost; split "
+                    + ", ".join(f"{k} {v:.3f}" for k, v in rec["split"].items() if v is not None)
+                    + f"; survivor rss {s['rss_mb']:.1f} MiB threads {s['threads']} fds {s['fds']} "
+                    f"shm files {s['shm_files']}",
+                    flush=True,
+                )
             j.store.set("soak/stop", "1")
             runner.join(timeout=600)
         finally:
@@ -168,25 +186,38 @@ def report(a, samples, splits, wall_s, stopped: str | None = None) -> None:
         f"on a 2-core machine, {wall_s / 60:.1f} min. Rank 0's process (pid {last['pid']}) went through every "
         f"recovery in place; a rank 1 or 2 process was SIGKILLed each round and a standby took its rank.",
         "",
-        *([f"**The soak stopped after {len(samples)} of {a.recoveries} recoveries**: {stopped}", ""]
-          if stopped else []),
+        *(
+            [f"**The soak stopped after {len(samples)} of {a.recoveries} recoveries**: {stopped}", ""]
+            if stopped
+            else []
+        ),
         "| after recovery | survivor RSS (MiB) | threads | fds | /dev/shm files | store keys |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for s in [samples[0], first, *samples[9::10], last]:
-        lines.append(f"| {s['recovery']} | {s['rss_mb']:.1f} | {s['threads']} | {s['fds']} | {s['shm_files']} "
-                     f"| {s['store_keys']} |")
-    lines += ["", f"Growth from recovery {first['recovery']} to {last['recovery']}: RSS "
-              f"{last['rss_mb'] - first['rss_mb']:+.1f} MiB, threads {last['threads'] - first['threads']:+d}, "
-              f"fds {last['fds'] - first['fds']:+d}, /dev/shm files {last['shm_files'] - first['shm_files']:+d}.", "",
-              "| phase | median (s) | min | max |", "| --- | --- | --- | --- |"]
+        lines.append(
+            f"| {s['recovery']} | {s['rss_mb']:.1f} | {s['threads']} | {s['fds']} | {s['shm_files']} "
+            f"| {s['store_keys']} |"
+        )
+    lines += [
+        "",
+        f"Growth from recovery {first['recovery']} to {last['recovery']}: RSS "
+        f"{last['rss_mb'] - first['rss_mb']:+.1f} MiB, threads {last['threads'] - first['threads']:+d}, "
+        f"fds {last['fds'] - first['fds']:+d}, /dev/shm files {last['shm_files'] - first['shm_files']:+d}.",
+        "",
+        "| phase | median (s) | min | max |",
+        "| --- | --- | --- | --- |",
+    ]
     for key in ("detect", "reform", "restore", "first_step", "total"):
         m, lo, hi = med(key)
         lines.append(f"| {key} | {m:.3f} | {lo:.3f} | {hi:.3f} |")
-    lines += ["", "`detect` runs from the controller's first sign (a failed collective or a missed beat) to its "
-              "decision; `total` from the first sign to every rank's first step of the new generation. The "
-              "store's keys grow by a few per generation (its membership and reports), by design: they are "
-              "small and the store lives as long as the job."]
+    lines += [
+        "",
+        "`detect` runs from the controller's first sign (a failed collective or a missed beat) to its "
+        "decision; `total` from the first sign to every rank's first step of the new generation. The "
+        "store's keys grow by a few per generation (its membership and reports), by design: they are "
+        "small and the store lives as long as the job.",
+    ]
     out.write_text("\n".join(lines) + "\n")
     try:
         import matplotlib

@@ -24,6 +24,7 @@ the best round and the median are reported, and the ratios of both.
     python bench/state.py [--gib 1.0] [--width 4096] [--rounds 3] [--saves-only] [--dir DIR]
                           [--out bench/results/state.md]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -101,8 +102,9 @@ class Bench:
 
         found: list[torch.Tensor] = []  # the tensors, in manifest order
         tree.encode(collect(self.state), lambda t, path: found.append(t) or len(found) - 1)
-        return [(e.offset, t, e.nbytes)
-                for e, t in zip(self.manifest.tensors, found) if e.alias_of is None and e.nbytes]
+        return [
+            (e.offset, t, e.nbytes) for e, t in zip(self.manifest.tensors, found) if e.alias_of is None and e.nbytes
+        ]
 
     def path(self, name: str) -> str:
         return os.path.join(self.root, name)
@@ -188,18 +190,27 @@ class Bench:
         t = time.perf_counter()
         sd = self._dcp_sd()
         dcp.load(sd, checkpoint_id=self.path("dcp"))
-        set_state_dict(self.state["model"], self.state["optim"], model_state_dict=sd["model"],
-                       optim_state_dict=sd["optim"])
+        set_state_dict(
+            self.state["model"], self.state["optim"], model_state_dict=sd["model"], optim_state_dict=sd["optim"]
+        )
         return time.perf_counter() - t
 
 
-SAVES = [("memcpy (ceiling)", "memcpy"), ("memsnap capture", "capture"),
-         ("memsnap.save (+fsync)", "memsnap_save"), ("memsnap.save, no writeback (+fsync)", "memsnap_save_nowb"),
-         ("staged: capture + write_rank (+fsync)", "staged_save"), ("torch.save (+fsync)", "torch_save"),
-         ("dcp.save (+fsync)", "dcp_save")]
+SAVES = [
+    ("memcpy (ceiling)", "memcpy"),
+    ("memsnap capture", "capture"),
+    ("memsnap.save (+fsync)", "memsnap_save"),
+    ("memsnap.save, no writeback (+fsync)", "memsnap_save_nowb"),
+    ("staged: capture + write_rank (+fsync)", "staged_save"),
+    ("torch.save (+fsync)", "torch_save"),
+    ("dcp.save (+fsync)", "dcp_save"),
+]
 SAVE_LABELS = {label for label, _ in SAVES}
-LOADS = [("memsnap.load", "memsnap_load", "memsnap"), ("torch.load(weights_only)", "torch_load", "torch.pt"),
-         ("dcp.load", "dcp_load", "dcp")]
+LOADS = [
+    ("memsnap.load", "memsnap_load", "memsnap"),
+    ("torch.load(weights_only)", "torch_load", "torch.pt"),
+    ("dcp.load", "dcp_load", "dcp"),
+]
 
 
 def run(b: Bench, rounds: int, saves_only: bool = False) -> tuple[dict, list[float]]:
@@ -208,7 +219,7 @@ def run(b: Bench, rounds: int, saves_only: bool = False) -> tuple[dict, list[flo
     for r in range(rounds):
         for label, name in SAVES:
             times.setdefault(label, []).append(getattr(b, "t_" + name)())
-        for label, name, path in ([] if saves_only else LOADS):
+        for label, name, path in [] if saves_only else LOADS:
             times.setdefault(label + " warm", []).append(getattr(b, "t_" + name)())
             residue.append(drop_cache(b.path(path)))
             times.setdefault(label + " cold", []).append(getattr(b, "t_" + name)())
@@ -221,7 +232,7 @@ def reference(label: str) -> str | None:
     if label == "memsnap capture":
         return "memcpy (ceiling)"
     if label.startswith("memsnap.load"):
-        return "torch.load(weights_only)" + label[len("memsnap.load"):]
+        return "torch.load(weights_only)" + label[len("memsnap.load") :]
     if label in SAVE_LABELS and label not in ("memcpy (ceiling)", "torch.save (+fsync)"):
         return "torch.save (+fsync)"
     return None
@@ -231,26 +242,40 @@ def report(times: dict, nbytes: int, residue: list[float], args, load_start: flo
     gib = nbytes / 2**30
     best = {k: min(v) for k, v in times.items()}
     median = {k: statistics.median(v) for k, v in times.items()}
-    lines = [f"# State save/load: {gib:.2f} GiB model + AdamW state", "",
-             f"torch {torch.__version__}, {os.cpu_count()} CPUs, Linear({args.width}, {args.width}) layers, "
-             f"{args.rounds} interleaved rounds, directory {args.dir or tempfile.gettempdir()}; load "
-             f"average {load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end (the machine "
-             "is shared).", "",
-             "| operation | best s | median s | GiB/s (median) | ratio (best) | ratio (median) |",
-             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        f"# State save/load: {gib:.2f} GiB model + AdamW state",
+        "",
+        f"torch {torch.__version__}, {os.cpu_count()} CPUs, Linear({args.width}, {args.width}) layers, "
+        f"{args.rounds} interleaved rounds, directory {args.dir or tempfile.gettempdir()}; load "
+        f"average {load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end (the machine "
+        "is shared).",
+        "",
+        "| operation | best s | median s | GiB/s (median) | ratio (best) | ratio (median) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for label in times:
         ref = reference(label)
-        ratios = ("", "") if ref is None or ref not in best else (
-            f"{best[ref] / best[label]:.2f}x", f"{median[ref] / median[label]:.2f}x")
-        lines.append(f"| {label} | {best[label]:.3f} | {median[label]:.3f} | "
-                     f"{gib / median[label]:.2f} | {ratios[0]} | {ratios[1]} |")
+        ratios = (
+            ("", "")
+            if ref is None or ref not in best
+            else (f"{best[ref] / best[label]:.2f}x", f"{median[ref] / median[label]:.2f}x")
+        )
+        lines.append(
+            f"| {label} | {best[label]:.3f} | {median[label]:.3f} | "
+            f"{gib / median[label]:.2f} | {ratios[0]} | {ratios[1]} |"
+        )
     cold = max(residue) if residue else -1
-    lines += ["", "Ratios: capture is memcpy-time / capture-time (>= 0.8 is the target); every other save "
-              "and memsnap.load are torch-time / its time (>= 1 means it is not slower than torch)."]
+    lines += [
+        "",
+        "Ratios: capture is memcpy-time / capture-time (>= 0.8 is the target); every other save "
+        "and memsnap.load are torch-time / its time (>= 1 means it is not slower than torch).",
+    ]
     if not args.saves_only:
-        lines.append(f"Cold runs: after posix_fadvise(DONTNEED), at most {cold:.1%} of a file stayed "
-                     "resident (fincore)." if cold >= 0 else
-                     "Cold runs: fincore unavailable, residency not checked.")
+        lines.append(
+            f"Cold runs: after posix_fadvise(DONTNEED), at most {cold:.1%} of a file stayed resident (fincore)."
+            if cold >= 0
+            else "Cold runs: fincore unavailable, residency not checked."
+        )
     return "\n".join(lines) + "\n"
 
 

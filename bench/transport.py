@@ -11,6 +11,7 @@ from the first byte sent until the receiver acknowledged the last. Each round ru
 socket, then each TCP mode (push, then fetch) back to back, so all see the same load; the
 table reports the median of ``--rounds`` rounds (the machine is shared).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,7 +45,7 @@ class ArenaStore:
     def reserve(self, key, nbytes):
         start = key.stripe * self.chunk
         self.sizes[key] = nbytes
-        return memoryview(self.arena)[start:start + nbytes]
+        return memoryview(self.arena)[start : start + nbytes]
 
     def complete(self, key, checksum):
         self.sums[key] = checksum
@@ -56,12 +57,12 @@ class ArenaStore:
         if key not in self.sums:
             return None
         start = key.stripe * self.chunk
-        return memoryview(self.arena)[start:start + self.sizes[key]], self.sums[key]
+        return memoryview(self.arena)[start : start + self.sizes[key]], self.sums[key]
 
 
 def _items(buf: np.ndarray, chunk: int, step: int) -> list:
     view = memoryview(buf)
-    return [(ChunkKey(step, "bench", i, 0), view[o:o + chunk]) for i, o in enumerate(range(0, len(buf), chunk))]
+    return [(ChunkKey(step, "bench", i, 0), view[o : o + chunk]) for i, o in enumerate(range(0, len(buf), chunk))]
 
 
 # --- raw socket --------------------------------------------------------------------------
@@ -74,7 +75,7 @@ def _raw_receiver(conn, nbytes: int, rounds: int) -> None:
     for _ in range(rounds):
         got = 0
         while got < nbytes:
-            got += sock.recv_into(dst[got:got + PIECE], min(PIECE, nbytes - got), socket.MSG_WAITALL)
+            got += sock.recv_into(dst[got : got + PIECE], min(PIECE, nbytes - got), socket.MSG_WAITALL)
         sock.sendall(b"k")
     sock.close()
 
@@ -82,7 +83,7 @@ def _raw_receiver(conn, nbytes: int, rounds: int) -> None:
 def _raw_round(sock: socket.socket, src: np.ndarray) -> float:
     view, t0 = memoryview(src), time.perf_counter()
     for o in range(0, len(src), PIECE):
-        sock.sendall(view[o:o + PIECE])
+        sock.sendall(view[o : o + PIECE])
     sock.recv(1)
     return len(src) / GIB / (time.perf_counter() - t0)
 
@@ -103,11 +104,11 @@ def _tcp_round(client, addr: dict, src: np.ndarray, back: np.ndarray, chunk: int
     t0 = time.perf_counter()
     client.push(addr, items, timeout=600)
     push = len(src) / GIB / (time.perf_counter() - t0)
-    outs = [(k, memoryview(back)[i * chunk:i * chunk + len(v)]) for i, (k, v) in enumerate(items)]
+    outs = [(k, memoryview(back)[i * chunk : i * chunk + len(v)]) for i, (k, v) in enumerate(items)]
     t0 = time.perf_counter()
     ok = client.fetch(addr, outs, timeout=600)
     fetch = len(src) / GIB / (time.perf_counter() - t0)
-    assert all(ok) and np.array_equal(back[:len(src)], src), "TCP round trip lost bytes"
+    assert all(ok) and np.array_equal(back[: len(src)], src), "TCP round trip lost bytes"
     return push, fetch
 
 
@@ -157,7 +158,8 @@ def bench_objstore(sizes: list[int], chunk_of, repeats: int) -> dict[int, tuple[
         for nbytes in tqdm(sizes, desc="Ray object store", unit="size"):
             chunk = chunk_of(nbytes)
             holder = Holder.options(name=f"bench-holder-{nbytes}", resources={"memsnap_node_1": 0.01}).remote(
-                nbytes, chunk)
+                nbytes, chunk
+            )
             addr = ray.get(holder.address.remote(), timeout=120)
             out[nbytes] = _objstore_rounds(addr, nbytes, chunk, repeats)
             ray.kill(holder)
@@ -191,7 +193,7 @@ def _objstore_rounds(addr: dict, nbytes: int, chunk: int, repeats: int) -> tuple
         t0 = time.perf_counter()
         client.push(addr, items, timeout=600)
         push.append(nbytes / GIB / (time.perf_counter() - t0))
-        outs = [(k, memoryview(back)[i * chunk:i * chunk + len(v)]) for i, (k, v) in enumerate(items)]
+        outs = [(k, memoryview(back)[i * chunk : i * chunk + len(v)]) for i, (k, v) in enumerate(items)]
         t0 = time.perf_counter()
         ok = client.fetch(addr, outs, timeout=600)
         fetch.append(nbytes / GIB / (time.perf_counter() - t0))
@@ -200,8 +202,13 @@ def _objstore_rounds(addr: dict, nbytes: int, chunk: int, repeats: int) -> tuple
 
 
 # --- report --------------------------------------------------------------------------------
-COLUMNS = [("raw", "raw socket"), ("mac_push", "MAC push"), ("mac_fetch", "MAC fetch"),
-           ("encrypt_push", "encrypted push"), ("encrypt_fetch", "encrypted fetch")]
+COLUMNS = [
+    ("raw", "raw socket"),
+    ("mac_push", "MAC push"),
+    ("mac_fetch", "MAC fetch"),
+    ("encrypt_push", "encrypted push"),
+    ("encrypt_fetch", "encrypted fetch"),
+]
 
 
 def _table(rows: list[dict], objstore: bool) -> str:
@@ -209,8 +216,11 @@ def _table(rows: list[dict], objstore: bool) -> str:
     head = ["size", *(c[1] for c in cols), "MAC push / raw", "MAC fetch / raw", "encrypted push / raw"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [f"{r['mib']} MiB", *(f"{r[c]:.2f}" for c, _ in cols),
-                 *(f"{r[c] / r['raw']:.2f}x" for c in ("mac_push", "mac_fetch", "encrypt_push"))]
+        cells = [
+            f"{r['mib']} MiB",
+            *(f"{r[c]:.2f}" for c, _ in cols),
+            *(f"{r[c] / r['raw']:.2f}x" for c in ("mac_push", "mac_fetch", "encrypt_push")),
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -239,10 +249,12 @@ def main(argv=None) -> None:
         for r, nbytes in zip(rows, sizes):
             r["obj_push"], r["obj_fetch"] = obj[nbytes]
     table = _table(rows, args.objstore)
-    header = (f"GiB/s, median of {args.rounds} interleaved rounds; chunks of {chunk_of(sizes[0])} B; "
-              f"{os.cpu_count()} CPUs; {platform.python_version()}; "
-              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; load average {load:.1f} at the start, "
-              f"{os.getloadavg()[0]:.1f} at the end")
+    header = (
+        f"GiB/s, median of {args.rounds} interleaved rounds; chunks of {chunk_of(sizes[0])} B; "
+        f"{os.cpu_count()} CPUs; {platform.python_version()}; "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; load average {load:.1f} at the start, "
+        f"{os.getloadavg()[0]:.1f} at the end"
+    )
     print(header)
     print(table)
     if args.out:

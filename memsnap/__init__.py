@@ -23,6 +23,7 @@ The control plane (ranks -> their node's agent -> the coordinator, once per node
     records.py                          the typed records they exchange
     actors.py                           both Ray faces (asyncio actors)
 """
+
 from __future__ import annotations
 
 import importlib

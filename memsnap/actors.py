@@ -8,6 +8,7 @@ concurrency setting limits the job's size. Blocking work (memory, sockets, Ray l
 runs in each actor's own thread pool. The call protocols are in ``agent.py`` and
 ``coordinator.py``; records cross this boundary as plain dicts (``records.py``).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -49,8 +50,7 @@ class _Pool:
 SLOT_RECHECK_S = 0.25  # a waiting begin looks again this often even when no change is signalled
 
 
-async def begin_waiting(run, core: AgentCore, signal: Signal, step: int, rank: int, nbytes: int,
-                        wait_s: float) -> dict:
+async def begin_waiting(run, core: AgentCore, signal: Signal, step: int, rank: int, nbytes: int, wait_s: float) -> dict:
     """``core.begin`` in the actor's threads (``run``). With ``wait_s > 0`` a busy pipeline
     does not skip the step at once: the call waits (a future on the event loop, no thread) for
     a slot to free, asking again at each change of the agent's state, and skips the step only
@@ -82,8 +82,9 @@ class Coordinator:
     async def config(self) -> dict:
         return {"config": self.core.cfg.to_dict(), "world_size": self.core.world}
 
-    async def join(self, node: str, address: dict, ranks: list[int], world: int | None = None,
-                   claims: dict | None = None) -> dict:
+    async def join(
+        self, node: str, address: dict, ranks: list[int], world: int | None = None, claims: dict | None = None
+    ) -> dict:
         rivals_left = await self._rivals_gone(ranks, world, claims or {})
         if not rivals_left and world in (None, self.core.world) and self.core.membership.needs_a_dead_node(node):
             await self._a_dead_node()
@@ -167,8 +168,9 @@ class Coordinator:
         timeout = tunable("restore_timeout_s")
         rounds = self.core.rounds
         if not await self.signal.wait_for(lambda: rounds.all_arrived(attempt) or rounds.cancelled(attempt), timeout):
-            raise CommitError(f"restore: timed out after {timeout:.0f} s waiting for ranks "
-                              f"{self.core.rounds.missing(attempt)}")
+            raise CommitError(
+                f"restore: timed out after {timeout:.0f} s waiting for ranks {self.core.rounds.missing(attempt)}"
+            )
         self._not_cancelled(attempt)
         async with self.planning.setdefault(attempt, asyncio.Lock()):  # one plan, made once
             await self.pool.run(self.core.plan, attempt)
@@ -181,8 +183,9 @@ class Coordinator:
         timeout = tunable("restore_timeout_s")
         rounds = self.core.rounds
         if not await self.signal.wait_for(lambda: rounds.all_done(attempt) or rounds.cancelled(attempt), timeout):
-            raise CommitError(f"restore: timed out waiting for ranks {self.core.rounds.missing(attempt, 'done')} "
-                              "to finish")
+            raise CommitError(
+                f"restore: timed out waiting for ranks {self.core.rounds.missing(attempt, 'done')} to finish"
+            )
         self._not_cancelled(attempt)
         return self.core.restore_result(attempt)
 
@@ -215,8 +218,14 @@ def coordinator_for(cfg: SnapshotConfig, world_size: int, node: str | None = Non
         extra["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
     # @ray.remote turns the class into an ActorClass; ray's annotation keeps the bare class
     return Coordinator.options(  # type: ignore[attr-defined]
-        name=naming.coordinator(cfg.job), namespace=naming.NAMESPACE, lifetime="detached",
-        get_if_exists=True, num_cpus=0, max_restarts=-1, max_concurrency=100_000, **extra,
+        name=naming.coordinator(cfg.job),
+        namespace=naming.NAMESPACE,
+        lifetime="detached",
+        get_if_exists=True,
+        num_cpus=0,
+        max_restarts=-1,
+        max_concurrency=100_000,
+        **extra,
     ).remote(cfg.to_dict(), world_size)
 
 
@@ -256,7 +265,7 @@ class SnapshotAgent:
                 return await asyncio.wait_for(getattr(handle, method).remote(*args), timeout)
             except LOST as exc:
                 log.warning("coordinator lost (%s); finding it again", type(exc).__name__)
-                await asyncio.sleep(min(0.5 * 2 ** attempt, 10.0))
+                await asyncio.sleep(min(0.5 * 2**attempt, 10.0))
                 if method != "join":
                     await self.relay.rejoin()
             except ray.exceptions.RayTaskError as exc:
@@ -306,8 +315,9 @@ class SnapshotAgent:
     async def device_begin(self, step: int, rank: int, device: str, nbytes: int) -> str | None:
         return await self.pool.run(self.core.device_begin, step, rank, device, nbytes)
 
-    async def device_captured(self, step: int, rank: int, device: str, manifest_json: str,
-                              local_ranks: list[int]) -> None:
+    async def device_captured(
+        self, step: int, rank: int, device: str, manifest_json: str, local_ranks: list[int]
+    ) -> None:
         return await self.pool.run(self.core.device_captured, step, rank, device, manifest_json, local_ranks)
 
     async def device_source(self, rank: int, step: int) -> list | None:
@@ -355,8 +365,9 @@ class SnapshotAgent:
     async def commit(self, notice: dict) -> None:
         await self.pool.run(self.core.commit, CommitNotice.from_wire(notice))
 
-    async def abandon(self, step: int, why: str = "a node or holder failed before acknowledging",
-                      failed: bool = True) -> None:
+    async def abandon(
+        self, step: int, why: str = "a node or holder failed before acknowledging", failed: bool = True
+    ) -> None:
         await self.pool.run(self.core.abandon, step, why, failed)
 
     async def layout_changed(self) -> None:
@@ -423,9 +434,15 @@ def agent_for(cfg: SnapshotConfig, node_id: str):
         extra["runtime_env"] = agent_runtime_env()
     # @ray.remote turns the class into an ActorClass; ray's annotation keeps the bare class
     return SnapshotAgent.options(  # type: ignore[attr-defined]
-        name=naming.agent(cfg.job, node_id), namespace=naming.NAMESPACE, lifetime="detached",
-        get_if_exists=True, num_cpus=0, max_concurrency=100_000, memory=cfg.memory_budget,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False), **extra,
+        name=naming.agent(cfg.job, node_id),
+        namespace=naming.NAMESPACE,
+        lifetime="detached",
+        get_if_exists=True,
+        num_cpus=0,
+        max_concurrency=100_000,
+        memory=cfg.memory_budget,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        **extra,
     ).remote(cfg.to_dict(), node_id)
 
 

@@ -83,8 +83,13 @@ class AgentCore:
         self.cfg = SnapshotConfig.from_dict(config)
         self.node = node_id
         self.lock = threading.RLock()
-        self.counters = {"failed_snapshots": 0, "pushed_bytes": 0, "repaired_chunks": 0,
-                         "superseded": 0, "skipped_busy": 0}
+        self.counters = {
+            "failed_snapshots": 0,
+            "pushed_bytes": 0,
+            "repaired_chunks": 0,
+            "superseded": 0,
+            "skipped_busy": 0,
+        }
         self.budget = MemoryBudget(self.cfg.memory_budget, node_id)
         self.policy = SlotPolicy.of(self.cfg)  # what lean mode changes
         self.versions = Versions(self.policy, self.cfg.slots, self.cfg.keep, self.counters, self._replaced)
@@ -97,15 +102,37 @@ class AgentCore:
         self.dir = Directory(self.cfg.job)
         # (the coordinator, the directory and the generation are looked up at each use: the
         # Ray face, and tests, set them after this)
-        self.sender = Sender(node=node_id, cfg=self.cfg, lock=self.lock, versions=self.versions, slots=self.slots,
-                             transport=self.transport, codec=self.codec, budget=self.budget,
-                             counters=self.counters, infos=self.infos, call=lambda *a: self.call(*a),
-                             tell=lambda *a: self.tell(*a), call_all=lambda *a, **kw: self.dir.call_all(*a, **kw),
-                             world=lambda: self.world)
-        self.repair = Repair(node=node_id, cfg=self.cfg, lock=self.lock, versions=self.versions, slots=self.slots,
-                             infos=self.infos, store=self.store, transport=self.transport, codec=self.codec,
-                             budget=self.budget, counters=self.counters, agent=lambda node: self.dir.agent(node),
-                             gen=lambda: self.gen)
+        self.sender = Sender(
+            node=node_id,
+            cfg=self.cfg,
+            lock=self.lock,
+            versions=self.versions,
+            slots=self.slots,
+            transport=self.transport,
+            codec=self.codec,
+            budget=self.budget,
+            counters=self.counters,
+            infos=self.infos,
+            call=lambda *a: self.call(*a),
+            tell=lambda *a: self.tell(*a),
+            call_all=lambda *a, **kw: self.dir.call_all(*a, **kw),
+            world=lambda: self.world,
+        )
+        self.repair = Repair(
+            node=node_id,
+            cfg=self.cfg,
+            lock=self.lock,
+            versions=self.versions,
+            slots=self.slots,
+            infos=self.infos,
+            store=self.store,
+            transport=self.transport,
+            codec=self.codec,
+            budget=self.budget,
+            counters=self.counters,
+            agent=lambda node: self.dir.agent(node),
+            gen=lambda: self.gen,
+        )
         self.store.own = self.repair.serve_own
         self.address = self.transport.start(self.store)
         swept = arenas.sweep()  # arenas of agents killed by SIGKILL or the OOM killer
@@ -136,8 +163,10 @@ class AgentCore:
     def device(self):
         if self._device is None:
             if not self.cfg.device_buffer:
-                raise ConfigError("the device tier is off for this job; turn it on with device_buffer=True "
-                                  "(or a byte budget) on every rank")
+                raise ConfigError(
+                    "the device tier is off for this job; turn it on with device_buffer=True "
+                    "(or a byte budget) on every rank"
+                )
             from memsnap.device.runtime import AgentDevice
 
             with self.lock:
@@ -173,8 +202,10 @@ class AgentCore:
                 return {"skipped": self.abandoned.get(step, "skipped under load")}
             v = self.versions.get(step)
             if v is not None and v.state not in (CAPTURING, FAILED):
-                raise CommitError(f"step {step} is already {v.state} on node {self.node[:12]}; "
-                                  "save each step once, with a step number larger than the last")
+                raise CommitError(
+                    f"step {step} is already {v.state} on node {self.node[:12]}; "
+                    "save each step once, with a step number larger than the last"
+                )
             if v is None or v.state is FAILED:
                 slot = self.slots.free_slot(step)
                 if slot is None:
@@ -223,10 +254,19 @@ class AgentCore:
         if need <= self.cfg.memory_budget or need <= self._warned_need:
             return
         self._warned_need = need
-        log.warning("node %s: memory_budget=%d bytes is below the %d this node needs for %d bytes of its ranks' "
-                    "state with keep=%d and RS(%d,%d) (its keep+1 slots and its peers' pieces, memsnap plan); "
-                    "holders will refuse snapshots taken back to back: raise memory_budget to %d, or lower keep",
-                    self.node[:12], self.cfg.memory_budget, need, state, self.cfg.keep, self.cfg.k, self.cfg.m, need)
+        log.warning(
+            "node %s: memory_budget=%d bytes is below the %d this node needs for %d bytes of its ranks' "
+            "state with keep=%d and RS(%d,%d) (its keep+1 slots and its peers' pieces, memsnap plan); "
+            "holders will refuse snapshots taken back to back: raise memory_budget to %d, or lower keep",
+            self.node[:12],
+            self.cfg.memory_budget,
+            need,
+            state,
+            self.cfg.keep,
+            self.cfg.k,
+            self.cfg.m,
+            need,
+        )
 
     def _busy_warning(self, what: str) -> None:
         now = time.monotonic()
@@ -234,10 +274,17 @@ class AgentCore:
             return
         self._warned_busy = now
         rate, per = self.sender.throughput.describe()
-        log.warning("node %s: snapshots arrive faster than the pipeline sends them (%s; %d replaced, %d skipped "
-                    "so far). The pipeline moves %s, one snapshot per %s: snapshot less often (every_steps=N "
-                    "or every_seconds=T above that), or auto=True to let the policy choose", self.node[:12],
-                    what, self.counters["superseded"], self.counters["skipped_busy"], rate, per)
+        log.warning(
+            "node %s: snapshots arrive faster than the pipeline sends them (%s; %d replaced, %d skipped "
+            "so far). The pipeline moves %s, one snapshot per %s: snapshot less often (every_steps=N "
+            "or every_seconds=T above that), or auto=True to let the policy choose",
+            self.node[:12],
+            what,
+            self.counters["superseded"],
+            self.counters["skipped_busy"],
+            rate,
+            per,
+        )
 
     def _pinned(self, step: int) -> bool:
         return self.spiller is not None and self.spiller.busy_with(step)
@@ -263,8 +310,10 @@ class AgentCore:
                 self.versions.capture_dropped(step)
                 return
             if v is None or v.state is not CAPTURING or rank not in v.sizes:
-                raise CommitError(f"captured(step={step}, rank={rank}) without a matching begin on "
-                                  f"node {self.node[:12]}; call begin first")
+                raise CommitError(
+                    f"captured(step={step}, rank={rank}) without a matching begin on "
+                    f"node {self.node[:12]}; call begin first"
+                )
             if not self.versions.captured(v, rank, manifest_json, local_ranks):
                 return
         metrics.captured(self.cfg.job, step)
@@ -302,9 +351,13 @@ class AgentCore:
         placed it elsewhere). Not while the spill is writing a version that holds it. Called
         under the lock."""
         here = set(v.sizes) if v is not None else set()
-        return [rank for rank, began in sorted(self._began.items())
-                if began < step and rank not in here
-                and not any(rank in o.sizes and self._pinned(o.step) for o in self.versions.values())]
+        return [
+            rank
+            for rank, began in sorted(self._began.items())
+            if began < step
+            and rank not in here
+            and not any(rank in o.sizes and self._pinned(o.step) for o in self.versions.values())
+        ]
 
     def _depart(self, rank: int, step: int) -> None:
         """``rank`` runs on another node now: its arenas go (their RAM and their share of the
@@ -315,8 +368,14 @@ class AgentCore:
         self.ranks.discard(rank)
         for table in (self._began, self._rank_bytes, self.holders):
             table.pop(rank, None)
-        log.info("node %s: rank %d saved step %d on another node; its %d arena(s) here (%.1f MiB) are freed",
-                 self.node[:12], rank, step, freed[0], freed[1] / 2**20)
+        log.info(
+            "node %s: rank %d saved step %d on another node; its %d arena(s) here (%.1f MiB) are freed",
+            self.node[:12],
+            rank,
+            step,
+            freed[0],
+            freed[1] / 2**20,
+        )
 
     def _moved(self, step: int, moved) -> None:
         """Re-protection rebuilt some owners' shards on new holders: keep the records true."""
@@ -347,11 +406,18 @@ class AgentCore:
         generation, the steps it heard committed and every NodeReady it keeps (its own and
         those of the owners it holds for)."""
         with self.lock:
-            infos = [i.to_wire() for i in self.infos.values()] + [m[0].to_wire()
-                                                                  for m in self.repair.held_meta.values()]
-            return {"address": self.address, "gen": self.gen, "ranks": sorted(self.ranks),
-                    "committed": sorted(self.committed), "infos": infos, "run": self.run,
-                    "holders": {r: dict(h) for r, h in self.holders.items()}}
+            infos = [i.to_wire() for i in self.infos.values()] + [
+                m[0].to_wire() for m in self.repair.held_meta.values()
+            ]
+            return {
+                "address": self.address,
+                "gen": self.gen,
+                "ranks": sorted(self.ranks),
+                "committed": sorted(self.committed),
+                "infos": infos,
+                "run": self.run,
+                "holders": {r: dict(h) for r, h in self.holders.items()},
+            }
 
     def joined(self, rank: int, world: int, claim: dict | None = None) -> None:
         """The coordinator accepted ``rank`` (of ``world``) here; ``claim``: its run id and process."""
@@ -387,8 +453,9 @@ class AgentCore:
             if v is not None:
                 self.slots.release(v)
 
-    def abandon(self, step: int, why: str = "a node or holder failed before acknowledging",
-                failed: bool = True) -> None:
+    def abandon(
+        self, step: int, why: str = "a node or holder failed before acknowledging", failed: bool = True
+    ) -> None:
         """The coordinator gave up on ``step`` (``failed=False``: a node skipped or replaced it,
         which is not a failure): forget it here."""
         with self.lock:
@@ -469,11 +536,22 @@ class AgentCore:
             arena_bytes = sum(a.nbytes for a in self.arenas.values() if a.resident)
             local_bytes = self.versions.local_bytes()
             return Inventory(
-                self.node, self.address, versions, self.store.inventory(), tuple(sorted(self.committed)),
-                {"arena": arena_bytes, "local": local_bytes, "held": self.store.held_bytes(),
-                 "parity": self.sender.parity_bytes(),
-                 "budget_used": self.budget.used, "budget": self.budget.budget},
-                dict(self.counters), None if self.spiller is None else self.spiller.status())
+                self.node,
+                self.address,
+                versions,
+                self.store.inventory(),
+                tuple(sorted(self.committed)),
+                {
+                    "arena": arena_bytes,
+                    "local": local_bytes,
+                    "held": self.store.held_bytes(),
+                    "parity": self.sender.parity_bytes(),
+                    "budget_used": self.budget.used,
+                    "budget": self.budget.budget,
+                },
+                dict(self.counters),
+                None if self.spiller is None else self.spiller.status(),
+            )
 
     def _coordinator(self):
         """The job's coordinator (found again, or a new one, by the Ray face)."""

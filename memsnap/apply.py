@@ -12,6 +12,7 @@ itself, then (3) and (4) (``finish``).
 Tensors the snapshot has and the live object lacks (e.g. optimizer moments before the first
 step) are handed to ``load_state_dict`` as new CPU tensors, which it places itself.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -36,11 +37,12 @@ def verify_checksums(manifest: Manifest, mv: memoryview) -> None:
     for t in manifest.tensors:
         if t.checksum is None or t.alias_of:
             continue
-        got = checksum(mv[t.offset:t.offset + t.nbytes])
+        got = checksum(mv[t.offset : t.offset + t.nbytes])
         if got != t.checksum:
             raise ChecksumError(
                 f"tensor {t.path!r} (bytes {t.offset}..{t.offset + t.nbytes}) hashes to {got} but the "
-                f"manifest records {t.checksum}; the snapshot copy is corrupt, restore from another copy")
+                f"manifest records {t.checksum}; the snapshot copy is corrupt, restore from another copy"
+            )
 
 
 def _live_tensors(value: Any, key: str) -> dict[str, torch.Tensor]:
@@ -51,7 +53,8 @@ def _live_tensors(value: Any, key: str) -> dict[str, torch.Tensor]:
         if path in found:
             raise StateMismatchError(
                 f"two live tensors are both named {path!r}: their dict keys differ but are written "
-                "out alike (e.g. two nan keys); give the keys distinct values")
+                "out alike (e.g. two nan keys); give the keys distinct values"
+            )
         found[path] = t
         return 0
 
@@ -65,8 +68,10 @@ def _saved_tensors(subtree: Any, key: str) -> dict[str, int]:
 
     def tensor_at(i: int, path: str) -> None:
         if path in found:
-            raise FormatError(f"the snapshot names two tensors {path!r}; the manifest is damaged or was "
-                              "written from keys that differ but write out alike (two nan keys)")
+            raise FormatError(
+                f"the snapshot names two tensors {path!r}; the manifest is damaged or was "
+                "written from keys that differ but write out alike (two nan keys)"
+            )
         found[path] = i
 
     tree.decode(subtree, tensor_at, tree.segment(key))
@@ -91,11 +96,13 @@ def _check_tensor(path: str, entry: TensorEntry, live: torch.Tensor) -> None:
     local = local_tensor(live)
     if (dtype_name(local.dtype), tuple(local.shape)) != (entry.dtype, entry.shape):
         raise StateMismatchError(
-            f"{path!r}: snapshot has {entry.dtype}{list(entry.shape)}, live state has {_describe(local)}")
+            f"{path!r}: snapshot has {entry.dtype}{list(entry.shape)}, live state has {_describe(local)}"
+        )
     if entry.global_shape is not None and is_dtensor(live) and tuple(live.shape) != entry.global_shape:
         raise StateMismatchError(
             f"{path!r}: snapshot shard is of a global tensor {list(entry.global_shape)}, live DTensor is "
-            f"{list(live.shape)}; resharding is not done by apply")
+            f"{list(live.shape)}; resharding is not done by apply"
+        )
     _check_destination(path, local)
 
 
@@ -105,35 +112,44 @@ def _check_destination(path: str, t: torch.Tensor) -> None:
     if t.is_meta:
         raise StateMismatchError(
             f"{path!r} is on the meta device (deferred init) and cannot receive the snapshot's bytes; "
-            "materialise the model first, e.g. model.to_empty(device='cpu'), then restore")
+            "materialise the model first, e.g. model.to_empty(device='cpu'), then restore"
+        )
     if t.layout is not torch.strided or t.is_nested:
         kind = "nested" if t.is_nested else str(t.layout).removeprefix("torch.")
-        raise StateMismatchError(f"{path!r}: the live tensor is a {kind} tensor, which a snapshot's dense "
-                                 "bytes cannot be written into; make it dense before restoring")
+        raise StateMismatchError(
+            f"{path!r}: the live tensor is a {kind} tensor, which a snapshot's dense "
+            "bytes cannot be written into; make it dense before restoring"
+        )
     if t.numel() > 1 and any(stride == 0 and n > 1 for n, stride in zip(t.shape, t.stride())):
         raise StateMismatchError(
             f"{path!r}: elements of the live tensor share memory (shape {list(t.shape)}, stride "
             f"{list(t.stride())}, e.g. made by expand()), so it cannot be written in place; give it "
-            "its own memory (t.clone()) before restoring")
+            "its own memory (t.clone()) before restoring"
+        )
 
 
 def _check_keys(path_kind: str, missing: list[str], extra: list[str]) -> None:
     if missing:
         raise StateMismatchError(
             f"{path_kind} {missing[0]!r} is in the live state but not in the snapshot "
-            f"({len(missing)} missing in all); pass strict=False to leave such keys as they are")
+            f"({len(missing)} missing in all); pass strict=False to leave such keys as they are"
+        )
     if extra:
         raise StateMismatchError(
             f"{path_kind} {extra[0]!r} is in the snapshot but not in the live state "
-            f"({len(extra)} extra in all); pass strict=False to ignore them")
+            f"({len(extra)} extra in all); pass strict=False to ignore them"
+        )
 
 
 def _group_sizes(sd: Any) -> list[int] | None:
     """How many parameters each group of an optimizer state dict holds (None: malformed)."""
     groups = sd.get("param_groups") if isinstance(sd, dict) and isinstance(sd.get("state"), dict) else None
     if not isinstance(groups, list) or not all(
-            isinstance(g, dict) and isinstance(g.get("params"), list)
-            and all(isinstance(i, (int, str)) for i in g["params"]) for g in groups):
+        isinstance(g, dict)
+        and isinstance(g.get("params"), list)
+        and all(isinstance(i, (int, str)) for i in g["params"])
+        for g in groups
+    ):
         return None
     return [len(g["params"]) for g in groups]
 
@@ -141,12 +157,15 @@ def _group_sizes(sd: Any) -> list[int] | None:
 def _check_param_groups(key: str, live: Any, saved: Any) -> None:
     sizes = _group_sizes(saved)
     if sizes is None:
-        raise FormatError(f"{key!r}: the snapshot's optimizer state dict has no well-formed 'state' and "
-                          "'param_groups' (lists of parameter ids); the manifest is damaged")
+        raise FormatError(
+            f"{key!r}: the snapshot's optimizer state dict has no well-formed 'state' and "
+            "'param_groups' (lists of parameter ids); the manifest is damaged"
+        )
     if _group_sizes(live) != sizes:
         raise StateMismatchError(
             f"{key!r}: snapshot optimizer has parameter groups of sizes {sizes}, live optimizer "
-            f"has {_group_sizes(live)}; build the optimizer over the same parameters before applying")
+            f"has {_group_sizes(live)}; build the optimizer over the same parameters before applying"
+        )
 
 
 def _parse_placement(text: str) -> Any:
@@ -184,7 +203,8 @@ def _mesh_for(entry: TensorEntry, meshes: list[Any]) -> Any:
             return mesh
     raise StateMismatchError(
         f"{entry.path!r} is a DTensor on a mesh of shape {list(entry.mesh_shape or ())} but no live "
-        f"DTensor sits on such a mesh ({[list(m.shape) for m in meshes]}); shard the model before applying")
+        f"DTensor sits on such a mesh ({[list(m.shape) for m in meshes]}); shard the model before applying"
+    )
 
 
 def _plan_object(key: str, obj: Any, subtree: Any, manifest: Manifest, strict: bool) -> _ObjectPlan:
@@ -213,8 +233,9 @@ def _as_sharded(entry: TensorEntry, local: torch.Tensor, meshes: list[Any]) -> t
     placements = [_parse_placement(p) for p in entry.placements]
     assert entry.global_shape is not None  # an entry with placements is sharded
     shape = torch.Size(entry.global_shape)
-    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape,
-                              stride=torch.empty(shape, device="meta").stride())
+    return DTensor.from_local(
+        local, mesh, placements, run_check=False, shape=shape, stride=torch.empty(shape, device="meta").stride()
+    )
 
 
 def _check_span(e: TensorEntry, size: int, dst: torch.Tensor) -> None:
@@ -222,7 +243,8 @@ def _check_span(e: TensorEntry, size: int, dst: torch.Tensor) -> None:
     if not (0 <= e.offset and e.offset + e.nbytes <= size and dst.numel() * dst.element_size() == e.nbytes):
         raise SnapshotBufferError(
             f"refusing to copy {e.path!r}: {e.nbytes} bytes at offset {e.offset} of a {size}-byte buffer "
-            f"into a {dst.numel() * dst.element_size()}-byte tensor; the manifest does not match its buffer")
+            f"into a {dst.numel() * dst.element_size()}-byte tensor; the manifest does not match its buffer"
+        )
 
 
 def _write(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -250,8 +272,7 @@ class _Source:
     def copy_into(self, i: int, dst: torch.Tensor) -> None:
         """Copy entry ``i``'s bytes into the live tensor ``dst`` (checked to match beforehand)."""
         e = self.manifest.tensors[self.holder(i)]
-        if dst.device.type == "cpu" and dst.is_contiguous() and not (dst.is_conj() or dst.is_neg()) \
-                and e.nbytes:
+        if dst.device.type == "cpu" and dst.is_contiguous() and not (dst.is_conj() or dst.is_neg()) and e.nbytes:
             _check_span(e, self.size, dst)
             ctypes.memmove(dst.data_ptr(), self.address + e.offset, e.nbytes)  # one plain memcpy
         else:
@@ -280,8 +301,7 @@ class _Received(_Source):
     tensor): into the live tensors themselves (``live``: those indices), or into new CPU
     tensors that ``load_state_dict`` adopts without another copy."""
 
-    def __init__(self, manifest: Manifest, received: dict[int, torch.Tensor], live: set[int],
-                 meshes: list[Any]):
+    def __init__(self, manifest: Manifest, received: dict[int, torch.Tensor], live: set[int], meshes: list[Any]):
         self.manifest, self.meshes = manifest, meshes
         self.index = {t.path: i for i, t in enumerate(manifest.tensors)}
         self.received, self.live = received, live
@@ -328,37 +348,40 @@ def _run(p: _ObjectPlan, src: _Source, state: Any, strict: bool) -> None:
         else:
             p.obj.load_state_dict(value)
     except (TypeError, ValueError, KeyError, IndexError, AttributeError, RuntimeError) as exc:
-        raise StateMismatchError(f"{p.key!r}: load_state_dict refused the snapshot's value "
-                                 f"({type(exc).__name__}: {exc}); the state is partly restored, "
-                                 "load it again from an intact snapshot") from exc
+        raise StateMismatchError(
+            f"{p.key!r}: load_state_dict refused the snapshot's value "
+            f"({type(exc).__name__}: {exc}); the state is partly restored, "
+            "load it again from an intact snapshot"
+        ) from exc
 
 
 def _top_level(manifest: Manifest) -> dict[str, Any]:
     top = manifest.tree
     if not isinstance(top, dict) or (len(top) == 1 and next(iter(top)) in tree.TAGS):
-        raise StateMismatchError(
-            "manifest tree is not a dict of named objects; it was not written by capture()")
+        raise StateMismatchError("manifest tree is not a dict of named objects; it was not written by capture()")
     return top
 
 
 def _damaged_rng(exc: ValueError, what: str) -> FormatError:
-    return FormatError(f"the snapshot's RNG state ({RNG_KEY!r}) {exc}; the {what} is damaged "
-                       "(pass rng=False to apply without restoring RNGs)")
+    return FormatError(
+        f"the snapshot's RNG state ({RNG_KEY!r}) {exc}; the {what} is damaged "
+        "(pass rng=False to apply without restoring RNGs)"
+    )
 
 
 def _check_rng(saved: Any, manifest: Manifest) -> None:
     # manifest entries stand in for the tensors
     value = tree.decode(saved, lambda i, p: manifest.tensors[i], tree.segment(RNG_KEY))
     try:
-        rng_state.check_state(value, lambda e: isinstance(e, TensorEntry) and e.dtype == "uint8"
-                              and len(e.shape) == 1)
+        rng_state.check_state(value, lambda e: isinstance(e, TensorEntry) and e.dtype == "uint8" and len(e.shape) == 1)
     except ValueError as exc:
         raise _damaged_rng(exc, "manifest") from None
     want = torch.get_rng_state().numel()
     if value["torch"].shape != (want,):
         raise StateMismatchError(
             f"snapshot RNG state does not hold a torch CPU generator state of {want} bytes; "
-            f"pass rng=False to apply without restoring RNGs")
+            f"pass rng=False to apply without restoring RNGs"
+        )
 
 
 @dataclass
@@ -395,10 +418,10 @@ def plan(state: Mapping[str, Any], manifest: Manifest, *, rng: bool = True, stri
     if strict:
         _check_keys("state key", [k for k in state if k not in saved], [k for k in saved if k not in state])
     plans = [_plan_object(k, state[k], saved[k], manifest, strict) for k in saved if k in state]
-    if any(not is_stateful(p.obj) and not isinstance(p.obj, torch.Tensor) for p in plans) \
-            and not isinstance(state, MutableMapping):
-        raise StateMismatchError(
-            "state holds plain values but is read-only; pass a dict so they can be restored")
+    if any(not is_stateful(p.obj) and not isinstance(p.obj, torch.Tensor) for p in plans) and not isinstance(
+        state, MutableMapping
+    ):
+        raise StateMismatchError("state holds plain values but is read-only; pass a dict so they can be restored")
     if rng and saved_rng is not None:
         _check_rng(saved_rng, manifest)
     meshes = _live_meshes(state, plans)
@@ -424,8 +447,15 @@ def finish(pl: Plan, src: _Source, state: Any) -> None:
         rng_state.set_state(saved_rng)
 
 
-def apply(state: Mapping[str, Any], manifest: Manifest, buf: Any, *, rng: bool = True,
-          verify: bool = True, strict: bool = True) -> None:
+def apply(
+    state: Mapping[str, Any],
+    manifest: Manifest,
+    buf: Any,
+    *,
+    rng: bool = True,
+    verify: bool = True,
+    strict: bool = True,
+) -> None:
     """Put the snapshot ``manifest`` + ``buf`` back into ``state``; validate everything first."""
     pl = plan(state, manifest, rng=rng, strict=strict)
     if verify:
@@ -439,7 +469,6 @@ def apply_plan(state: Mapping[str, Any], pl: Plan, buf: Any) -> None:
     finish(pl, _Source(pl.manifest, mv, pl.meshes), state)
 
 
-def apply_received(state: Mapping[str, Any], pl: Plan, received: dict[int, torch.Tensor],
-                   live: set[int]) -> None:
+def apply_received(state: Mapping[str, Any], pl: Plan, received: dict[int, torch.Tensor], live: set[int]) -> None:
     """Finish ``pl`` from tensors received one by one (see ``memsnap.receive``)."""
     finish(pl, _Received(pl.manifest, received, live, pl.meshes), state)

@@ -10,6 +10,7 @@ and keep the mapping, so the bytes they capture live in memory the agent owns an
 the training process. (``multiprocessing.shared_memory`` is not used: its resource tracker
 unlinks a segment when an attaching process exits.)
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -56,10 +57,12 @@ def space(directory: str) -> tuple[int, int]:
 def no_room(directory: str, nbytes: int, what: str = "an arena") -> str:
     """Why ``nbytes`` do not fit in ``directory``'s tmpfs, and the settings that make them fit."""
     free, total = space(directory)
-    return (f"{what} needs {_size(nbytes)} in {directory}, but its filesystem has only {_size(free)} "
-            f"free of {_size(total)}. Give it more room (docker run --shm-size=<size>; on KubeRay mount "
-            "an emptyDir {medium: Memory, sizeLimit: <size>} at /dev/shm), or lower memory_budget "
-            "(Snapshotter(memory_budget=...)) to what this filesystem can hold")
+    return (
+        f"{what} needs {_size(nbytes)} in {directory}, but its filesystem has only {_size(free)} "
+        f"free of {_size(total)}. Give it more room (docker run --shm-size=<size>; on KubeRay mount "
+        "an emptyDir {medium: Memory, sizeLimit: <size>} at /dev/shm), or lower memory_budget "
+        "(Snapshotter(memory_budget=...)) to what this filesystem can hold"
+    )
 
 
 def _allocate(fd: int, size: int, directory: str, nbytes: int) -> None:
@@ -83,11 +86,16 @@ def check_capacity(memory_budget: int, need: int | None = None) -> dict:
     if need is not None and free < need:
         raise MemoryBudgetError(no_room(root, need, "one snapshot of this node"))
     if free < memory_budget:
-        log.warning("memsnap: %s has %s free of %s, less than memory_budget=%s; a snapshot larger than "
-                    "the free space will be refused (Ray's object store may share this space too). Give it "
-                    "more room (docker run --shm-size=<size>; KubeRay: an emptyDir {medium: Memory, "
-                    "sizeLimit: <size>} at /dev/shm) or lower memory_budget",
-                    root, _size(free), _size(total), _size(memory_budget))
+        log.warning(
+            "memsnap: %s has %s free of %s, less than memory_budget=%s; a snapshot larger than "
+            "the free space will be refused (Ray's object store may share this space too). Give it "
+            "more room (docker run --shm-size=<size>; KubeRay: an emptyDir {medium: Memory, "
+            "sizeLimit: <size>} at /dev/shm) or lower memory_budget",
+            root,
+            _size(free),
+            _size(total),
+            _size(memory_budget),
+        )
     return {"dir": root, "free": free, "total": total, "memory_budget": memory_budget}
 
 
@@ -111,8 +119,9 @@ def _replace_stale(dir_fd: int, path: str, name: str) -> None:
     finally:
         os.close(fd)
     if not shmdir.holds_no_lock(dir_fd, name):
-        raise MemsnapError(f"arena {path} is held by a live process (another agent of the same job "
-                           "and node?); it is not replaced")
+        raise MemsnapError(
+            f"arena {path} is held by a live process (another agent of the same job and node?); it is not replaced"
+        )
     os.unlink(name, dir_fd=dir_fd)
 
 

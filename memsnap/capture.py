@@ -14,6 +14,7 @@ goes under the reserved key ``"__rng__"``. Tied tensors (same storage, same view
 once; later occurrences get ``alias_of`` and no bytes. DTensors store their local shard and
 record their place in the global tensor.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -53,7 +54,8 @@ def collect(state: Mapping[str, Any], *, rng: bool = True) -> dict[str, Any]:
     bad = [k for k in state if type(k) is not str or k == RNG_KEY]
     if bad:
         raise StateMismatchError(
-            f"state keys must be strings other than {RNG_KEY!r} (reserved for RNG state); got {bad[0]!r}")
+            f"state keys must be strings other than {RNG_KEY!r} (reserved for RNG state); got {bad[0]!r}"
+        )
     values = {k: (v.state_dict() if is_stateful(v) else v) for k, v in state.items()}
     if rng:
         values[RNG_KEY] = rng_state.get_state()
@@ -108,7 +110,8 @@ def _walk(values: dict[str, Any]) -> tuple[Any, list[str], list[torch.Tensor]]:
         if path in seen:  # only keys that differ yet write out alike (two nan keys) get here
             raise UnsupportedStateError(
                 f"two tensors of the state are both named {path!r}: their dict keys differ but are "
-                "written out alike (e.g. two nan keys); give the keys distinct values")
+                "written out alike (e.g. two nan keys); give the keys distinct values"
+            )
         seen.add(path)
         paths.append(path)
         tensors.append(t)
@@ -123,11 +126,13 @@ def check_storable(t: torch.Tensor, path: str) -> None:
         kind = "nested" if t.is_nested else str(t.layout).removeprefix("torch.")
         raise UnsupportedStateError(
             f"tensor at {path!r} is a {kind} tensor, which a snapshot cannot store; store t.to_dense() "
-            "(or its parts, e.g. indices() and values(), as separate tensors)")
+            "(or its parts, e.g. indices() and values(), as separate tensors)"
+        )
     if t.is_meta:
         raise UnsupportedStateError(
             f"tensor at {path!r} is on the meta device and holds no data; materialise it before saving "
-            "(e.g. model.to_empty(device='cpu'), then initialise or load it)")
+            "(e.g. model.to_empty(device='cpu'), then initialise or load it)"
+        )
 
 
 def _alias_key(t: torch.Tensor) -> tuple | None:
@@ -143,8 +148,9 @@ def _layout(paths: list[str], found: list[torch.Tensor]) -> tuple[list[TensorEnt
     for path, whole in zip(paths, found):
         t = local_tensor(whole)
         key = _alias_key(t)
-        common = dict(path=path, dtype=dtype_name(t.dtype), shape=tuple(t.shape),
-                      device=str(t.device), **_sharding(whole))
+        common = dict(
+            path=path, dtype=dtype_name(t.dtype), shape=tuple(t.shape), device=str(t.device), **_sharding(whole)
+        )
         if key is not None and key in first:
             held = first[key]
             entries.append(TensorEntry(offset=held.offset, nbytes=0, alias_of=held.path, **common))
@@ -207,16 +213,20 @@ def _fingerprint(paths: list[str], found: list[torch.Tensor], locals_: list[torc
     for i, t in enumerate(locals_):
         key = _alias_key(t)
         tied.append(-1 if key is None else first.setdefault(key, i))
-    return (tuple(paths), tuple((t.dtype, t.shape, t.device) for t in locals_), tuple(tied),
-            tuple((tuple(w.shape), tuple(map(placement_name, w.placements))) for w in found if is_dtensor(w)))
+    return (
+        tuple(paths),
+        tuple((t.dtype, t.shape, t.device) for t in locals_),
+        tuple(tied),
+        tuple((tuple(w.shape), tuple(map(placement_name, w.placements))) for w in found if is_dtensor(w)),
+    )
 
 
 def _refuse(path: str, t: torch.Tensor | None, was: TensorEntry | None) -> StateMismatchError:
     now = "absent" if t is None else f"{dtype_name(t.dtype)}{list(t.shape)}"
     old = "absent" if was is None else f"{was.path!r} as {was.dtype}{list(was.shape)}"
     return StateMismatchError(
-        f"tensor {path!r} is {now} but the reused manifest has {old}; "
-        f"call capture() without manifest= to re-plan")
+        f"tensor {path!r} is {now} but the reused manifest has {old}; call capture() without manifest= to re-plan"
+    )
 
 
 def _check_fits(paths: list[str], locals_: list[torch.Tensor], old: Manifest) -> None:
@@ -236,7 +246,8 @@ def _check_fits(paths: list[str], locals_: list[torch.Tensor], old: Manifest) ->
             if locals_[i].data_ptr() != locals_[index[was.alias_of]].data_ptr():
                 raise StateMismatchError(
                     f"tensor {was.path!r} is no longer tied to {was.alias_of!r}; "
-                    f"call capture() without manifest= to re-plan")
+                    f"call capture() without manifest= to re-plan"
+                )
 
 
 def _reuse(skeleton: Any, paths: list[str], locals_: list[torch.Tensor], old: Manifest) -> Manifest:
@@ -255,13 +266,14 @@ def byte_view(buf: Any, nbytes: int, *, writable: bool) -> memoryview:
         mv = memoryview(buf).cast("B")
     except (TypeError, ValueError) as exc:
         raise SnapshotBufferError(
-            f"buffer of type {type(buf).__qualname__} is not a contiguous byte buffer: {exc}") from None
+            f"buffer of type {type(buf).__qualname__} is not a contiguous byte buffer: {exc}"
+        ) from None
     if writable and mv.readonly:
         raise SnapshotBufferError(f"capture needs a writable buffer; {type(buf).__qualname__} is read-only")
     if mv.nbytes < nbytes:
         raise SnapshotBufferError(
-            f"buffer holds {mv.nbytes} bytes but the snapshot needs {nbytes}; "
-            f"allocate at least manifest.nbytes")
+            f"buffer holds {mv.nbytes} bytes but the snapshot needs {nbytes}; allocate at least manifest.nbytes"
+        )
     return mv[:nbytes]
 
 
@@ -276,7 +288,7 @@ def tensor_bytes(t: torch.Tensor, nbytes: int | None = None) -> memoryview:
 
 def tensor_view(base: torch.Tensor, entry: TensorEntry, dtype: torch.dtype) -> torch.Tensor:
     """The slice of the uint8 tensor ``base`` that holds ``entry``, typed and shaped."""
-    return base[entry.offset:entry.offset + entry.nbytes].view(dtype).view(entry.shape)
+    return base[entry.offset : entry.offset + entry.nbytes].view(dtype).view(entry.shape)
 
 
 def _new_buffer(nbytes: int, sources: list[torch.Tensor]) -> memoryview:
@@ -308,8 +320,14 @@ def copy_into(manifest: Manifest, sources: list[torch.Tensor], out: memoryview) 
         torch.cuda.synchronize()
 
 
-def capture(state: Mapping[str, Any], *, out: Any = None, rng: bool = True, checksums: bool = False,
-            manifest: Manifest | None = None) -> tuple[Manifest, memoryview]:
+def capture(
+    state: Mapping[str, Any],
+    *,
+    out: Any = None,
+    rng: bool = True,
+    checksums: bool = False,
+    manifest: Manifest | None = None,
+) -> tuple[Manifest, memoryview]:
     """Copy ``state`` into ``out`` (or a new buffer); return its manifest and exactly its bytes."""
     skeleton, paths, found = _walk(collect(state, rng=rng))
     sources = [local_tensor(t).detach() for t in found]
@@ -321,5 +339,3 @@ def capture(state: Mapping[str, Any], *, out: Any = None, rng: bool = True, chec
     mv = _new_buffer(m.nbytes, sources) if out is None else byte_view(out, m.nbytes, writable=True)
     copy_into(m, sources, mv)
     return (fill_checksums(m, mv) if checksums else m), mv
-
-

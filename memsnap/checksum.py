@@ -1,5 +1,6 @@
 """Checksums of byte ranges: xxh3-64, as 16 lowercase hex digits. No torch: the agent's send
 path (``fill_checksums``) runs in a process that never imports it."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -20,5 +21,5 @@ def fill_checksums(manifest: Manifest, buf) -> Manifest:
     mv = memoryview(buf).cast("B")
     if mv.nbytes < manifest.nbytes:
         raise ValueError(f"buffer holds {mv.nbytes} bytes but the manifest describes {manifest.nbytes}")
-    sums = [None if t.alias_of else checksum(mv[t.offset:t.offset + t.nbytes]) for t in manifest.tensors]
+    sums = [None if t.alias_of else checksum(mv[t.offset : t.offset + t.nbytes]) for t in manifest.tensors]
     return manifest.with_checksums(sums)

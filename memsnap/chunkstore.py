@@ -8,6 +8,7 @@ Two bounds keep a peer from pinning the budget: a push for a step more than
 second reservation of a chunk still being received is refused (the two never share a
 buffer). A discarded reservation (a chunk that did not arrive) goes back to the budget.
 """
+
 from __future__ import annotations
 
 import mmap
@@ -39,7 +40,9 @@ class HeldChunks:
         self._held: dict[ChunkKey, tuple[mmap.mmap, int]] = {}
         self._stall: tuple[int, int] | None = None  # fault injection, see ``stall``
         self.stalled = threading.Event()
-        self.own: Callable[[ChunkKey], tuple[memoryview, int] | None] | None = None  # key -> (chunk, checksum) | None: data shards served from the owner's arena
+        self.own: Callable[[ChunkKey], tuple[memoryview, int] | None] | None = (
+            None  # key -> (chunk, checksum) | None: data shards served from the owner's arena
+        )
 
     # --- the ChunkStore protocol (called by the transport's server half) ------------------
     def reserve(self, key: ChunkKey, nbytes: int) -> memoryview:
@@ -54,11 +57,14 @@ class HeldChunks:
 
     def _admit(self, key: ChunkKey) -> None:
         if key in self._pending:
-            raise ChunkRefused(f"chunk {key} is already being received (on another connection); "
-                               "retry once that transfer ends")
+            raise ChunkRefused(
+                f"chunk {key} is already being received (on another connection); retry once that transfer ends"
+            )
         if self._newest is not None and key.step > self._newest + self._window:
-            raise ChunkRefused(f"chunk {key} is for step {key.step}, more than store_step_window="
-                               f"{self._window} steps above the newest step {self._newest} this node knows")
+            raise ChunkRefused(
+                f"chunk {key} is for step {key.step}, more than store_step_window="
+                f"{self._window} steps above the newest step {self._newest} this node knows"
+            )
 
     def announce(self, step: int) -> None:
         """The agent began or committed ``step``: pushes up to ``store_step_window`` above it are

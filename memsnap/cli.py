@@ -1,4 +1,5 @@
 """The ``memsnap`` console script: a small dispatcher over ``memsnap.commands``."""
+
 from __future__ import annotations
 
 import argparse
@@ -10,8 +11,9 @@ from memsnap.errors import ChecksumError, FormatError, MemsnapError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="memsnap", description="memsnap: training-state snapshots "
-                                 "in peer RAM, with a durable checkpoint format")
+    ap = argparse.ArgumentParser(
+        prog="memsnap", description="memsnap: training-state snapshots in peer RAM, with a durable checkpoint format"
+    )
     ap.add_argument("--version", action="version", version=f"memsnap {__version__}")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for mod in commands.modules():

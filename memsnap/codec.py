@@ -17,6 +17,7 @@ otherwise a Cauchy matrix scaled so that the first parity is the XOR of the data
 is replication.  Both are MDS.  The C kernels release the GIL; ``threads`` splits one call
 across cores.  ``MEMSNAP_ISA=scalar|ssse3|avx2`` forces a kernel level at import.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -77,9 +78,7 @@ def _apply_env_isa() -> None:
     if not forced:
         return
     if forced not in available_isas():
-        raise CodecError(
-            f"{_ISA_ENV}={forced!r} is not available here; use one of {available_isas()} or unset it"
-        )
+        raise CodecError(f"{_ISA_ENV}={forced!r} is not available here; use one of {available_isas()} or unset it")
     set_isa(forced)
 
 
@@ -118,9 +117,7 @@ class ReedSolomon:
     def __init__(self, k: int, m: int, *, threads: int = 1) -> None:
         k, m = _as_int("k", k), _as_int("m", m)
         if k < 1 or m < 0 or k + m > 256:
-            raise CodecError(
-                f"k={k}, m={m} out of range: need 1 <= k, 0 <= m and k + m <= 256 (GF(2^8))"
-            )
+            raise CodecError(f"k={k}, m={m} out of range: need 1 <= k, 0 <= m and k + m <= 256 (GF(2^8))")
         self.k, self.m, self.threads = k, m, _resolve_threads(threads)
         self._parity = _codec.generator(k, m)
         self._parity_tables = _codec.tables(self._parity)
@@ -156,8 +153,16 @@ class ReedSolomon:
         self._check_count(data, self.k, "data shards")
         self._check_count(parity, self.m, "parity buffers")
         _codec.apply(
-            self._parity, self._parity_tables, self.m, self.k, data, parity,
-            self.threads, self._data_ids, self._parity_ids, self.k,
+            self._parity,
+            self._parity_tables,
+            self.m,
+            self.k,
+            data,
+            parity,
+            self.threads,
+            self._data_ids,
+            self._parity_ids,
+            self.k,
         )
 
     # --- decoding ------------------------------------------------------------------------
@@ -169,9 +174,7 @@ class ReedSolomon:
         """
         return self._rebuild(shards, False, out)
 
-    def reconstruct_data(
-        self, shards: Sequence[Any], *, out: Mapping[int, Any] | None = None
-    ) -> list[Any]:
+    def reconstruct_data(self, shards: Sequence[Any], *, out: Mapping[int, Any] | None = None) -> list[Any]:
         """Like ``reconstruct`` but rebuild only data shards; lost parity stays ``None``."""
         return self._rebuild(shards, True, out)
 
@@ -180,9 +183,7 @@ class ReedSolomon:
         self._check_count(shards, self.n, "shards (k + m)")
         lost = [i for i, s in enumerate(shards) if s is None]
         if lost:
-            raise TooFewShardsError(
-                f"verify needs every shard; shards {lost} are None (rebuild them with reconstruct)"
-            )
+            raise TooFewShardsError(f"verify needs every shard; shards {lost} are None (rebuild them with reconstruct)")
         expected = self.encode(shards[: self.k])
         length = len(expected[0]) if expected else _nbytes(shards[0], 0, self.k)
         for j, want in enumerate(expected):
@@ -196,9 +197,7 @@ class ReedSolomon:
                 return False
         return True
 
-    def _rebuild(
-        self, shards: Sequence[Any], data_only: bool, out_bufs: Mapping[int, Any] | None
-    ) -> list[Any]:
+    def _rebuild(self, shards: Sequence[Any], data_only: bool, out_bufs: Mapping[int, Any] | None) -> list[Any]:
         self._check_count(shards, self.n, "shards (k + m)")
         lost = tuple([i for i, s in enumerate(shards) if s is None])
         plan = self._plans.get((lost, data_only)) or self._plan(lost, data_only)
@@ -213,8 +212,7 @@ class ReedSolomon:
             bufs = out_bufs or {}
             length = _nbytes(inputs[0], used[0], self.k)
             rebuilt = [bufs[i] if i in bufs else np.empty(length, np.uint8) for i in wanted]
-        _codec.apply(coef, tables, len(wanted), self.k, inputs, rebuilt, self.threads, used, wanted,
-                     self.k, *pqd)
+        _codec.apply(coef, tables, len(wanted), self.k, inputs, rebuilt, self.threads, used, wanted, self.k, *pqd)
         for i, arr in zip(wanted, rebuilt):
             out[i] = arr
         return out
@@ -241,8 +239,6 @@ class ReedSolomon:
         try:
             count = len(items)
         except TypeError:
-            raise CodecError(
-                f"expected a list of {expected} {what}, got {type(items).__name__}"
-            ) from None
+            raise CodecError(f"expected a list of {expected} {what}, got {type(items).__name__}") from None
         if count != expected:
             raise CodecError(f"expected {expected} {what}, got {count}")

@@ -6,6 +6,7 @@ Phase one: each node's agent reports ``NodeReady`` (every chunk of its stream ac
 Phase two: when every node of the job is ready, the step is committed and every agent gets
 a ``CommitNotice``. A step a node skipped or replaced under load is *skipped*, not failed.
 """
+
 from __future__ import annotations
 
 import logging
@@ -44,8 +45,13 @@ class CommitLog:
         ``nodes`` ready and every one of ``world`` ranks captured)."""
         step = info.step
         if info.gen < self.gen:
-            log.info("ignoring step %d from node %s: taken before the last restore (generation %d < %d)",
-                     step, info.node[:12], info.gen, self.gen)
+            log.info(
+                "ignoring step %d from node %s: taken before the last restore (generation %d < %d)",
+                step,
+                info.node[:12],
+                info.gen,
+                self.gen,
+            )
             return None
         self.gen = info.gen  # a rebuilt coordinator learns the generation from the agents
         if step in self.failed or step in self.skipped or step in self.records or self._stale(step):
@@ -65,15 +71,16 @@ class CommitLog:
         for s in [s for s in self.pending if s < step]:
             self._remember(self.skipped, s, f"step {step} committed first")  # replaced under load
             del self.pending[s]
-        for s in sorted(self.records)[:-self.cfg.keep]:
+        for s in sorted(self.records)[: -self.cfg.keep]:
             del self.records[s]
         for s in [s for s, r in self.records.items() if r.world != record.world]:
             del self.records[s]  # taken by the job's former world size: the new layout replaces it
         return record
 
     def notice(self, record: CommitRecord, spill: bool | None = None, moved=None) -> CommitNotice:
-        return CommitNotice(record.step, tuple(sorted(self.records)), record.spill if spill is None else spill,
-                            moved or {})
+        return CommitNotice(
+            record.step, tuple(sorted(self.records)), record.spill if spill is None else spill, moved or {}
+        )
 
     def _stale(self, step: int) -> bool:
         return bool(self.records) and step < max(self.records)
@@ -117,9 +124,12 @@ class CommitLog:
         if self.cfg.spill is None or not (every or secs):
             return False
         last = self.spill_asked
-        due = bool(last is None or last[0] > step
-                   or (every and step // every > last[0] // every)
-                   or (secs and time.monotonic() - last[1] >= secs))
+        due = bool(
+            last is None
+            or last[0] > step
+            or (every and step // every > last[0] // every)
+            or (secs and time.monotonic() - last[1] >= secs)
+        )
         if due:
             self.spill_asked = (step, time.monotonic())
         return due

@@ -1,4 +1,5 @@
 """Runtime configuration: the public frozen ``SnapshotConfig`` and one table of internal tunables."""
+
 from __future__ import annotations
 
 import math
@@ -16,39 +17,39 @@ WIRES = ("mac", "encrypt")
 # Internal tunables, one table. Override any of them with the environment variable
 # MEMSNAP_<NAME upper-cased>, e.g. MEMSNAP_CALL_TIMEOUT_S=60.
 TUNABLES: dict[str, float] = {
-    "call_timeout_s": 30.0,         # a small remote call (begin, captured, status, ...)
-    "push_timeout_s": 120.0,        # pushing one node's chunks to one holder
+    "call_timeout_s": 30.0,  # a small remote call (begin, captured, status, ...)
+    "push_timeout_s": 120.0,  # pushing one node's chunks to one holder
     "membership_timeout_s": 180.0,  # waiting for every rank to register
-    "claim_wait_s": 10.0,           # a rank held by a live rank of another run waits this long for
-                                    # that process to exit (a killed rank's may be exiting) before refusal
-    "restore_timeout_s": 300.0,     # one collective restore round, all ranks
+    "claim_wait_s": 10.0,  # a rank held by a live rank of another run waits this long for
+    # that process to exit (a killed rank's may be exiting) before refusal
+    "restore_timeout_s": 300.0,  # one collective restore round, all ranks
     "commit_notify_timeout_s": 30.0,
-    "spill_retry_s": 5.0,           # pause before a failed spill is tried again
-    "forced_save_wait_s": 120.0,    # save(force=True) waits this long at most for a busy pipeline's slot
-    "chunk_target": 4 << 20,        # shard size the stripe layout aims for (bytes; 4 MiB moves
-                                    # 1.2-1.4x faster than 1 MiB over loopback: fewer frames)
-    "parity_window": 4 << 20,       # parity bytes encoded per batch (the scratch is two batches)
-    "agent_threads": 16,            # an agent's threads for blocking work (its calls are asyncio)
-    "preemption_poll_s": 5.0,       # how often a rank asks Ray whether its node is draining
-    "reprotect_defer_s": 20.0,      # re-protection waits this long at most for a restore to go first
-    "metrics_interval_s": 15.0,     # how often the coordinator records its job's gauges (memsnap.metrics)
-    "direct_restore": 1,            # 1: a peer restore reads into the rank's tensors (TCP only);
-                                    # 0: through the agent's arena, then copied (as the objstore does)
+    "spill_retry_s": 5.0,  # pause before a failed spill is tried again
+    "forced_save_wait_s": 120.0,  # save(force=True) waits this long at most for a busy pipeline's slot
+    "chunk_target": 4 << 20,  # shard size the stripe layout aims for (bytes; 4 MiB moves
+    # 1.2-1.4x faster than 1 MiB over loopback: fewer frames)
+    "parity_window": 4 << 20,  # parity bytes encoded per batch (the scratch is two batches)
+    "agent_threads": 16,  # an agent's threads for blocking work (its calls are asyncio)
+    "preemption_poll_s": 5.0,  # how often a rank asks Ray whether its node is draining
+    "reprotect_defer_s": 20.0,  # re-protection waits this long at most for a restore to go first
+    "metrics_interval_s": 15.0,  # how often the coordinator records its job's gauges (memsnap.metrics)
+    "direct_restore": 1,  # 1: a peer restore reads into the rank's tensors (TCP only);
+    # 0: through the agent's arena, then copied (as the objstore does)
     # the TCP data plane's server side (memsnap/transport/server.py)
-    "tcp_handshake_timeout_s": 1.0,   # a new connection must finish the whole handshake by then: the
-                                      # client's 73-byte hello is one round trip behind the greeting
-                                      # (well under 10 ms on a LAN); the rest is room for a loaded host
-    "tcp_max_unauthenticated": 64,    # connections still in their handshake; when full, a newcomer
-                                      # evicts the oldest of the source address holding the most
+    "tcp_handshake_timeout_s": 1.0,  # a new connection must finish the whole handshake by then: the
+    # client's 73-byte hello is one round trip behind the greeting
+    # (well under 10 ms on a LAN); the rest is room for a loaded host
+    "tcp_max_unauthenticated": 64,  # connections still in their handshake; when full, a newcomer
+    # evicts the oldest of the source address holding the most
     "tcp_max_unauthenticated_per_source": 32,  # of those, from one source address; a newcomer from an
-                                      # address at it evicts that address's oldest
-    "tcp_idle_timeout_s": 300.0,      # an authenticated connection with no new request for this long is closed
-    "tcp_frame_timeout_s": 60.0,      # a frame must arrive (or leave) whole this long after it began
+    # address at it evicts that address's oldest
+    "tcp_idle_timeout_s": 300.0,  # an authenticated connection with no new request for this long is closed
+    "tcp_frame_timeout_s": 60.0,  # a frame must arrive (or leave) whole this long after it began
     "tcp_max_frame_bytes": 64 << 20,  # the largest payload accepted when the runtime passes no chunk bound
-    "tcp_accept_backoff_s": 1.0,      # longest pause before accept() is retried after EMFILE & co.
-    "tcp_refusal_log_s": 10.0,        # refused connections are logged as one line per this many seconds
-    "tcp_encrypt": 0,                 # 1: the TCP data plane encrypts (AES-256-GCM); every agent alike
-    "store_step_window": 1 << 20,     # pushes for steps this far above the newest the store knows are refused
+    "tcp_accept_backoff_s": 1.0,  # longest pause before accept() is retried after EMFILE & co.
+    "tcp_refusal_log_s": 10.0,  # refused connections are logged as one line per this many seconds
+    "tcp_encrypt": 0,  # 1: the TCP data plane encrypts (AES-256-GCM); every agent alike
+    "store_step_window": 1 << 20,  # pushes for steps this far above the newest the store knows are refused
 }
 
 
@@ -94,22 +95,26 @@ def _flag(name: str, value, what: str) -> None:
 # Each option's check, once: the groups of memsnap.options run them when made, and SnapshotConfig
 # runs those of the fields it holds. Messages name the Snapshotter keyword (memsnap.options.SHORTHAND).
 
+
 def check_protection(k, m, group_size, peers, local_copy) -> None:
     """``Protection``: the erasure code and where its pieces go."""
     _int_at_least("k", k, 1, "data shards per stripe; k=1 replicates")
     _int_at_least("m", m, 0, "parity shards per stripe")
     if group_size is not None and (not _is_int(group_size) or group_size < k + m + 1):
-        raise ConfigError(f"group_size={group_size!r}: needs at least k+m+1={k + m + 1} nodes "
-                          "(or None: the smallest group)")
+        raise ConfigError(
+            f"group_size={group_size!r}: needs at least k+m+1={k + m + 1} nodes (or None: the smallest group)"
+        )
     if not isinstance(local_copy, bool):
-        raise ConfigError(f"local_copy={local_copy!r}: must be True (keep each node's own copy) "
-                          "or False (lean mode)")
+        raise ConfigError(f"local_copy={local_copy!r}: must be True (keep each node's own copy) or False (lean mode)")
     if peers is not None and not isinstance(peers, bool):
-        raise ConfigError(f"peers={peers!r}: must be None (decided from the job's node count), True "
-                          "(pieces on other nodes, refused on fewer than k+m+1 nodes) or False (local RAM only)")
+        raise ConfigError(
+            f"peers={peers!r}: must be None (decided from the job's node count), True "
+            "(pieces on other nodes, refused on fewer than k+m+1 nodes) or False (local RAM only)"
+        )
     if peers is False and not local_copy:
-        raise ConfigError("peers=False with local_copy=False would hold no snapshot in RAM at all; "
-                          "keep local_copy=True")
+        raise ConfigError(
+            "peers=False with local_copy=False would hold no snapshot in RAM at all; keep local_copy=True"
+        )
 
 
 def check_memory(budget, keep) -> None:
@@ -121,8 +126,10 @@ def check_memory(budget, keep) -> None:
 def check_spill(uri, every, every_seconds, bytes_per_s) -> None:
     """``Spill``: the durable tier."""
     if uri is not None and (not isinstance(uri, str) or not uri):
-        raise ConfigError(f"spill={uri!r}: give the durable tier as a str, a path or a file://, s3://, gs:// "
-                          "or hdfs:// URI (str(path) for a pathlib.Path), or None for none")
+        raise ConfigError(
+            f"spill={uri!r}: give the durable tier as a str, a path or a file://, s3://, gs:// "
+            "or hdfs:// URI (str(path) for a pathlib.Path), or None for none"
+        )
     _int_at_least("spill_every", every, 1, "spill every N-th committed step", allow_none=True)
     _seconds("spill_every_seconds", every_seconds, "spill at most this often", allow_none=True)
     _int_at_least("spill_bytes_per_s", bytes_per_s, 1, "bytes per second each node may write")
@@ -133,10 +140,17 @@ def check_spill(uri, every, every_seconds, bytes_per_s) -> None:
 def check_failures(on_error, max_staleness_steps, preemption, preemption_grace_s) -> None:
     """``Failures``: what a failed snapshot and a preemption do."""
     if on_error not in ("warn", "raise"):
-        raise ConfigError(f"on_error={on_error!r}: use 'warn' (log, count and keep training) "
-                          "or 'raise' (a failed snapshot stops training)")
-    _int_at_least("max_staleness_steps", max_staleness_steps, 1,
-                  "steps training may run past the newest committed snapshot", allow_none=True)
+        raise ConfigError(
+            f"on_error={on_error!r}: use 'warn' (log, count and keep training) "
+            "or 'raise' (a failed snapshot stops training)"
+        )
+    _int_at_least(
+        "max_staleness_steps",
+        max_staleness_steps,
+        1,
+        "steps training may run past the newest committed snapshot",
+        allow_none=True,
+    )
     _flag("preemption", preemption, "react to SIGTERM and Ray drains with a last snapshot")
     _seconds("preemption_grace_s", preemption_grace_s, "time the last snapshot has to be spilled")
 
@@ -148,15 +162,19 @@ def check_wire(transport, chunk, mode) -> None:
     if chunk is not None and (not _is_int(chunk) or chunk < 64 or chunk % 64):
         raise ConfigError(f"chunk={chunk!r}: must be a positive multiple of 64 bytes (or None)")
     if mode not in WIRES:
-        raise ConfigError(f"wire_mode={mode!r}: use 'mac' (every frame authenticated) or 'encrypt' (also "
-                          "encrypted, for networks others can read)")
+        raise ConfigError(
+            f"wire_mode={mode!r}: use 'mac' (every frame authenticated) or 'encrypt' (also "
+            "encrypted, for networks others can read)"
+        )
 
 
 def check_device(buffer, backend) -> None:
     """``Device``: the device tier."""
     if not isinstance(buffer, bool) and (not _is_int(buffer) or buffer <= 0):
-        raise ConfigError(f"device_buffer={buffer!r}: use False (off), True (sized to each rank's "
-                          "snapshot) or a positive number of bytes of device memory per node")
+        raise ConfigError(
+            f"device_buffer={buffer!r}: use False (off), True (sized to each rank's "
+            "snapshot) or a positive number of bytes of device memory per node"
+        )
     if backend not in ("auto", "cuda", "cpu"):
         raise ConfigError(f"device_backend={backend!r}: use 'auto', 'cuda' or 'cpu'")
 

@@ -28,6 +28,7 @@ size does not grow with the tensor count. Call protocol (who calls in brackets):
 All state is rebuilt from the agents (ranks, addresses, committed NodeReady records) when
 the actor is restarted (``rebuild_state``).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -129,8 +130,9 @@ class CoordinatorCore:
         return self.dir.call_all(spare, "address", timeout=tunable("call_timeout_s"))
 
     # --- 1-2. membership ------------------------------------------------------------------------
-    def join(self, node: str, address: dict, ranks: list[int], world: int | None = None,
-             claims: dict | None = None) -> dict:
+    def join(
+        self, node: str, address: dict, ranks: list[int], world: int | None = None, claims: dict | None = None
+    ) -> dict:
         """Ranks ``ranks`` (of ``world``) run on ``node``; ``claims``: each rank's
         ``identity.Claim`` on the wire (none: a claim that never conflicts). Answers
         ``{"hints": {rank: nbytes}, "run": run id, "refused": {rank: why}}``: hints for those ranks
@@ -146,8 +148,10 @@ class CoordinatorCore:
             return {"hints": {}, "run": self.run, "refused": refused}
         with self.lock:
             if node in self.fenced:  # refused before it holds a rank or resizes the job
-                raise CommitError(f"node {node[:12]} was declared lost and is fenced: its processes must not "
-                                  "rejoin the job (a host that comes back joins as a new node)")
+                raise CommitError(
+                    f"node {node[:12]} was declared lost and is fenced: its processes must not "
+                    "rejoin the job (a host that comes back joins as a new node)"
+                )
             resized = False
             if world is not None and world != self.world:
                 resized = True
@@ -211,8 +215,13 @@ class CoordinatorCore:
         for rank, claim in sorted(claims.items()):
             if claim.run is not None and claim.run != self.run:
                 if self.run is not None:
-                    log.warning("job %r: run %r takes over from run %r, whose ranks are gone; it resumes from "
-                                "that run's snapshots", self.cfg.job, claim.run, self.run)
+                    log.warning(
+                        "job %r: run %r takes over from run %r, whose ranks are gone; it resumes from "
+                        "that run's snapshots",
+                        self.cfg.job,
+                        claim.run,
+                        self.run,
+                    )
                 self.run = claim.run
             elif self.run is None:
                 self.run = new_run_id()
@@ -226,8 +235,13 @@ class CoordinatorCore:
         layout commits frees them (``CommitLog.ready``). Call under the lock."""
         if not isinstance(world, int) or world < 1:
             raise CommitError(f"world_size={world!r}: must be an int >= 1")
-        log.warning("job %r: ranks join with world size %d (was %d): a new membership; the newest "
-                    "committed step is resharded on restore", self.cfg.job, world, self.world)
+        log.warning(
+            "job %r: ranks join with world size %d (was %d): a new membership; the newest "
+            "committed step is resharded on restore",
+            self.cfg.job,
+            world,
+            self.world,
+        )
         old = self.membership
         self.world = world
         self.membership = Membership(self.cfg, world, self._alive, self.find_spares)
@@ -353,8 +367,10 @@ class CoordinatorCore:
             record = self.log.records.get(plan["step"]) if plan["tier"] == "ram" else None
             if "saved" in plan:  # elastic: every rank reads the parts it needs of every saved rank
                 sources = tuple(self._saved_source(record, r, tier, addrs) for r, tier in sorted(plan["saved"].items()))
-                return {rank: RankPlan(plan["step"], "elastic", "ram", self.cfg.spill, None, sources).to_wire()
-                        for rank in ranks}
+                return {
+                    rank: RankPlan(plan["step"], "elastic", "ram", self.cfg.spill, None, sources).to_wire()
+                    for rank in ranks
+                }
             out = {}
             for rank in ranks:
                 out[rank] = self._plan_of(plan, rank, record, addrs)
@@ -392,8 +408,11 @@ class CoordinatorCore:
                 log.info("restore generation %d: the job resumes from step %s", rnd.gen, rnd.plan["step"])
                 self.changed()
                 self.restored.notify_all()
-            return {"ok": not failed, "failed": {str(r): rep for r, rep in failed.items()},
-                    "gen": rnd.gen if rnd.gen is not None else self.log.gen}
+            return {
+                "ok": not failed,
+                "failed": {str(r): rep for r, rep in failed.items()},
+                "gen": rnd.gen if rnd.gen is not None else self.log.gen,
+            }
 
     def wait_for_a_restore(self, timeout: float) -> None:
         """Block (a background thread) until a restore round completes, at most ``timeout``."""
@@ -405,8 +424,11 @@ class CoordinatorCore:
         reports = [rep for _, rep in rnd.done.values()]
         tiers = {rep.get("tier") for rep in reports}
         slowest: dict = max(reports, key=lambda rep: sum(rep.get("seconds", {}).values()), default={})
-        self.last_restore = {"tier": sorted(tiers)[0] if len(tiers) == 1 else ",".join(sorted(tiers)),
-                             "step": rnd.plan["step"], "seconds": slowest.get("seconds", {})}
+        self.last_restore = {
+            "tier": sorted(tiers)[0] if len(tiers) == 1 else ",".join(sorted(tiers)),
+            "step": rnd.plan["step"],
+            "seconds": slowest.get("seconds", {}),
+        }
 
     def inventories(self) -> dict[str, Inventory]:
         with self.lock:
@@ -469,8 +491,10 @@ class CoordinatorCore:
                 "recoveries": list(self.recoveries),
                 "fenced": sorted(self.fenced),
                 "reprotect": self.reprotect.status(),
-                "agents": {n: dict(inv.bytes) | {"counters": dict(inv.counters), "spill": inv.spill}
-                           for n, inv in inventories.items()},
+                "agents": {
+                    n: dict(inv.bytes) | {"counters": dict(inv.counters), "spill": inv.spill}
+                    for n, inv in inventories.items()
+                },
             }
 
     def _protection(self, step: int | None, inventories: dict) -> dict:
@@ -482,8 +506,9 @@ class CoordinatorCore:
         out: dict[str, int] = {}
         for owner in record.nodes:
             margin = coverage.owner_margin(record, owner, self.membership.members, inventories, self.cfg.local_copy)
-            node = owner if owner in placement.holders else self.membership.members.get(
-                record.ranks_of(owner)[0], owner)
+            node = (
+                owner if owner in placement.holders else self.membership.members.get(record.ranks_of(owner)[0], owner)
+            )
             group = str(placement.group_of(node)) if node in placement.holders else "?"
             out[group] = min(out.get(group, margin), margin)
         return out
@@ -500,8 +525,15 @@ def spill_metadata(cfg: SnapshotConfig, step: int, run: str | None = None) -> di
             versions[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:
             versions[pkg] = None
-    return {"job": cfg.job, "run": run, "step": step, "source": "memsnap spill", "config": cfg.to_dict(),
-            "versions": versions, "time": time.time()}
+    return {
+        "job": cfg.job,
+        "run": run,
+        "step": step,
+        "source": "memsnap spill",
+        "config": cfg.to_dict(),
+        "versions": versions,
+        "time": time.time(),
+    }
 
 
 def rebuild_state(core: CoordinatorCore) -> None:
@@ -527,7 +559,7 @@ def rebuild_state(core: CoordinatorCore) -> None:
         for wire in ans["infos"]:
             info = NodeReady.from_wire(wire)
             infos.setdefault(info.step, {})[info.node] = info
-    for step in sorted(committed)[-core.cfg.keep:]:
+    for step in sorted(committed)[-core.cfg.keep :]:
         nodes = infos.get(step, {})
         record = CommitRecord(step, core.cfg.k, core.cfg.m, nodes)
         if record.complete():
@@ -536,5 +568,10 @@ def rebuild_state(core: CoordinatorCore) -> None:
     core.run = max(set(known), key=known.count) if known else core.run  # the run most agents served
     if answers:
         core.membership.maybe_place()
-        log.warning("coordinator rebuilt from %d agents: ranks %s, committed steps %s, restore generation %d",
-                    len(answers), sorted(core.membership.members), sorted(core.log.records), core.log.gen)
+        log.warning(
+            "coordinator rebuilt from %d agents: ranks %s, committed steps %s, restore generation %d",
+            len(answers),
+            sorted(core.membership.members),
+            sorted(core.log.records),
+            core.log.gen,
+        )

@@ -4,6 +4,7 @@ and how many more node losses each owner's bytes survive. Pure, no Ray.
 ``inventories`` maps a live node to what its agent reports (``records.Inventory``): its own
 ranks' arenas by step and the chunks it holds for its peers.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -27,8 +28,9 @@ def has_local(inv: Inventory | None, step: int, rank: int) -> bool:
     return inv is not None and inv.has_local(step, rank)
 
 
-def rank_tier(record: CommitRecord, rank: int, node: str, inventories: Mapping[str, Inventory],
-              local_copy: bool = True) -> str | None:
+def rank_tier(
+    record: CommitRecord, rank: int, node: str, inventories: Mapping[str, Inventory], local_copy: bool = True
+) -> str | None:
     """How ``rank`` (now on ``node``) can load ``record``: ``"local"`` (its node's arena),
     ``"copy"`` (it moved, and its old node still holds its whole copy: one read, no decode),
     ``"peer"`` (``k`` shards per stripe from the holders), or None."""
@@ -44,8 +46,9 @@ def rank_tier(record: CommitRecord, rank: int, node: str, inventories: Mapping[s
     return None
 
 
-def saved_rank_tier(record: CommitRecord, rank: int, inventories: Mapping[str, Inventory],
-                    local_copy: bool = True) -> str | None:
+def saved_rank_tier(
+    record: CommitRecord, rank: int, inventories: Mapping[str, Inventory], local_copy: bool = True
+) -> str | None:
     """How saved rank ``rank``'s bytes of ``record`` can be read by any live node (an elastic
     restore): ``"copy"`` (its owner node still holds them whole), ``"peer"`` (``k`` shards per
     stripe from the holders), or None."""
@@ -57,8 +60,9 @@ def saved_rank_tier(record: CommitRecord, rank: int, inventories: Mapping[str, I
     return "peer" if len(holders_with(record, owner, inventories)) >= record.k else None
 
 
-def elastic_tiers(record: CommitRecord, members: Mapping[int, str], inventories: Mapping[str, Inventory],
-                  local_copy: bool = True) -> dict[int, str] | None:
+def elastic_tiers(
+    record: CommitRecord, members: Mapping[int, str], inventories: Mapping[str, Inventory], local_copy: bool = True
+) -> dict[int, str] | None:
     """For a step taken by another world size: ``{saved rank: tier}`` when every saved rank
     can be read (each new rank may need a part of any of them) and every new rank's node has
     a live agent, else None."""
@@ -68,8 +72,14 @@ def elastic_tiers(record: CommitRecord, members: Mapping[int, str], inventories:
     return {r: t for r, t in tiers.items() if t is not None} if all(tiers.values()) else None
 
 
-def decide(records: Mapping[int, CommitRecord], members: Mapping[int, str], inventories: Mapping[str, Inventory],
-           durable_step: int | None, bad=frozenset(), local_copy: bool = True) -> dict:
+def decide(
+    records: Mapping[int, CommitRecord],
+    members: Mapping[int, str],
+    inventories: Mapping[str, Inventory],
+    durable_step: int | None,
+    bad=frozenset(),
+    local_copy: bool = True,
+) -> dict:
     """The plan every rank follows: ``{"step", "tier", "ranks": {rank: tier}}``: the newest
     committed step every rank can load from RAM (``local`` or ``peer``), else the newest
     spilled step for everyone (``durable``), else ``none``. ``local_copy=False`` (lean
@@ -93,13 +103,19 @@ def decide(records: Mapping[int, CommitRecord], members: Mapping[int, str], inve
     return {"step": None, "tier": "none", "ranks": {r: "none" for r in members}}
 
 
-def owner_margin(record: CommitRecord, owner: str, members: Mapping[int, str], inventories: Mapping[str, Inventory],
-                 local_copy: bool = True) -> int:
+def owner_margin(
+    record: CommitRecord,
+    owner: str,
+    members: Mapping[int, str],
+    inventories: Mapping[str, Inventory],
+    local_copy: bool = True,
+) -> int:
     """How many more node losses ``owner``'s bytes in ``record`` survive (-1: already lost).
     The owner's own copy adds one (it must die too), except in lean mode (``local_copy=False``)."""
     lost = record.k + record.m - len(holders_with(record, owner, inventories))
-    local = local_copy and all(has_local(inventories.get(members.get(r, "")), record.step, r)
-                               for r in record.ranks_of(owner))
+    local = local_copy and all(
+        has_local(inventories.get(members.get(r, "")), record.step, r) for r in record.ranks_of(owner)
+    )
     if lost > record.m:
         return 0 if local else -1
     return record.m - lost + (1 if local else 0)

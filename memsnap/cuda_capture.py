@@ -10,6 +10,7 @@ The shared-memory arena the bytes land in is page-locked once with ``cudaHostReg
 the copies are truly asynchronous DMA. Without CUDA this module imports cleanly and
 ``available()`` is False; the CPU capture path in ``capture.py`` is used instead.
 """
+
 from __future__ import annotations
 
 import logging
@@ -67,8 +68,9 @@ class SideStreamCapture:
         for opt in optimizers:
             self._hooks.append(opt.register_step_pre_hook(lambda *_: self.wait()))
 
-    def start(self, manifest: Manifest, sources: list[torch.Tensor], out: memoryview,
-              on_done: Callable[[], None]) -> None:
+    def start(
+        self, manifest: Manifest, sources: list[torch.Tensor], out: memoryview, on_done: Callable[[], None]
+    ) -> None:
         self.wait()
         base = torch.frombuffer(out, dtype=torch.uint8, count=manifest.nbytes) if manifest.nbytes else None
         self.stream.wait_stream(torch.cuda.current_stream())

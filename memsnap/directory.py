@@ -1,5 +1,6 @@
 """Finding a job's actors by name: each node's agent (handles cached) and the live nodes,
 and calling many agents at once with one deadline for all."""
+
 from __future__ import annotations
 
 import logging

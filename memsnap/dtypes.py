@@ -1,4 +1,5 @@
 """Tensor dtypes by name: the strings the manifest stores, and their element sizes."""
+
 from __future__ import annotations
 
 import torch

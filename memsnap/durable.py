@@ -12,6 +12,7 @@ them (``apply.apply_plan``); a checkpoint saved by a different number of ranks g
 the one it descends from; under ``torch.distributed`` the ranks agree on the step (and on raising)
 before anything is applied.
 """
+
 from __future__ import annotations
 
 import os
@@ -95,8 +96,9 @@ def _rank_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
         return dist.get_rank(), dist.get_world_size()
     rank, world = (0 if rank is None else rank), (1 if world_size is None else world_size)
     if world < 1 or not 0 <= rank < world:
-        raise ConfigError(f"rank={rank}, world_size={world} is not a valid rank of the job; "
-                          "need 0 <= rank < world_size")
+        raise ConfigError(
+            f"rank={rank}, world_size={world} is not a valid rank of the job; need 0 <= rank < world_size"
+        )
     return rank, world
 
 
@@ -107,8 +109,10 @@ def _barrier(world: int, barrier: Callable[[], None] | None) -> Callable[[], Non
     if dist is not None:
         return dist.barrier
     if world > 1:
-        raise ConfigError(f"saving with world_size={world} outside torch.distributed needs barrier=, "
-                          "a function that returns once every rank reached it")
+        raise ConfigError(
+            f"saving with world_size={world} outside torch.distributed needs barrier=, "
+            "a function that returns once every rank reached it"
+        )
     return lambda: None
 
 
@@ -118,14 +122,27 @@ def _check_save(state: Mapping[str, Any], step: int, weights_only: bool) -> None
     if not meta.has_optimizer(state) and not weights_only:
         raise WeightsOnlyError(
             f"state has no optimizer (keys: {sorted(state)}): resuming from it would restart the "
-            "optimizer from scratch; add the optimizer to state, or pass weights_only=True if that is meant")
+            "optimizer from scratch; add the optimizer to state, or pass weights_only=True if that is meant"
+        )
 
 
-def save(uri: str, state: Mapping[str, Any], step: int, metadata: Mapping[str, Any] | None = None, *,
-         weights_only: bool = False, milestone: bool = False, keep_last: int | None = None,
-         milestone_every: int = 0, rank: int | None = None, world_size: int | None = None,
-         barrier: Callable[[], None] | None = None, endpoint: str | None = None,
-         throttle_bps: float | None = None, progress: bool | None = None) -> None:
+def save(
+    uri: str,
+    state: Mapping[str, Any],
+    step: int,
+    metadata: Mapping[str, Any] | None = None,
+    *,
+    weights_only: bool = False,
+    milestone: bool = False,
+    keep_last: int | None = None,
+    milestone_every: int = 0,
+    rank: int | None = None,
+    world_size: int | None = None,
+    barrier: Callable[[], None] | None = None,
+    endpoint: str | None = None,
+    throttle_bps: float | None = None,
+    progress: bool | None = None,
+) -> None:
     """Write ``state`` (a dict of objects with ``state_dict()``, plus RNGs) as step ``step``.
 
     Every rank calls it; rank and world size come from ``torch.distributed`` when initialised.
@@ -143,20 +160,23 @@ def save(uri: str, state: Mapping[str, Any], step: int, metadata: Mapping[str, A
     policy = Retention(keep_last, milestone_every) if keep_last is not None else None
     store = Store.open(uri, endpoint)
     if store.descends_from(step):
-        raise ConfigError(f"step {step} is already committed under {uri} and this run continues "
-                          "from it; save under a new step (a run never overwrites the steps it "
-                          "descends from; load an earlier step first to roll back)")
+        raise ConfigError(
+            f"step {step} is already committed under {uri} and this run continues "
+            "from it; save under a new step (a run never overwrites the steps it "
+            "descends from; load an earlier step first to roll back)"
+        )
     git = _background(meta.git_commit, os.getcwd()) if rank == 0 else None  # runs during the write
     layout, sources = plan_sources(state)
     if len(layout.tensors) > validate.MAX_TENSORS:  # a load would refuse such a manifest
-        raise UnsupportedStateError(f"state has {len(layout.tensors)} tensors, more than the "
-                                    f"{validate.MAX_TENSORS} one memsnap manifest holds; save fewer, "
-                                    "larger tensors (e.g. flatten parameter groups)")
+        raise UnsupportedStateError(
+            f"state has {len(layout.tensors)} tensors, more than the "
+            f"{validate.MAX_TENSORS} one memsnap manifest holds; save fewer, "
+            "larger tensors (e.g. flatten parameter groups)"
+        )
     layout.meta.update(step=step, rank=rank, world_size=world)
     update, close = progress_bar(f"save step {step}", layout.nbytes, progress)
     try:  # one pass over the tensors' memory: both checksums and the write (see stream.py)
-        store.write_rank_stream(step, rank, TensorStream(layout, sources), throttle_bps=throttle_bps,
-                                progress=update)
+        store.write_rank_stream(step, rank, TensorStream(layout, sources), throttle_bps=throttle_bps, progress=update)
     finally:
         close()
     sync()
@@ -197,8 +217,9 @@ def _failed_elsewhere(step: int, uri: str, worst: int) -> MemsnapError:
     return cls(f"step {step} under {uri} failed to load on another rank (its log says why)")
 
 
-def read_step(store: Store, step: int, rank: int, world: int, state: Mapping[str, Any],
-              progress: bool | None = None) -> tuple[Manifest, Any, dict]:
+def read_step(
+    store: Store, step: int, rank: int, world: int, state: Mapping[str, Any], progress: bool | None = None
+) -> tuple[Manifest, Any, dict]:
     """This rank's verified manifest and bytes of ``step`` (``Store.read_rank``), in the live
     state's layout."""
     marker = store.marker(step)
@@ -219,14 +240,24 @@ def _candidates(store: Store, step: int | None) -> list[int]:
         return [step]
     steps = store.resume_order()
     if not steps:
-        raise SnapshotNotFoundError(f"no committed step under {store.uri}; nothing to load "
-                                    "(check the URI, or start fresh)")
+        raise SnapshotNotFoundError(
+            f"no committed step under {store.uri}; nothing to load (check the URI, or start fresh)"
+        )
     return steps
 
 
-def load(uri: str, state: Mapping[str, Any], step: int | None = None, *, rank: int | None = None,
-         world_size: int | None = None, strict: bool = True, rng: bool = True,
-         endpoint: str | None = None, progress: bool | None = None) -> int:
+def load(
+    uri: str,
+    state: Mapping[str, Any],
+    step: int | None = None,
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    strict: bool = True,
+    rng: bool = True,
+    endpoint: str | None = None,
+    progress: bool | None = None,
+) -> int:
     """Load step ``step`` (None: the newest intact step of the newest lineage, then the steps
     it descends from) into ``state``; return it. This process's next save continues from it."""
     rank, world = _rank_world(rank, world_size)
@@ -248,8 +279,11 @@ def load(uri: str, state: Mapping[str, Any], step: int | None = None, *, rank: i
         if worst == _FATAL or step is not None:
             raise error or _failed_elsewhere(s, uri, worst)
         last_error = error or last_error
-        warnings.warn(f"step {s} under {uri} cannot be loaded ({error or 'damaged on another rank'}); "
-                      "falling back to the previous committed step", stacklevel=2)
+        warnings.warn(
+            f"step {s} under {uri} cannot be loaded ({error or 'damaged on another rank'}); "
+            "falling back to the previous committed step",
+            stacklevel=2,
+        )
     raise SnapshotNotFoundError(f"no intact committed step under {uri}; the last error was: {last_error}")
 
 
@@ -262,5 +296,7 @@ def _has_optimizer_tree(manifest: Manifest) -> bool:
 def _warn_weights_only(marker: dict, manifest: Manifest, step: int, uri: str) -> None:
     flag = marker.get("metadata", {}).get("has_optimizer")
     if not (_has_optimizer_tree(manifest) if flag is None else flag):
-        warnings.warn(f"step {step} under {uri} holds no optimizer state (saved weights-only); "
-                      "the optimizer starts from scratch", stacklevel=3)
+        warnings.warn(
+            f"step {step} under {uri} holds no optimizer state (saved weights-only); the optimizer starts from scratch",
+            stacklevel=3,
+        )

@@ -13,6 +13,7 @@ every tensor read against the checksum its manifest records, and lays the overla
 like the live state. The result is a ``(Manifest, buffer)`` for ``apply.apply``: nothing of
 the live state is written until every byte is read and checked.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -31,7 +32,9 @@ from memsnap.records import RankSource
 from memsnap.restore import gather
 
 
-def read_plan(saved: Sequence[Manifest], live: Manifest, rank: int, order=None) -> tuple[Manifest, dict[int, list[str]]]:
+def read_plan(
+    saved: Sequence[Manifest], live: Manifest, rank: int, order=None
+) -> tuple[Manifest, dict[int, list[str]]]:
     """``(target, reads)``: rank ``rank``'s manifest in the layout of the ``live`` plan, and
     ``{saved rank: [tensor paths]}`` it reads to fill it (pure). ``order``: the saved ranks in
     the order a replicated tensor is looked for (default 0..W-1)."""
@@ -48,7 +51,9 @@ def replica_order(sources: Sequence[RankSource], rank: int) -> list[int]:
     return sorted(range(n), key=lambda r: (sources[r].copy is None, (r - rank) % n))
 
 
-def stripe_span(entries: Sequence[TensorEntry], k: int, chunk: int, nbytes: int) -> tuple[list[int], list[tuple[int, int]]]:
+def stripe_span(
+    entries: Sequence[TensorEntry], k: int, chunk: int, nbytes: int
+) -> tuple[list[int], list[tuple[int, int]]]:
     """``(stripes, ranges)``: the stripes of a region of ``nbytes`` (``k`` data shards of
     ``chunk`` bytes a stripe) that hold the bytes of ``entries``, and those stripes as merged
     ``[start, stop)`` byte ranges of the region (pure)."""
@@ -72,8 +77,10 @@ def fetch(peers, source: RankSource, saved: Manifest, paths: Sequence[str]) -> t
     lie in) and checked against their recorded checksums: ``({path: tensor}, gather's stats)``."""
     entries = [_entry(saved, p) for p in paths]
     if saved.nbytes > source.nbytes:
-        raise FormatError(f"saved rank {source.rank}'s manifest describes {saved.nbytes} bytes but step "
-                          f"{source.step} holds {source.nbytes}; the manifest or the plan is damaged")
+        raise FormatError(
+            f"saved rank {source.rank}'s manifest describes {saved.nbytes} bytes but step "
+            f"{source.step} holds {source.nbytes}; the manifest or the plan is damaged"
+        )
     bufs = {e.path: torch.empty(e.nbytes, dtype=torch.uint8) for e in entries}
     stripes, ranges = stripe_span(entries, source.k, source.chunk, source.nbytes)
     landing = Spans([(e.offset, bufs[e.path].numpy()) for e in entries], source.nbytes, within=ranges)
@@ -82,12 +89,16 @@ def fetch(peers, source: RankSource, saved: Manifest, paths: Sequence[str]) -> t
     for e in entries:
         raw = bufs[e.path]
         if e.checksum is None:
-            raise ChecksumError(f"saved rank {source.rank}'s tensor {e.path!r} of step {source.step} has no "
-                                "recorded checksum; it cannot be verified (load the step from durable storage)")
+            raise ChecksumError(
+                f"saved rank {source.rank}'s tensor {e.path!r} of step {source.step} has no "
+                "recorded checksum; it cannot be verified (load the step from durable storage)"
+            )
         got = checksum(raw.numpy())
         if got != e.checksum:
-            raise ChecksumError(f"saved rank {source.rank}'s tensor {e.path!r} of step {source.step} hashes to "
-                                f"{got} but its manifest records {e.checksum}; the RAM copy is damaged")
+            raise ChecksumError(
+                f"saved rank {source.rank}'s tensor {e.path!r} of step {source.step} hashes to "
+                f"{got} but its manifest records {e.checksum}; the RAM copy is damaged"
+            )
         out[e.path] = raw.view(dtype_of(e.dtype)).view(e.shape)
     return out, stats
 
@@ -110,14 +121,16 @@ class _Fetched:
         return self.tensors[(rank, e.alias_of or path)]
 
 
-def assemble(peers, sources: Sequence[RankSource], manifests: Sequence[str | bytes], live: Manifest,
-             rank: int, threads: int = 4) -> tuple[Manifest, Any, dict]:
+def assemble(
+    peers, sources: Sequence[RankSource], manifests: Sequence[str | bytes], live: Manifest, rank: int, threads: int = 4
+) -> tuple[Manifest, Any, dict]:
     """Rank ``rank``'s manifest and buffer of a step saved by ``len(sources)`` ranks, in the
     layout of the ``live`` plan, read from RAM: ``(manifest, buffer, stats)``. ``sources`` and
     ``manifests`` are in saved rank order. ``peers`` has ``transport`` and ``codec``."""
     if len(sources) != len(manifests) or [s.rank for s in sources] != list(range(len(sources))):
-        raise FormatError(f"an elastic plan must name saved ranks 0..{len(manifests) - 1} in order, got "
-                          f"{[s.rank for s in sources]}")
+        raise FormatError(
+            f"an elastic plan must name saved ranks 0..{len(manifests) - 1} in order, got {[s.rank for s in sources]}"
+        )
     saved = [Manifest.from_json(m, f"saved rank {r}'s manifest") for r, m in enumerate(manifests)]
     order = replica_order(sources, rank)
     target, reads = read_plan(saved, live, rank, order)

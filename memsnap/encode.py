@@ -6,6 +6,7 @@ rank's bytes can be rebuilt alone. Stripe ``s`` of a region has ``k`` data shard
 straight into the arena; the last stripe's are zero-padded copies) and ``m`` parity shards,
 computed a batch of stripes at a time into a small scratch buffer (``ParityBatch``).
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
@@ -44,7 +45,7 @@ def shard_of(region: Region, data: memoryview, stripe: int, j: int) -> memoryvie
     if b - a == region.chunk:
         return data[a:b]
     out = bytearray(region.chunk)
-    out[:b - a] = data[a:b]
+    out[: b - a] = data[a:b]
     return memoryview(out)
 
 
@@ -72,7 +73,7 @@ class Encoded:
         if self._tail is not None:
             for j in range(k):
                 a, b = self.lay.data_range(last, j)
-                self._tail[j * chunk:j * chunk + b - a] = data[a:b]
+                self._tail[j * chunk : j * chunk + b - a] = data[a:b]
 
     def shard(self, stripe: int, j: int) -> memoryview:
         """Data shard ``j < k`` of ``stripe``: ``chunk`` bytes."""
@@ -80,9 +81,9 @@ class Encoded:
         if not 0 <= j < k:
             raise IndexError(f"shard {j}: a region holds data shards 0..{k - 1}; parity is in a ParityBatch")
         if self._tail is not None and stripe == self.lay.stripes - 1:
-            return memoryview(self._tail)[j * chunk:(j + 1) * chunk]
+            return memoryview(self._tail)[j * chunk : (j + 1) * chunk]
         a = (stripe * k + j) * chunk
-        return self._data[a:a + chunk]
+        return self._data[a : a + chunk]
 
     def items(self, step: int, owner: str, j: int) -> list[tuple[ChunkKey, memoryview]]:
         """Every stripe's data shard ``j`` with its key, ready to push to holder ``j``."""
@@ -105,23 +106,24 @@ class ParityBatch:
     def shard(self, i: int, p: int) -> memoryview:
         """Parity shard ``p`` (0-based) of the batch's ``i``-th stripe."""
         off = (i * self.m + p) * self.chunk
-        return self.buf[off:off + self.chunk]
+        return self.buf[off : off + self.chunk]
 
     def encode(self, codec) -> None:
         for i, (enc, s) in enumerate(self.members):
-            codec.encode_into([enc.shard(s, j) for j in range(enc.region.k)],
-                              [self.shard(i, p) for p in range(self.m)])
+            codec.encode_into([enc.shard(s, j) for j in range(enc.region.k)], [self.shard(i, p) for p in range(self.m)])
 
     def items(self, step: int, owner: str, j: int) -> list[tuple[ChunkKey, memoryview]]:
         """Shard ``j >= k`` (parity ``j - k``) of every stripe of the batch, keyed."""
-        return [(ChunkKey(step, owner, enc.region.stripe_base + s, j), self.shard(i, j - enc.region.k))
-                for i, (enc, s) in enumerate(self.members)]
+        return [
+            (ChunkKey(step, owner, enc.region.stripe_base + s, j), self.shard(i, j - enc.region.k))
+            for i, (enc, s) in enumerate(self.members)
+        ]
 
 
 def batches(encs: Sequence[Encoded], per_batch: int) -> list[list[tuple[Encoded, int]]]:
     """Every stripe of ``encs`` in order, cut into runs of at most ``per_batch``."""
     flat = [(enc, s) for enc in encs for s in range(enc.lay.stripes)]
-    return [flat[i:i + per_batch] for i in range(0, len(flat), max(1, per_batch))]
+    return [flat[i : i + per_batch] for i in range(0, len(flat), max(1, per_batch))]
 
 
 def reconstruct_data(codec, shards: list, k: int) -> list:
@@ -131,8 +133,7 @@ def reconstruct_data(codec, shards: list, k: int) -> list:
     return list(codec.reconstruct_data(shards))[:k]
 
 
-def write_stripe(out, lay: StripeLayout, stripe: int, data: Sequence,
-                 in_place: frozenset[int] = frozenset()) -> None:
+def write_stripe(out, lay: StripeLayout, stripe: int, data: Sequence, in_place: frozenset[int] = frozenset()) -> None:
     """Copy a stripe's data shards into ``out`` (the region's bytes, a memoryview or a
     ``landing.Flat``/``Spans``), clipped at the end.
 
@@ -141,7 +142,7 @@ def write_stripe(out, lay: StripeLayout, stripe: int, data: Sequence,
     for j, shard in enumerate(data):
         a, b = lay.data_range(stripe, j)
         if b > a and j not in in_place:
-            src = memoryview(shard).cast("B")[:b - a]
+            src = memoryview(shard).cast("B")[: b - a]
             if isinstance(out, memoryview):
                 out[a:b] = src
             else:

@@ -42,6 +42,7 @@ Failure rates: the Llama 3 report (Dubey et al., "The Llama 3 Herd of Models", 2
 3.3.4) counts 419 unexpected interruptions in 54 days of pre-training on 16,384 H100 GPUs
 (2,048 nodes of 8): a job MTBF of 3.1 h, about 6,300 h per node (``LLAMA3_NODE_MTBF_H``).
 """
+
 from __future__ import annotations
 
 import math
@@ -58,8 +59,7 @@ def young_daly(cost_s: float, mtbf_s: float) -> float:
     return math.sqrt(2.0 * cost_s * mtbf_s)
 
 
-def periodic_goodput(period_s: float, stall_s: float, mtbf_s: float, recovery_s: float,
-                     lag_s: float = 0.0) -> float:
+def periodic_goodput(period_s: float, stall_s: float, mtbf_s: float, recovery_s: float, lag_s: float = 0.0) -> float:
     """``tau / (tau + C) * max(0, 1 - (R + (tau + C) / 2 + lag) / M)`` (module docstring)."""
     cycle = period_s + stall_s
     return period_s / cycle * max(0.0, 1.0 - (recovery_s + cycle / 2.0 + lag_s) / mtbf_s)
@@ -71,8 +71,17 @@ def lost_steps_per_failure(every_steps: int, lag_s: float, step_s: float) -> flo
     return (every_steps - 1) / 2.0 + lag_s / step_s
 
 
-def run_goodput(*, fault_times_s: list[float], horizon_s: float, step_s: float, every_steps: int,
-                lag_s: float, detect_s: float, restart_s: float, restore_s: float) -> float:
+def run_goodput(
+    *,
+    fault_times_s: list[float],
+    horizon_s: float,
+    step_s: float,
+    every_steps: int,
+    lag_s: float,
+    detect_s: float,
+    restart_s: float,
+    restore_s: float,
+) -> float:
     """Goodput of a finite run against the same system's failure-free run: failures at
     ``fault_times_s`` (seconds into a run of ``horizon_s``), each costing the recovery, the lost
     steps and (on average) half a step in progress, but never more than the time the run had
@@ -88,17 +97,17 @@ class Measured:
     nodes; bench/results/goodput.md). The defaults are round illustrative values, not a
     measurement: pass the ones of your own cluster."""
 
-    stall_s_per_gib: float = 0.5          # memsnap capture stall per GiB of one GPU's state
-    agent_cpu_s_per_gib: float = 1.5      # agent core-seconds per GiB snapshotted
-    peer_restore_gibps: float = 1.0       # one lost node's state read from its peers
-    storage_restore_gibps: float = 1.0    # one node's read from storage (before sharing)
+    stall_s_per_gib: float = 0.5  # memsnap capture stall per GiB of one GPU's state
+    agent_cpu_s_per_gib: float = 1.5  # agent core-seconds per GiB snapshotted
+    peer_restore_gibps: float = 1.0  # one lost node's state read from its peers
+    storage_restore_gibps: float = 1.0  # one node's read from storage (before sharing)
     detect_s: float = 3.0
     restart_s: float = 60.0
     # in place (bench/inplace.py measures them on loopback nodes; bench/results/inplace.md)
-    inplace_detect_s: float = 1.0         # a loss -> memsnap's own verdict (failed collective, heartbeat)
-    reform_s: float = 0.05                # the surviving ranks and the standby form the new group
-    local_restore_gibps: float = 2.0      # a survivor rolls back from its own node's RAM
-    standby_warm_s: float = 30.0          # a used standby replaced: start, the user's setup, warm
+    inplace_detect_s: float = 1.0  # a loss -> memsnap's own verdict (failed collective, heartbeat)
+    reform_s: float = 0.05  # the surviving ranks and the standby form the new group
+    local_restore_gibps: float = 2.0  # a survivor rolls back from its own node's RAM
+    standby_warm_s: float = 30.0  # a used standby replaced: start, the user's setup, warm
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
@@ -113,31 +122,36 @@ class Cluster:
     gpus_per_node: int = 8
     state_gib_per_gpu: float = 10.0
     node_mtbf_h: float = LLAMA3_NODE_MTBF_H
-    storage_gibps: float = 100.0          # shared by every node
-    node_storage_gibps: float = 2.0       # one node's own link to storage
-    nic_gibps: float = 10.0               # one node's network for snapshots
-    agent_cores: float = 4.0              # host cores one node gives its memsnap agent
+    storage_gibps: float = 100.0  # shared by every node
+    node_storage_gibps: float = 2.0  # one node's own link to storage
+    nic_gibps: float = 10.0  # one node's network for snapshots
+    agent_cores: float = 4.0  # host cores one node gives its memsnap agent
     host_ram_gib: float = 2048.0
     step_s: float = 10.0
     k: int = 2
     m: int = 1
     keep: int = 2
-    spill_every_s: float = 3600.0         # memsnap's durable spill
-    spares: int = 1                       # warm standby nodes of the in-place job
+    spill_every_s: float = 3600.0  # memsnap's durable spill
+    spares: int = 1  # warm standby nodes of the in-place job
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
             if name != "spares":
                 _positive(name, value)
         if not isinstance(self.spares, int) or isinstance(self.spares, bool) or self.spares < 0:
-            raise ConfigError(f"spares={self.spares!r} is not an int >= 0; give how many warm standby nodes "
-                              "the in-place job keeps (0: every failure restarts the job)")
+            raise ConfigError(
+                f"spares={self.spares!r} is not an int >= 0; give how many warm standby nodes "
+                "the in-place job keeps (0: every failure restarts the job)"
+            )
         if self.gpus % self.gpus_per_node:
-            raise ConfigError(f"gpus={self.gpus} is not a multiple of gpus_per_node={self.gpus_per_node}; "
-                              "give whole nodes")
+            raise ConfigError(
+                f"gpus={self.gpus} is not a multiple of gpus_per_node={self.gpus_per_node}; give whole nodes"
+            )
         if self.nodes < self.k + self.m + 1:
-            raise ConfigError(f"gpus={self.gpus} make {self.nodes} nodes, too few for k={self.k} m={self.m} "
-                              f"(needs {self.k + self.m + 1})")
+            raise ConfigError(
+                f"gpus={self.gpus} make {self.nodes} nodes, too few for k={self.k} m={self.m} "
+                f"(needs {self.k + self.m + 1})"
+            )
 
     @property
     def nodes(self) -> int:
@@ -186,10 +200,15 @@ def memsnap(c: Cluster, x: Measured) -> Projection:
     period = _period(stall, c.mtbf_s, max(stall, lag), c.step_s)
     recovery = x.detect_s + x.restart_s + s / x.peer_restore_gibps
     ram = agent_ram(s, c.k, c.m, c.keep)
-    use = {"agent CPU": cpu_s / period, "NIC": net_s / period, "host RAM": ram / c.host_ram_gib,
-           "storage (spill)": s * c.nodes / c.spill_every_s / c.storage_gibps}
-    return Projection("memsnap", period, stall, recovery, lag,
-                      periodic_goodput(period, stall, c.mtbf_s, recovery, lag), use)
+    use = {
+        "agent CPU": cpu_s / period,
+        "NIC": net_s / period,
+        "host RAM": ram / c.host_ram_gib,
+        "storage (spill)": s * c.nodes / c.spill_every_s / c.storage_gibps,
+    }
+    return Projection(
+        "memsnap", period, stall, recovery, lag, periodic_goodput(period, stall, c.mtbf_s, recovery, lag), use
+    )
 
 
 def inplace_recovery(c: Cluster, x: Measured) -> tuple[float, float, float]:
@@ -223,10 +242,16 @@ def disk(c: Cluster, x: Measured, *, asynchronous: bool = False) -> Projection:
     else:
         stall, lag = write_s, 0.0
         period = _period(stall, c.mtbf_s, 0.0, c.step_s)
-    use = {"storage bandwidth": write_s / (period + stall),
-           "checkpoint cost vs MTBF": stall / (c.mtbf_s / 2.0)}
-    return Projection("disk (async)" if asynchronous else "disk (sync)", period, stall, recovery, lag,
-                      periodic_goodput(period, stall, c.mtbf_s, recovery, lag), use)
+    use = {"storage bandwidth": write_s / (period + stall), "checkpoint cost vs MTBF": stall / (c.mtbf_s / 2.0)}
+    return Projection(
+        "disk (async)" if asynchronous else "disk (sync)",
+        period,
+        stall,
+        recovery,
+        lag,
+        periodic_goodput(period, stall, c.mtbf_s, recovery, lag),
+        use,
+    )
 
 
 def project(c: Cluster, x: Measured) -> list[Projection]:

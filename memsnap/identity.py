@@ -8,6 +8,7 @@ coordinator at the job's first registration and handed to every rank. A rank's *
 token* (pid and start time) lets the node's agent tell whether the process that holds a rank
 still runs: a rank of another run may only take over a rank whose holder is gone.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -45,8 +46,10 @@ def check_run(run) -> str | None:
     if run is None:
         return None
     if not isinstance(run, str) or not _RUN_RE.fullmatch(run):
-        raise ConfigError(f"run={run!r}: use 1-128 characters of letters, digits, '_', '.', ':', '-' "
-                          "(the same on every rank and every restart of one run)")
+        raise ConfigError(
+            f"run={run!r}: use 1-128 characters of letters, digits, '_', '.', ':', '-' "
+            "(the same on every rank and every restart of one run)"
+        )
     return run
 
 

@@ -7,6 +7,7 @@ between them: a shard that covers several tensors becomes a ``Scatter`` of their
 the socket reads straight into them. Both answer ``view(a, b)`` (a fetch destination for
 bytes ``[a, b)``) and ``write(a, src)`` (for a stripe rebuilt from parity). No torch here.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -27,7 +28,7 @@ class Flat:
 
     def write(self, a: int, src) -> None:
         src = byte_view(src)
-        self.mv[a:a + len(src)] = src
+        self.mv[a : a + len(src)] = src
 
 
 class Spans:
@@ -39,10 +40,10 @@ class Spans:
     partial read), scratch covers only the gaps inside them: the skipped bytes cost nothing.
     """
 
-    def __init__(self, pieces: Sequence[tuple[int, object]], nbytes: int,
-                 within: Sequence[tuple[int, int]] | None = None):
-        views = sorted(((off, byte_view(buf)) for off, buf in pieces if len(byte_view(buf))),
-                       key=lambda p: p[0])
+    def __init__(
+        self, pieces: Sequence[tuple[int, object]], nbytes: int, within: Sequence[tuple[int, int]] | None = None
+    ):
+        views = sorted(((off, byte_view(buf)) for off, buf in pieces if len(byte_view(buf))), key=lambda p: p[0])
         self.starts: list[int] = []
         self.views: list[memoryview] = []
         self._within = sorted(within) if within is not None else [(0, nbytes)]

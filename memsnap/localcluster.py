@@ -4,6 +4,7 @@ Used by the tests, the benchmarks and ``memsnap demo``. Every node gets a ``mems
 custom resource so work can be pinned to it, a small object store, and fast health checks so
 that a killed node is noticed in a few seconds instead of a minute.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -139,10 +140,17 @@ class LocalCluster:
     Use as a context manager; ``close()`` always tears every process down.
     """
 
-    def __init__(self, nodes: int = 4, *, cpus_per_node: float = 1,
-                 object_store_mb: int = 128, connect: bool = True,
-                 system_config: dict | None = None, labels: dict[int, dict] | None = None,
-                 tries: int = START_TRIES):
+    def __init__(
+        self,
+        nodes: int = 4,
+        *,
+        cpus_per_node: float = 1,
+        object_store_mb: int = 128,
+        connect: bool = True,
+        system_config: dict | None = None,
+        labels: dict[int, dict] | None = None,
+        tries: int = START_TRIES,
+    ):
         loopback_env()
         if nodes < 1:
             raise ValueError(f"nodes={nodes}: a cluster needs at least 1 node")
@@ -165,8 +173,13 @@ class LocalCluster:
                 if attempt == tries or not _worth_retrying(exc):
                     self._starter.close()
                     raise
-                _log.warning("the %d-node loopback cluster did not start (try %d of %d: %s); trying again",
-                             nodes, attempt, tries, exc)
+                _log.warning(
+                    "the %d-node loopback cluster did not start (try %d of %d: %s); trying again",
+                    nodes,
+                    attempt,
+                    tries,
+                    exc,
+                )
 
     def _start(self, nodes: int, cfg: dict, connect: bool) -> None:
         import ray
@@ -181,8 +194,9 @@ class LocalCluster:
             self.add_node(tries=1)
         self.cluster.wait_for_nodes()
         if connect:
-            ray.init(address=self.cluster.address, namespace="memsnap",
-                     log_to_driver=False, logging_level=logging.WARNING)
+            ray.init(
+                address=self.cluster.address, namespace="memsnap", log_to_driver=False, logging_level=logging.WARNING
+            )
 
     @property
     def address(self) -> str:
@@ -194,8 +208,12 @@ class LocalCluster:
         for attempt in range(1, tries + 1):
             i = self._next
             self._next += 1
-            args = dict(num_cpus=self._cpus, object_store_memory=self._store,
-                        node_ip_address=LOOPBACK, resources={f"memsnap_node_{i}": 1})
+            args = dict(
+                num_cpus=self._cpus,
+                object_store_memory=self._store,
+                node_ip_address=LOOPBACK,
+                resources={f"memsnap_node_{i}": 1},
+            )
             if i in self._labels:
                 args["labels"] = self._labels[i]
             args.update(kwargs)
@@ -206,8 +224,9 @@ class LocalCluster:
                 _kill_new(before)
                 if attempt == tries or not _worth_retrying(exc):
                     raise
-                _log.warning("node memsnap_node_%d did not start (try %d of %d: %s); trying again",
-                             i, attempt, tries, exc)
+                _log.warning(
+                    "node memsnap_node_%d did not start (try %d of %d: %s); trying again", i, attempt, tries, exc
+                )
                 continue
             self.nodes.append(node)
             self._index[node.node_id] = i

@@ -6,6 +6,7 @@ place in the global tensor) and keeps the non-tensor leaves of the state inline 
 Everything downstream of capture (codec, transport, agent store, spill) sees only these two
 things. Nothing here is pickled: ``to_json``/``from_json`` are the only serialisation.
 """
+
 from __future__ import annotations
 
 import json
@@ -116,8 +117,9 @@ class Manifest:
         return man
 
     def with_checksums(self, checksums: list[str | None]) -> Manifest:
-        return replace(self, tensors=[replace(t, checksum=c) for t, c in zip(self.tensors, checksums)],
-                       tensors_json=None)
+        return replace(
+            self, tensors=[replace(t, checksum=c) for t, c in zip(self.tensors, checksums)], tensors_json=None
+        )
 
     def entry(self, path: str) -> TensorEntry:
         """The (first) entry named ``path``, KeyError if none: a dict lookup, the index built

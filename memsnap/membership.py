@@ -14,6 +14,7 @@ holder of another run that still runs is a *rival*, and the newcomer is refused
 (``rivals``, ``refusal``). A newcomer with another world size (an elastic restart) must find
 every holder gone or of its own run.
 """
+
 from __future__ import annotations
 
 import logging
@@ -48,8 +49,9 @@ def rivals(holders: dict[int, Holder], claims: dict[int, Claim], every: bool = F
     out: dict[int, dict[int, Holder]] = {}
     for rank, claim in claims.items():
         held = holders.items() if every else [(rank, holders[rank])] if rank in holders else []
-        theirs = {r: h for r, h in held if not (h.run == claim.run if claim.run is not None
-                                                else h.process == claim.process)}
+        theirs = {
+            r: h for r, h in held if not (h.run == claim.run if claim.run is not None else h.process == claim.process)
+        }
         if theirs:
             out[rank] = theirs
     return out
@@ -58,19 +60,22 @@ def rivals(holders: dict[int, Holder], claims: dict[int, Claim], every: bool = F
 def refusal(job: str, rank: int, claim: Claim, holder_rank: int, holder: Holder) -> str:
     """The one-line reason a newcomer is refused: both runs, and the fixes."""
     mine = f"run {claim.run!r}" if claim.run is not None else "a process with no run id"
-    return (f"job {job!r}: rank {rank} of {mine} cannot register: rank {holder_rank} is held by run "
-            f"{holder.run!r}, still running (process {holder.process} on node {holder.node[:12]}), and two runs "
-            f"with one job name would share their snapshots. Give this run its own job name, or pass the "
-            f"same run id (run={holder.run!r} or MEMSNAP_RUN_ID) if it is a restart of that run, "
-            f"or stop the old run first (memsnap.shutdown({job!r}))")
+    return (
+        f"job {job!r}: rank {rank} of {mine} cannot register: rank {holder_rank} is held by run "
+        f"{holder.run!r}, still running (process {holder.process} on node {holder.node[:12]}), and two runs "
+        f"with one job name would share their snapshots. Give this run its own job name, or pass the "
+        f"same run id (run={holder.run!r} or MEMSNAP_RUN_ID) if it is a restart of that run, "
+        f"or stop the old run first (memsnap.shutdown({job!r}))"
+    )
 
 
 class Membership:
     """``alive()``: the live Ray node ids; ``find_spares(busy)``: ``{node: address}`` of the
     job's agents on live nodes outside ``busy``."""
 
-    def __init__(self, cfg: SnapshotConfig, world: int, alive: Callable[[], set[str]],
-                 find_spares: Callable[[set[str]], dict]):
+    def __init__(
+        self, cfg: SnapshotConfig, world: int, alive: Callable[[], set[str]], find_spares: Callable[[set[str]], dict]
+    ):
         self.cfg, self.world = cfg, world
         self.alive, self.find_spares = alive, find_spares
         self.members: dict[int, str] = {}
@@ -123,8 +128,13 @@ class Membership:
         node added to the cluster): the job is placed anew with it, so that a rank it takes over
         later joins a placed node (not only in a dead node's slot) and pieces can go to it now.
         True when the placement changed."""
-        if not self.peered or self.placement is None or node in self.placement.holders or node in self.by_node() \
-                or node not in self.alive():
+        if (
+            not self.peered
+            or self.placement is None
+            or node in self.placement.holders
+            or node in self.by_node()
+            or node not in self.alive()
+        ):
             return False
         self.addrs[node] = address
         epoch = self.epoch
@@ -139,16 +149,22 @@ class Membership:
         nodes = [NodeInfo(n) for n in sorted(busy | (set(self.addrs) & self.alive()))]
         need = self.cfg.k + self.cfg.m + 1
         if self.cfg.peers is False or (self.cfg.peers is None and len(nodes) < need):
-            self._place_locally(nodes, "peers=False" if self.cfg.peers is False else
-                                f"the job runs on {len(nodes)} node(s) and erasure-coded protection needs "
-                                f"k+m+1={need} (k={self.cfg.k}, m={self.cfg.m})")
+            self._place_locally(
+                nodes,
+                "peers=False"
+                if self.cfg.peers is False
+                else f"the job runs on {len(nodes)} node(s) and erasure-coded protection needs "
+                f"k+m+1={need} (k={self.cfg.k}, m={self.cfg.m})",
+            )
             return
         try:
             self.placement = place(nodes, self.cfg.k, self.cfg.m, self.cfg.group_size)
         except ValueError as exc:
-            self.place_error = (f"{exc} (peers=True; ranks run on {len(busy)} node(s), spares "
-                                f"{len(nodes) - len(busy)}): add nodes or spare agents (memsnap.start_spare), "
-                                "lower k/m, or leave peers unset to run on local RAM + spill")
+            self.place_error = (
+                f"{exc} (peers=True; ranks run on {len(busy)} node(s), spares "
+                f"{len(nodes) - len(busy)}): add nodes or spare agents (memsnap.start_spare), "
+                "lower k/m, or leave peers unset to run on local RAM + spill"
+            )
             log.warning("not placing: %s", self.place_error)
             return
         self.place_error, self.peered, self.no_peers_why = None, True, None
@@ -167,15 +183,20 @@ class Membership:
         epoch = self.epoch
         self.maybe_place()
         if self.epoch != epoch:
-            log.warning("spare node(s) %s lost: the job's nodes are placed anew without them",
-                        [n[:12] for n in sorted(lost)])
+            log.warning(
+                "spare node(s) %s lost: the job's nodes are placed anew without them", [n[:12] for n in sorted(lost)]
+            )
         return self.epoch != epoch
 
     def _place_locally(self, nodes: list[NodeInfo], why: str) -> None:
         if why != self.no_peers_why:
-            log.warning("memsnap job %r: no peer protection (%s): snapshots live in each node's RAM (a crashed "
-                        "process restores from there) and in the spill (a lost node)%s", self.cfg.job, why,
-                        "" if self.cfg.spill else "; set spill= to survive a node loss")
+            log.warning(
+                "memsnap job %r: no peer protection (%s): snapshots live in each node's RAM (a crashed "
+                "process restores from there) and in the spill (a lost node)%s",
+                self.cfg.job,
+                why,
+                "" if self.cfg.spill else "; set spill= to survive a node loss",
+            )
         self.no_peers_why, self.peered = why, False
         self.placement = place_local(nodes, self.cfg.k, self.cfg.m)
         self.epoch += 1
@@ -187,8 +208,10 @@ class Membership:
         dead = sorted(set(self.placement.holders) - self.alive())
         lost = old if old in dead else (dead[0] if dead else None)
         if lost is None:
-            raise CommitError(f"node {node[:12]} joined but no placed node was lost; "
-                              "start the job with every node, or restart it to re-place")
+            raise CommitError(
+                f"node {node[:12]} joined but no placed node was lost; "
+                "start the job with every node, or restart it to re-place"
+            )
         self.placement = replace_node(self.placement, lost, NodeInfo(node))
         self.epoch += 1
         log.warning("node %s replaces lost node %s", node[:12], lost[:12])
@@ -201,9 +224,14 @@ class Membership:
         its holders (the layout it sends by, cached until ``epoch`` changes)."""
         if self.placement is None:
             raise CommitError(self.place_error or "not placed yet")
-        return {"ranks": list(self.by_node().get(node, [])), "peers": self.peered,
-                "why": self.no_peers_why, "epoch": self.epoch, "world": self.world,
-                "layout": self.layout(node) if node in self.placement.holders else None}
+        return {
+            "ranks": list(self.by_node().get(node, [])),
+            "peers": self.peered,
+            "why": self.no_peers_why,
+            "epoch": self.epoch,
+            "world": self.world,
+            "layout": self.layout(node) if node in self.placement.holders else None,
+        }
 
     def layout(self, node: str) -> dict:
         """``node``'s ``k+m`` holders and their addresses (none without peers)."""

@@ -1,4 +1,5 @@
 """The metadata every durable step records by itself: step, time, versions, code, host, world."""
+
 from __future__ import annotations
 
 import json
@@ -20,6 +21,7 @@ ARGV_ENV = "MEMSNAP_RECORD_ARGV"  # "redact" (default), "raw", or "off"
 
 def git_commit(cwd: str) -> dict[str, Any] | None:
     """The commit checked out in ``cwd`` (and whether the tree is dirty), or None outside git."""
+
     def git(*args: str) -> str:
         out = subprocess.run(["git", "-C", cwd, *args], capture_output=True, text=True, timeout=5)
         if out.returncode:
@@ -38,16 +40,19 @@ def versions() -> dict[str, str]:
 
     import memsnap
 
-    return {"memsnap": memsnap.__version__, "torch": torch.__version__, "pyarrow": pyarrow.__version__,
-            "python": platform.python_version()}
+    return {
+        "memsnap": memsnap.__version__,
+        "torch": torch.__version__,
+        "pyarrow": pyarrow.__version__,
+        "python": platform.python_version(),
+    }
 
 
 def has_optimizer(state: Mapping[str, Any]) -> bool:
     """Whether ``state`` holds optimizer state (a ``torch.optim.Optimizer`` or an ``optim*`` key)."""
     import torch
 
-    return any(isinstance(v, torch.optim.Optimizer) or k.lower().startswith("optim")
-               for k, v in state.items())
+    return any(isinstance(v, torch.optim.Optimizer) or k.lower().startswith("optim") for k, v in state.items())
 
 
 def check_user(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -59,8 +64,10 @@ def check_user(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
     try:
         return json.loads(json.dumps(dict(metadata), allow_nan=False))
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"metadata must be JSON-serialisable (numbers, strings, lists, dicts): {exc}; "
-                          "convert tensors with .item() / .tolist()") from None
+        raise ConfigError(
+            f"metadata must be JSON-serialisable (numbers, strings, lists, dicts): {exc}; "
+            "convert tensors with .item() / .tolist()"
+        ) from None
 
 
 def _secret(name: str) -> bool:
@@ -95,9 +102,15 @@ def record_argv(argv: Sequence[str] | None = None) -> list[str] | None:
     return None if mode == "off" else argv if mode == "raw" else redact_argv(argv)
 
 
-def collect(step: int, world_size: int, state: Mapping[str, Any],
-            user: Mapping[str, Any] | None = None, milestone: bool = False, *,
-            git: bool = True) -> dict[str, Any]:
+def collect(
+    step: int,
+    world_size: int,
+    state: Mapping[str, Any],
+    user: Mapping[str, Any] | None = None,
+    milestone: bool = False,
+    *,
+    git: bool = True,
+) -> dict[str, Any]:
     """Everything recorded about one step besides its tensors (``git=False``: leave ``"git"``
     None, for a caller that runs ``git_commit`` itself, e.g. alongside the data write)."""
     now = time.time()

@@ -5,6 +5,7 @@ prefix, so the Ray dashboard and Grafana show them with no extra setup. Recordin
 raises: outside a Ray process, or when Ray's metrics are unavailable, every helper is a no-op
 (logged once).
 """
+
 from __future__ import annotations
 
 import logging
@@ -21,32 +22,58 @@ TIERS = ("local", "peer", "durable")
 DEFINITIONS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "memsnap_committed_step": ("gauge", ("job",), "Newest committed snapshot step of the job"),
     "memsnap_training_step": ("gauge", ("job", "node"), "Newest step a rank on this node called save() with"),
-    "memsnap_commit_lag_steps": ("gauge", ("job", "node"),
-                                 "Steps the newest committed step trails the newest snapshot this node began"),
+    "memsnap_commit_lag_steps": (
+        "gauge",
+        ("job", "node"),
+        "Steps the newest committed step trails the newest snapshot this node began",
+    ),
     "memsnap_durable_step": ("gauge", ("job",), "Newest step written to durable storage (-1: none)"),
-    "memsnap_protection_level": ("gauge", ("job", "group"),
-                                 "Further node losses a group's newest committed step survives from RAM"),
-    "memsnap_bytes": ("gauge", ("job", "node", "tier"),
-                      ("Snapshot bytes per tier: local (own committed copy), peer (chunks held for peers "
-                       "and parity), durable (bytes this node spilled so far)")),
+    "memsnap_protection_level": (
+        "gauge",
+        ("job", "group"),
+        "Further node losses a group's newest committed step survives from RAM",
+    ),
+    "memsnap_bytes": (
+        "gauge",
+        ("job", "node", "tier"),
+        (
+            "Snapshot bytes per tier: local (own committed copy), peer (chunks held for peers "
+            "and parity), durable (bytes this node spilled so far)"
+        ),
+    ),
     "memsnap_memory_used_bytes": ("gauge", ("job", "node"), "Bytes charged against the node's memory_budget"),
     "memsnap_memory_budget_bytes": ("gauge", ("job", "node"), "The node's memory_budget"),
     "memsnap_capture_seconds": ("histogram", ("job", "node"), "save(): capturing a rank's state into the arena"),
     "memsnap_send_seconds": ("histogram", ("job", "node"), "Checksums, parity and pushes of one node's snapshot"),
-    "memsnap_commit_seconds": ("histogram", ("job", "node"),
-                               "From a node's last capture of a step to its commit notice"),
+    "memsnap_commit_seconds": (
+        "histogram",
+        ("job", "node"),
+        "From a node's last capture of a step to its commit notice",
+    ),
     "memsnap_spill_seconds": ("histogram", ("job", "node"), "Writing a node's ranks of a step to durable storage"),
     "memsnap_restore_seconds": ("histogram", ("job", "node", "tier"), "One rank's restore, by the tier that served"),
     "memsnap_snapshots_failed": ("counter", ("job", "node"), "Snapshot steps that failed (by the node that failed)"),
-    "memsnap_snapshots_skipped": ("counter", ("job", "node"),
-                                  "Snapshot steps skipped or replaced because the pipeline was busy"),
-    "memsnap_recovery_seconds": ("histogram", ("job", "phase"),
-                                 ("One in-place recovery by phase: detect (first sign -> decision), reform, "
-                                  "restore, first_step, total (first sign -> every rank's first step)")),
+    "memsnap_snapshots_skipped": (
+        "counter",
+        ("job", "node"),
+        "Snapshot steps skipped or replaced because the pipeline was busy",
+    ),
+    "memsnap_recovery_seconds": (
+        "histogram",
+        ("job", "phase"),
+        (
+            "One in-place recovery by phase: detect (first sign -> decision), reform, "
+            "restore, first_step, total (first sign -> every rank's first step)"
+        ),
+    ),
     "memsnap_recoveries": ("counter", ("job", "kind"), "Recoveries of the job (kind: inplace)"),
     "memsnap_fenced_nodes": ("gauge", ("job",), "Nodes memsnap declared lost and fenced"),
     "memsnap_reprotect_running": ("gauge", ("job",), "1 while re-protection rebuilds lost shards"),
-    "memsnap_reprotect_rebuilt_chunks": ("gauge", ("job",), "Chunks re-protection rebuilt since the coordinator started"),
+    "memsnap_reprotect_rebuilt_chunks": (
+        "gauge",
+        ("job",),
+        "Chunks re-protection rebuilt since the coordinator started",
+    ),
     "memsnap_reprotect_local_copies": ("gauge", ("job",), "Local copies re-protection gave back to nodes"),
 }
 
@@ -194,13 +221,17 @@ def job_status(job: str, st: dict) -> None:
 def tier_bytes(agent: dict) -> dict[str, int]:
     """One agent's bytes per tier, from its entry in a coordinator status's ``agents``."""
     spill = agent.get("spill") or {}
-    return {"local": agent.get("local", 0), "peer": agent.get("held", 0) + agent.get("parity", 0),
-            "durable": spill.get("bytes", 0)}
+    return {
+        "local": agent.get("local", 0),
+        "peer": agent.get("held", 0) + agent.get("parity", 0),
+        "durable": spill.get("bytes", 0),
+    }
 
 
 def refresh_every(seconds: float, job: str, status) -> threading.Thread:
     """Record ``job_status(job, status())`` every ``seconds`` on a daemon thread (the
     coordinator's gauges stay current with nobody asking for its status)."""
+
     def loop() -> None:
         while True:
             try:

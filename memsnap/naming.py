@@ -1,4 +1,5 @@
 """Names of everything a job creates: Ray actors, shared-memory files, KV keys."""
+
 from __future__ import annotations
 
 import os
@@ -65,5 +66,4 @@ def parse_arena(name: str) -> dict | None:
 def is_arena_of(name: str, job: str, node_id: str | None = None) -> bool:
     """Whether base name ``name`` is an arena file of exactly ``job`` (and ``node_id``)."""
     parsed = parse_arena(name)
-    return parsed is not None and parsed["job"] == job and (
-        node_id is None or parsed["node"] == node_id[:12])
+    return parsed is not None and parsed["job"] == job and (node_id is None or parsed["node"] == node_id[:12])

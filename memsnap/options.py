@@ -12,6 +12,7 @@ shorthand for the same fields.
                 wire=Wire(transport="tcp"),               # the data plane
                 device=Device(buffer=8 << 30))            # the device tier (GPU, opt-in)
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
@@ -75,8 +76,13 @@ class When:
     mtbf_hours: float | None = None
 
     def __post_init__(self) -> None:
-        check_schedule(self.every_steps, self.every_seconds, self.auto, self.mtbf_hours,
-                       what="when=When(every_steps=None, every_seconds=None, auto=False)")
+        check_schedule(
+            self.every_steps,
+            self.every_seconds,
+            self.auto,
+            self.mtbf_hours,
+            what="when=When(every_steps=None, every_seconds=None, auto=False)",
+        )
 
 
 @dataclass(frozen=True)
@@ -131,22 +137,41 @@ class Device:
         return self.buffer is not False
 
 
-GROUPS = {"protection": Protection, "memory": Memory, "spill": Spill, "when": When, "failures": Failures,
-          "wire": Wire, "device": Device}
+GROUPS = {
+    "protection": Protection,
+    "memory": Memory,
+    "spill": Spill,
+    "when": When,
+    "failures": Failures,
+    "wire": Wire,
+    "device": Device,
+}
 
 # the flat shorthand: keyword -> (group, field)
 SHORTHAND = {
-    "k": ("protection", "k"), "m": ("protection", "m"), "group_size": ("protection", "group_size"),
-    "peers": ("protection", "peers"), "local_copy": ("protection", "local_copy"),
-    "memory_budget": ("memory", "budget"), "keep": ("memory", "keep"),
-    "spill_every": ("spill", "every"), "spill_every_seconds": ("spill", "every_seconds"),
+    "k": ("protection", "k"),
+    "m": ("protection", "m"),
+    "group_size": ("protection", "group_size"),
+    "peers": ("protection", "peers"),
+    "local_copy": ("protection", "local_copy"),
+    "memory_budget": ("memory", "budget"),
+    "keep": ("memory", "keep"),
+    "spill_every": ("spill", "every"),
+    "spill_every_seconds": ("spill", "every_seconds"),
     "spill_bytes_per_s": ("spill", "bytes_per_s"),
-    "every_steps": ("when", "every_steps"), "every_seconds": ("when", "every_seconds"),
-    "auto": ("when", "auto"), "mtbf_hours": ("when", "mtbf_hours"),
-    "on_error": ("failures", "on_error"), "max_staleness_steps": ("failures", "max_staleness_steps"),
-    "preemption": ("failures", "preemption"), "preemption_grace_s": ("failures", "preemption_grace_s"),
-    "transport": ("wire", "transport"), "chunk": ("wire", "chunk"), "wire_mode": ("wire", "mode"),
-    "device_buffer": ("device", "buffer"), "device_backend": ("device", "backend"),
+    "every_steps": ("when", "every_steps"),
+    "every_seconds": ("when", "every_seconds"),
+    "auto": ("when", "auto"),
+    "mtbf_hours": ("when", "mtbf_hours"),
+    "on_error": ("failures", "on_error"),
+    "max_staleness_steps": ("failures", "max_staleness_steps"),
+    "preemption": ("failures", "preemption"),
+    "preemption_grace_s": ("failures", "preemption_grace_s"),
+    "transport": ("wire", "transport"),
+    "chunk": ("wire", "chunk"),
+    "wire_mode": ("wire", "mode"),
+    "device_buffer": ("device", "buffer"),
+    "device_backend": ("device", "backend"),
 }
 
 
@@ -158,14 +183,18 @@ def resolve(groups: dict[str, Any], flat: dict[str, Any]) -> dict[str, Any]:
         groups["spill"] = Spill(uri=spill)
     unknown = sorted(set(flat) - set(SHORTHAND))
     if unknown:
-        raise ConfigError(f"unknown option(s) {unknown}: the options are the groups {sorted(GROUPS)} "
-                          f"(memsnap.options) or their shorthand keywords {sorted(SHORTHAND)}")
+        raise ConfigError(
+            f"unknown option(s) {unknown}: the options are the groups {sorted(GROUPS)} "
+            f"(memsnap.options) or their shorthand keywords {sorted(SHORTHAND)}"
+        )
     fields_of: dict[str, dict[str, Any]] = {g: {} for g in GROUPS}
     for key, value in flat.items():
         group, name = SHORTHAND[key]
         if groups.get(group) is not None and not (group == "spill" and isinstance(spill, str)):
-            raise ConfigError(f"{key}={value!r} and {group}={groups[group]!r} both given: set "
-                              f"{group}.{name} in the group, or drop the group and use keywords")
+            raise ConfigError(
+                f"{key}={value!r} and {group}={groups[group]!r} both given: set "
+                f"{group}.{name} in the group, or drop the group and use keywords"
+            )
         fields_of[group][name] = value
     out = {}
     for group, cls in GROUPS.items():

@@ -7,6 +7,7 @@ dealt to groups in the order of their failure domain (region, zone, rack labels)
 the nodes of one domain into different groups whenever the domain is no larger than the
 number of groups — the best any split can do.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
@@ -66,14 +67,22 @@ class Placement:
 
     def to_dict(self) -> dict:
         """A JSON-able form (for status reports and for sending between actors)."""
-        return {"k": self.k, "m": self.m, "groups": [list(g) for g in self.groups],
-                "holders": {o: list(hs) for o, hs in self.holders.items()}}
+        return {
+            "k": self.k,
+            "m": self.m,
+            "groups": [list(g) for g in self.groups],
+            "holders": {o: list(hs) for o, hs in self.holders.items()},
+        }
 
     @classmethod
     def from_dict(cls, d: Mapping) -> Placement:
         """The placement ``to_dict`` wrote."""
-        return cls(int(d["k"]), int(d["m"]), tuple(tuple(g) for g in d["groups"]),
-                   {o: tuple(hs) for o, hs in d["holders"].items()})
+        return cls(
+            int(d["k"]),
+            int(d["m"]),
+            tuple(tuple(g) for g in d["groups"]),
+            {o: tuple(hs) for o, hs in d["holders"].items()},
+        )
 
 
 def _check_code(k: int, m: int) -> None:
@@ -177,7 +186,4 @@ def protection_level(p: Placement, alive: set[str], local_copy: bool = True) -> 
 
     -1 means some owner's data in that group is already unrecoverable from RAM.
     """
-    return {
-        i: min(_owner_margin(p, o, alive, local_copy) for o in group)
-        for i, group in enumerate(p.groups)
-    }
+    return {i: min(_owner_margin(p, o, alive, local_copy) for o in group) for i, group in enumerate(p.groups)}

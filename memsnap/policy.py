@@ -30,6 +30,7 @@ RAM snapshots and durable spills each get their own ``Policy`` and ``Scheduler``
 (more node losses in a group than the code tolerates, or a whole-job restart), so its MTBF
 and interval differ.
 """
+
 from __future__ import annotations
 
 import math
@@ -68,33 +69,40 @@ def require_positive_int(name: str, value: object, hint: str) -> int:
 
 def require_positive_float(name: str, value: object, hint: str, *, allow_zero: bool = False) -> float:
     """``value`` as a float if it is a finite number > 0 (or >= 0); else a ``ConfigError``."""
-    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
-            or value < 0 or (value == 0 and not allow_zero)):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+        or (value == 0 and not allow_zero)
+    ):
         kind = "a finite number >= 0" if allow_zero else "a finite number > 0"
         raise ConfigError(f"{name}={value!r} is not {kind}; {hint}")
     return float(value)
 
 
-def check_schedule(every_steps: object, every_seconds: object, auto: object, mtbf_hours: object,
-                   what: str) -> None:
+def check_schedule(every_steps: object, every_seconds: object, auto: object, mtbf_hours: object, what: str) -> None:
     """The fields that say when a snapshot is due (a ``Policy``'s, and ``memsnap.options.When``'s);
     ``what`` names the whole in the message for a schedule that never snapshots."""
     if not isinstance(auto, bool):
         raise ConfigError(f"auto={auto!r} must be True or False")
     if every_steps is not None:
-        require_positive_int("every_steps", every_steps,
-                             "snapshot every N >= 1 steps, or pass every_steps=None")
+        require_positive_int("every_steps", every_steps, "snapshot every N >= 1 steps, or pass every_steps=None")
     if every_seconds is not None:
-        require_positive_float("every_seconds", every_seconds,
-                               "snapshot every T > 0 seconds, or pass every_seconds=None")
+        require_positive_float(
+            "every_seconds", every_seconds, "snapshot every T > 0 seconds, or pass every_seconds=None"
+        )
     if auto and every_seconds is not None:
-        raise ConfigError(f"auto=True picks the time interval itself, so every_seconds="
-                          f"{every_seconds!r} conflicts with it; drop one of the two")
+        raise ConfigError(
+            f"auto=True picks the time interval itself, so every_seconds="
+            f"{every_seconds!r} conflicts with it; drop one of the two"
+        )
     if not auto and every_steps is None and every_seconds is None:
         raise ConfigError(f"{what} never snapshots: give every_steps, every_seconds, or auto=True")
     if mtbf_hours is not None:
-        require_positive_float("mtbf_hours", mtbf_hours,
-                               "give one node's mean time between failures in hours, e.g. 1000")
+        require_positive_float(
+            "mtbf_hours", mtbf_hours, "give one node's mean time between failures in hours, e.g. 1000"
+        )
 
 
 @dataclass(frozen=True)
@@ -117,17 +125,23 @@ class Policy:
     tier: str = "ram"
 
     def __post_init__(self) -> None:
-        check_schedule(self.every_steps, self.every_seconds, self.auto, self.mtbf_hours,
-                       what=f"Policy(tier={self.tier!r})")
+        check_schedule(
+            self.every_steps, self.every_seconds, self.auto, self.mtbf_hours, what=f"Policy(tier={self.tier!r})"
+        )
         require_positive_int("nodes", self.nodes, "give the number of nodes in the job, e.g. 8")
         if self.initial_cost_seconds is not None:
-            require_positive_float("initial_cost_seconds", self.initial_cost_seconds,
-                                   "give the expected snapshot cost in seconds, or None to measure it",
-                                   allow_zero=True)
+            require_positive_float(
+                "initial_cost_seconds",
+                self.initial_cost_seconds,
+                "give the expected snapshot cost in seconds, or None to measure it",
+                allow_zero=True,
+            )
         s = self.cost_smoothing
         if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0 < s <= 1:
-            raise ConfigError(f"cost_smoothing={s!r} must be in (0, 1]; 0.3 weighs the newest "
-                              "measurement at 30%, 1 keeps only the newest")
+            raise ConfigError(
+                f"cost_smoothing={s!r} must be in (0, 1]; 0.3 weighs the newest "
+                "measurement at 30%, 1 keeps only the newest"
+            )
         if self.tier not in TIERS:
             raise ConfigError(f"tier={self.tier!r} is not one of {TIERS}")
 
@@ -159,8 +173,7 @@ class Scheduler:
     the next point of the grid is.
     """
 
-    def __init__(self, policy: Policy, clock: Callable[[], float] = time.monotonic,
-                 *, start_step: int = 0):
+    def __init__(self, policy: Policy, clock: Callable[[], float] = time.monotonic, *, start_step: int = 0):
         if not isinstance(policy, Policy):
             raise ConfigError(f"policy={policy!r} is not a memsnap.policy.Policy")
         self.policy = policy
@@ -200,8 +213,9 @@ class Scheduler:
 
     def record_cost(self, seconds: float) -> None:
         """Fold one measured snapshot cost into the exponentially weighted mean."""
-        seconds = require_positive_float("cost seconds", seconds,
-                                         "pass the measured wall time of one snapshot", allow_zero=True)
+        seconds = require_positive_float(
+            "cost seconds", seconds, "pass the measured wall time of one snapshot", allow_zero=True
+        )
         a = self.policy.cost_smoothing
         self._cost = seconds if self._cost is None else a * seconds + (1 - a) * self._cost
         self._regrid()
@@ -212,8 +226,13 @@ class Scheduler:
         ``key`` names the failure (e.g. the dead node's id) so that the same loss reported
         by several ranks or polls counts once.
         """
-        when = self._clock() if at is None else require_positive_float(
-            "at", at, "pass a time from the scheduler's clock, or None for now", allow_zero=True)
+        when = (
+            self._clock()
+            if at is None
+            else require_positive_float(
+                "at", at, "pass a time from the scheduler's clock, or None for now", allow_zero=True
+            )
+        )
         if key is not None:
             if key in self._failure_keys:
                 return False
@@ -261,10 +280,16 @@ class Scheduler:
     def describe(self) -> dict[str, float | int | str | None]:
         """The scheduler's state as JSON-ready numbers, for logs and status reports."""
         g = self._grid
-        return {"tier": self.policy.tier, "cost_s": self._cost, "failures": len(self._failures),
-                "mtbf_s": self.mtbf_seconds(), "interval_s": self.interval_seconds(),
-                "step_s": self._step_s, "grid_steps": g,
-                "next_step": None if g is None else ((self._after + 1) // g + 1) * g - 1}
+        return {
+            "tier": self.policy.tier,
+            "cost_s": self._cost,
+            "failures": len(self._failures),
+            "mtbf_s": self.mtbf_seconds(),
+            "interval_s": self.interval_seconds(),
+            "step_s": self._step_s,
+            "grid_steps": g,
+            "next_step": None if g is None else ((self._after + 1) // g + 1) * g - 1,
+        }
 
     def _observe(self, step: int) -> None:
         """Fold the time since the previous step into the step time (timed policies only)."""
@@ -300,8 +325,8 @@ class StalenessGuard:
         """``setting``: the name the user gave the bound, used in error messages."""
         self.setting = setting
         self.max_steps_behind = require_positive_int(
-            setting, max_steps_behind,
-            "give how many steps training may run past the newest committed snapshot")
+            setting, max_steps_behind, "give how many steps training may run past the newest committed snapshot"
+        )
         self.start_step = start_step
 
     def check(self, step: int, newest_committed: int | None) -> None:
@@ -309,10 +334,13 @@ class StalenessGuard:
         base = self.start_step if newest_committed is None else newest_committed
         if step - base <= self.max_steps_behind:
             return
-        have = ("no snapshot has been committed since step "
-                f"{self.start_step}" if newest_committed is None
-                else f"the newest committed snapshot is step {newest_committed}")
+        have = (
+            f"no snapshot has been committed since step {self.start_step}"
+            if newest_committed is None
+            else f"the newest committed snapshot is step {newest_committed}"
+        )
         raise StalenessError(
             f"step {step}: {have}, {step - base} steps behind, more than "
             f"{self.setting}={self.max_steps_behind}. Snapshots are failing or too slow "
-            f"(see the errors logged before this one); fix them, or raise {self.setting}.")
+            f"(see the errors logged before this one); fix them, or raise {self.setting}."
+        )

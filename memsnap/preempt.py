@@ -24,6 +24,7 @@ before the deadline and exit cleanly.
 exception it raises is logged and kept in ``error``, never thrown into the training loop at
 an arbitrary bytecode.
 """
+
 from __future__ import annotations
 
 import logging
@@ -56,16 +57,19 @@ def _check_signal(sig: Any) -> signal.Signals:  # any value: Signals() rejects a
     try:
         return signal.Signals(sig)
     except (ValueError, TypeError):
-        raise ConfigError(f"signals: {sig!r} is not a signal number; pass e.g. "
-                          "(signal.SIGTERM, signal.SIGUSR1)") from None
+        raise ConfigError(
+            f"signals: {sig!r} is not a signal number; pass e.g. (signal.SIGTERM, signal.SIGUSR1)"
+        ) from None
 
 
 def _current_ray_node() -> str:
     import ray
 
     if not ray.is_initialized():
-        raise ConfigError("poll_seconds is set but Ray is not initialised: call ray.init() "
-                          "first, or pass node_id= and draining_nodes=")
+        raise ConfigError(
+            "poll_seconds is set but Ray is not initialised: call ray.init() "
+            "first, or pass node_id= and draining_nodes="
+        )
     return ray.get_runtime_context().get_node_id()
 
 
@@ -76,18 +80,29 @@ class PreemptionWatcher:
     ``stop()`` (restores the previous signal handlers, ends the poll thread).
     """
 
-    def __init__(self, on_preempt: Callable[[float], None], *, grace_seconds: float = 30.0,
-                 signals: Sequence[int] = (signal.SIGTERM,), poll_seconds: float | None = None,
-                 node_id: str | None = None, draining_nodes: DrainSource | None = None,
-                 wall_clock: Callable[[], float] = time.time):
+    def __init__(
+        self,
+        on_preempt: Callable[[float], None],
+        *,
+        grace_seconds: float = 30.0,
+        signals: Sequence[int] = (signal.SIGTERM,),
+        poll_seconds: float | None = None,
+        node_id: str | None = None,
+        draining_nodes: DrainSource | None = None,
+        wall_clock: Callable[[], float] = time.time,
+    ):
         if not callable(on_preempt):
-            raise ConfigError(f"on_preempt={on_preempt!r} is not callable; pass a function "
-                              "taking the seconds left before the node goes away")
+            raise ConfigError(
+                f"on_preempt={on_preempt!r} is not callable; pass a function "
+                "taking the seconds left before the node goes away"
+            )
         self.grace_seconds = require_positive_float(
-            "grace_seconds", grace_seconds, "give the seconds a signalled process has before it is killed")
+            "grace_seconds", grace_seconds, "give the seconds a signalled process has before it is killed"
+        )
         if poll_seconds is not None:
-            require_positive_float("poll_seconds", poll_seconds,
-                                   "give the seconds between drain polls, or None to not poll")
+            require_positive_float(
+                "poll_seconds", poll_seconds, "give the seconds between drain polls, or None to not poll"
+            )
         self._on_preempt = on_preempt
         self._signals = tuple(_check_signal(s) for s in signals)
         self._poll_seconds = poll_seconds
@@ -113,8 +128,7 @@ class PreemptionWatcher:
         self._install_signals()
         if polls:
             self._stop.clear()
-            self._thread = threading.Thread(target=self._poll_loop, daemon=True,
-                                            name="memsnap-preempt-poll")
+            self._thread = threading.Thread(target=self._poll_loop, daemon=True, name="memsnap-preempt-poll")
             self._thread.start()
         return self
 
@@ -168,8 +182,9 @@ class PreemptionWatcher:
         if not self._signals or self._previous:
             return
         if threading.current_thread() is not threading.main_thread():
-            log.info("memsnap: not in the main thread, signal handlers not installed; "
-                     "use poll_seconds to catch Ray drains")
+            log.info(
+                "memsnap: not in the main thread, signal handlers not installed; use poll_seconds to catch Ray drains"
+            )
             return
         for sig in self._signals:
             self._previous[sig] = signal.signal(sig, self._on_signal)
@@ -187,8 +202,12 @@ class PreemptionWatcher:
             try:
                 prev(signum, frame)
             except SystemExit as exc:  # e.g. Ray's driver handler: sys.exit(signum)
-                log.warning("memsnap: the previous %s handler asked to exit (%s); the training loop "
-                            "exits after its last snapshot instead", signal.Signals(signum).name, exc.code)
+                log.warning(
+                    "memsnap: the previous %s handler asked to exit (%s); the training loop "
+                    "exits after its last snapshot instead",
+                    signal.Signals(signum).name,
+                    exc.code,
+                )
 
     # --- Ray drain poll ------------------------------------------------------------------
     def poll_once(self) -> bool:

@@ -12,6 +12,7 @@ Integrity: a data shard is checked against its xxh3 when it arrives (the holder'
 what the owner sent); a stripe rebuilt from parity is checked again through the manifest's
 per-tensor checksums of the tensors it covers.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -38,8 +39,13 @@ class Peers:
 
 
 def _in_place(t: torch.Tensor | None) -> bool:
-    return (t is not None and t.device.type == "cpu" and t.is_contiguous()
-            and not (t.is_conj() or t.is_neg()) and t.numel() > 0)
+    return (
+        t is not None
+        and t.device.type == "cpu"
+        and t.is_contiguous()
+        and not (t.is_conj() or t.is_neg())
+        and t.numel() > 0
+    )
 
 
 def destinations(pl: applying.Plan) -> tuple[dict[int, torch.Tensor], set[int]]:
@@ -58,8 +64,10 @@ def destinations(pl: applying.Plan) -> tuple[dict[int, torch.Tensor], set[int]]:
             want[i] = None
         else:
             ends = ptr + man.tensors[i].nbytes
-    received = {i: t if t is not None else torch.empty(man.tensors[i].shape, dtype=dtype_of(man.tensors[i].dtype))
-                for i, t in want.items()}
+    received = {
+        i: t if t is not None else torch.empty(man.tensors[i].shape, dtype=dtype_of(man.tensors[i].dtype))
+        for i, t in want.items()
+    }
     return received, {i for i, t in want.items() if t is not None}
 
 
@@ -74,7 +82,8 @@ def _verify_decoded(man: Manifest, received: dict[int, torch.Tensor], decoded: l
         if got != e.checksum:
             raise ChecksumError(
                 f"tensor {e.path!r} rebuilt from parity hashes to {got} but the manifest records "
-                f"{e.checksum}; the stripe could not be repaired")
+                f"{e.checksum}; the stripe could not be repaired"
+            )
 
 
 def into_state(peers: Peers, src: RankSource, manifest_json: str | bytes, state: Mapping[str, Any]) -> dict:
@@ -85,8 +94,10 @@ def into_state(peers: Peers, src: RankSource, manifest_json: str | bytes, state:
     begun, a failure leaves ``state`` partly written (the caller must load something else)."""
     man = Manifest.from_json(manifest_json)
     if man.nbytes > src.nbytes:
-        raise SnapshotBufferError(f"rank {src.rank}'s manifest describes {man.nbytes} bytes but step "
-                                  f"{src.step} holds {src.nbytes}; the manifest or the plan is damaged")
+        raise SnapshotBufferError(
+            f"rank {src.rank}'s manifest describes {man.nbytes} bytes but step "
+            f"{src.step} holds {src.nbytes}; the manifest or the plan is damaged"
+        )
     pl = applying.plan(state, man)
     received, live = destinations(pl)
     landing = Spans([(man.tensors[i].offset, tensor_bytes(t)) for i, t in received.items()], src.nbytes)

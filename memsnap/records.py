@@ -11,6 +11,7 @@ bytes (the owner, and its holders), so the coordinator sees per node per step on
     RankPlan      coordinator -> a rank  the collective restore decision, this rank's part
     Inventory     agent -> coordinator   what an agent holds (the coverage map's input) and its RAM
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -56,15 +57,29 @@ class NodeReady:
         return next((r for r in self.regions if r.rank == rank), None)
 
     def to_wire(self) -> dict:
-        return {"step": self.step, "node": self.node, "gen": self.gen, "chunk": self.chunk,
-                "regions": [[r.rank, r.nbytes, r.stripe_base] for r in self.regions],
-                "holders": list(self.holders), "digest": self.digest, "world": self.world}
+        return {
+            "step": self.step,
+            "node": self.node,
+            "gen": self.gen,
+            "chunk": self.chunk,
+            "regions": [[r.rank, r.nbytes, r.stripe_base] for r in self.regions],
+            "holders": list(self.holders),
+            "digest": self.digest,
+            "world": self.world,
+        }
 
     @classmethod
     def from_wire(cls, d: Mapping[str, Any]) -> NodeReady:
-        return cls(int(d["step"]), str(d["node"]), int(d["gen"]), int(d["chunk"]),
-                   tuple(Region(int(a), int(b), int(c)) for a, b, c in d["regions"]),
-                   tuple(d["holders"]), str(d.get("digest", "")), int(d.get("world", 0)))
+        return cls(
+            int(d["step"]),
+            str(d["node"]),
+            int(d["gen"]),
+            int(d["chunk"]),
+            tuple(Region(int(a), int(b), int(c)) for a, b, c in d["regions"]),
+            tuple(d["holders"]),
+            str(d.get("digest", "")),
+            int(d.get("world", 0)),
+        )
 
 
 @dataclass(frozen=True)
@@ -79,13 +94,21 @@ class CommitNotice:
     moved: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     def to_wire(self) -> dict:
-        return {"step": self.step, "keep": list(self.keep), "spill": self.spill,
-                "moved": {o: list(h) for o, h in self.moved.items()}}
+        return {
+            "step": self.step,
+            "keep": list(self.keep),
+            "spill": self.spill,
+            "moved": {o: list(h) for o, h in self.moved.items()},
+        }
 
     @classmethod
     def from_wire(cls, d: Mapping[str, Any]) -> CommitNotice:
-        return cls(int(d["step"]), tuple(int(s) for s in d["keep"]), bool(d["spill"]),
-                   {o: tuple(h) for o, h in d.get("moved", {}).items()})
+        return cls(
+            int(d["step"]),
+            tuple(int(s) for s in d["keep"]),
+            bool(d["spill"]),
+            {o: tuple(h) for o, h in d.get("moved", {}).items()},
+        )
 
 
 @dataclass(frozen=True)
@@ -117,16 +140,32 @@ class RankSource:
         return encode.Region(self.region.rank, self.region.nbytes, self.region.stripe_base, self.k, self.chunk)
 
     def to_wire(self) -> dict:
-        return {"step": self.step, "k": self.k, "m": self.m, "owner": self.owner, "chunk": self.chunk,
-                "region": [self.region.rank, self.region.nbytes, self.region.stripe_base],
-                "holders": list(self.holders), "addrs": list(self.addrs), "copy": self.copy}
+        return {
+            "step": self.step,
+            "k": self.k,
+            "m": self.m,
+            "owner": self.owner,
+            "chunk": self.chunk,
+            "region": [self.region.rank, self.region.nbytes, self.region.stripe_base],
+            "holders": list(self.holders),
+            "addrs": list(self.addrs),
+            "copy": self.copy,
+        }
 
     @classmethod
     def from_wire(cls, d: Mapping[str, Any]) -> RankSource:
         rank, nbytes, base = d["region"]
-        return cls(int(d["step"]), int(d["k"]), int(d["m"]), str(d["owner"]), int(d["chunk"]),
-                   Region(int(rank), int(nbytes), int(base)), tuple(d["holders"]), tuple(d["addrs"]),
-                   d.get("copy"))
+        return cls(
+            int(d["step"]),
+            int(d["k"]),
+            int(d["m"]),
+            str(d["owner"]),
+            int(d["chunk"]),
+            Region(int(rank), int(nbytes), int(base)),
+            tuple(d["holders"]),
+            tuple(d["addrs"]),
+            d.get("copy"),
+        )
 
 
 @dataclass(frozen=True)
@@ -178,13 +217,21 @@ class CommitRecord:
         region = info.region(rank)
         if region is None:
             raise KeyError(f"node {owner} reported no region for rank {rank}")
-        return RankSource(self.step, self.k, self.m, owner, info.chunk, region,
-                          info.holders, tuple(addrs.get(h) for h in info.holders))
+        return RankSource(
+            self.step,
+            self.k,
+            self.m,
+            owner,
+            info.chunk,
+            region,
+            info.holders,
+            tuple(addrs.get(h) for h in info.holders),
+        )
 
     def with_holder(self, owner: str, j: int, node: str) -> CommitRecord:
         """This record after shard ``j`` of ``owner`` was rebuilt on ``node`` (re-protection)."""
         info = self.nodes[owner]
-        holders = info.holders[:j] + (node,) + info.holders[j + 1:]
+        holders = info.holders[:j] + (node,) + info.holders[j + 1 :]
         return replace(self, nodes={**self.nodes, owner: replace(info, holders=holders)})
 
 
@@ -204,16 +251,26 @@ class RankPlan:
     sources: tuple[RankSource, ...] = ()
 
     def to_wire(self) -> dict:
-        return {"step": self.step, "tier": self.tier, "plan": self.plan, "spill": self.spill,
-                "source": None if self.source is None else self.source.to_wire(),
-                "sources": [s.to_wire() for s in self.sources]}
+        return {
+            "step": self.step,
+            "tier": self.tier,
+            "plan": self.plan,
+            "spill": self.spill,
+            "source": None if self.source is None else self.source.to_wire(),
+            "sources": [s.to_wire() for s in self.sources],
+        }
 
     @classmethod
     def from_wire(cls, d: Mapping[str, Any]) -> RankPlan:
         src = d.get("source")
-        return cls(d["step"], d["tier"], d["plan"], d.get("spill"),
-                   None if src is None else RankSource.from_wire(src),
-                   tuple(RankSource.from_wire(s) for s in d.get("sources", ())))
+        return cls(
+            d["step"],
+            d["tier"],
+            d["plan"],
+            d.get("spill"),
+            None if src is None else RankSource.from_wire(src),
+            tuple(RankSource.from_wire(s) for s in d.get("sources", ())),
+        )
 
 
 @dataclass(frozen=True)
@@ -240,14 +297,26 @@ class Inventory:
         return self.held.get(step, {}).get(owner, {})
 
     def to_wire(self) -> dict:
-        return {"node": self.node, "address": self.address,
-                "versions": {s: {"state": st, "ranks": list(r)} for s, (st, r) in self.versions.items()},
-                "held": self.held, "records": list(self.committed), "bytes": dict(self.bytes),
-                "counters": dict(self.counters), "spill": self.spill}
+        return {
+            "node": self.node,
+            "address": self.address,
+            "versions": {s: {"state": st, "ranks": list(r)} for s, (st, r) in self.versions.items()},
+            "held": self.held,
+            "records": list(self.committed),
+            "bytes": dict(self.bytes),
+            "counters": dict(self.counters),
+            "spill": self.spill,
+        }
 
     @classmethod
     def from_wire(cls, d: Mapping[str, Any]) -> Inventory:
-        return cls(str(d["node"]), d.get("address"),
-                   {int(s): (v["state"], tuple(v["ranks"])) for s, v in d.get("versions", {}).items()},
-                   {int(s): dict(h) for s, h in d.get("held", {}).items()}, tuple(d.get("records", ())),
-                   dict(d.get("bytes", {})), dict(d.get("counters", {})), d.get("spill"))
+        return cls(
+            str(d["node"]),
+            d.get("address"),
+            {int(s): (v["state"], tuple(v["ranks"])) for s, v in d.get("versions", {}).items()},
+            {int(s): dict(h) for s, h in d.get("held", {}).items()},
+            tuple(d.get("records", ())),
+            dict(d.get("bytes", {})),
+            dict(d.get("counters", {})),
+            d.get("spill"),
+        )

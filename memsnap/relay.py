@@ -8,6 +8,7 @@ coordinator hears each barrier at most a few times per node, never once per rank
 waits are answered from the commit notices the agent receives; only one that outlives its
 deadline asks the coordinator.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -68,8 +69,15 @@ class NodeRelay:
         for rank, world, claim in items:
             by_world.setdefault(world, {})[rank] = claim
         for world, claims in by_world.items():
-            got = await self.call("join", self.node, self.core.address, sorted(claims), world, claims,
-                                  timeout=tunable("membership_timeout_s") + tunable("claim_wait_s") + 30)
+            got = await self.call(
+                "join",
+                self.node,
+                self.core.address,
+                sorted(claims),
+                world,
+                claims,
+                timeout=tunable("membership_timeout_s") + tunable("claim_wait_s") + 30,
+            )
             out["hints"].update(got["hints"])
             out["refused"].update(got["refused"])
             out["run"] = got["run"]
@@ -109,10 +117,17 @@ class NodeRelay:
             if attempt == 0:
                 self.rounds = {}
             rnd = self.rounds[attempt] = _NodeRound(
-                Batch(lambda ranks: self.call("restore_arrive", self.node, attempt, sorted(set(ranks)),
-                                              timeout=tunable("call_timeout_s"))),
-                Batch(lambda reports: self.call("restore_report", self.node, attempt, dict(reports),
-                                                timeout=tunable("call_timeout_s"))))
+                Batch(
+                    lambda ranks: self.call(
+                        "restore_arrive", self.node, attempt, sorted(set(ranks)), timeout=tunable("call_timeout_s")
+                    )
+                ),
+                Batch(
+                    lambda reports: self.call(
+                        "restore_report", self.node, attempt, dict(reports), timeout=tunable("call_timeout_s")
+                    )
+                ),
+            )
         return rnd
 
     async def restore_plan(self, rank: int, attempt: int) -> dict:
@@ -121,16 +136,19 @@ class NodeRelay:
         rnd.ranks.add(rank)
         await rnd.arrivals.add(rank)
         if rnd.plans is None:
-            rnd.plans = asyncio.ensure_future(self.call("restore_plans", self.node, attempt,
-                                                        timeout=tunable("restore_timeout_s") + 30))
+            rnd.plans = asyncio.ensure_future(
+                self.call("restore_plans", self.node, attempt, timeout=tunable("restore_timeout_s") + 30)
+            )
         try:
             plans = await asyncio.shield(rnd.plans)
         except Exception:
             rnd.closed = True  # a failed or cancelled round: the next attempt 0 starts afresh
             raise
         if rank not in plans:
-            raise CommitError(f"restore: the plan names no part for rank {rank} on node {self.node[:12]}; "
-                              "it registered on another node")
+            raise CommitError(
+                f"restore: the plan names no part for rank {rank} on node {self.node[:12]}; "
+                "it registered on another node"
+            )
         return plans[rank]
 
     async def restore_done(self, rank: int, attempt: int, ok: bool, report: dict) -> dict:
@@ -140,8 +158,9 @@ class NodeRelay:
             raise CommitError(f"restore_done(rank={rank}, attempt={attempt}) before its restore_plan")
         await rnd.reports.add((rank, (ok, report)))
         if rnd.result is None:
-            rnd.result = asyncio.ensure_future(self.call("restore_result", self.node, attempt,
-                                                         timeout=tunable("restore_timeout_s") + 30))
+            rnd.result = asyncio.ensure_future(
+                self.call("restore_result", self.node, attempt, timeout=tunable("restore_timeout_s") + 30)
+            )
         try:
             result = await asyncio.shield(rnd.result)
         finally:

@@ -8,6 +8,7 @@
 - this node's own committed data shards served from its arenas (``serve_own``), so a rank
   that moved to another node reads its whole copy here with no decode.
 """
+
 from __future__ import annotations
 
 import logging
@@ -42,8 +43,23 @@ class Repair:
     - ``agent(node)``: another node's agent handle (None when it is gone or this node);
     - ``gen()``: the job's restore generation as this node knows it."""
 
-    def __init__(self, *, node: str, cfg, lock, versions, slots, infos: dict, store, transport, codec, budget,
-                 counters: dict, agent: Callable, gen: Callable[[], int]):
+    def __init__(
+        self,
+        *,
+        node: str,
+        cfg,
+        lock,
+        versions,
+        slots,
+        infos: dict,
+        store,
+        transport,
+        codec,
+        budget,
+        counters: dict,
+        agent: Callable,
+        gen: Callable[[], int],
+    ):
         self.node, self.cfg, self.lock, self.versions, self.slots, self.infos = node, cfg, lock, versions, slots, infos
         self.store, self.transport, self.codec, self.budget, self.counters = store, transport, codec, budget, counters
         self.agent, self.gen = agent, gen
@@ -85,16 +101,22 @@ class Repair:
             if handle is None:
                 continue
             try:
-                found = ray.get(handle.held_manifests.remote(step, src.owner) if node != src.owner
-                                else handle.local.remote(step, rank), timeout=tunable("call_timeout_s"))
+                found = ray.get(
+                    handle.held_manifests.remote(step, src.owner)
+                    if node != src.owner
+                    else handle.local.remote(step, rank),
+                    timeout=tunable("call_timeout_s"),
+                )
             except Exception as exc:
                 log.info("no manifest of rank %d from %s: %s", rank, node[:12], exc)
                 continue
             man = (found or {}).get("manifest") if node == src.owner else (found or {}).get(rank)
             if man is not None:
                 return man
-        raise CommitError(f"step {step}: no live agent holds rank {rank}'s manifest (owner {src.owner[:12]}, "
-                          f"holders {[h[:12] for h in src.holders]})")
+        raise CommitError(
+            f"step {step}: no live agent holds rank {rank}'s manifest (owner {src.owner[:12]}, "
+            f"holders {[h[:12] for h in src.holders]})"
+        )
 
     # --- this node's own bytes, for a rank that moved ------------------------------------------------
     def serve_own(self, key) -> tuple[memoryview, int] | None:
@@ -165,8 +187,9 @@ class Repair:
             self.budget.charge(nbytes, f"the rebuilt local copy of rank {rank} (step {step})")
         arena, installed = None, False
         try:
-            arena = Arena.create(naming.arena_path(self.cfg.job, self.node, rank, "rebuild", step), nbytes,
-                                 prefault=False)
+            arena = Arena.create(
+                naming.arena_path(self.cfg.job, self.node, rank, "rebuild", step), nbytes, prefault=False
+            )
             stats = gather(self, src, arena.view(0, nbytes))
             with self.lock:
                 v = versions.get(step)
@@ -201,9 +224,11 @@ class Repair:
             handle = self.agent(node) if node != self.node else None
             if handle is not None and not manifests:
                 try:
-                    manifests = ray.get(handle.held_manifests.remote(step, ready.node), timeout=tunable("call_timeout_s"))
+                    manifests = ray.get(
+                        handle.held_manifests.remote(step, ready.node), timeout=tunable("call_timeout_s")
+                    )
                 except Exception as exc:
                     log.info("no manifests of %s at %s: %s", ready.node[:12], node[:12], exc)
-        holders = ready.holders[:shard] + (self.node,) + ready.holders[shard + 1:]
+        holders = ready.holders[:shard] + (self.node,) + ready.holders[shard + 1 :]
         self.hold_manifests(step, ready.node, replace(ready, holders=holders).to_wire(), manifests)
         return n

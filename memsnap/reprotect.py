@@ -3,6 +3,7 @@ nodes, and give a node whose rank restored from peers its local copy back, so th
 protection level returns to full before the next snapshot. One background thread per
 coordinator; it lets the job's restore go first (both move bytes over the same nodes).
 """
+
 from __future__ import annotations
 
 import logging
@@ -17,8 +18,9 @@ from memsnap.records import CommitRecord
 log = logging.getLogger("memsnap.coordinator")
 
 
-def new_holders(record: CommitRecord, owner: str, holders: list[str], live: set[str],
-                members: dict[int, str]) -> list[tuple[int, str]]:
+def new_holders(
+    record: CommitRecord, owner: str, holders: list[str], live: set[str], members: dict[int, str]
+) -> list[tuple[int, str]]:
     """``(j, node)`` for every shard ``j`` of ``owner`` whose holder is gone. Never the owner,
     never a node already holding a shard of the same stripes; a node running the owner's
     ranks now (Ray Train moves ranks between nodes) only when no other is left."""
@@ -71,8 +73,11 @@ class Reprotector:
             if record is None:
                 return
             live, members = set(core.membership.live_nodes()), dict(core.membership.members)
-            moves = [(owner, j, new) for owner in record.nodes
-                     for j, new in new_holders(record, owner, list(record.holders(owner)), live, members)]
+            moves = [
+                (owner, j, new)
+                for owner in record.nodes
+                for j, new in new_holders(record, owner, list(record.holders(owner)), live, members)
+            ]
             addrs = dict(core.membership.addrs)
         for owner, j, new in moves:
             self._rebuild_on(record, owner, j, new, addrs)
@@ -90,9 +95,12 @@ class Reprotector:
         handle = core.dir.agent(new)
         info = record.nodes[owner]
         try:
-            n = ray.get(handle.rebuild.remote(record.step, record.k, record.m, info.to_wire(),
-                                              {h: addrs.get(h) for h in info.holders}, j),
-                        timeout=tunable("push_timeout_s"))
+            n = ray.get(
+                handle.rebuild.remote(
+                    record.step, record.k, record.m, info.to_wire(), {h: addrs.get(h) for h in info.holders}, j
+                ),
+                timeout=tunable("push_timeout_s"),
+            )
         except Exception as exc:
             self.state["errors"].append(f"step {record.step} owner {owner[:12]} shard {j}: {exc}")
             log.warning("re-protection of step %d owner %s shard %d failed: %s", record.step, owner[:12], j, exc)
@@ -122,14 +130,21 @@ class Reprotector:
         for rank in record.ranks:
             node = members.get(rank)
             inv = inventories.get(node)
-            if node is None or inv is None or coverage.has_local(inv, step, rank) or any(s > step for s in inv.versions):
+            if (
+                node is None
+                or inv is None
+                or coverage.has_local(inv, step, rank)
+                or any(s > step for s in inv.versions)
+            ):
                 continue  # nothing to do, or the rank moved on: its next commit leaves a local copy
             self._local_copy(node, step, rank, record.source(rank, addrs))
 
     def _local_copy(self, node: str, step: int, rank: int, source) -> None:
         try:
-            ok = ray.get(self.core.dir.agent(node).rebuild_local.remote(step, rank, source.to_wire()),
-                         timeout=tunable("push_timeout_s"))
+            ok = ray.get(
+                self.core.dir.agent(node).rebuild_local.remote(step, rank, source.to_wire()),
+                timeout=tunable("push_timeout_s"),
+            )
         except Exception as exc:
             self.state["errors"].append(f"local copy of rank {rank} at step {step}: {exc}")
             log.warning("could not rebuild rank %s's local copy of step %d: %s", rank, step, exc)

@@ -9,6 +9,7 @@ The saved shards of a tensor must tile it exactly (no overlap, no gap), or the s
 Replicated DTensors are read once (identical saved boxes are skipped); plain tensors and the non-tensor leaves come from saved rank ``r % W``. The result is a
 normal ``(Manifest, buffer)`` for ``apply.apply``.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -57,9 +58,11 @@ class _Reader:
         try:
             return self.saved[rank].entry(path)
         except KeyError:
-            raise FormatError(f"{self.store.path(self.step, rank_name(rank, 'json'))} has no tensor "
-                              f"{path!r} although rank 0's manifest does; the step is damaged, load "
-                              "another step") from None
+            raise FormatError(
+                f"{self.store.path(self.step, rank_name(rank, 'json'))} has no tensor "
+                f"{path!r} although rank 0's manifest does; the step is damaged, load "
+                "another step"
+            ) from None
 
     def holder(self, rank: int, path: str) -> TensorEntry:
         e = self.entry(rank, path)
@@ -68,8 +71,7 @@ class _Reader:
     def data(self, rank: int) -> memoryview:
         """Saved rank ``rank``'s verified data file."""
         if rank not in self.files:
-            _, self.files[rank] = self.store.read_rank(self.step, rank, marker=self.marker,
-                                                       manifest=self.saved[rank])
+            _, self.files[rank] = self.store.read_rank(self.step, rank, marker=self.marker, manifest=self.saved[rank])
         return self.files[rank]
 
     def tensor(self, rank: int, path: str) -> torch.Tensor:
@@ -77,7 +79,7 @@ class _Reader:
         dtype = dtype_of(e.dtype)
         if e.nbytes == 0:
             return torch.empty(e.shape, dtype=dtype)
-        raw = torch.frombuffer(self.data(rank)[e.offset:e.offset + e.nbytes], dtype=torch.uint8)
+        raw = torch.frombuffer(self.data(rank)[e.offset : e.offset + e.nbytes], dtype=torch.uint8)
         return raw.view(dtype).view(e.shape)
 
 
@@ -90,10 +92,20 @@ def _layout(template: Manifest, live: dict[str, TensorEntry]) -> list[TensorEntr
         if want is None and e.global_shape is not None:
             raise StateMismatchError(
                 f"{e.path!r} is sharded in the checkpoint but absent from the live state; resharding "
-                "needs every sharded tensor to exist (take one optimizer step before loading)")
-        new = replace(e, checksum=None) if want is None else replace(
-            e, shape=want.shape, global_offset=want.global_offset, placements=want.placements,
-            mesh_shape=want.mesh_shape, checksum=None)
+                "needs every sharded tensor to exist (take one optimizer step before loading)"
+            )
+        new = (
+            replace(e, checksum=None)
+            if want is None
+            else replace(
+                e,
+                shape=want.shape,
+                global_offset=want.global_offset,
+                placements=want.placements,
+                mesh_shape=want.mesh_shape,
+                checksum=None,
+            )
+        )
         if e.alias_of:
             out.append(replace(new, offset=placed[e.alias_of], nbytes=0))
             continue
@@ -119,10 +131,11 @@ def sources(e: TensorEntry, saved: list[Manifest], order=None) -> list[tuple[int
     saved_shape = tiling(saved, e.path)
     assert e.global_shape is not None  # sources() is for sharded tensors
     if tuple(e.global_shape) != saved_shape:
-        raise StateMismatchError(f"{e.path!r}: live global shape {list(e.global_shape)} differs from the "
-                                 f"checkpoint's {list(saved_shape)}")
+        raise StateMismatchError(
+            f"{e.path!r}: live global shape {list(e.global_shape)} differs from the checkpoint's {list(saved_shape)}"
+        )
     want, seen, out = _box(e), set(), []
-    for rank in (range(len(saved)) if order is None else order):
+    for rank in range(len(saved)) if order is None else order:
         src_box = _box(_holder(saved, rank, e.path))
         box = overlap(want, src_box)
         if box is None or src_box in seen:
@@ -143,16 +156,20 @@ def tiling(saved: list[Manifest], path: str) -> tuple[int, ...]:
     for rank in range(len(saved)):
         e = _holder(saved, rank, path)
         if e.global_shape is None or tuple(e.global_shape) != whole or e.dtype != first.dtype:
-            raise FormatError(f"{path!r}: saved rank {rank} holds it as {e.dtype} of global shape "
-                              f"{None if e.global_shape is None else list(e.global_shape)}, saved rank 0 "
-                              f"as {first.dtype} of {list(whole)}; the step is damaged, load another step")
+            raise FormatError(
+                f"{path!r}: saved rank {rank} holds it as {e.dtype} of global shape "
+                f"{None if e.global_shape is None else list(e.global_shape)}, saved rank 0 "
+                f"as {first.dtype} of {list(whole)}; the step is damaged, load another step"
+            )
         if _numel(e.shape):
             boxes.add(_box(e))
     _disjoint(path, sorted(boxes))
     covered = sum(_numel(b[1]) for b in boxes)
     if covered != _numel(whole):
-        raise FormatError(f"{path!r}: the saved shards cover {covered} of the {_numel(whole)} elements of "
-                          f"the global tensor {list(whole)}; the step is damaged, load another step")
+        raise FormatError(
+            f"{path!r}: the saved shards cover {covered} of the {_numel(whole)} elements of "
+            f"the global tensor {list(whole)}; the step is damaged, load another step"
+        )
     return whole
 
 
@@ -168,8 +185,10 @@ def _disjoint(path: str, boxes: list[Box]) -> None:
         active = [a for a in active if a[0][d] + a[1][d] > b[0][d]]
         for a in active:
             if overlap(a, b) is not None:
-                raise FormatError(f"{path!r}: saved shards {list(a[1])} at {list(a[0])} and {list(b[1])} at "
-                                  f"{list(b[0])} overlap; the step is damaged, load another step")
+                raise FormatError(
+                    f"{path!r}: saved shards {list(a[1])} at {list(a[0])} and {list(b[1])} at "
+                    f"{list(b[0])} overlap; the step is damaged, load another step"
+                )
         active.append(b)
 
 
@@ -178,13 +197,17 @@ def _holder(saved: list[Manifest], rank: int, path: str) -> TensorEntry:
         e = saved[rank].entry(path)
         return saved[rank].entry(e.alias_of) if e.alias_of else e
     except KeyError:
-        raise FormatError(f"saved rank {rank}'s manifest has no tensor {path!r} although rank 0's does; "
-                          "the step is damaged, load another step") from None
+        raise FormatError(
+            f"saved rank {rank}'s manifest has no tensor {path!r} although rank 0's does; "
+            "the step is damaged, load another step"
+        ) from None
 
 
 def _fill_sharded(dst: torch.Tensor, e: TensorEntry, reader) -> None:
     for rank, src_box, box in sources(e, reader.saved, getattr(reader, "order", None)):
-        dst[_slices(box, e.global_offset or (0,) * len(e.shape))] = reader.tensor(rank, e.path)[_slices(box, src_box[0])]
+        dst[_slices(box, e.global_offset or (0,) * len(e.shape))] = reader.tensor(rank, e.path)[
+            _slices(box, src_box[0])
+        ]
 
 
 def _by_position(template: Manifest, live: Manifest) -> dict[str, TensorEntry]:
@@ -192,8 +215,7 @@ def _by_position(template: Manifest, live: Manifest) -> dict[str, TensorEntry]:
     both (matched by ``tree.tensor_names``, not by the stored entry names, which an older
     memsnap wrote ambiguously for some keys)."""
     at = {name: live.tensors[i] for i, name in tree.tensor_names(live.tree).items()}
-    return {template.tensors[i].path: at[name] for i, name in tree.tensor_names(template.tree).items()
-            if name in at}
+    return {template.tensors[i].path: at[name] for i, name in tree.tensor_names(template.tree).items() if name in at}
 
 
 def layout(saved: list[Manifest], live: Manifest, rank: int) -> Manifest:
@@ -231,12 +253,12 @@ def fill(target: Manifest, saved: list[Manifest], reader, rank: int) -> Any:
     for e in target.tensors:
         if e.alias_of or e.nbytes == 0:
             continue
-        dst = base[e.offset:e.offset + e.nbytes].view(dtype_of(e.dtype)).view(e.shape)
+        dst = base[e.offset : e.offset + e.nbytes].view(dtype_of(e.dtype)).view(e.shape)
         if e.global_shape is not None:
             _fill_sharded(dst, e, reader)
         else:
             dst.copy_(reader.tensor(rank % len(saved), e.path))
-    return base.numpy()[:target.nbytes]
+    return base.numpy()[: target.nbytes]
 
 
 def assemble(store: Store, step: int, marker: dict, state: Mapping[str, Any], rank: int) -> tuple[Manifest, Any]:

@@ -7,6 +7,7 @@ chunk missing, or checksum failed), decodes those, and pushes repaired chunks ba
 holders that answered with a bad one. ``rebuild_shard`` re-creates the shard a lost holder
 had, for re-protection.
 """
+
 from __future__ import annotations
 
 import logging
@@ -98,8 +99,14 @@ def gather(core, src: RankSource, out, stripes=None) -> dict:
         with ThreadPoolExecutor(max_workers=max(1, k)) as ex:
             list(ex.map(lambda j: _fetch_shard(core, st, key_of, j, src.copy, everything), range(k)))
     with ThreadPoolExecutor(max_workers=max(1, k)) as ex:  # (what the copy did not give) from the holders
-        bad = list(ex.map(lambda j: _fetch_shard(core, st, key_of, j, addrs[j],
-                                                 [s for s in everything if st.shards[s][j] is None]), range(k)))
+        bad = list(
+            ex.map(
+                lambda j: _fetch_shard(
+                    core, st, key_of, j, addrs[j], [s for s in everything if st.shards[s][j] is None]
+                ),
+                range(k),
+            )
+        )
     lost = st.missing(everything)
     if lost:
         with ThreadPoolExecutor(max_workers=max(1, m)) as ex:
@@ -110,7 +117,8 @@ def gather(core, src: RankSource, out, stripes=None) -> dict:
         if sum(x is not None for x in shards) < k:
             raise TooFewShardsError(
                 f"step {src.step}, owner {owner[:12]}, stripe {base + s}: only "
-                f"{sum(x is not None for x in shards)} of k={k} shards could be read from the holders")
+                f"{sum(x is not None for x in shards)} of k={k} shards could be read from the holders"
+            )
         if all(x is not None for x in shards[:k]) and len(st.in_place[s]) == k:
             continue  # every data shard already sits where it belongs
         data = encode.reconstruct_data(core.codec, st.contiguous(s), k)
@@ -121,9 +129,13 @@ def gather(core, src: RankSource, out, stripes=None) -> dict:
     repaired = _repair(core, st, key_of, bad, addrs)
     if src.copy is not None:  # read from the owner's arena, not from what it sent: check it all
         decoded = [(0, region.nbytes)]
-    return {"stripes": len(everything), "decoded_stripes": len(lost), "repaired": repaired,
-            "bytes": sum(st.lay.data_range(s, k - 1)[1] - st.lay.data_range(s, 0)[0] for s in everything),
-            "decoded": decoded}
+    return {
+        "stripes": len(everything),
+        "decoded_stripes": len(lost),
+        "repaired": repaired,
+        "bytes": sum(st.lay.data_range(s, k - 1)[1] - st.lay.data_range(s, 0)[0] for s in everything),
+        "decoded": decoded,
+    }
 
 
 def _repair(core, st: _Stripes, key_of, bad: list[list[int]], addrs: list) -> int:
@@ -147,13 +159,12 @@ def _padded(buf, chunk: int) -> memoryview:
     if len(mv) == chunk:
         return mv
     out = bytearray(chunk)
-    out[:len(mv)] = mv
+    out[: len(mv)] = mv
     return memoryview(out)
 
 
 # --- re-protection (agent on the replacement node) ----------------------------------------
-def rebuild_shard(core, step: int, k: int, m: int, info: NodeReady, addrs: dict, shard: int,
-                  batch: int = 64) -> int:
+def rebuild_shard(core, step: int, k: int, m: int, info: NodeReady, addrs: dict, shard: int, batch: int = 64) -> int:
     """Recreate shard ``shard`` of every stripe of owner ``info.node`` from its other holders
     (at ``addrs``) and hold it here: re-protection on a new holder. ``core`` needs ``node``,
     ``store``, ``transport`` and ``codec`` (the agent's ``repair.Repair``)."""

@@ -4,6 +4,7 @@
 codec in ``tree.py`` stores exactly; ``set_state()`` puts it back. CUDA generators are
 captured for every visible device when CUDA is available and skipped cleanly otherwise.
 """
+
 from __future__ import annotations
 
 import random
@@ -20,8 +21,13 @@ def _numpy_state() -> dict[str, Any]:
     if not isinstance(state, tuple):  # legacy=True gives a dict only for a bit generator other than MT19937
         raise TypeError(f"numpy's global generator is {state['bit_generator']}, not MT19937")
     name, keys, pos, has_gauss, cached = state
-    return {"name": name, "keys": keys.tolist(), "pos": int(pos),
-            "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+    return {
+        "name": name,
+        "keys": keys.tolist(),
+        "pos": int(pos),
+        "has_gauss": int(has_gauss),
+        "cached_gaussian": float(cached),
+    }
 
 
 def _set_numpy_state(s: dict[str, Any], gen: Any = np.random) -> None:
@@ -50,7 +56,10 @@ def _set_cuda_states(states: list[torch.Tensor]) -> None:
     if states and have != len(states):
         warnings.warn(
             f"snapshot holds RNG state for {len(states)} CUDA device(s) but {have} are visible; "
-            f"restoring the first {min(have, len(states))}", RuntimeWarning, stacklevel=3)
+            f"restoring the first {min(have, len(states))}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
     for i, s in enumerate(states[:have]):
         torch.cuda.set_rng_state(s.cpu(), i)
 
@@ -66,8 +75,7 @@ def check_state(state: Any, is_byte_tensor: Callable[[Any], bool]) -> None:
     except (TypeError, ValueError, OverflowError, KeyError, IndexError) as exc:
         raise ValueError(f"does not restore: {type(exc).__name__}: {exc}") from None
     cuda = state.get("cuda") or []
-    if not is_byte_tensor(state["torch"]) or not isinstance(cuda, list) \
-            or not all(is_byte_tensor(s) for s in cuda):
+    if not is_byte_tensor(state["torch"]) or not isinstance(cuda, list) or not all(is_byte_tensor(s) for s in cuda):
         raise ValueError("holds a torch or CUDA generator state that is not a 1-d uint8 tensor")
 
 

@@ -4,6 +4,7 @@ plan for all, every rank reports, and if any failed every rank takes the next pl
 Arrivals and reports come a node at a time (each node's agent gathers its ranks). Pure
 state; the coordinator's Ray face waits on it with ``waiting.Signal`` (no thread per waiter).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

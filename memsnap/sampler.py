@@ -17,6 +17,7 @@ A restored run sees exactly the samples the uninterrupted run would have seen, w
 number of workers. Any object with ``state_dict()`` (e.g. torchdata's ``StatefulDataLoader``)
 can be put into the state instead; capture treats it generically.
 """
+
 from __future__ import annotations
 
 import math
@@ -36,8 +37,8 @@ def _length(data: int | Sized) -> int:
             n = len(data)  # type: ignore[arg-type]
         except TypeError:
             raise ConfigError(
-                f"ResumableSampler needs a dataset length or a sized dataset, "
-                f"got {type(data).__qualname__}") from None
+                f"ResumableSampler needs a dataset length or a sized dataset, got {type(data).__qualname__}"
+            ) from None
     if n < 0:
         raise ConfigError(f"dataset length must be >= 0, got {n}")
     return n
@@ -46,8 +47,15 @@ def _length(data: int | Sized) -> int:
 class ResumableSampler(Sampler[int]):
     """Shuffled (per ``seed + epoch``), rank-strided indices that resume at ``consumed``."""
 
-    def __init__(self, data: int | Sized, shuffle: bool = True, seed: int = 0, rank: int = 0,
-                 world_size: int = 1, drop_last: bool = False):
+    def __init__(
+        self,
+        data: int | Sized,
+        shuffle: bool = True,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        drop_last: bool = False,
+    ):
         if world_size < 1 or not 0 <= rank < world_size:
             raise ConfigError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
         self.n, self.shuffle, self.seed = _length(data), bool(shuffle), int(seed)
@@ -66,12 +74,12 @@ class ResumableSampler(Sampler[int]):
         total = self.num_samples * self.world_size
         if order and len(order) < total:  # pad by wrapping, as DistributedSampler does
             order = (order * math.ceil(total / len(order)))[:total]
-        return order[self.rank:total:self.world_size]
+        return order[self.rank : total : self.world_size]
 
     def __iter__(self) -> Iterator[int]:
         if self.consumed >= self.num_samples > 0:  # the last epoch ran out: go on to the next
             self.set_epoch(self.epoch + 1)
-        return iter(self.epoch_indices(self.epoch)[self.consumed:])
+        return iter(self.epoch_indices(self.epoch)[self.consumed :])
 
     def __len__(self) -> int:
         return self.num_samples - self.consumed
@@ -81,7 +89,8 @@ class ResumableSampler(Sampler[int]):
         if n < 0 or self.consumed + n > self.num_samples:
             raise ConfigError(
                 f"advance({n}) with {self.consumed} of {self.num_samples} samples consumed in epoch "
-                f"{self.epoch} would overrun the epoch; call set_epoch() when an epoch ends")
+                f"{self.epoch} would overrun the epoch; call set_epoch() when an epoch ends"
+            )
         self.consumed += n
 
     def set_epoch(self, epoch: int) -> None:
@@ -99,7 +108,8 @@ class ResumableSampler(Sampler[int]):
         if not 0 <= int(state["consumed"]) <= self.num_samples:
             raise StateMismatchError(
                 f"sampler state has consumed={state['consumed']} but this rank's epoch has "
-                f"{self.num_samples} samples; the dataset length or world size changed")
+                f"{self.num_samples} samples; the dataset length or world size changed"
+            )
         self.epoch, self.seed, self.consumed = int(state["epoch"]), int(state["seed"]), int(state["consumed"])
 
 
@@ -122,8 +132,10 @@ class ResumableLoader:
 
     def __init__(self, loader: DataLoader):
         if loader.batch_size is None:
-            raise ConfigError("ResumableLoader needs a DataLoader with batch_size set; with a custom "
-                              "batch_sampler call sampler.advance(n) yourself after each batch")
+            raise ConfigError(
+                "ResumableLoader needs a DataLoader with batch_size set; with a custom "
+                "batch_sampler call sampler.advance(n) yourself after each batch"
+            )
         self.loader, self.sampler = loader, _find_sampler(loader)
         self._batch_size: int = loader.batch_size
 

@@ -2,6 +2,7 @@
 each rank and agent (never an actor argument, so it is not in any task spec), deleted when
 the job is shut down. Anyone who is a Ray client of the cluster can read it, as Ray assumes
 of its clients (see the threat model in docs/data-plane.md)."""
+
 from __future__ import annotations
 
 import secrets

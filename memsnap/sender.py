@@ -5,6 +5,7 @@ holders with the chunks, and the node's ``NodeReady`` report to the coordinator.
 One snapshot is sent at a time (one parity scratch buffer); the node's layout (its holders
 and their addresses) is cached until the placement changes or a send fails.
 """
+
 from __future__ import annotations
 
 import logging
@@ -60,8 +61,24 @@ class Sender:
       logged when it fails; ``call_all(nodes, method, *args, timeout)``: the holders' agents;
     - ``world()``: the job's world size as this node knows it (None before it joined)."""
 
-    def __init__(self, *, node: str, cfg, lock, versions, slots, transport, codec, budget, counters: dict,
-                 infos: dict, call: Callable, tell: Callable, call_all: Callable, world: Callable[[], int | None]):
+    def __init__(
+        self,
+        *,
+        node: str,
+        cfg,
+        lock,
+        versions,
+        slots,
+        transport,
+        codec,
+        budget,
+        counters: dict,
+        infos: dict,
+        call: Callable,
+        tell: Callable,
+        call_all: Callable,
+        world: Callable[[], int | None],
+    ):
         self.node, self.cfg, self.agent_lock, self.versions, self.slots = node, cfg, lock, versions, slots
         self.transport, self.codec, self.budget, self.counters, self.infos = transport, codec, budget, counters, infos
         self.call, self.tell, self.call_all, self.world = call, tell, call_all, world
@@ -115,8 +132,16 @@ class Sender:
             self.versions.checksummed(v, reg.rank, man.to_json().decode())
             digest.update(v.manifests[reg.rank].encode())
             encs.append(encode.Encoded(reg, data))
-        info = NodeReady(v.step, self.node, v.gen, chunk, tuple(Region(r.rank, r.nbytes, r.stripe_base) for r in regs),
-                         tuple(layout["holders"]), digest.hexdigest(), self.world() or 0)
+        info = NodeReady(
+            v.step,
+            self.node,
+            v.gen,
+            chunk,
+            tuple(Region(r.rank, r.nbytes, r.stripe_base) for r in regs),
+            tuple(layout["holders"]),
+            digest.hexdigest(),
+            self.world() or 0,
+        )
         if layout["holders"]:  # without peers the local copy (and the spill) is all there is
             self._push_all(v.step, encs, layout["addrs"], chunk)
             self._hand_manifests(info, {r: v.manifests[r] for r in local_ranks})
@@ -125,8 +150,15 @@ class Sender:
     def _hand_manifests(self, info: NodeReady, manifests: dict[int, str]) -> None:
         """The ranks' manifests go to every holder with the chunks (a restore on another node
         reads them there); a holder that does not take them fails the step like a lost push."""
-        got = self.call_all(info.holders, "hold_manifests", info.step, self.node, info.to_wire(),
-                            manifests, timeout=tunable("call_timeout_s"))
+        got = self.call_all(
+            info.holders,
+            "hold_manifests",
+            info.step,
+            self.node,
+            info.to_wire(),
+            manifests,
+            timeout=tunable("call_timeout_s"),
+        )
         missing = sorted(set(info.holders) - set(got))
         if missing:
             raise CommitError(f"step {info.step}: holders {[h[:12] for h in missing]} did not take the manifests")
@@ -145,8 +177,9 @@ class Sender:
         total = sum(enc.lay.stripes for enc in encs)
         per = max(1, min(total, int(tunable("parity_window")) // max(1, m * chunk)))
         with ThreadPoolExecutor(max_workers=k + 2 * m) as ex:
-            futures = [ex.submit(push, j, [it for enc in encs for it in enc.items(step, self.node, j)])
-                       for j in range(k)]
+            futures = [
+                ex.submit(push, j, [it for enc in encs for it in enc.items(step, self.node, j)]) for j in range(k)
+            ]
             if m:
                 scratch = self._parity(min(2, -(-total // per)) * per * m * chunk)
                 halves: list[list] = [[], []]

@@ -7,6 +7,7 @@ exits, however it dies (SIGKILL, OOM), so a file nobody holds a lock on belongs 
 that is gone. Files are made under a shared lock on the directory and swept or the directory
 removed under an exclusive one, so a sweep never sees a file between its creation and its lock.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -35,8 +36,10 @@ def check_dir(st: os.stat_result, path: str) -> None:
         raise UnsafeShmError(f"arena directory {path} is not a directory: {fix}")
     mode = stat.S_IMODE(st.st_mode)
     if mode != 0o700:
-        raise UnsafeShmError(f"arena directory {path} has mode {mode:04o}; it must be 0700 so no other "
-                             f"user can read snapshots: chmod 700 {path}, or {fix}")
+        raise UnsafeShmError(
+            f"arena directory {path} has mode {mode:04o}; it must be 0700 so no other "
+            f"user can read snapshots: chmod 700 {path}, or {fix}"
+        )
 
 
 def _planted(st: os.stat_result, path: str) -> str:
@@ -48,11 +51,16 @@ def _planted(st: os.stat_result, path: str) -> str:
         sticky = bool(os.stat(parent).st_mode & stat.S_ISVTX)
     except OSError:
         sticky = False
-    removal = (f"in the sticky {parent} only uid {st.st_uid} or root can remove it" if sticky
-               else "it is not used (remove it as its owner or root)")
-    return (f"set MEMSNAP_SHM_DIR=<a tmpfs directory of yours, e.g. /run/user/{uid}>: the arena "
-            f"directory {path} belongs to uid {st.st_uid}, not to this user (uid {uid}), and is a {kind}; "
-            f"another user may have planted it, and {removal}")
+    removal = (
+        f"in the sticky {parent} only uid {st.st_uid} or root can remove it"
+        if sticky
+        else "it is not used (remove it as its owner or root)"
+    )
+    return (
+        f"set MEMSNAP_SHM_DIR=<a tmpfs directory of yours, e.g. /run/user/{uid}>: the arena "
+        f"directory {path} belongs to uid {st.st_uid}, not to this user (uid {uid}), and is a {kind}; "
+        f"another user may have planted it, and {removal}"
+    )
 
 
 def check_file(st: os.stat_result, path: str) -> None:
@@ -61,11 +69,13 @@ def check_file(st: os.stat_result, path: str) -> None:
     if not stat.S_ISREG(st.st_mode):
         raise UnsafeShmError(f"arena {path} is not a regular file; remove it")
     if st.st_uid != os.geteuid():
-        raise UnsafeShmError(f"arena {path} belongs to uid {st.st_uid}, not to this user "
-                             f"(uid {os.geteuid()}); it is not used: remove it")
+        raise UnsafeShmError(
+            f"arena {path} belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()}); it is not used: remove it"
+        )
     if st.st_mode & 0o077:
-        raise UnsafeShmError(f"arena {path} has mode {stat.S_IMODE(st.st_mode):04o}, readable by "
-                             "other users; it is not used: remove it")
+        raise UnsafeShmError(
+            f"arena {path} has mode {stat.S_IMODE(st.st_mode):04o}, readable by other users; it is not used: remove it"
+        )
 
 
 def open_dir(path: str | None = None, create: bool = True) -> int:
@@ -80,8 +90,10 @@ def open_dir(path: str | None = None, create: bool = True) -> int:
         except FileExistsError:
             pass
         except FileNotFoundError:
-            raise MemsnapError(f"cannot make the arena directory {path}: {os.path.dirname(path)} does "
-                               "not exist; mount a tmpfs there or set MEMSNAP_SHM_DIR") from None
+            raise MemsnapError(
+                f"cannot make the arena directory {path}: {os.path.dirname(path)} does "
+                "not exist; mount a tmpfs there or set MEMSNAP_SHM_DIR"
+            ) from None
     check_dir(os.lstat(path), path)  # a clear error for a symlink (O_NOFOLLOW says only ELOOP)
     fd = os.open(path, _DIR_FLAGS)
     try:

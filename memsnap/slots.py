@@ -5,6 +5,7 @@ lean mode: one staging arena, and with a spill a second one for a step held unti
 Which step's bytes sit in which slot, in which state, is the version table's
 (``versions.Versions``); a slot is free when no version holds it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -27,8 +28,15 @@ class Slots:
 
     ``pinned(step)``: the spill thread is writing ``step`` (it may not be freed)."""
 
-    def __init__(self, cfg: SnapshotConfig, node: str, budget: MemoryBudget, lock: threading.RLock,
-                 versions: Versions, pinned: Callable[[int], bool]):
+    def __init__(
+        self,
+        cfg: SnapshotConfig,
+        node: str,
+        budget: MemoryBudget,
+        lock: threading.RLock,
+        versions: Versions,
+        pinned: Callable[[int], bool],
+    ):
         self.cfg, self.node, self.budget, self.lock = cfg, node, budget, lock
         self.versions, self.pinned = versions, pinned
         self.arenas: dict[tuple[int, int], Arena] = {}
@@ -86,8 +94,11 @@ class Slots:
         is new): create and touch the arena now, while the job gathers for the restore, so the
         fetch lands in memory that is already backed (fresh pages cost as much as the copy)."""
         with self.lock:
-            if rank in self.prepared or rank in self.preparing or any(
-                    r == rank and a.nbytes >= nbytes for (r, _), a in self.arenas.items()):
+            if (
+                rank in self.prepared
+                or rank in self.preparing
+                or any(r == rank and a.nbytes >= nbytes for (r, _), a in self.arenas.items())
+            ):
                 return False
             try:
                 self.budget.charge(nbytes, f"the restore arena of rank {rank}")
@@ -133,8 +144,13 @@ class Slots:
                     self.making.pop(rank, None)
                 done.set()
         if made:
-            log.info("rank %d: %d arena slot(s) of %.1f MiB made and backed ahead of its saves in %.2f s",
-                     rank, made, nbytes / 2**20, time.monotonic() - started)
+            log.info(
+                "rank %d: %d arena slot(s) of %.1f MiB made and backed ahead of its saves in %.2f s",
+                rank,
+                made,
+                nbytes / 2**20,
+                time.monotonic() - started,
+            )
         return made
 
     def _make_ahead(self, rank: int, slot: int, nbytes: int) -> int:
@@ -188,7 +204,7 @@ class Slots:
         """``rank`` left this node: drop its arenas (unlinked, uncharged), its restore arena
         made ahead, and its bytes in every version here. Returns (arenas, bytes) freed."""
         count = nbytes = 0
-        for (r, slot) in [key for key in self.arenas if key[0] == rank]:
+        for r, slot in [key for key in self.arenas if key[0] == rank]:
             nbytes += self.arenas[(r, slot)].nbytes
             self.drop_arena(r, slot)
             count += 1

@@ -16,6 +16,7 @@ Call protocol (every rank of the job, each in its own Ray worker or driver):
      last snapshot, spills it unthrottled and exits the process cleanly (``SystemExit(0)``).
   4. ``snap.status()`` any time; ``snap.close()`` at the end (agents stay up; see ``shutdown``).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -60,10 +61,23 @@ def _get(ref, timeout: float | None = None):
 class Snapshotter:
     """Snapshots of one rank's ``state`` into the job's erasure-coded RAM tier (and spill)."""
 
-    def __init__(self, job: str, rank: int, world_size: int, *, protection: Protection | None = None,
-                 memory: Memory | None = None, spill: Spill | str | None = None, when: When | None = None,
-                 failures: Failures | None = None, wire: Wire | None = None, device: Device | None = None,
-                 optimizers=(), run: str | None = None, **shorthand: Any):
+    def __init__(
+        self,
+        job: str,
+        rank: int,
+        world_size: int,
+        *,
+        protection: Protection | None = None,
+        memory: Memory | None = None,
+        spill: Spill | str | None = None,
+        when: When | None = None,
+        failures: Failures | None = None,
+        wire: Wire | None = None,
+        device: Device | None = None,
+        optimizers=(),
+        run: str | None = None,
+        **shorthand: Any,
+    ):
         """Options come in groups (``memsnap.options``: ``protection``, ``memory``, ``spill``,
         ``when``, ``failures``, ``wire``), or as their flat shorthand keywords (``k=2, m=1,
         spill="s3://...", spill_every=100, every_steps=1, on_error="raise"``, ...).
@@ -72,8 +86,18 @@ class Snapshotter:
         ``MEMSNAP_RUN_ID`` or torchrun's ``TORCHELASTIC_RUN_ID``; without one the job's run id,
         made at its first registration, is taken): a rank of another run that still runs
         under ``job`` is refused."""
-        opts = resolve({"protection": protection, "memory": memory, "spill": spill, "when": when,
-                        "failures": failures, "wire": wire, "device": device}, shorthand)
+        opts = resolve(
+            {
+                "protection": protection,
+                "memory": memory,
+                "spill": spill,
+                "when": when,
+                "failures": failures,
+                "wire": wire,
+                "device": device,
+            },
+            shorthand,
+        )
         if not isinstance(world_size, int) or world_size < 1:
             raise ConfigError(f"world_size={world_size!r}: must be an int >= 1")
         if not isinstance(rank, int) or not 0 <= rank < world_size:
@@ -90,8 +114,10 @@ class Snapshotter:
         # every call goes to this node's agent, which speaks to the coordinator for the node
         self._agent = actors.agent_for(self.config, self.node)
         check_same_job(self.config, _get(self._agent.config.remote()))
-        joined = _get(self._agent.join.remote(rank, world_size, claim.to_wire()),
-                      tunable("membership_timeout_s") + tunable("claim_wait_s") + 60)
+        joined = _get(
+            self._agent.join.remote(rank, world_size, claim.to_wire()),
+            tunable("membership_timeout_s") + tunable("claim_wait_s") + 60,
+        )
         self.run: str | None = joined.get("run")  # the run id this rank registered under
         # A peer restore reads straight into this rank's tensors over TCP; through the object
         # store it goes through the agent, whose arena is backed early on a new node.
@@ -109,10 +135,21 @@ class Snapshotter:
         self.last_plan: RankPlan | None = None  # this rank's part of the last restore plan
         self._durable_run: str | None = None  # the run that spilled the step a durable restore read
         self.last_error: str | None = None
-        self._policy = Scheduler(Policy(every_steps=wh.every_steps, every_seconds=wh.every_seconds, auto=wh.auto,
-                                        mtbf_hours=wh.mtbf_hours, nodes=world_size), start_step=-1)
-        self._guard = None if fail.max_staleness_steps is None else StalenessGuard(
-            fail.max_staleness_steps, start_step=-1, setting="max_staleness_steps")
+        self._policy = Scheduler(
+            Policy(
+                every_steps=wh.every_steps,
+                every_seconds=wh.every_seconds,
+                auto=wh.auto,
+                mtbf_hours=wh.mtbf_hours,
+                nodes=world_size,
+            ),
+            start_step=-1,
+        )
+        self._guard = (
+            None
+            if fail.max_staleness_steps is None
+            else StalenessGuard(fail.max_staleness_steps, start_step=-1, setting="max_staleness_steps")
+        )
         self._on_error = fail.on_error
         self._optimizers = list(optimizers)
         self._cuda: SideStreamCapture | None = None
@@ -151,10 +188,17 @@ class Snapshotter:
         from memsnap.preempt import PreemptionWatcher
 
         try:
-            return PreemptionWatcher(lambda deadline: log.warning(
-                "rank %d: preemption notice (%.0f s left): the next save takes a last snapshot, "
-                "spills it and exits", self.rank, deadline), grace_seconds=grace_s,
-                poll_seconds=tunable("preemption_poll_s"), node_id=self.node).start()
+            return PreemptionWatcher(
+                lambda deadline: log.warning(
+                    "rank %d: preemption notice (%.0f s left): the next save takes a last snapshot, "
+                    "spills it and exits",
+                    self.rank,
+                    deadline,
+                ),
+                grace_seconds=grace_s,
+                poll_seconds=tunable("preemption_poll_s"),
+                node_id=self.node,
+            ).start()
         except Exception as exc:  # never let the watcher stop training from starting
             log.warning("rank %d: preemption watcher not started: %s", self.rank, exc)
             return None
@@ -169,8 +213,9 @@ class Snapshotter:
             answer = self._ask("members", timeout, timeout=timeout + 60)
             self._local, self.peers = answer["ranks"], answer["peers"]
             if not self.peers and self.rank == min(self._local, default=self.rank):
-                log.warning("memsnap job %r: no peer protection on this node's ranks (%s)", self.config.job,
-                            answer["why"])
+                log.warning(
+                    "memsnap job %r: no peer protection on this node's ranks (%s)", self.config.job, answer["why"]
+                )
         return self._local
 
     def _map(self, path: str, nbytes: int) -> memoryview:
@@ -239,8 +284,9 @@ class Snapshotter:
             raise ConfigError(f"step={step!r}: must be an int >= 0")
         local = self._local_ranks()
         layout, sources = self._plan.plan(state)
-        info = _get(self._agent.begin.remote(step, self.rank, layout.nbytes, wait_s),
-                    timeout=tunable("call_timeout_s") + wait_s)
+        info = _get(
+            self._agent.begin.remote(step, self.rank, layout.nbytes, wait_s), timeout=tunable("call_timeout_s") + wait_s
+        )
         if "skipped" in info:
             log.debug("rank %d: step %d skipped: %s", self.rank, step, info["skipped"])
             return False
@@ -265,16 +311,16 @@ class Snapshotter:
         if path not in self._pins:
             self._pins[path] = cuda_capture.HostRegistration(out)
         manifest_json = layout.to_json().decode()
-        self._cuda.start(layout, sources, out, on_done=lambda: self._agent.captured.remote(
-            step, self.rank, manifest_json, local))
+        self._cuda.start(
+            layout, sources, out, on_done=lambda: self._agent.captured.remote(step, self.rank, manifest_json, local)
+        )
 
     # --- the device tier (opt-in; memsnap.device.runtime) ----------------------------------------
     def _device_side(self):
         if self._device is None:
             from memsnap.device.runtime import RankDevice
 
-            self._device = RankDevice(self._agent, self.rank, self.options["device"].backend,
-                                      self._optimizers, _get)
+            self._device = RankDevice(self._agent, self.rank, self.options["device"].backend, self._optimizers, _get)
         return self._device
 
     def _save_device(self, step, layout, sources, local) -> bool:
@@ -298,13 +344,21 @@ class Snapshotter:
         log.warning("rank %d: preempted; last snapshot of step %d, %.0f s left", self.rank, step, left)
         try:  # a busy pipeline is waited for, a third of the time left at most
             if not self._save(step, state, wait_s=(deadline - time.monotonic()) / 3):
-                log.warning("rank %d: no slot freed for the last snapshot of step %d in time; spilling "
-                            "the newest committed step instead", self.rank, step)
+                log.warning(
+                    "rank %d: no slot freed for the last snapshot of step %d in time; spilling "
+                    "the newest committed step instead",
+                    self.rank,
+                    step,
+                )
         except Exception as exc:  # still spill the newest committed step and exit cleanly
             self.counters["failed_saves"] += 1
             self.last_error = f"step {step}: {type(exc).__name__}: {exc}"
-            log.warning("rank %d: last snapshot of step %d failed (%s); spilling the newest committed "
-                        "step instead", self.rank, step, exc)
+            log.warning(
+                "rank %d: last snapshot of step %d failed (%s); spilling the newest committed step instead",
+                self.rank,
+                step,
+                exc,
+            )
         if self._cuda is not None:
             self._cuda.wait()
         if self._device is not None:
@@ -357,7 +411,8 @@ class Snapshotter:
             if result["ok"] and self._dirty and plan.tier == "none":
                 raise MemsnapError(
                     f"rank {self.rank}: a restore from peers failed after it had begun writing into the "
-                    "live state, and no other copy can be loaded; rebuild the state and call restore again")
+                    "live state, and no other copy can be loaded; rebuild the state and call restore again"
+                )
             if result["ok"]:
                 self._dirty = False
                 _get(self._agent.resume.remote(plan.step, result["gen"]))
@@ -365,8 +420,11 @@ class Snapshotter:
                 seconds["total"] = time.perf_counter() - t0
                 assert tier is not None  # the round is ok only when every rank loaded
                 return self._restored(plan, tier, seconds)
-        raise error if error is not None else MemsnapError(f"restore failed on ranks {sorted(result['failed'])}: "
-                                                f"{result['failed']}")
+        raise (
+            error
+            if error is not None
+            else MemsnapError(f"restore failed on ranks {sorted(result['failed'])}: {result['failed']}")
+        )
 
     def _ready_slots(self, state) -> None:
         """Have the agent make and back this rank's arena slots now, in the background, so that
@@ -388,12 +446,19 @@ class Snapshotter:
             self._guard.start_step = resumed
         if plan.plan == "durable":
             wrote = self.last_restore.get("run")
-            msg = (f"memsnap: restored step {plan.step} from durable storage {plan.spill}"
-                   f"{f' (spilled by run {wrote!r})' if wrote else ''}: the RAM tiers could not serve every rank")
+            msg = (
+                f"memsnap: restored step {plan.step} from durable storage {plan.spill}"
+                f"{f' (spilled by run {wrote!r})' if wrote else ''}: the RAM tiers could not serve every rank"
+            )
             self.last_restore["warning"] = msg
             warnings.warn(msg, RuntimeWarning, stacklevel=3)
-        log.info("rank %d restored step %s from %s in %s", self.rank, plan.step, tier,
-                 {k: round(v, 3) for k, v in seconds.items()})
+        log.info(
+            "rank %d restored step %s from %s in %s",
+            self.rank,
+            plan.step,
+            tier,
+            {k: round(v, 3) for k, v in seconds.items()},
+        )
         return plan.step
 
     def _load(self, plan: RankPlan, state, seconds: dict) -> str:
@@ -440,8 +505,9 @@ class Snapshotter:
             from memsnap.agent import codec_for
             from memsnap.transport import make_transport
 
-            client = make_transport("tcp", secret=self._secret, host=ray.util.get_node_ip_address(),
-                                    **tcp_options(self.config))
+            client = make_transport(
+                "tcp", secret=self._secret, host=ray.util.get_node_ip_address(), **tcp_options(self.config)
+            )
             self._receiver = receive.Peers(client, codec_for(self.config.k, self.config.m))
         return self._receiver
 
@@ -476,8 +542,10 @@ class Snapshotter:
         from memsnap.capture import plan as layout_of
 
         if not self._direct:
-            raise ConfigError("an elastic restore from RAM reads the saved ranks over the tcp transport; with "
-                              f"transport={self.config.transport!r} it loads from durable storage instead")
+            raise ConfigError(
+                "an elastic restore from RAM reads the saved ranks over the tcp transport; with "
+                f"transport={self.config.transport!r} it loads from durable storage instead"
+            )
         t = time.perf_counter()
         refs = [self._agent.manifest.remote(plan.step, src.rank, src.to_wire()) for src in plan.sources]
         manifests = [_get(ref) for ref in refs]
@@ -490,8 +558,14 @@ class Snapshotter:
         t = time.perf_counter()
         apply(state, man, buf, verify=False)  # (every tensor read was checked against its checksum)
         seconds["apply"] = time.perf_counter() - t
-        log.info("rank %d: step %d resharded from %d saved ranks in RAM (read %s of them, %.1f MiB)", self.rank,
-                 plan.step, len(plan.sources), stats["ranks_read"], stats["bytes"] / 2**20)
+        log.info(
+            "rank %d: step %d resharded from %d saved ranks in RAM (read %s of them, %.1f MiB)",
+            self.rank,
+            plan.step,
+            len(plan.sources),
+            stats["ranks_read"],
+            stats["bytes"] / 2**20,
+        )
         return "elastic"
 
     def _load_durable(self, plan: RankPlan, state, seconds: dict) -> str:
@@ -573,9 +647,11 @@ def check_same_job(mine: SnapshotConfig, running: dict) -> None:
     diff = {k: (getattr(theirs, k), v) for k, v in mine.to_dict().items() if getattr(theirs, k) != v}
     if diff:
         fields_ = ", ".join(f"{k}={new!r} (running: {old!r})" for k, (old, new) in sorted(diff.items()))
-        raise ConfigError(f"job {mine.job!r} is already running with another configuration: {fields_}. "
-                          f"Use the same options, another job name, or stop the old one first with "
-                          f"memsnap.shutdown({mine.job!r})")
+        raise ConfigError(
+            f"job {mine.job!r} is already running with another configuration: {fields_}. "
+            f"Use the same options, another job name, or stop the old one first with "
+            f"memsnap.shutdown({mine.job!r})"
+        )
 
 
 def job_config(job: str, opts: dict) -> SnapshotConfig:
@@ -583,11 +659,25 @@ def job_config(job: str, opts: dict) -> SnapshotConfig:
     pro, mem, sp, wi = opts["protection"], opts["memory"], opts["spill"], opts["wire"]
     dev = opts["device"]
     uri = None if sp.uri is None else sp.uri.replace("{job}", job)  # each job (a Tune trial) its own directory
-    return SnapshotConfig(job, k=pro.k, m=pro.m, group_size=pro.group_size, local_copy=pro.local_copy,
-                          peers=pro.peers, keep=mem.keep, memory_budget=mem.budget, spill=uri,
-                          spill_every=sp.every, spill_every_seconds=sp.every_seconds,
-                          spill_bytes_per_s=sp.bytes_per_s, transport=wi.transport, chunk=wi.chunk,
-                          wire=wi.mode, device_buffer=dev.buffer, device_backend=dev.backend)
+    return SnapshotConfig(
+        job,
+        k=pro.k,
+        m=pro.m,
+        group_size=pro.group_size,
+        local_copy=pro.local_copy,
+        peers=pro.peers,
+        keep=mem.keep,
+        memory_budget=mem.budget,
+        spill=uri,
+        spill_every=sp.every,
+        spill_every_seconds=sp.every_seconds,
+        spill_bytes_per_s=sp.bytes_per_s,
+        transport=wi.transport,
+        chunk=wi.chunk,
+        wire=wi.mode,
+        device_buffer=dev.buffer,
+        device_backend=dev.backend,
+    )
 
 
 def start_spare(job: str, node_id: str, **options: Any):

@@ -9,6 +9,7 @@ step is written. The version is pinned (not freed) while it is written. A failur
 full, permission, network) is logged and counted and the step is retried; it never touches
 the in-memory tier. A newer due step replaces an older one that has not started.
 """
+
 from __future__ import annotations
 
 import logging

@@ -24,6 +24,7 @@ and a planted symlink is never followed), fsynced, renamed and the directory fsy
 is uploaded last. A crash at any point therefore leaves either the previous committed step
 or the new one, never a readable half.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -206,15 +207,17 @@ def resolve(uri: str, endpoint: str | None = None) -> tuple[pafs.FileSystem, str
     if scheme == "s3" and endpoint:
         ep_scheme, _, host = endpoint.rpartition("://")
         fs = pafs.S3FileSystem(
-            endpoint_override=host.rstrip("/"), scheme=ep_scheme or "https",
+            endpoint_override=host.rstrip("/"),
+            scheme=ep_scheme or "https",
             region=os.environ.get("AWS_REGION", os.environ.get("AWS_DEFAULT_REGION", "us-east-1")),
         )
         return fs, rest.rstrip("/")
     try:
         return pafs.FileSystem.from_uri(uri)
     except Exception as exc:
-        raise ValueError(f"cannot open storage URI {uri!r}: {exc}; use a local path or "
-                         "file://, s3://, gs://, hdfs:// URI") from exc
+        raise ValueError(
+            f"cannot open storage URI {uri!r}: {exc}; use a local path or file://, s3://, gs://, hdfs:// URI"
+        ) from exc
 
 
 class Store:
@@ -236,14 +239,24 @@ class Store:
         return d if name is None else f"{d}/{name}"
 
     # --- writing ---------------------------------------------------------------------------
-    def write_rank(self, step: int, rank: int, manifest: Manifest, buf, *,
-                   throttle_bps: float | None = None, progress: Progress | None = None) -> RankRecord:
+    def write_rank(
+        self,
+        step: int,
+        rank: int,
+        manifest: Manifest,
+        buf,
+        *,
+        throttle_bps: float | None = None,
+        progress: Progress | None = None,
+    ) -> RankRecord:
         """(all ranks) Write ``buf`` and ``manifest`` as this rank's files of ``step`` (the
         checksums of tensors the manifest has none for computed from ``buf``)."""
         mv = memoryview(buf).cast("B")
         if mv.nbytes < manifest.nbytes:
-            raise ValueError(f"buffer has {mv.nbytes} bytes but the manifest says {manifest.nbytes}; "
-                             "pass the buffer capture() returned with this manifest")
+            raise ValueError(
+                f"buffer has {mv.nbytes} bytes but the manifest says {manifest.nbytes}; "
+                "pass the buffer capture() returned with this manifest"
+            )
         mv = mv[: manifest.nbytes]
         if any(t.alias_of is None and t.checksum is None for t in manifest.tensors):
             manifest = fill_checksums(manifest, mv)  # every stored tensor's checksum is recorded
@@ -253,8 +266,15 @@ class Store:
         digest = self._write(bin_path, slices(mv), mv.nbytes, _Throttle(throttle_bps), progress)
         return self._write_manifest(step, rank, manifest, digest, tag)
 
-    def write_rank_stream(self, step: int, rank: int, stream: RankStream, *,
-                          throttle_bps: float | None = None, progress: Progress | None = None) -> RankRecord:
+    def write_rank_stream(
+        self,
+        step: int,
+        rank: int,
+        stream: RankStream,
+        *,
+        throttle_bps: float | None = None,
+        progress: Progress | None = None,
+    ) -> RankRecord:
         """(all ranks) Like ``write_rank``, with the data file written piece by piece as
         ``stream`` yields it (no staging buffer), and the manifest (with the per-tensor
         checksums the stream computed on the way) written after it."""
@@ -264,17 +284,17 @@ class Store:
         digest = self._write(bin_path, iter(stream), stream.nbytes, _Throttle(throttle_bps), progress)
         return self._write_manifest(step, rank, stream.manifest(), digest, tag)
 
-    def _write_manifest(self, step: int, rank: int, manifest: Manifest, digest: str,
-                        tag: str | None) -> RankRecord:
+    def _write_manifest(self, step: int, rank: int, manifest: Manifest, digest: str, tag: str | None) -> RankRecord:
         """Write the rank's manifest, recording its data file's size and ``digest``."""
         missing = [t.path for t in manifest.tensors if t.alias_of is None and t.checksum is None]
         if missing:
-            raise ValueError(f"rank {rank}'s manifest has no checksum for {missing[:3]}; a stored "
-                             "tensor always has one (fill_checksums)")
+            raise ValueError(
+                f"rank {rank}'s manifest has no checksum for {missing[:3]}; a stored "
+                "tensor always has one (fill_checksums)"
+            )
         meta = dict(manifest.meta, data_file={"bytes": manifest.nbytes, "xxh3": digest})
         raw = Manifest(manifest.tensors, manifest.tree, manifest.nbytes, meta).to_json()
-        self._write(self.path(step, rank_name(rank, "json", tag)), [memoryview(raw)], len(raw),
-                    _Throttle(None), None)
+        self._write(self.path(step, rank_name(rank, "json", tag)), [memoryview(raw)], len(raw), _Throttle(None), None)
         return RankRecord(rank, manifest.nbytes, digest, len(raw), xxhash.xxh3_64_hexdigest(raw))
 
     def _write_tag(self, step: int) -> str | None:
@@ -298,8 +318,15 @@ class Store:
         ranks = [self._rank_record(step, r, tag).to_dict() for r in range(world_size)]
         history = self.history()
         lineage = _next_lineage(step, history, _RESUMED.get(self.key))
-        doc = {"format": "memsnap", "version": 1, "step": step, "world_size": world_size,
-               "metadata": metadata or {}, "ranks": ranks, "lineage": lineage.to_dict()}
+        doc = {
+            "format": "memsnap",
+            "version": 1,
+            "step": step,
+            "world_size": world_size,
+            "metadata": metadata or {},
+            "ranks": ranks,
+            "lineage": lineage.to_dict(),
+        }
         if tag is not None:
             doc["files"] = tag
         raw = json.dumps(doc, indent=1, allow_nan=False).encode()
@@ -317,13 +344,16 @@ class Store:
         try:
             raw = self._read_small(jpath)
         except FileNotFoundError as exc:
-            raise StorageError(f"cannot commit step {step}: rank {rank} has not written {jpath}; "
-                               "call commit only after every rank's write_rank returned") from exc
+            raise StorageError(
+                f"cannot commit step {step}: rank {rank} has not written {jpath}; "
+                "call commit only after every rank's write_rank returned"
+            ) from exc
         data = json.loads(raw)["meta"]["data_file"]
         size = self.fs.get_file_info(bpath).size
         if size != data["bytes"]:
-            raise StorageError(f"cannot commit step {step}: {bpath} "
-                               f"has {size} bytes, its manifest says {data['bytes']}")
+            raise StorageError(
+                f"cannot commit step {step}: {bpath} has {size} bytes, its manifest says {data['bytes']}"
+            )
         return RankRecord(rank, data["bytes"], data["xxh3"], len(raw), xxhash.xxh3_64_hexdigest(raw))
 
     def _drop_replaced(self, step: int, live: set[str]) -> None:
@@ -341,10 +371,13 @@ class Store:
             return
         _WARNED.add((self.key, lineage.id))
         top = max(newer)
-        warnings.warn(f"saving step {step} behind newer committed step {top} of another lineage "
-                      f"under {self.uri}; load(step=None) will resume this lineage; step {top} is "
-                      "kept until this lineage has keep_last steps of its own (retention) or it is "
-                      "deleted by hand", stacklevel=4)
+        warnings.warn(
+            f"saving step {step} behind newer committed step {top} of another lineage "
+            f"under {self.uri}; load(step=None) will resume this lineage; step {top} is "
+            "kept until this lineage has keep_last steps of its own (retention) or it is "
+            "deleted by hand",
+            stacklevel=4,
+        )
 
     def resumed(self, step: int) -> None:
         """Record that this process's run continues from ``step`` (``load`` calls it): the
@@ -361,8 +394,9 @@ class Store:
         start = _RESUMED.get(self.key, _head_of(history).step)
         return step in _chain(_parents(history), start)
 
-    def _write(self, path: str, parts: Iterable[memoryview], nbytes: int, throttle: _Throttle,
-               progress: Progress | None) -> str:
+    def _write(
+        self, path: str, parts: Iterable[memoryview], nbytes: int, throttle: _Throttle, progress: Progress | None
+    ) -> str:
         """Write ``parts`` (``nbytes`` in all) as ``path``; return the whole file's xxh3."""
         try:
             if self.local:
@@ -453,8 +487,7 @@ class Store:
         step committed last), or a damaged one numbered beyond it (see ``resume_order``)."""
         order = self.resume_order()
         if not order:
-            raise SnapshotNotFoundError(f"no committed step under {self.uri}; save one first "
-                                        "(or check the URI)")
+            raise SnapshotNotFoundError(f"no committed step under {self.uri}; save one first (or check the URI)")
         return order[0]
 
     def marker(self, step: int) -> dict:
@@ -466,8 +499,9 @@ class Store:
             raw = self._read_small(path, validate.MAX_MARKER_BYTES)
         except FileNotFoundError:
             have = self.steps()
-            raise SnapshotNotFoundError(f"step {step} is not committed under {self.uri} "
-                                        f"(committed steps: {have[-10:] or 'none'})") from None
+            raise SnapshotNotFoundError(
+                f"step {step} is not committed under {self.uri} (committed steps: {have[-10:] or 'none'})"
+            ) from None
         except ChecksumError as exc:  # nothing to compare against: the marker itself is damaged
             raise FormatError(str(exc)) from None
         doc = validate.marker(validate.parse_json(raw, path), step, path)
@@ -494,29 +528,44 @@ class Store:
         try:
             raw = self._read_small(path, validate.MAX_MANIFEST_BYTES, size=rec["json_bytes"])
         except FileNotFoundError:
-            raise ChecksumError(f"{path} is missing although step {step} is committed; the step is "
-                                "damaged, load another step or copy") from None
+            raise ChecksumError(
+                f"{path} is missing although step {step} is committed; the step is damaged, load another step or copy"
+            ) from None
         if xxhash.xxh3_64_hexdigest(raw) != rec["json_xxh3"]:
-            raise ChecksumError(f"{path} is corrupted: {len(raw)} bytes, xxh3 "
-                                f"{xxhash.xxh3_64_hexdigest(raw)}; COMMITTED recorded "
-                                f"{rec['json_bytes']} bytes, xxh3 {rec['json_xxh3']}")
+            raise ChecksumError(
+                f"{path} is corrupted: {len(raw)} bytes, xxh3 "
+                f"{xxhash.xxh3_64_hexdigest(raw)}; COMMITTED recorded "
+                f"{rec['json_bytes']} bytes, xxh3 {rec['json_xxh3']}"
+            )
         manifest = Manifest.from_json(raw, path)
         if manifest.nbytes != rec["bin_bytes"]:
-            raise FormatError(f"{path}: describes a {manifest.nbytes}-byte buffer but COMMITTED records "
-                              f"{rec['bin_bytes']} bytes for its data file; the step is damaged, load "
-                              "another step or copy")
+            raise FormatError(
+                f"{path}: describes a {manifest.nbytes}-byte buffer but COMMITTED records "
+                f"{rec['bin_bytes']} bytes for its data file; the step is damaged, load "
+                "another step or copy"
+            )
         validate.stored_checksums(manifest, path)
         return manifest
 
     def _record(self, marker: dict, rank: int) -> dict:
         ranks = marker["ranks"]
         if not 0 <= rank < len(ranks):
-            raise ConfigError(f"rank {rank} out of range: step {marker['step']} was saved by "
-                              f"{len(ranks)} ranks; pass a rank in 0..{len(ranks) - 1}")
+            raise ConfigError(
+                f"rank {rank} out of range: step {marker['step']} was saved by "
+                f"{len(ranks)} ranks; pass a rank in 0..{len(ranks) - 1}"
+            )
         return ranks[rank]
 
-    def read_rank(self, step: int, rank: int, *, marker: dict | None = None, manifest: Manifest | None = None,
-                  out=None, progress: Progress | None = None) -> tuple[Manifest, memoryview]:
+    def read_rank(
+        self,
+        step: int,
+        rank: int,
+        *,
+        marker: dict | None = None,
+        manifest: Manifest | None = None,
+        out=None,
+        progress: Progress | None = None,
+    ) -> tuple[Manifest, memoryview]:
         """The one verified read of a rank's files, which every reader goes through (load,
         resharding, ``verify``, ``export``, ``average``): its manifest (``manifest``, the one
         ``Store.manifest`` gave for this marker, or read now) and its data file's bytes, read
@@ -539,23 +588,28 @@ class Store:
             else:
                 data = self._read_checked(path, rec["bin_bytes"], out, check, progress)
         except FileNotFoundError:
-            raise ChecksumError(f"{path} is missing although step {step} is committed; the step is "
-                                "damaged, load another step or copy") from None
+            raise ChecksumError(
+                f"{path} is missing although step {step} is committed; the step is damaged, load another step or copy"
+            ) from None
         except OSError as exc:
             if isinstance(exc, StorageError):
                 raise
-            raise ChecksumError(f"{path} cannot be read: {exc.strerror or exc}; the step is damaged "
-                                "or the storage unreachable, load another step or copy") from None
+            raise ChecksumError(
+                f"{path} cannot be read: {exc.strerror or exc}; the step is damaged "
+                "or the storage unreachable, load another step or copy"
+            ) from None
         check.finish()
         return manifest, data
 
-    def read_rank_into(self, step: int, rank: int, out, *, marker: dict | None = None,
-                       progress: Progress | None = None) -> None:
+    def read_rank_into(
+        self, step: int, rank: int, out, *, marker: dict | None = None, progress: Progress | None = None
+    ) -> None:
         """Read rank ``rank``'s data file of ``step`` into ``out``, verified like ``read_rank``."""
         self.read_rank(step, rank, marker=marker, out=out, progress=progress)
 
-    def map_rank(self, step: int, rank: int, *, marker: dict | None = None,
-                 progress: Progress | None = None) -> memoryview:
+    def map_rank(
+        self, step: int, rank: int, *, marker: dict | None = None, progress: Progress | None = None
+    ) -> memoryview:
         """Rank ``rank``'s data file of ``step``, verified like ``read_rank`` (on a local disk
         mapped copy-on-write)."""
         return self.read_rank(step, rank, marker=marker, progress=progress)[1]
@@ -573,13 +627,12 @@ class Store:
             mapped.madvise(mmap.MADV_WILLNEED)
         mv = memoryview(mapped)
         for start in range(0, size, IO_CHUNK):
-            check.feed(start, mv[start:start + IO_CHUNK])
+            check.feed(start, mv[start : start + IO_CHUNK])
             if progress:
                 progress(min(start + IO_CHUNK, size), size)
         return mv
 
-    def _read_checked(self, path: str, size: int, out, check: _Verifier,
-                      progress: Progress | None) -> memoryview:
+    def _read_checked(self, path: str, size: int, out, check: _Verifier, progress: Progress | None) -> memoryview:
         """Open ``path`` as a regular file of ``size`` bytes, then read it into ``out`` (or a
         new buffer of that size), feeding ``check`` as the pieces arrive."""
         with self._open_data(path, size) as (f, _):
@@ -588,14 +641,15 @@ class Store:
             else:
                 mv = memoryview(out).cast("B")
                 if mv.nbytes != size:
-                    raise ConfigError(f"destination has {mv.nbytes} bytes, {path} holds {size}; "
-                                      "pass a buffer of the size COMMITTED records")
+                    raise ConfigError(
+                        f"destination has {mv.nbytes} bytes, {path} holds {size}; "
+                        "pass a buffer of the size COMMITTED records"
+                    )
             for start in range(0, size, IO_CHUNK):
-                part = mv[start:start + IO_CHUNK]
+                part = mv[start : start + IO_CHUNK]
                 got = _readinto_full(f, part)
                 if got != part.nbytes:
-                    raise ChecksumError(f"{path} is truncated: ended {start + got} bytes in, "
-                                        f"{size} expected")
+                    raise ChecksumError(f"{path} is truncated: ended {start + got} bytes in, {size} expected")
                 check.feed(start, part)
                 if progress:
                     progress(start + got, size)
@@ -621,11 +675,13 @@ class Store:
         if info.type == pafs.FileType.NotFound:
             raise FileNotFoundError(errno.ENOENT, "no such file", path)
         if info.type != pafs.FileType.File:
-            raise ChecksumError(f"{path} is not a regular file ({info.type.name}); the step is damaged, "
-                                "load another step or copy")
+            raise ChecksumError(
+                f"{path} is not a regular file ({info.type.name}); the step is damaged, load another step or copy"
+            )
         if size is not None and info.size != size:
-            raise ChecksumError(f"{path} is truncated or damaged: {info.size} bytes on storage, "
-                                f"COMMITTED recorded {size}")
+            raise ChecksumError(
+                f"{path} is truncated or damaged: {info.size} bytes on storage, COMMITTED recorded {size}"
+            )
         with self.fs.open_input_file(path) as f:
             yield f, info.size
 
@@ -638,8 +694,7 @@ class Store:
             f.seek(offset)
             got = _readinto_full(f, mv)
         if got != mv.nbytes:
-            raise ChecksumError(f"{path} is truncated: ended {offset + got} bytes in, "
-                                f"{offset + mv.nbytes} expected")
+            raise ChecksumError(f"{path} is truncated: ended {offset + got} bytes in, {offset + mv.nbytes} expected")
 
     def _read_small(self, path: str, limit: int = validate.MAX_MANIFEST_BYTES, size: int | None = None) -> bytes:
         """The whole of a small file (a marker or a manifest): a regular file, never read
@@ -649,19 +704,25 @@ class Store:
         try:
             with self._open_data(path, size) as (f, have):
                 if have > limit:
-                    raise ChecksumError(f"{path} has {have} bytes, more than the {limit} memsnap reads "
-                                        "for such a file; the step is damaged or was not written by memsnap")
+                    raise ChecksumError(
+                        f"{path} has {have} bytes, more than the {limit} memsnap reads "
+                        "for such a file; the step is damaged or was not written by memsnap"
+                    )
                 raw = _read_upto(f, have + 1)  # one byte more: a file that grew is caught
         except FileNotFoundError:
             raise
         except OSError as exc:
             if isinstance(exc, StorageError):
                 raise
-            raise ChecksumError(f"{path} cannot be read: {exc.strerror or exc}; the step is damaged "
-                                "or the storage unreachable, load another step or copy") from None
+            raise ChecksumError(
+                f"{path} cannot be read: {exc.strerror or exc}; the step is damaged "
+                "or the storage unreachable, load another step or copy"
+            ) from None
         if len(raw) != have:
-            raise ChecksumError(f"{path} changed while it was read ({len(raw)} bytes read, {have} "
-                                "expected); the step is damaged, load another step or copy")
+            raise ChecksumError(
+                f"{path} changed while it was read ({len(raw)} bytes read, {have} "
+                "expected); the step is damaged, load another step or copy"
+            )
         return raw
 
     # --- pruning ---------------------------------------------------------------------------
@@ -694,7 +755,7 @@ def _kept(history: list[Commit], policy: Retention) -> set[int]:
     damaged marker numbered beyond the newest commit: its lineage is unknown)."""
     head = _head_of(history)
     own = _chain(_parents(history), head.step, stop=head.lineage.base)
-    keep = set(own[:policy.keep_last])
+    keep = set(own[: policy.keep_last])
     if head.lineage.base is not None:
         keep.add(head.lineage.base)
     if len(own) < policy.keep_last:
@@ -765,8 +826,10 @@ def _files_tag(marker: dict, where: str) -> str | None:
     """The name tag a marker gives its rank files (None: the plain names)."""
     tag = marker.get("files")
     if tag is not None and not (isinstance(tag, str) and _TAG_RE.fullmatch(tag)):
-        raise FormatError(f"{where} files: must be 'r' and 16 hex digits, the name tag of the "
-                          f"step's rank files, got {tag!r}; the step is damaged, load another step")
+        raise FormatError(
+            f"{where} files: must be 'r' and 16 hex digits, the name tag of the "
+            f"step's rank files, got {tag!r}; the step is damaged, load another step"
+        )
     return tag
 
 
@@ -809,20 +872,23 @@ def _open_local(path: str) -> int:
             os.close(dfd)
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-            raise ChecksumError(f"{path} (or its step directory) is a symlink or not a file; memsnap "
-                                "reads no file through a symlink: the step is damaged or was not "
-                                "written by memsnap, load another step or copy") from None
+            raise ChecksumError(
+                f"{path} (or its step directory) is a symlink or not a file; memsnap "
+                "reads no file through a symlink: the step is damaged or was not "
+                "written by memsnap, load another step or copy"
+            ) from None
         raise
 
 
 def _regular(path: str, st: os.stat_result, size: int | None) -> None:
     """``st`` is that of a regular file of ``size`` bytes (when given), or ChecksumError."""
     if not stat.S_ISREG(st.st_mode):
-        raise ChecksumError(f"{path} is not a regular file; the step is damaged or was not written by "
-                            "memsnap, load another step or copy")
+        raise ChecksumError(
+            f"{path} is not a regular file; the step is damaged or was not written by "
+            "memsnap, load another step or copy"
+        )
     if size is not None and st.st_size != size:
-        raise ChecksumError(f"{path} is truncated or damaged: {st.st_size} bytes on storage, "
-                            f"COMMITTED recorded {size}")
+        raise ChecksumError(f"{path} is truncated or damaged: {st.st_size} bytes on storage, COMMITTED recorded {size}")
 
 
 def _allocate(path: str, size: int) -> memoryview:
@@ -830,8 +896,10 @@ def _allocate(path: str, size: int) -> memoryview:
     try:
         return memoryview(np.empty(size, dtype=np.uint8)).cast("B")  # type: ignore[arg-type]  # numpy declares __buffer__ only from 3.12
     except (MemoryError, ValueError) as exc:
-        raise StorageError(f"cannot allocate {size} bytes to read {path}: {exc or 'out of memory'}; "
-                           "free memory, or load on a machine with more") from None
+        raise StorageError(
+            f"cannot allocate {size} bytes to read {path}: {exc or 'out of memory'}; "
+            "free memory, or load on a machine with more"
+        ) from None
 
 
 class _Verifier:
@@ -842,8 +910,9 @@ class _Verifier:
     def __init__(self, path: str, manifest: Manifest, rec: dict):
         self.path, self.manifest, self.rec = path, manifest, rec
         self.whole = xxhash.xxh3_64()
-        self.spans = sorted((t.offset, t.offset + t.nbytes, i) for i, t in enumerate(manifest.tensors)
-                            if t.alias_of is None)
+        self.spans = sorted(
+            (t.offset, t.offset + t.nbytes, i) for i, t in enumerate(manifest.tensors) if t.alias_of is None
+        )
         self.open: list[tuple[int, int, int, Any]] = []  # (lo, hi, tensor, its xxh3 so far)
         self.next, self.done = 0, 0
 
@@ -856,12 +925,12 @@ class _Verifier:
             lo, hi, i = spans[self.next]
             self.next += 1
             if hi <= end:  # wholly inside this piece: one call
-                self._check(i, xxhash.xxh3_64_hexdigest(piece[lo - start:hi - start]))
+                self._check(i, xxhash.xxh3_64_hexdigest(piece[lo - start : hi - start]))
             else:
                 self.open.append((lo, hi, i, xxhash.xxh3_64()))
         still = []
         for lo, hi, i, h in self.open:
-            h.update(piece[max(lo, start) - start:min(hi, end) - start])
+            h.update(piece[max(lo, start) - start : min(hi, end) - start])
             if hi <= end:
                 self._check(i, h.hexdigest())
             else:
@@ -871,19 +940,20 @@ class _Verifier:
     def finish(self) -> None:
         """After the last byte: the file's checksum, and the tensors not checked yet (empty
         ones at the very end)."""
-        for _lo, _hi, i in self.spans[self.next:]:
+        for _lo, _hi, i in self.spans[self.next :]:
             self._check(i, xxhash.xxh3_64_hexdigest(b""))
         digest = self.whole.hexdigest()
         if digest != self.rec["bin_xxh3"]:
-            raise ChecksumError(f"{self.path} is corrupted: xxh3 {digest}, COMMITTED recorded "
-                                f"{self.rec['bin_xxh3']}")
+            raise ChecksumError(f"{self.path} is corrupted: xxh3 {digest}, COMMITTED recorded {self.rec['bin_xxh3']}")
 
     def _check(self, i: int, got: str) -> None:
         t = self.manifest.tensors[i]
         if got != t.checksum:
-            raise ChecksumError(f"{self.path} is corrupted: tensor {t.path!r} (bytes {t.offset}.."
-                                f"{t.offset + t.nbytes}) hashes to {got} but its manifest records "
-                                f"{t.checksum}; load another step or copy")
+            raise ChecksumError(
+                f"{self.path} is corrupted: tensor {t.path!r} (bytes {t.offset}.."
+                f"{t.offset + t.nbytes}) hashes to {got} but its manifest records "
+                f"{t.checksum}; load another step or copy"
+            )
 
 
 def _write_all(fd: int, mv: memoryview) -> None:
@@ -921,11 +991,16 @@ def _open_tmp(path: str) -> tuple[str, int]:
 def slices(mv: memoryview) -> Iterator[memoryview]:
     """``mv`` in ``IO_CHUNK`` slices: the pieces a buffer is written in."""
     for start in range(0, mv.nbytes, IO_CHUNK):
-        yield mv[start:start + IO_CHUNK]
+        yield mv[start : start + IO_CHUNK]
 
 
-def _copy_out(parts: Iterable[memoryview], nbytes: int, sink: Callable[[memoryview], None],
-              throttle: _Throttle, progress: Progress | None) -> str:
+def _copy_out(
+    parts: Iterable[memoryview],
+    nbytes: int,
+    sink: Callable[[memoryview], None],
+    throttle: _Throttle,
+    progress: Progress | None,
+) -> str:
     """Hash each of ``parts`` (while it is still in cache) and hand it to ``sink``; return the
     xxh3 of them all. Raises ValueError if they do not add up to ``nbytes``."""
     h, done = xxhash.xxh3_64(), 0
@@ -974,8 +1049,9 @@ class _Writeback:
             self.started = self.done
 
 
-def _write_local(path: str, parts: Iterable[memoryview], nbytes: int, throttle: _Throttle,
-                 progress: Progress | None) -> str:
+def _write_local(
+    path: str, parts: Iterable[memoryview], nbytes: int, throttle: _Throttle, progress: Progress | None
+) -> str:
     """Write ``parts`` to a temporary file of its own, fsync, rename to ``path``, fsync the
     directory; on any failure nothing of this write is left (the temporary file, or ``path``
     if it failed after the rename)."""
@@ -1002,7 +1078,13 @@ def _write_local(path: str, parts: Iterable[memoryview], nbytes: int, throttle: 
     return digest
 
 
-def _write_stream(fs: pafs.FileSystem, path: str, parts: Iterable[memoryview], nbytes: int,
-                  throttle: _Throttle, progress: Progress | None) -> str:
+def _write_stream(
+    fs: pafs.FileSystem,
+    path: str,
+    parts: Iterable[memoryview],
+    nbytes: int,
+    throttle: _Throttle,
+    progress: Progress | None,
+) -> str:
     with fs.open_output_stream(path) as out:
         return _copy_out(parts, nbytes, out.write, throttle, progress)

@@ -13,6 +13,7 @@ A tensor that is not a plain contiguous CPU tensor (CUDA, strided, lazily conjug
 negated) is first made one, that tensor alone; the stream keeps those copies alive until it
 is dropped, since a writer may hold on to a piece until it closes its file.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -53,14 +54,14 @@ class _Blocks:
                 yield from self.flush()
             n = min(nbytes - done, self.size - self.used)
             if data is not None:
-                self.block[self.used:self.used + n] = data[done:done + n]
+                self.block[self.used : self.used + n] = data[done : done + n]
             self.used += n
             done += n
 
     def flush(self) -> Iterator[memoryview]:
         """Yield the block gathered so far, if any, and start a fresh one (zeroed)."""
         if self.used:
-            yield memoryview(self.block)[:self.used]
+            yield memoryview(self.block)[: self.used]
             self.block, self.used = bytearray(self.size), 0
 
 
@@ -72,8 +73,7 @@ class TensorStream:
     tensor's xxh3 (what ``fill_checksums`` gives for the captured buffer).
     """
 
-    def __init__(self, manifest: Manifest, sources: list[torch.Tensor], *, piece: int = PIECE,
-                 small: int = SMALL):
+    def __init__(self, manifest: Manifest, sources: list[torch.Tensor], *, piece: int = PIECE, small: int = SMALL):
         if len(sources) != len(manifest.tensors):
             raise ValueError(f"{len(sources)} tensors for a manifest of {len(manifest.tensors)}")
         self.nbytes = manifest.nbytes
@@ -108,7 +108,7 @@ class TensorStream:
         yield from blocks.flush()
         h = xxhash.xxh3_64()
         for start in range(0, nbytes, self._piece):
-            part = data[start:start + self._piece]
+            part = data[start : start + self._piece]
             h.update(part)
             yield part
         return h.hexdigest()

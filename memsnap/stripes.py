@@ -1,4 +1,5 @@
 """The stripe layout: which bytes of a node's stream form shard j of stripe s."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

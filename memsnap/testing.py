@@ -11,6 +11,7 @@ before it starts its loopback cluster). From a driver::
 
 ``memsnap.chaos`` uses ``stall_data_plane`` for its ``stall`` fault.
 """
+
 from __future__ import annotations
 
 import functools
@@ -33,8 +34,10 @@ def enabled() -> bool:
 def inject(core, what: str, *args):
     """Run fault ``what`` in the agent ``core`` (called inside the agent's process)."""
     if not enabled():
-        raise ConfigError(f"fault injection ({what}) is off in this agent: it is for tests, and only an agent "
-                          f"started with {ENV}=1 in its environment accepts it")
+        raise ConfigError(
+            f"fault injection ({what}) is off in this agent: it is for tests, and only an agent "
+            f"started with {ENV}=1 in its environment accepts it"
+        )
     if what == "flip_chunk":
         step, owner, stripe, shard, offset = args
         core.store.flip_byte(ChunkKey(step, owner, stripe, shard), offset)
@@ -51,8 +54,10 @@ def inject(core, what: str, *args):
     elif what == "end_data_plane_stall":
         return DataPlaneStall.on(core).end()
     else:
-        raise ConfigError(f"unknown fault {what!r}: use flip_chunk, stall_receiving, stalled, "
-                          "stall_data_plane, data_plane_stall or end_data_plane_stall")
+        raise ConfigError(
+            f"unknown fault {what!r}: use flip_chunk, stall_receiving, stalled, "
+            "stall_data_plane, data_plane_stall or end_data_plane_stall"
+        )
     return None
 
 

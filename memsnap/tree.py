@@ -23,6 +23,7 @@ Refused at encode, each with ``UnsupportedStateError``: values of other types, `
 (it would come back as ``bytes``), numpy dtypes their dtype string cannot rebuild (structured,
 zero-sized), and integers of more than ``MAX_INT_DIGITS`` digits (more than a load parses).
 """
+
 from __future__ import annotations
 
 import base64
@@ -42,14 +43,24 @@ from memsnap.validate import MAX_DEPTH
 OnTensor = Callable[[torch.Tensor, str], int]
 TensorAt = Callable[[int, str], Any]
 MAX_INT_DIGITS = 4300  # Python's default limit of int <-> str conversion: what json.loads parses
-_INT_LIMIT = 10 ** MAX_INT_DIGITS
+_INT_LIMIT = 10**MAX_INT_DIGITS
 _INT_LIKE = re.compile(r"-?[0-9]+")
 _ESCAPE_FIRST = frozenset("<-0123456789")  # how an int's or a non-string key's name may start
 
-TAGS = frozenset({
-    "__tuple__", "__dict__", "__float__", "__tensor__", "__bytes__", "__size__", "__dtype__",
-    "__device__", "__ndarray__", "__npscalar__",
-})
+TAGS = frozenset(
+    {
+        "__tuple__",
+        "__dict__",
+        "__float__",
+        "__tensor__",
+        "__bytes__",
+        "__size__",
+        "__dtype__",
+        "__device__",
+        "__ndarray__",
+        "__npscalar__",
+    }
+)
 
 
 def _quote(text: str) -> str:
@@ -127,12 +138,15 @@ def _numpy_dtype(x: Any, path: str | None) -> str:
     """The dtype string of a numpy value, refused when it does not rebuild the dtype exactly."""
     dt = x.dtype
     if dt.hasobject:
-        raise UnsupportedStateError(f"numpy value at {_where(path)} holds Python objects (dtype {dt}), "
-                                    "which a snapshot cannot store; store plain values")
+        raise UnsupportedStateError(
+            f"numpy value at {_where(path)} holds Python objects (dtype {dt}), "
+            "which a snapshot cannot store; store plain values"
+        )
     if dt.names is not None or dt.itemsize == 0 or np.dtype(dt.str) != dt:
         raise UnsupportedStateError(
             f"numpy value at {_where(path)} has dtype {dt}, which a snapshot cannot write out exactly "
-            "(structured or zero-sized); store each field as its own array (x['name'])")
+            "(structured or zero-sized); store each field as its own array (x['name'])"
+        )
     return dt.str
 
 
@@ -148,7 +162,8 @@ def _encode_int(v: int, path: str | None) -> int:
         digits = int(v.bit_length() * math.log10(2)) + 1
         raise UnsupportedStateError(
             f"integer at {_where(path)} has about {digits} digits, more than the {MAX_INT_DIGITS} "
-            "a snapshot can be loaded back with; store it as a string or bytes")
+            "a snapshot can be loaded back with; store it as a string or bytes"
+        )
     return v
 
 
@@ -159,7 +174,8 @@ def encode(value: Any, on_tensor: OnTensor, path: str | None = None, depth: int 
     if depth > MAX_DEPTH:
         raise UnsupportedStateError(
             f"value at {_where(path)} is nested deeper than {MAX_DEPTH} containers, more than "
-            "a snapshot can be loaded back with; flatten the state")
+            "a snapshot can be loaded back with; flatten the state"
+        )
     if value is None or type(value) is bool or type(value) is str:
         return value
     if isinstance(value, torch.Tensor):
@@ -181,14 +197,14 @@ def _encode_other(value: Any, on_tensor: OnTensor, path: str | None, depth: int)
     if isinstance(value, torch.Size):
         return {"__size__": list(value)}
     if isinstance(value, tuple):
-        return {"__tuple__": [encode(v, on_tensor, child_path(path, str(i)), depth + 1)
-                              for i, v in enumerate(value)]}
+        return {"__tuple__": [encode(v, on_tensor, child_path(path, str(i)), depth + 1) for i, v in enumerate(value)]}
     if isinstance(value, list):
         return [encode(v, on_tensor, child_path(path, str(i)), depth + 1) for i, v in enumerate(value)]
     if isinstance(value, bytearray):
         raise UnsupportedStateError(
             f"value at {_where(path)} is a bytearray, which a snapshot would give back as bytes; "
-            "store bytes(value) and rebuild the bytearray after loading")
+            "store bytes(value) and rebuild the bytearray after loading"
+        )
     if isinstance(value, bytes):
         return {"__bytes__": _b64(bytes(value))}
     if isinstance(value, torch.dtype):
@@ -242,7 +258,7 @@ def decode(tree: Any, tensor_at: TensorAt, path: str | None = None) -> Any:
     if not isinstance(tree, dict):
         return tree
     if len(tree) == 1:
-        (tag, body), = tree.items()
+        ((tag, body),) = tree.items()
         if tag in TAGS:
             return _decode_tagged(tag, body, tensor_at, path)
     return {k: decode(v, tensor_at, child_path(path, segment(k))) for k, v in tree.items()}

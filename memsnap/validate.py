@@ -4,6 +4,7 @@ Each check either returns or raises ``FormatError`` naming the field, the value 
 do, before any byte of a snapshot is moved. Nothing here imports torch: the agent's send
 path parses manifests in a process that never loads it.
 """
+
 from __future__ import annotations
 
 import base64
@@ -28,17 +29,50 @@ MAX_MANIFEST_BYTES = 256 << 20  # of a rank manifest file (MAX_TENSORS entries n
 
 # Bytes per element of every dtype a manifest may name (memsnap.dtypes builds its table from this).
 ITEMSIZE = {
-    "bool": 1, "uint8": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8, "uint16": 2,
-    "uint32": 4, "uint64": 8, "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8,
-    "complex32": 4, "complex64": 8, "complex128": 16, "float8_e4m3fn": 1, "float8_e4m3fnuz": 1,
-    "float8_e5m2": 1, "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1,
+    "bool": 1,
+    "uint8": 1,
+    "int8": 1,
+    "int16": 2,
+    "int32": 4,
+    "int64": 8,
+    "uint16": 2,
+    "uint32": 4,
+    "uint64": 8,
+    "float16": 2,
+    "bfloat16": 2,
+    "float32": 4,
+    "float64": 8,
+    "complex32": 4,
+    "complex64": 8,
+    "complex128": 16,
+    "float8_e4m3fn": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2": 1,
+    "float8_e5m2fnuz": 1,
+    "float8_e8m0fnu": 1,
 }
 _HEX16 = re.compile(r"^[0-9a-f]{16}$")
 _PLACEMENT = re.compile(r"^(Shard\((0|[1-9]\d?)\)|Replicate\(\)|Partial\((sum|avg|max|min|product)?\))$")
-_DEVICE = re.compile(r"^(cpu|cuda|mps|xpu|meta|hpu|mtia|xla|privateuseone|ipu|lazy|hip|maia|fpga|ve|vulkan)"
-                     r"(:(0|[1-9]\d?|1[01]\d|12[0-7]))?$")
-_ENTRY_KEYS = frozenset({"path", "dtype", "shape", "offset", "nbytes", "checksum", "device", "alias_of",
-                         "global_shape", "global_offset", "placements", "mesh_shape"})
+_DEVICE = re.compile(
+    r"^(cpu|cuda|mps|xpu|meta|hpu|mtia|xla|privateuseone|ipu|lazy|hip|maia|fpga|ve|vulkan)"
+    r"(:(0|[1-9]\d?|1[01]\d|12[0-7]))?$"
+)
+_ENTRY_KEYS = frozenset(
+    {
+        "path",
+        "dtype",
+        "shape",
+        "offset",
+        "nbytes",
+        "checksum",
+        "device",
+        "alias_of",
+        "global_shape",
+        "global_offset",
+        "placements",
+        "mesh_shape",
+    }
+)
 _DAMAGED = "the file is damaged or was not written by memsnap; load another step or copy"
 _UNSHOWN = object()
 
@@ -84,8 +118,12 @@ def _ints(where: str, v: Any, low: int = 0) -> tuple[int, ...]:
 
 def _text(where: str, v: Any, limit: int = MAX_NAME, pattern: re.Pattern | None = None) -> str:
     if not isinstance(v, str) or len(v) > limit or (pattern is not None and not pattern.fullmatch(v)):
-        raise fail(where, f"must be a string of at most {limit} characters"
-                   + ("" if pattern is None else f" matching {pattern.pattern}"), v)
+        raise fail(
+            where,
+            f"must be a string of at most {limit} characters"
+            + ("" if pattern is None else f" matching {pattern.pattern}"),
+            v,
+        )
     return v
 
 
@@ -122,8 +160,7 @@ def manifest_doc(doc: Any, what: str = "manifest") -> None:
     if not isinstance(doc, dict):
         raise fail(what, "must be a JSON object", type(doc).__name__)
     if doc.get("version") != 1 or not is_int(doc.get("version")):
-        raise fail(f"{what} version", "is not 1, the only format version this memsnap reads",
-                   doc.get("version"))
+        raise fail(f"{what} version", "is not 1, the only format version this memsnap reads", doc.get("version"))
     _count(f"{what} nbytes", doc.get("nbytes"), 0, MAX_BYTES)
     if not isinstance(doc.get("meta", {}), dict):
         raise fail(f"{what} meta", "must be a JSON object", doc.get("meta"))
@@ -169,8 +206,7 @@ def manifest(man: Any, what: str = "manifest") -> None:
 
 def _tensor_count(what: str, n: int) -> None:
     if n > MAX_TENSORS:
-        raise fail(f"{what} tensors", f"lists {n} entries, more than the {MAX_TENSORS} a memsnap "
-                   "manifest holds")
+        raise fail(f"{what} tensors", f"lists {n} entries, more than the {MAX_TENSORS} a memsnap manifest holds")
 
 
 def stored_checksums(man: Any, what: str = "manifest") -> None:
@@ -178,8 +214,7 @@ def stored_checksums(man: Any, what: str = "manifest") -> None:
     records one, so a missing one is damage)."""
     for i, e in enumerate(man.tensors):
         if e.alias_of is None and e.checksum is None:
-            raise fail(f"{what} tensors[{i}] ({_short(e.path)})", "has no checksum, which every stored "
-                       "tensor has")
+            raise fail(f"{what} tensors[{i}] ({_short(e.path)})", "has no checksum, which every stored tensor has")
 
 
 def _entry(where: str, e: Any, total: int) -> None:
@@ -205,11 +240,9 @@ def _alias(where: str, e: Any, holder: Any) -> None:
     if holder is None:
         raise fail(f"{where} alias_of", "names no earlier entry that holds bytes", e.alias_of)
     if e.nbytes != 0 or e.offset != holder.offset:
-        raise fail(where, f"an alias must have 0 bytes at its holder's offset {holder.offset}",
-                   (e.offset, e.nbytes))
+        raise fail(where, f"an alias must have 0 bytes at its holder's offset {holder.offset}", (e.offset, e.nbytes))
     if (e.dtype, tuple(e.shape)) != (holder.dtype, tuple(holder.shape)):
-        raise fail(where, f"is an alias of {holder.dtype}{list(holder.shape)} but claims "
-                   f"{e.dtype}{list(e.shape)}")
+        raise fail(where, f"is an alias of {holder.dtype}{list(holder.shape)} but claims {e.dtype}{list(e.shape)}")
 
 
 def _sharding(where: str, e: Any, shape: tuple[int, ...]) -> None:
@@ -221,15 +254,17 @@ def _sharding(where: str, e: Any, shape: tuple[int, ...]) -> None:
     whole = _ints(f"{where} global_shape", e.global_shape)
     start = _ints(f"{where} global_offset", e.global_offset)
     if len(whole) != len(shape) or len(start) != len(shape):
-        raise fail(where, f"global_shape {list(whole)} / global_offset {list(start)} do not have "
-                   f"the {len(shape)} dimensions of the shard")
+        raise fail(
+            where,
+            f"global_shape {list(whole)} / global_offset {list(start)} do not have "
+            f"the {len(shape)} dimensions of the shard",
+        )
     if any(o + n > g for o, n, g in zip(start, shape, whole)):
         raise fail(where, f"shard {list(shape)} at {list(start)} runs outside {list(whole)}")
     mesh = _ints(f"{where} mesh_shape", e.mesh_shape, low=1)
     places = e.placements
     if not isinstance(places, (list, tuple)) or len(places) != len(mesh):
-        raise fail(f"{where} placements", f"must list one placement per mesh dimension ({len(mesh)})",
-                   places)
+        raise fail(f"{where} placements", f"must list one placement per mesh dimension ({len(mesh)})", places)
     for j, p in enumerate(places):
         m = _PLACEMENT.fullmatch(_text(f"{where} placements[{j}]", p, 32, _PLACEMENT))
         assert m is not None  # _text checked the pattern
@@ -238,8 +273,9 @@ def _sharding(where: str, e: Any, shape: tuple[int, ...]) -> None:
 
 
 # --- skeletons -------------------------------------------------------------------------------
-_KEY_TAGS = frozenset({"__tuple__", "__float__", "__bytes__", "__size__", "__dtype__", "__device__",
-                       "__npscalar__"})  # tags whose decoded value can be a dict key
+_KEY_TAGS = frozenset(
+    {"__tuple__", "__float__", "__bytes__", "__size__", "__dtype__", "__device__", "__npscalar__"}
+)  # tags whose decoded value can be a dict key
 _TAGS = _KEY_TAGS | {"__dict__", "__tensor__", "__ndarray__"}  # = memsnap.tree.TAGS
 
 
@@ -276,7 +312,7 @@ def _tag(node: dict) -> str | None:
 
 def _tagged(node: dict, path: str, depth: int, n_tensors: int, as_key: bool) -> list:
     """Check one tagged node; return the children still to visit."""
-    (tag, body), = node.items()
+    ((tag, body),) = node.items()
     where = f"{path} {tag}"
     if tag in ("__tuple__", "__dict__"):
         if not isinstance(body, list):
@@ -356,8 +392,11 @@ def marker(doc: Any, step: int, where: str = "COMMITTED") -> dict:
     if not isinstance(doc, dict):
         raise fail(where, "must be a JSON object", type(doc).__name__)
     if doc.get("format") != "memsnap" or doc.get("version") != 1 or not is_int(doc.get("version")):
-        raise fail(where, "is not a version-1 memsnap commit marker",
-                   {"format": doc.get("format"), "version": doc.get("version")})
+        raise fail(
+            where,
+            "is not a version-1 memsnap commit marker",
+            {"format": doc.get("format"), "version": doc.get("version")},
+        )
     if not is_int(doc.get("step")) or doc["step"] != step:
         raise fail(f"{where} step", f"must be {step}, the step of its directory", doc.get("step"))
     world = _count(f"{where} world_size", doc.get("world_size"), 1, MAX_WORLD)
@@ -366,8 +405,11 @@ def marker(doc: Any, step: int, where: str = "COMMITTED") -> dict:
     nesting(f"{where} metadata", doc.get("metadata", {}))
     ranks = doc.get("ranks")
     if not isinstance(ranks, list) or len(ranks) != world:
-        raise fail(f"{where} ranks", f"must list world_size={world} rank records",
-                   f"{len(ranks)} records" if isinstance(ranks, list) else ranks)
+        raise fail(
+            f"{where} ranks",
+            f"must list world_size={world} rank records",
+            f"{len(ranks)} records" if isinstance(ranks, list) else ranks,
+        )
     for r, rec in enumerate(ranks):
         _rank_record(f"{where} ranks[{r}]", rec, r)
     return doc
@@ -385,17 +427,22 @@ def _rank_record(where: str, rec: Any, rank: int) -> None:
 
 
 # --- wire headers ---------------------------------------------------------------------------------
-def wire_header(raw: bytes, layout: struct.Struct, kinds: Collection[int], max_payload: int,
-                what: str) -> tuple[int, ...]:
+def wire_header(
+    raw: bytes, layout: struct.Struct, kinds: Collection[int], max_payload: int, what: str
+) -> tuple[int, ...]:
     """The fields of a data-plane header, checked: ``(kind, text length, payload length, ...)``
     and whatever the layout carries after them."""
     if len(raw) != layout.size:
-        raise FormatError(f"bad {what} header: {len(raw)} bytes, expected {layout.size}; "
-                          "the peer does not speak this memsnap's data-plane protocol")
+        raise FormatError(
+            f"bad {what} header: {len(raw)} bytes, expected {layout.size}; "
+            "the peer does not speak this memsnap's data-plane protocol"
+        )
     fields = layout.unpack(raw)
     kind, nbytes = fields[0], fields[2]
     if kind not in kinds or nbytes > max_payload:
-        raise FormatError(f"bad {what} header: kind={kind} (known: {sorted(kinds)}), payload "
-                          f"{nbytes} bytes (limit {max_payload}); the peer is not a compatible "
-                          "memsnap agent or the stream lost its framing; reconnect")
+        raise FormatError(
+            f"bad {what} header: kind={kind} (known: {sorted(kinds)}), payload "
+            f"{nbytes} bytes (limit {max_payload}); the peer is not a compatible "
+            "memsnap agent or the stream lost its framing; reconnect"
+        )
     return fields

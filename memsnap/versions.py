@@ -25,6 +25,7 @@ arenas give their pages back.
 Every method is called under the agent's lock, but ``checksummed``: the sender fills the
 manifests of the version it is sending while it encodes.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
@@ -37,13 +38,13 @@ from memsnap.errors import VersionStateError
 class State(str, Enum):
     """How far a version got. A ``str``: ``v.state == "committed"`` holds, and formats as its value."""
 
-    CAPTURING = "capturing"    # begun: the node's ranks write their arenas
-    QUEUED = "queued"          # every local rank captured, waiting for the sender
-    SENDING = "sending"        # checksums, stripes, parity and pushes to the holders
-    READY = "ready"            # every chunk acknowledged; its commit is on the way
-    COMMITTED = "committed"    # every node is ready: the node's local copy of the step
-    RESTORING = "restoring"    # a rank's bytes being gathered from its peers into the slot
-    FAILED = "failed"          # given up (its error says why); freed by the next ``free_slot``
+    CAPTURING = "capturing"  # begun: the node's ranks write their arenas
+    QUEUED = "queued"  # every local rank captured, waiting for the sender
+    SENDING = "sending"  # checksums, stripes, parity and pushes to the holders
+    READY = "ready"  # every chunk acknowledged; its commit is on the way
+    COMMITTED = "committed"  # every node is ready: the node's local copy of the step
+    RESTORING = "restoring"  # a rank's bytes being gathered from its peers into the slot
+    FAILED = "failed"  # given up (its error says why); freed by the next ``free_slot``
     SUPERSEDED = "superseded"  # a newer capture took its slot (not a failure)
 
     __str__ = str.__str__
@@ -79,8 +80,8 @@ class Version:
     step: int
     slot: int
     state: State = CAPTURING
-    sizes: dict[int, int] = field(default_factory=dict)         # rank -> nbytes
-    manifests: dict[int, str] = field(default_factory=dict)     # rank -> manifest JSON
+    sizes: dict[int, int] = field(default_factory=dict)  # rank -> nbytes
+    manifests: dict[int, str] = field(default_factory=dict)  # rank -> manifest JSON
     error: str | None = None
     gen: int = 0  # the restore generation it was taken in (see ``AgentCore.resume``)
 
@@ -150,8 +151,14 @@ class Versions(Mapping):
     the agent's (``failed_snapshots``); ``replaced(v, was, step)``: ``v`` gave its slot to
     ``step`` (``was``: how far it had got)."""
 
-    def __init__(self, policy: SlotPolicy, slots: int, keep: int, counters: dict | None = None,
-                 replaced: Callable[[Version, str, int], None] | None = None):
+    def __init__(
+        self,
+        policy: SlotPolicy,
+        slots: int,
+        keep: int,
+        counters: dict | None = None,
+        replaced: Callable[[Version, str, int], None] | None = None,
+    ):
         self.policy, self.slots, self.keep = policy, slots, keep
         self.counters = counters if counters is not None else {}
         self.counters.setdefault("failed_snapshots", 0)
@@ -176,15 +183,18 @@ class Versions(Mapping):
         was = None if v.state is None else State(v.state)
         if to not in ALLOWED[was]:
             name = "new" if was is None else was.value
-            raise VersionStateError(f"step {v.step}: a {name} version cannot become {to.value} "
-                                    f"(it may become {sorted(s.value for s in ALLOWED[was]) or 'nothing'})")
+            raise VersionStateError(
+                f"step {v.step}: a {name} version cannot become {to.value} "
+                f"(it may become {sorted(s.value for s in ALLOWED[was]) or 'nothing'})"
+            )
         v.state = to
 
     def _add(self, v: Version, to: State) -> Version:
         old = self._table.get(v.step)
         if old is not None and old.state is not FAILED:
-            raise VersionStateError(f"step {v.step} is already {old.state} here: a new version of it "
-                                    "may only replace a failed one")
+            raise VersionStateError(
+                f"step {v.step} is already {old.state} here: a new version of it may only replace a failed one"
+            )
         object.__setattr__(v, "state", None)
         self._move(v, to)
         self._table[v.step] = v
@@ -289,7 +299,7 @@ class Versions(Mapping):
     def _supersede(self, pinned: Callable[[int], bool]) -> None:
         """Free committed versions beyond ``keep`` and forget failed ones."""
         committed = self._steps(COMMITTED)
-        for s in committed[:-self.keep] if len(committed) > self.keep else []:
+        for s in committed[: -self.keep] if len(committed) > self.keep else []:
             if not pinned(s):
                 self._free(self._table[s])
         for s in self._steps(FAILED):
@@ -308,8 +318,9 @@ class Versions(Mapping):
         return any(o is not v and o.slot == v.slot and o.state in LIVE for o in self._table.values())
 
     # --- what the coordinator decides ---------------------------------------------------------------
-    def committed(self, step: int, keep, spill_due: bool, pinned: Callable[[int], bool],
-               release: Callable[[Version], None]) -> None:
+    def committed(
+        self, step: int, keep, spill_due: bool, pinned: Callable[[int], bool], release: Callable[[Version], None]
+    ) -> None:
         """Every node is ready with ``step``: it is committed here; the steps older than it
         and not in ``keep`` are freed (failed if they had not committed). ``release(v)``: the
         arenas of a freed version give their pages back (the policy decides when)."""

@@ -3,6 +3,7 @@
 The coordinator and the agents are asyncio actors: a barrier of N participants costs N
 futures on one event loop, not N parked threads, so no concurrency number limits a job's size.
 """
+
 from __future__ import annotations
 
 import asyncio

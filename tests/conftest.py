@@ -1,5 +1,6 @@
 """Shared test set-up: the codec ISA in the header, loopback-only Ray, GPU skips, and the
 ``job`` fixture of the modules that run one job on their own loopback cluster."""
+
 from __future__ import annotations
 
 import os
@@ -15,7 +16,8 @@ os.environ.setdefault("MEMSNAP_TESTING_HOOKS", "1")
 # copy of memsnap (if any) is installed in the environment.
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ["PYTHONPATH"] = os.pathsep.join(
-    p for p in [_ROOT, os.path.join(_ROOT, "tests"), os.environ.get("PYTHONPATH", "")] if p)
+    p for p in [_ROOT, os.path.join(_ROOT, "tests"), os.environ.get("PYTHONPATH", "")] if p
+)
 
 
 # Property tests: the default and CI runs draw the same examples every time (a failure there

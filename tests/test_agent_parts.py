@@ -1,5 +1,6 @@
 """The agent's sender and repair built from the few parts they use, without an AgentCore or
 Ray: a real version table and real arenas, a scripted coordinator and transport."""
+
 from __future__ import annotations
 
 import threading
@@ -28,8 +29,9 @@ class Parts:
     """A node's version table and arenas, as an AgentCore composes them."""
 
     def __init__(self, local_copy: bool):
-        self.cfg = SnapshotConfig(f"parts-{uuid.uuid4().hex[:8]}", k=2, m=1, keep=2, memory_budget=1 << 22,
-                                  local_copy=local_copy)
+        self.cfg = SnapshotConfig(
+            f"parts-{uuid.uuid4().hex[:8]}", k=2, m=1, keep=2, memory_budget=1 << 22, local_copy=local_copy
+        )
         self.lock, self.counters = threading.RLock(), {"pushed_bytes": 0, "repaired_chunks": 0}
         self.budget = MemoryBudget(self.cfg.memory_budget, NODE)
         self.versions = Versions(SlotPolicy.of(self.cfg), self.cfg.slots, self.cfg.keep, self.counters)
@@ -51,15 +53,39 @@ class Parts:
 
     def sender(self) -> Sender:
         transport = type("Transport", (), {"push": staticmethod(self.push)})()
-        return Sender(node=NODE, cfg=self.cfg, lock=self.lock, versions=self.versions, slots=self.slots,
-                      transport=transport, codec=codec_for(2, 1), budget=self.budget, counters=self.counters,
-                      infos=self.infos, call=self.call, tell=lambda *a: self.told.append(a),
-                      call_all=lambda nodes, method, *a, timeout: {n: None for n in nodes}, world=lambda: 4)
+        return Sender(
+            node=NODE,
+            cfg=self.cfg,
+            lock=self.lock,
+            versions=self.versions,
+            slots=self.slots,
+            transport=transport,
+            codec=codec_for(2, 1),
+            budget=self.budget,
+            counters=self.counters,
+            infos=self.infos,
+            call=self.call,
+            tell=lambda *a: self.told.append(a),
+            call_all=lambda nodes, method, *a, timeout: {n: None for n in nodes},
+            world=lambda: 4,
+        )
 
     def repair(self) -> Repair:
-        return Repair(node=NODE, cfg=self.cfg, lock=self.lock, versions=self.versions, slots=self.slots,
-                      infos=self.infos, store=None, transport=None, codec=None, budget=self.budget,
-                      counters=self.counters, agent=lambda node: None, gen=lambda: 3)
+        return Repair(
+            node=NODE,
+            cfg=self.cfg,
+            lock=self.lock,
+            versions=self.versions,
+            slots=self.slots,
+            infos=self.infos,
+            store=None,
+            transport=None,
+            codec=None,
+            budget=self.budget,
+            counters=self.counters,
+            agent=lambda node: None,
+            gen=lambda: 3,
+        )
 
     def queued(self, step: int):
         """Rank 0 captured a small state into a slot for ``step``: its version is queued."""
@@ -84,8 +110,9 @@ def test_a_queued_version_is_sent_to_every_holder_and_reported(parts):
     assert v.state is READY and parts.infos[1].holders == HOLDERS and parts.infos[1].world == 4
     assert parts.called == [("node_layout", NODE), ("node_ready", parts.infos[1].to_wire())]
     assert sorted(parts.pushed) == [0, 1, 2] and parts.counters["pushed_bytes"] >= man.nbytes * 3 // 2
-    assert all(key.step == 1 and key.owner == NODE and key.shard == j for j, keys in parts.pushed.items()
-               for key in keys)
+    assert all(
+        key.step == 1 and key.owner == NODE and key.shard == j for j, keys in parts.pushed.items() for key in keys
+    )
     assert Manifest.from_json(v.manifests[0]).to_json() != man.to_json()  # its checksums are filled
     # lean mode without a spill: the arena gives its pages back once every chunk is acknowledged
     assert parts.slots.arenas[(0, v.slot)].resident is parts.cfg.local_copy
@@ -117,6 +144,7 @@ def _gather(fill: bytes):
         assert peers.transport is None and peers.codec is None  # the repair's own data plane
         out[:] = fill * (len(out) // len(fill))
         return {"repaired": 2}
+
     return gather
 
 

@@ -1,4 +1,5 @@
 """Apply: in-place restore into live objects, validation before mutation, aliases, DTensors."""
+
 from __future__ import annotations
 
 import pytest
@@ -78,12 +79,15 @@ def assert_untouched(state, before):
     assert state["step"] == 0 and not state["optim"].state
 
 
-@pytest.mark.parametrize("change, pattern", [
-    (lambda s: s.pop("scaler"), r"'scaler' is in the snapshot but not in the live state"),
-    (lambda s: s.update(other=torch.zeros(1)), r"'other' is in the live state but not in the snapshot"),
-    (lambda s: s.update(ema=torch.zeros(3)), r"'ema'.*float32\[2\].*float32\[3\]"),
-    (lambda s: s.update(ema=torch.zeros(2, dtype=torch.float64)), r"'ema'.*float32\[2\].*float64\[2\]"),
-])
+@pytest.mark.parametrize(
+    "change, pattern",
+    [
+        (lambda s: s.pop("scaler"), r"'scaler' is in the snapshot but not in the live state"),
+        (lambda s: s.update(other=torch.zeros(1)), r"'other' is in the live state but not in the snapshot"),
+        (lambda s: s.update(ema=torch.zeros(3)), r"'ema'.*float32\[2\].*float32\[3\]"),
+        (lambda s: s.update(ema=torch.zeros(2, dtype=torch.float64)), r"'ema'.*float32\[2\].*float64\[2\]"),
+    ],
+)
 def test_mismatches_raise_before_anything_changes(change, pattern):
     m, buf = snapshot_after_training()
     dst = make(1)
@@ -174,14 +178,18 @@ def test_dtensor_records_its_place_and_applies_into_its_shard(gloo_world_of_one)
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     mesh = gloo_world_of_one
-    src = {"s": distribute_tensor(torch.arange(12.0).view(4, 3), mesh, [Shard(0)]),
-           "r": distribute_tensor(torch.ones(2), mesh, [Replicate()])}
+    src = {
+        "s": distribute_tensor(torch.arange(12.0).view(4, 3), mesh, [Shard(0)]),
+        "r": distribute_tensor(torch.ones(2), mesh, [Replicate()]),
+    }
     m, buf = capture(src, rng=False)
     e = m.entry("s")
     assert (e.global_shape, e.global_offset, e.placements, e.mesh_shape) == ((4, 3), (0, 0), ("Shard(0)",), (1,))
     assert m.entry("r").placements == ("Replicate()",)
-    dst = {"s": distribute_tensor(torch.zeros(4, 3), mesh, [Shard(0)]),
-           "r": distribute_tensor(torch.zeros(2), mesh, [Replicate()])}
+    dst = {
+        "s": distribute_tensor(torch.zeros(4, 3), mesh, [Shard(0)]),
+        "r": distribute_tensor(torch.zeros(2), mesh, [Replicate()]),
+    }
     local = dst["s"].to_local()
     apply(dst, m, buf)
     assert torch.equal(local, torch.arange(12.0).view(4, 3)) and torch.equal(dst["r"].to_local(), torch.ones(2))
@@ -250,8 +258,9 @@ def test_two_gloo_ranks_store_and_restore_their_own_shards(tmp_path):
     from memsnap.manifest import Manifest
 
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-c", TWO_RANK_CHILD, str(r), str(port), str(tmp_path)])
-             for r in range(2)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", TWO_RANK_CHILD, str(r), str(port), str(tmp_path)]) for r in range(2)
+    ]
     try:
         assert [p.wait(timeout=180) for p in procs] == [0, 0]
     finally:
@@ -261,20 +270,29 @@ def test_two_gloo_ranks_store_and_restore_their_own_shards(tmp_path):
     for rank in range(2):
         m = Manifest.from_json((tmp_path / f"rank{rank}.json").read_bytes())
         e, r = m.entry("s"), m.entry("r")
-        assert (e.shape, e.global_shape, e.global_offset, e.placements, e.mesh_shape) == \
-            ((2, 4), (4, 4), (2 * rank, 0), ("Shard(0)",), (2,))
+        assert (e.shape, e.global_shape, e.global_offset, e.placements, e.mesh_shape) == (
+            (2, 4),
+            (4, 4),
+            (2 * rank, 0),
+            ("Shard(0)",),
+            (2,),
+        )
         assert (r.shape, r.global_offset, r.placements) == ((4,), (0,), ("Replicate()",))
-        raw = (tmp_path / f"rank{rank}.bin").read_bytes()[e.offset:e.offset + e.nbytes]
-        assert raw == full[2 * rank:2 * rank + 2].numpy().tobytes()
+        raw = (tmp_path / f"rank{rank}.bin").read_bytes()[e.offset : e.offset + e.nbytes]
+        assert raw == full[2 * rank : 2 * rank + 2].numpy().tobytes()
         applied = json.loads((tmp_path / f"applied{rank}.json").read_text())
-        assert applied == {"s": full[2 * rank:2 * rank + 2].tolist(), "r": full[0].tolist()}
+        assert applied == {"s": full[2 * rank : 2 * rank + 2].tolist(), "r": full[0].tolist()}
 
 
 def test_nested_plain_values_come_back_with_tensors_in_place():
     t1, t2 = torch.zeros(3), torch.zeros(2, 2, dtype=torch.bfloat16)
     live = {"extra": {"a": [t1, (t2, 3)], 7: {"inf": float("-inf"), "s": "x"}}}
-    src = {"extra": {"a": [torch.arange(3.0), (torch.ones(2, 2, dtype=torch.bfloat16), 4)],
-                     7: {"inf": float("inf"), "s": "y"}}}
+    src = {
+        "extra": {
+            "a": [torch.arange(3.0), (torch.ones(2, 2, dtype=torch.bfloat16), 4)],
+            7: {"inf": float("inf"), "s": "y"},
+        }
+    }
     m, buf = capture(src, rng=False)
     apply(live, m, buf)
     back = live["extra"]
@@ -289,7 +307,7 @@ def test_cuda_tensors_go_device_to_host_and_back_in_place():
     m, buf = capture(src, checksums=True)
     e = m.entry("w")
     assert e.device.startswith("cuda") and len(m.tree["__rng__"]["cuda"]) == torch.cuda.device_count()
-    assert bytes(buf[e.offset:e.offset + e.nbytes]) == src["w"].cpu().numpy().tobytes()
+    assert bytes(buf[e.offset : e.offset + e.nbytes]) == src["w"].cpu().numpy().tobytes()
     dst = {"w": torch.zeros(5, 3, device="cuda"), "b": torch.zeros(4, device="cuda", dtype=torch.bfloat16)}
     w = dst["w"]
     apply(dst, m, buf)
@@ -305,8 +323,9 @@ def _tensors_of(dtype_names):
         t = torch.randn(shape, generator=g) * 10
         return t.to(getattr(torch, name))
 
-    return st.tuples(st.sampled_from(dtype_names), st.lists(st.integers(0, 3), max_size=3),
-                     st.integers(0, 2**31)).map(lambda a: build((a[0], tuple(a[1]), a[2])))
+    return st.tuples(st.sampled_from(dtype_names), st.lists(st.integers(0, 3), max_size=3), st.integers(0, 2**31)).map(
+        lambda a: build((a[0], tuple(a[1]), a[2]))
+    )
 
 
 def _zeroed(value):
@@ -325,9 +344,15 @@ def test_any_nested_state_roundtrips_bit_for_bit():
 
     names = ["float32", "float64", "bfloat16", "float16", "int32", "int8", "bool", "float8_e5m2"]
     leaves = _tensors_of(names) | st.integers() | st.floats() | st.none() | st.text(max_size=3)
-    nested = st.recursive(leaves, lambda inner: st.lists(inner, max_size=3) | st.tuples(inner, inner)
-                          | st.dictionaries(st.integers(0, 3) | st.text(max_size=3), inner, max_size=3),
-                          max_leaves=12)
+    nested = st.recursive(
+        leaves,
+        lambda inner: (
+            st.lists(inner, max_size=3)
+            | st.tuples(inner, inner)
+            | st.dictionaries(st.integers(0, 3) | st.text(max_size=3), inner, max_size=3)
+        ),
+        max_leaves=12,
+    )
 
     @settings(max_examples=60, deadline=None)
     @given(nested)
@@ -342,8 +367,14 @@ def test_any_nested_state_roundtrips_bit_for_bit():
 
 
 def test_keys_that_join_alike_as_text_restore_each_tensor_into_its_own_place():
-    src = {"x": {"a/b": torch.full((2,), 1.0), "a": {"b": torch.full((2,), 2.0)},
-                 0: torch.full((2,), 3.0), "0": torch.full((2,), 4.0)}}
+    src = {
+        "x": {
+            "a/b": torch.full((2,), 1.0),
+            "a": {"b": torch.full((2,), 2.0)},
+            0: torch.full((2,), 3.0),
+            "0": torch.full((2,), 4.0),
+        }
+    }
     m, buf = capture(src, rng=False)
     live = {"x": {"a/b": torch.zeros(2), "a": {"b": torch.zeros(2)}, 0: torch.zeros(2), "0": torch.zeros(2)}}
     before = [live["x"]["a/b"], live["x"]["a"]["b"], live["x"][0], live["x"]["0"]]
@@ -358,8 +389,11 @@ def test_state_with_keys_that_join_alike_roundtrips_bit_for_bit():
     from hypothesis import strategies as st
 
     keys = st.sampled_from(["a", "a/b", "b", "0", "%30", "<0>"]) | st.just(0)
-    nested = st.recursive(_tensors_of(["float32", "int8"]), lambda inner: st.lists(inner, max_size=2)
-                          | st.dictionaries(keys, inner, min_size=1, max_size=4), max_leaves=10)
+    nested = st.recursive(
+        _tensors_of(["float32", "int8"]),
+        lambda inner: st.lists(inner, max_size=2) | st.dictionaries(keys, inner, min_size=1, max_size=4),
+        max_leaves=10,
+    )
 
     @settings(max_examples=100, deadline=None)
     @given(nested)
@@ -389,12 +423,16 @@ def test_a_model_still_on_the_meta_device_is_refused_naming_the_fix():
     assert all(torch.equal(a, b) for a, b in zip(params(dst), params(src)))
 
 
-@pytest.mark.parametrize("bad, pattern", [
-    (lambda: torch.zeros(1).expand(4), r"'z': elements of the live tensor share memory.*stride \[0\].*clone"),
-    (lambda: torch.zeros(2, 1).expand(2, 3), r"'z': elements of the live tensor share memory"),
-    (lambda: torch.empty(4, device="meta"), r"'z' is on the meta device"),
-    (lambda: torch.zeros(4).to_sparse(), r"'z': the live tensor is a sparse_coo tensor"),
-], ids=["expanded", "broadcast", "meta", "sparse"])
+@pytest.mark.parametrize(
+    "bad, pattern",
+    [
+        (lambda: torch.zeros(1).expand(4), r"'z': elements of the live tensor share memory.*stride \[0\].*clone"),
+        (lambda: torch.zeros(2, 1).expand(2, 3), r"'z': elements of the live tensor share memory"),
+        (lambda: torch.empty(4, device="meta"), r"'z' is on the meta device"),
+        (lambda: torch.zeros(4).to_sparse(), r"'z': the live tensor is a sparse_coo tensor"),
+    ],
+    ids=["expanded", "broadcast", "meta", "sparse"],
+)
 def test_a_refused_apply_leaves_every_earlier_tensor_as_it_was(bad, pattern):
     src = make(0)
     train(src)

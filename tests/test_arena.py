@@ -1,4 +1,5 @@
 """Arenas: shared-memory files the agent owns, attached by training processes; the budget."""
+
 from __future__ import annotations
 
 import os
@@ -24,8 +25,10 @@ def path():
 
 def test_attached_writes_are_seen_by_the_owner_and_survive_the_writer(path):
     arena = Arena.create(path, 1 << 20)
-    code = (f"from memsnap.arena import Arena; a = Arena.attach({path!r}, 1 << 20); "
-            "v = a.view(); v[:5] = b'hello'; v[-1:] = b'!'")
+    code = (
+        f"from memsnap.arena import Arena; a = Arena.attach({path!r}, 1 << 20); "
+        "v = a.view(); v[:5] = b'hello'; v[-1:] = b'!'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
     assert os.path.exists(path)  # the writer's exit did not unlink it
     assert bytes(arena.view(0, 5)) == b"hello" and bytes(arena.view(len(arena.view()) - 1)) == b"!"
@@ -39,7 +42,7 @@ def _mapped_rss_kib(path: str) -> int:
         lines = f.read().splitlines()
     starts = [i for i, line in enumerate(lines) if line.endswith(" " + path)]
     assert starts, f"{path} is not mapped"
-    return sum(int(next(f for f in lines[i + 1:] if f.startswith("Rss:")).split()[1]) for i in starts)
+    return sum(int(next(f for f in lines[i + 1 :] if f.startswith("Rss:")).split()[1]) for i in starts)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MAP_POPULATE and smaps are Linux")

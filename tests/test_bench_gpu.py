@@ -1,4 +1,5 @@
 """``bench/gpu.py`` on a machine without CUDA: a clear "no CUDA" answer, exit 0, nothing written."""
+
 from __future__ import annotations
 
 import os
@@ -14,8 +15,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only path")
 def test_gpu_bench_says_no_cuda_and_writes_nothing(tmp_path):
     out = tmp_path / "gpu.md"
-    run = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu.py"), "--out", str(out)],
-                         capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
+    run = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", "gpu.py"), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+    )
     assert run.returncode == 0, run.stderr
     assert "no CUDA" in run.stdout and "Nothing measured" in run.stdout
     assert '"cuda": false' in run.stdout

@@ -1,5 +1,6 @@
 """``bench/loaded_suite.py``: its counts come from pytest's own JUnit XML, failed and skipped
 tests are named, and a failure makes the report say it is not green."""
+
 from __future__ import annotations
 
 import argparse
@@ -34,13 +35,31 @@ def test_counts_name_the_failed_and_skipped_tests(tmp_path):
 
 def test_the_report_is_green_only_when_every_run_passed(tmp_path):
     args = argparse.Namespace(runs=2, busy=2, suites=["default"])
-    row = {"suite": "default", "rc": 0, "wall": 60.0, "load_min": 3.0, "load_mean": 4.0, "load_max": 5.0,
-           "tests": 10, "failures": 0, "errors": 0, "skipped": 1, "failed": [], "skipped_in": ["test_cuda"]}
+    row = {
+        "suite": "default",
+        "rc": 0,
+        "wall": 60.0,
+        "load_min": 3.0,
+        "load_mean": 4.0,
+        "load_max": 5.0,
+        "tests": 10,
+        "failures": 0,
+        "errors": 0,
+        "skipped": 1,
+        "failed": [],
+        "skipped_in": ["test_cuda"],
+    }
     out = tmp_path / "r.md"
     loaded_suite.write(out, args, "now", [dict(row, run=1), dict(row, run=2)], tmp_path / "log")
     assert "**Every run green.**" in out.read_text() and "| 2 | default | 10 | 9 | 0 |" in out.read_text()
-    bad = dict(row, run=2, rc=1, failures=1, failed=["tests.test_x::test_race"],
-               why={"tests.test_x::test_race": "BrokenPipeError: [Errno 32] Broken pipe"})
+    bad = dict(
+        row,
+        run=2,
+        rc=1,
+        failures=1,
+        failed=["tests.test_x::test_race"],
+        why={"tests.test_x::test_race": "BrokenPipeError: [Errno 32] Broken pipe"},
+    )
     loaded_suite.write(out, args, "now", [dict(row, run=1), bad], tmp_path / "log")
     text = out.read_text()
     assert "**Not green.**" in text

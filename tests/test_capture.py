@@ -1,4 +1,5 @@
 """Capture: the skeleton codec, the buffer layout, reusable buffers, aliases, checksums."""
+
 from __future__ import annotations
 
 import json
@@ -37,10 +38,13 @@ def roundtrip(value):
     return tree.decode(json.loads(doc), lambda i, p: tensors[i])
 
 
-scalars = st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=True) | st.text(max_size=8)
+scalars = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=True) | st.text(max_size=8)
 keys = st.integers(-5, 5) | st.text(max_size=6) | st.sampled_from(sorted(tree.TAGS))
-values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.tuples(inner, inner)
-                      | st.dictionaries(keys, inner, max_size=4), max_leaves=20)
+values = st.recursive(
+    scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.tuples(inner, inner) | st.dictionaries(keys, inner, max_size=4),
+    max_leaves=20,
+)
 
 
 @settings(max_examples=150, deadline=None)
@@ -50,9 +54,17 @@ def test_skeleton_roundtrips_exactly(value):
 
 
 def test_skeleton_keeps_types_json_loses():
-    value = {0: (1, 2.0), "__tuple__": [True, None], "f": [float("inf"), float("-inf"), -0.0],
-             "b": b"\x00\xff", "np": np.arange(3, dtype=np.int16), "s": np.float32(1.5),
-             "dt": torch.bfloat16, "sz": torch.Size([2, 3]), "dev": torch.device("cpu")}
+    value = {
+        0: (1, 2.0),
+        "__tuple__": [True, None],
+        "f": [float("inf"), float("-inf"), -0.0],
+        "b": b"\x00\xff",
+        "np": np.arange(3, dtype=np.int16),
+        "s": np.float32(1.5),
+        "dt": torch.bfloat16,
+        "sz": torch.Size([2, 3]),
+        "dev": torch.device("cpu"),
+    }
     back = roundtrip(value)
     assert list(back) == list(value) and type(back[0]) is tuple and back[0][1] == 2.0
     assert back["f"][:2] == [math.inf, -math.inf] and math.copysign(1, back["f"][2]) == -1
@@ -69,18 +81,20 @@ def test_skeleton_rejects_unknown_types_naming_the_path():
 # --- layout and bytes ---------------------------------------------------------------------------
 def mixed_state() -> dict:
     g = torch.Generator().manual_seed(0)
-    return {"extra": {
-        "f32": torch.randn(3, 5, generator=g),
-        "bf16": torch.randn(7, generator=g).to(torch.bfloat16),
-        "f8": torch.randn(9, generator=g).to(torch.float8_e4m3fn),
-        "mask": torch.rand(11, generator=g) > 0.5,
-        "c64": torch.randn(2, 2, dtype=torch.complex64, generator=g),
-        "i64": torch.arange(4),
-        "scalar": torch.tensor(3.5, dtype=torch.float64),
-        "empty": torch.empty(0, 4),
-        "transposed": torch.arange(12, dtype=torch.int32).reshape(3, 4).t(),
-        "step": 17,
-    }}
+    return {
+        "extra": {
+            "f32": torch.randn(3, 5, generator=g),
+            "bf16": torch.randn(7, generator=g).to(torch.bfloat16),
+            "f8": torch.randn(9, generator=g).to(torch.float8_e4m3fn),
+            "mask": torch.rand(11, generator=g) > 0.5,
+            "c64": torch.randn(2, 2, dtype=torch.complex64, generator=g),
+            "i64": torch.arange(4),
+            "scalar": torch.tensor(3.5, dtype=torch.float64),
+            "empty": torch.empty(0, 4),
+            "transposed": torch.arange(12, dtype=torch.int32).reshape(3, 4).t(),
+            "step": 17,
+        }
+    }
 
 
 def raw(t: torch.Tensor) -> bytes:
@@ -96,7 +110,7 @@ def test_layout_is_aligned_contiguous_and_holds_raw_little_endian_bytes():
         t = state["extra"][e.path.split("/")[1]]
         assert e.offset % ALIGN == 0 and e.offset >= end, e
         assert (e.dtype, e.shape) == (str(t.dtype).removeprefix("torch."), tuple(t.shape))
-        assert bytes(buf[e.offset:e.offset + e.nbytes]) == raw(t)
+        assert bytes(buf[e.offset : e.offset + e.nbytes]) == raw(t)
         end = e.offset + e.nbytes
     assert m.tree["extra"]["step"] == 17
 
@@ -117,12 +131,12 @@ def test_capture_into_caller_buffer_reuses_it_without_allocating():
         assert np.shares_memory(np.frombuffer(buf, dtype=np.uint8), out)
         assert m.tree["extra"]["step"] == step
         e = m.entry("extra/f32")
-        assert out[e.offset:e.offset + e.nbytes].tobytes() == raw(state["extra"]["f32"])
-    assert out[m0.nbytes:].tolist() == [0xAB] * 100  # nothing written past the snapshot
+        assert out[e.offset : e.offset + e.nbytes].tobytes() == raw(state["extra"]["f32"])
+    assert out[m0.nbytes :].tolist() == [0xAB] * 100  # nothing written past the snapshot
     stored = np.zeros(m0.nbytes, dtype=bool)
     for e in m0.tensors:
-        stored[e.offset:e.offset + e.nbytes] = True
-    assert not out[:m0.nbytes][~stored].any()  # padding is zeroed, not left as it was
+        stored[e.offset : e.offset + e.nbytes] = True
+    assert not out[: m0.nbytes][~stored].any()  # padding is zeroed, not left as it was
 
 
 def test_reused_manifest_that_no_longer_fits_is_refused():
@@ -155,7 +169,7 @@ def test_checksums_are_separate_and_match_the_bytes():
     assert all(e.checksum is None for e in m.tensors)
     summed = fill_checksums(m, buf)
     for e in summed.tensors:
-        assert e.checksum == checksum(buf[e.offset:e.offset + e.nbytes])
+        assert e.checksum == checksum(buf[e.offset : e.offset + e.nbytes])
     assert capture(mixed_state(), rng=False, checksums=True)[0].tensors == summed.tensors
 
 
@@ -186,7 +200,7 @@ def test_reused_manifest_refuses_a_broken_tie_and_a_changed_tensor_count():
 def test_lazily_conjugated_views_are_stored_resolved():
     c = torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64).conj()
     m, buf = capture({"c": c}, rng=False)
-    assert bytes(buf[:m.entry("c").nbytes]) == c.resolve_conj().numpy().tobytes()
+    assert bytes(buf[: m.entry("c").nbytes]) == c.resolve_conj().numpy().tobytes()
 
 
 def test_the_plan_cache_lays_out_again_only_when_the_tensors_change():
@@ -229,9 +243,22 @@ def test_each_position_gets_its_own_name_and_the_skeleton_gives_it_back():
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.recursive(st.just("T"), lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
-    st.sampled_from(["a", "b", "a/b", "0", "1", "%30", "%", "<0>", "-1", ""]) | st.integers(-1, 1)
-    | st.sampled_from([1.5, -0.5, True, None]), inner, max_size=4), max_leaves=12))
+@given(
+    st.recursive(
+        st.just("T"),
+        lambda inner: (
+            st.lists(inner, max_size=3)
+            | st.dictionaries(
+                st.sampled_from(["a", "b", "a/b", "0", "1", "%30", "%", "<0>", "-1", ""])
+                | st.integers(-1, 1)
+                | st.sampled_from([1.5, -0.5, True, None]),
+                inner,
+                max_size=4,
+            )
+        ),
+        max_leaves=12,
+    )
+)
 def test_tensor_names_never_collide(value):
     def with_tensors(v):
         if v == "T":
@@ -245,16 +272,20 @@ def test_tensor_names_never_collide(value):
     assert len(set(names)) == len(names) and tree.tensor_names(m.tree) == dict(enumerate(names))
 
 
-@pytest.mark.parametrize("value, pattern", [
-    (torch.eye(3).to_sparse(), r"tensor at 'v/w' is a sparse_coo tensor.*to_dense"),
-    (torch.empty(3, device="meta"), r"tensor at 'v/w' is on the meta device.*to_empty"),
-    (10 ** 4300, r"integer at 'v/w' has about 4301 digits, more than the 4300"),
-    (-(10 ** 5000), r"integer at 'v/w' has about 5001 digits"),
-    (bytearray(b"ab"), r"value at 'v/w' is a bytearray.*bytes\(value\)"),
-    (np.zeros(2, dtype=[("a", "<i4"), ("b", "<f8")]), r"numpy value at 'v/w' has dtype.*structured"),
-    (np.zeros(1, dtype=[("a", "<i4")])[0], r"numpy value at 'v/w' has dtype.*structured"),
-    (np.zeros(2, dtype="V0"), r"numpy value at 'v/w' has dtype.*zero-sized"),
-], ids=["sparse", "meta", "bigint", "neg-bigint", "bytearray", "structured", "void", "V0"])
+@pytest.mark.parametrize(
+    "value, pattern",
+    [
+        (torch.eye(3).to_sparse(), r"tensor at 'v/w' is a sparse_coo tensor.*to_dense"),
+        (torch.empty(3, device="meta"), r"tensor at 'v/w' is on the meta device.*to_empty"),
+        (10**4300, r"integer at 'v/w' has about 4301 digits, more than the 4300"),
+        (-(10**5000), r"integer at 'v/w' has about 5001 digits"),
+        (bytearray(b"ab"), r"value at 'v/w' is a bytearray.*bytes\(value\)"),
+        (np.zeros(2, dtype=[("a", "<i4"), ("b", "<f8")]), r"numpy value at 'v/w' has dtype.*structured"),
+        (np.zeros(1, dtype=[("a", "<i4")])[0], r"numpy value at 'v/w' has dtype.*structured"),
+        (np.zeros(2, dtype="V0"), r"numpy value at 'v/w' has dtype.*zero-sized"),
+    ],
+    ids=["sparse", "meta", "bigint", "neg-bigint", "bytearray", "structured", "void", "V0"],
+)
 def test_values_a_snapshot_cannot_give_back_exactly_are_refused_in_one_line(value, pattern):
     with pytest.raises(UnsupportedStateError, match=pattern) as err:
         plan({"v": {"w": value}}, rng=False)
@@ -262,7 +293,7 @@ def test_values_a_snapshot_cannot_give_back_exactly_are_refused_in_one_line(valu
 
 
 def test_an_integer_of_4300_digits_is_kept_and_one_of_4301_refused():
-    n = 10 ** 4300 - 1
+    n = 10**4300 - 1
     m, _ = capture({"v": [n, -n]}, rng=False)
     assert tree.decode(Manifest.from_json(m.to_json()).tree, None)["v"] == [n, -n]
     with pytest.raises(UnsupportedStateError, match="'v/0'"):

@@ -1,6 +1,7 @@
 """memsnap.chaos without a cluster: schedules (fixed, Poisson: seeded and at the right rate),
 argument checks, target resolution, the injector's timeline and log against a recording
 backend, the filler file, the refusal to touch a real cluster without confirmation, the CLI."""
+
 from __future__ import annotations
 
 import errno
@@ -18,16 +19,31 @@ from memsnap.cli import main
 from memsnap.errors import ConfigError
 
 HEAD, A, B, C = "0" * 56, "a1" * 28, "b2" * 28, "b2b2b2b3" + "c" * 48
-NODES = [Node(HEAD, True, True, {}, 0), Node(A, True, False, {"pool": "spot"}, 1),
-         Node(B, True, False, {"pool": "spot"}, 2), Node(C, False, False, {"pool": "ondemand"}, 3)]
+NODES = [
+    Node(HEAD, True, True, {}, 0),
+    Node(A, True, False, {"pool": "spot"}, 1),
+    Node(B, True, False, {"pool": "spot"}, 2),
+    Node(C, False, False, {"pool": "ondemand"}, 3),
+]
 
 
 # --- schedules -------------------------------------------------------------------------------------
 def test_fixed_schedule_orders_timed_faults_by_time_then_stepped_ones_by_step():
-    s = Schedule.fixed([Fault("stall", at_s=9, duration_s=1), Fault("kill_node", at_step=20),
-                        {"kind": "kill_process", "at_s": 2}, Fault("preempt", at_step=5)], seed=3)
+    s = Schedule.fixed(
+        [
+            Fault("stall", at_s=9, duration_s=1),
+            Fault("kill_node", at_step=20),
+            {"kind": "kill_process", "at_s": 2},
+            Fault("preempt", at_step=5),
+        ],
+        seed=3,
+    )
     assert [(f.kind, f.at_s, f.at_step) for f in s.faults] == [
-        ("kill_process", 2.0, None), ("stall", 9.0, None), ("preempt", None, 5), ("kill_node", None, 20)]
+        ("kill_process", 2.0, None),
+        ("stall", 9.0, None),
+        ("preempt", None, 5),
+        ("kill_node", None, 20),
+    ]
     assert s.seed == 3 and len(s) == 4
 
 
@@ -46,7 +62,7 @@ def test_poisson_schedule_has_the_rate_of_its_mtbf_per_node():
     nodes, mtbf, horizon = 8, 100.0, 100_000.0
     s = Schedule.poisson(mtbf_s=mtbf, nodes=nodes, seed=5, horizon_s=horizon)
     expected = nodes * horizon / mtbf  # 8,000 faults; a Poisson count's sd is sqrt(8000) ~ 89
-    assert abs(len(s) - expected) < 5 * expected ** 0.5
+    assert abs(len(s) - expected) < 5 * expected**0.5
     # each node's own process: inter-arrival times exponential with mean mtbf (sd of the mean ~1.1 s)
     per_node = Schedule.poisson(mtbf_s=mtbf, nodes=[A], seed=5, horizon_s=horizon)
     times = [f.at_s for f in per_node.faults]
@@ -58,32 +74,49 @@ def test_poisson_schedule_has_the_rate_of_its_mtbf_per_node():
     assert abs(share - 0.5) < 0.05
 
 
-@pytest.mark.parametrize("kw, says", [
-    (dict(mtbf_s=0), "mtbf_s=0"), (dict(mtbf_s=-5), "mtbf_s=-5"), (dict(mtbf_s=float("nan")), "mtbf_s=nan"),
-    (dict(mtbf_s="60"), "mtbf_s='60'"), (dict(horizon_s=0), "horizon_s=0"), (dict(kinds=[]), "kinds is empty"),
-    (dict(kinds=["explode"]), "unknown fault kind"), (dict(nodes=0), "nodes=0"), (dict(nodes=[]), "nodes=[]"),
-    (dict(nodes=[A, A]), "names a node twice"), (dict(kinds=["stall"]), "give duration_s"),
-    (dict(colour="red"), "unknown option"), (dict(seed=-1), "seed=-1"),
-])
+@pytest.mark.parametrize(
+    "kw, says",
+    [
+        (dict(mtbf_s=0), "mtbf_s=0"),
+        (dict(mtbf_s=-5), "mtbf_s=-5"),
+        (dict(mtbf_s=float("nan")), "mtbf_s=nan"),
+        (dict(mtbf_s="60"), "mtbf_s='60'"),
+        (dict(horizon_s=0), "horizon_s=0"),
+        (dict(kinds=[]), "kinds is empty"),
+        (dict(kinds=["explode"]), "unknown fault kind"),
+        (dict(nodes=0), "nodes=0"),
+        (dict(nodes=[]), "nodes=[]"),
+        (dict(nodes=[A, A]), "names a node twice"),
+        (dict(kinds=["stall"]), "give duration_s"),
+        (dict(colour="red"), "unknown option"),
+        (dict(seed=-1), "seed=-1"),
+    ],
+)
 def test_poisson_schedule_rejects_bad_arguments_naming_them(kw, says):
     args = dict(mtbf_s=60, nodes=2, seed=0, horizon_s=600) | kw
     with pytest.raises(ConfigError, match=says.replace("[", r"\[").replace("]", r"\]")):
         Schedule.poisson(**args)
 
 
-@pytest.mark.parametrize("kw, says", [
-    (dict(kind="meteor", at_s=1), "unknown"), (dict(kind="kill_node"), "exactly one of at_s"),
-    (dict(kind="kill_node", at_s=1, at_step=2), "exactly one of at_s"), (dict(kind="kill_node", at_s=-1), "at_s=-1"),
-    (dict(kind="kill_node", at_step=1.5), "at_step=1.5"), (dict(kind="stall", at_s=1), "give duration_s"),
-    (dict(kind="stall", at_s=1, duration_s=0), "duration_s=0"),
-    (dict(kind="kill_node", at_s=1, duration_s=3), "means nothing for a kill"),
-    (dict(kind="stall", at_s=1, duration_s=1, process=5), "process= applies"),
-    (dict(kind="kill_process", at_s=1, process=True), "process=True"),
-    (dict(kind="kill_node", at_s=1, path="/tmp"), "path= applies"),
-    (dict(kind="fill_disk", at_s=1, limit_bytes=0), "limit_bytes=0"),
-    (dict(kind="preempt", at_s=1, how="politely"), "how='politely'"),
-    (dict(kind="kill_node", at_s=1, target=[A]), "target="),
-])
+@pytest.mark.parametrize(
+    "kw, says",
+    [
+        (dict(kind="meteor", at_s=1), "unknown"),
+        (dict(kind="kill_node"), "exactly one of at_s"),
+        (dict(kind="kill_node", at_s=1, at_step=2), "exactly one of at_s"),
+        (dict(kind="kill_node", at_s=-1), "at_s=-1"),
+        (dict(kind="kill_node", at_step=1.5), "at_step=1.5"),
+        (dict(kind="stall", at_s=1), "give duration_s"),
+        (dict(kind="stall", at_s=1, duration_s=0), "duration_s=0"),
+        (dict(kind="kill_node", at_s=1, duration_s=3), "means nothing for a kill"),
+        (dict(kind="stall", at_s=1, duration_s=1, process=5), "process= applies"),
+        (dict(kind="kill_process", at_s=1, process=True), "process=True"),
+        (dict(kind="kill_node", at_s=1, path="/tmp"), "path= applies"),
+        (dict(kind="fill_disk", at_s=1, limit_bytes=0), "limit_bytes=0"),
+        (dict(kind="preempt", at_s=1, how="politely"), "how='politely'"),
+        (dict(kind="kill_node", at_s=1, target=[A]), "target="),
+    ],
+)
 def test_fault_rejects_bad_arguments_naming_them(kw, says):
     with pytest.raises(ConfigError, match=says):
         Fault(**kw)
@@ -169,9 +202,15 @@ class Recorder:
 
 def test_the_injector_lands_each_fault_records_it_and_writes_a_timeline_log(tmp_path):
     log = tmp_path / "chaos" / "run.jsonl"
-    sched = Schedule.fixed([Fault("kill_node", target=A, at_s=0), Fault("stall", target=1, at_s=0, duration_s=2),
-                            Fault("fill_disk", target=B, at_step=3, path="/spill", limit_bytes=10),
-                            Fault("preempt", target="pool=spot", at_step=4, how="drain", duration_s=30)], seed=9)
+    sched = Schedule.fixed(
+        [
+            Fault("kill_node", target=A, at_s=0),
+            Fault("stall", target=1, at_s=0, duration_s=2),
+            Fault("fill_disk", target=B, at_step=3, path="/spill", limit_bytes=10),
+            Fault("preempt", target="pool=spot", at_step=4, how="drain", duration_s=30),
+        ],
+        seed=9,
+    )
     rec = Recorder()
     inj = Injector(sched, backend=rec, log=str(log)).start()
     inj.observe_step(3)
@@ -179,7 +218,12 @@ def test_the_injector_lands_each_fault_records_it_and_writes_a_timeline_log(tmp_
     assert inj.wait(30), "every fault landed"
     events = inj.stop()
     assert [(e.kind, e.phase) for e in events] == [
-        ("kill_node", "fault"), ("stall", "fault"), ("fill_disk", "fault"), ("preempt", "fault"), ("fill_disk", "end")]
+        ("kill_node", "fault"),
+        ("stall", "fault"),
+        ("fill_disk", "fault"),
+        ("preempt", "fault"),
+        ("fill_disk", "end"),
+    ]
     kill, stall, fill, preempt, unfill = events
     assert kill.ok and kill.target == A and kill.planned_s == 0 and kill.detail == {"did": "kill_node"}
     assert not stall.ok and stall.target is None and "already dead" in stall.error  # index 1 is A, killed first
@@ -196,8 +240,9 @@ def test_the_injector_lands_each_fault_records_it_and_writes_a_timeline_log(tmp_
 
 
 def test_a_fault_that_fails_is_recorded_with_its_error_and_the_run_goes_on(tmp_path):
-    sched = Schedule.fixed([Fault("kill_process", target=A, at_s=0, process="Trainer"),
-                            Fault("kill_node", target=B, at_s=0)])
+    sched = Schedule.fixed(
+        [Fault("kill_process", target=A, at_s=0, process="Trainer"), Fault("kill_node", target=B, at_s=0)]
+    )
     with Injector(sched, backend=Recorder(fail={"kill_process": "no such process"})) as inj:
         assert inj.wait(30)
     bad, good = inj.events
@@ -206,8 +251,9 @@ def test_a_fault_that_fails_is_recorded_with_its_error_and_the_run_goes_on(tmp_p
 
 
 def test_a_fill_with_a_duration_is_removed_when_it_ends_and_stop_drops_faults_not_yet_due():
-    sched = Schedule.fixed([Fault("fill_disk", target=A, at_s=0, duration_s=0.2, path="/d"),
-                            Fault("kill_node", at_s=3600)])
+    sched = Schedule.fixed(
+        [Fault("fill_disk", target=A, at_s=0, duration_s=0.2, path="/d"), Fault("kill_node", at_s=3600)]
+    )
     rec = Recorder()
     inj = Injector(sched, backend=rec).start()
     from memsnap.localcluster import wait_for
@@ -302,25 +348,57 @@ def test_cli_refuses_a_cluster_without_yes_kill_nodes(capsys):
 
 
 def test_cli_dry_run_prints_the_seeded_schedule(capsys):
-    argv = ["chaos", "--dry-run", "--mtbf", "100", "--kinds", "kill_node,stall", "--nodes", "3",
-            "--horizon", "1000", "--duration", "5", "--seed", "4"]
+    argv = [
+        "chaos",
+        "--dry-run",
+        "--mtbf",
+        "100",
+        "--kinds",
+        "kill_node,stall",
+        "--nodes",
+        "3",
+        "--horizon",
+        "1000",
+        "--duration",
+        "5",
+        "--seed",
+        "4",
+    ]
     assert main(argv) == 0
     printed = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     want = Schedule.poisson(mtbf_s=100, kinds=["kill_node", "stall"], nodes=3, horizon_s=1000, duration_s=5, seed=4)
     assert printed == want.to_list() and printed
-    assert main(["chaos", "--dry-run", "--fault", "stall at_s=3 target=2 duration_s=1.5",
-                 "--fault", "kill_process at_step=9 process=4242"]) == 0
+    assert (
+        main(
+            [
+                "chaos",
+                "--dry-run",
+                "--fault",
+                "stall at_s=3 target=2 duration_s=1.5",
+                "--fault",
+                "kill_process at_step=9 process=4242",
+            ]
+        )
+        == 0
+    )
     assert [json.loads(x) for x in capsys.readouterr().out.splitlines()] == [
         {"kind": "stall", "at_s": 3.0, "target": "2", "duration_s": 1.5},
-        {"kind": "kill_process", "at_step": 9, "process": 4242}]
+        {"kind": "kill_process", "at_step": 9, "process": 4242},
+    ]
 
 
-@pytest.mark.parametrize("argv, says", [
-    (["--fault", "kill_node at=3"], "unknown field"), (["--fault", "kill_node at_s=soon"], "is not a number"),
-    (["--fault", "kill_node at_s"], "is not key=value"), (["--mtbf", "0", "--horizon", "9"], "mtbf_s=0"),
-    (["--mtbf", "10"], "needs --horizon"), ([], "no faults to inject"),
-    (["--mtbf", "10", "--horizon", "9", "--fault", "kill_node at_s=1"], "not both"),
-])
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--fault", "kill_node at=3"], "unknown field"),
+        (["--fault", "kill_node at_s=soon"], "is not a number"),
+        (["--fault", "kill_node at_s"], "is not key=value"),
+        (["--mtbf", "0", "--horizon", "9"], "mtbf_s=0"),
+        (["--mtbf", "10"], "needs --horizon"),
+        ([], "no faults to inject"),
+        (["--mtbf", "10", "--horizon", "9", "--fault", "kill_node at_s=1"], "not both"),
+    ],
+)
 def test_cli_names_what_is_wrong_with_a_schedule(capsys, argv, says):
     assert main(["chaos", "--dry-run"] + argv) == 1
     assert says in capsys.readouterr().err
@@ -328,8 +406,9 @@ def test_cli_names_what_is_wrong_with_a_schedule(capsys, argv, says):
 
 def test_cli_prints_a_timeline_from_a_log(tmp_path, capsys):
     log = tmp_path / "t.jsonl"
-    with Injector(Schedule.fixed([Fault("kill_node", target=A, at_s=0)], seed=2), backend=Recorder(),
-                  log=str(log)) as inj:
+    with Injector(
+        Schedule.fixed([Fault("kill_node", target=A, at_s=0)], seed=2), backend=Recorder(), log=str(log)
+    ) as inj:
         assert inj.wait(30)
     assert main(["chaos", "--timeline", str(log)]) == 0
     out = capsys.readouterr().out
@@ -340,8 +419,7 @@ def test_cli_prints_a_timeline_from_a_log(tmp_path, capsys):
 def test_cli_exits_1_when_a_fault_failed_to_land(monkeypatch, tmp_path, capsys, fail, code):
     def injector(schedule, **kw):  # the CLI's own arguments, on a recording backend
         assert kw["confirm"] is True
-        return Injector(schedule, log=kw["log"], job=kw["job"], allow_head=kw["allow_head"],
-                        backend=Recorder(fail))
+        return Injector(schedule, log=kw["log"], job=kw["job"], allow_head=kw["allow_head"], backend=Recorder(fail))
 
     monkeypatch.setattr(chaos, "Injector", injector)
     argv = ["chaos", "--yes-kill-nodes", "--log", str(tmp_path / "t.jsonl"), "--fault", f"kill_node at_s=0 target={A}"]

@@ -6,6 +6,7 @@ node 2's spill disk -> the CLI fills a disk -> kill node 2's training process (a
 to a process watching for preemption on node 3 -> kill node 3 (a replacement joins) -> kill
 node 2 the way a real cluster's nodes are killed (a task on it kills its raylet).
 """
+
 from __future__ import annotations
 
 import os
@@ -20,8 +21,12 @@ from memsnap.chaos import Fault, Injector, Schedule, read_log
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 JOB = "chaos-faults"
-JOB_SPEC = JobSpec(JOB, 4, dict(k=2, m=1, chunk=64 * 255, memory_budget=128 << 20, spill_every=1000,
-                                on_error="raise", preemption=False), spill="chaos-spill")
+JOB_SPEC = JobSpec(
+    JOB,
+    4,
+    dict(k=2, m=1, chunk=64 * 255, memory_budget=128 << 20, spill_every=1000, on_error="raise", preemption=False),
+    spill="chaos-spill",
+)
 
 
 @ray.remote(num_cpus=0)
@@ -33,8 +38,9 @@ class Watched:
 
         from memsnap.preempt import PreemptionWatcher
 
-        self.watcher = PreemptionWatcher(lambda left: None, grace_seconds=30, poll_seconds=0.3,
-                                         signals=(signal.SIGTERM,) if signals else ()).start()
+        self.watcher = PreemptionWatcher(
+            lambda left: None, grace_seconds=30, poll_seconds=0.3, signals=(signal.SIGTERM,) if signals else ()
+        ).start()
 
     def notice(self) -> dict:
         w = self.watcher
@@ -92,8 +98,19 @@ def test_the_cli_lands_a_schedule_and_writes_its_timeline(job, tmp_path, capsys)
 
     log, disk = tmp_path / "cli.jsonl", tmp_path / "disk"
     disk.mkdir()
-    argv = ["chaos", "--address", job["cluster"].address, "--job", JOB, "--log", str(log), "--timeout", "300",
-            "--fault", f"fill_disk at_s=0 target=1 path={disk} limit_bytes=65536 duration_s=0.5"]
+    argv = [
+        "chaos",
+        "--address",
+        job["cluster"].address,
+        "--job",
+        JOB,
+        "--log",
+        str(log),
+        "--timeout",
+        "300",
+        "--fault",
+        f"fill_disk at_s=0 target=1 path={disk} limit_bytes=65536 duration_s=0.5",
+    ]
     assert main(argv) == 1 and "--yes-kill-nodes" in capsys.readouterr().err
     assert main(argv + ["--yes-kill-nodes"]) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
@@ -162,8 +179,14 @@ def test_kill_node_removes_a_simulated_node_and_a_replacement_joins(job):
 def test_kill_node_on_a_real_cluster_kills_the_raylet_from_the_node_and_spares_the_head(job):
     target = job["nodes"][2]  # (its rank was killed above; a node up since the start)
     head = ray.get_runtime_context().get_node_id()  # the driver's node: the head of the loopback cluster
-    inj = inject(job, Fault("kill_node", target=target, at_s=0), Fault("kill_node", target=head, at_s=0),
-                 cluster=None, address=job["cluster"].address, confirm=True)
+    inj = inject(
+        job,
+        Fault("kill_node", target=target, at_s=0),
+        Fault("kill_node", target=head, at_s=0),
+        cluster=None,
+        address=job["cluster"].address,
+        confirm=True,
+    )
     events = inj.stop()
     by_target = {e.detail.get("how") and e.target or "refused": e for e in events}
     assert by_target[target].ok, events

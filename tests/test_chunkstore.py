@@ -1,4 +1,5 @@
 """HeldChunks: the ChunkStore an agent serves its peers from."""
+
 from __future__ import annotations
 
 import threading

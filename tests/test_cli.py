@@ -1,4 +1,5 @@
 """The ``memsnap`` CLI over a real checkpoint: ls, inspect, verify, export, average."""
+
 from __future__ import annotations
 
 import json
@@ -143,8 +144,13 @@ HOSTILE = "\x1b[2J\x1b]52;c;SGk=\x07\u202eevil\x9b\x7f\n"
 
 def test_ls_and_inspect_escape_control_characters_from_the_checkpoint(capsys, tmp_path):
     root = str(tmp_path / "hostile")
-    memsnap.save(root, {"model": {"w" + HOSTILE: torch.ones(2), "größe": torch.zeros(1)}}, 1,
-                 {"note": HOSTILE, "k" + HOSTILE: 1, "plain": "größe ✓"}, weights_only=True)
+    memsnap.save(
+        root,
+        {"model": {"w" + HOSTILE: torch.ones(2), "größe": torch.zeros(1)}},
+        1,
+        {"note": HOSTILE, "k" + HOSTILE: 1, "plain": "größe ✓"},
+        weights_only=True,
+    )
     marker_path = Path(Store.open(root).path(1, "COMMITTED"))
     marker = json.loads(marker_path.read_text())
     marker["metadata"].update(time_utc=HOSTILE, git={"commit": HOSTILE})
@@ -160,8 +166,9 @@ def test_ls_and_inspect_escape_control_characters_from_the_checkpoint(capsys, tm
 
 
 def test_console_entry_point(ckpt):
-    proc = subprocess.run([sys.executable, "-m", "memsnap.cli", "ls", ckpt[0]], capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "memsnap.cli", "ls", ckpt[0]], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0 and "30" in proc.stdout.splitlines()[-1]
 
 

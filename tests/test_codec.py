@@ -1,4 +1,5 @@
 """The codec's public API: buffer kinds, ownership, the generator's MDS property and its errors."""
+
 from __future__ import annotations
 
 import itertools
@@ -67,7 +68,7 @@ def test_encode_into_writes_arena_slices_in_place() -> None:
     k, m, chunk, stagger = 4, 2, 4096 + 5, 3 * 64
     arena = np.zeros((k + m) * (chunk + stagger), dtype=np.uint8)
     view = memoryview(arena)
-    slots = [view[i * (chunk + stagger): i * (chunk + stagger) + chunk] for i in range(k + m)]
+    slots = [view[i * (chunk + stagger) : i * (chunk + stagger) + chunk] for i in range(k + m)]
     rng = np.random.default_rng(1)
     for s in slots[:k]:
         s[:] = rng.integers(0, 256, chunk, dtype=np.uint8).tobytes()
@@ -209,8 +210,7 @@ def test_isa_switching_in_process() -> None:
 
 def run_python(code: str, isa: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, MEMSNAP_ISA=isa)
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=60)
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
 
 
 def test_environment_variable_forces_a_level() -> None:

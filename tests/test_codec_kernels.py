@@ -1,4 +1,5 @@
 """Every kernel level against the reference kernel and the pure-Python oracle, byte for byte."""
+
 from __future__ import annotations
 
 import ctypes
@@ -17,8 +18,22 @@ ISAS = codec.available_isas()
 FAST_ISAS = [i for i in ISAS if i != "scalar"]
 # lengths around every block size (16/32/64 bytes) and the scalar tails
 LENGTHS = [0, 1, 2, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 1000, 4095, 4096, 4097]
-GEOMETRIES = [(1, 1), (1, 3), (2, 1), (3, 2), (4, 1), (4, 2), (5, 3), (6, 3), (4, 4), (4, 5),
-              (8, 2), (10, 4), (3, 9), (2, 0)]
+GEOMETRIES = [
+    (1, 1),
+    (1, 3),
+    (2, 1),
+    (3, 2),
+    (4, 1),
+    (4, 2),
+    (5, 3),
+    (6, 3),
+    (4, 4),
+    (4, 5),
+    (8, 2),
+    (10, 4),
+    (3, 9),
+    (2, 0),
+]
 
 
 def random_shards(rng: np.random.Generator, count: int, length: int) -> list[np.ndarray]:
@@ -90,9 +105,9 @@ def test_misaligned_views(isa: str) -> None:
     backing = rng.integers(0, 256, 8 * 300 + 64, dtype=np.uint8)
     rs = codec.ReedSolomon(4, 3)
     for shift in range(1, 33, 5):
-        data = [memoryview(backing)[shift + i * 301: shift + i * 301 + 257] for i in range(4)]
+        data = [memoryview(backing)[shift + i * 301 : shift + i * 301 + 257] for i in range(4)]
         parity_backing = np.zeros(3 * 300 + 64, dtype=np.uint8)
-        parity = [memoryview(parity_backing)[shift + j * 299: shift + j * 299 + 257] for j in range(3)]
+        parity = [memoryview(parity_backing)[shift + j * 299 : shift + j * 299 + 257] for j in range(3)]
         with codec.using_isa(isa):
             rs.encode_into(data, parity)
         want = oracle.matvec(oracle.generator(4, 3), [np.frombuffer(d, np.uint8) for d in data])
@@ -118,7 +133,7 @@ class GuardedPages:
         or right before an earlier page boundary (other slots)."""
         end = self.size - slot * (self.size // slots)
         end -= end % self.PAGE
-        return self.array[end - length: end]
+        return self.array[end - length : end]
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -153,7 +168,7 @@ def test_buffers_ending_at_a_page_boundary(isa: str) -> None:
 def test_property_any_k_shards_rebuild_the_stripe(k, m, length, offset, seed, data) -> None:
     rng = np.random.default_rng(seed)
     backing = rng.integers(0, 256, offset + k * length + 1, dtype=np.uint8)
-    shards = [backing[offset + i * length: offset + (i + 1) * length] for i in range(k)]
+    shards = [backing[offset + i * length : offset + (i + 1) * length] for i in range(k)]
     rs = codec.ReedSolomon(k, m)
     isa = data.draw(st.sampled_from(ISAS))
     with codec.using_isa(isa):
@@ -178,7 +193,7 @@ def test_large_outputs_with_shared_and_mixed_misalignment(isa: str, k: int, m: i
     want = encode_with("scalar", rs, data)
     for shifts in ([5] * m, list(range(1, m + 1))):
         backing = [np.zeros(length + 128, dtype=np.uint8) for _ in range(m)]
-        parity = [b[(-b.ctypes.data) % 64 + s:][:length] for b, s in zip(backing, shifts)]
+        parity = [b[(-b.ctypes.data) % 64 + s :][:length] for b, s in zip(backing, shifts)]
         with codec.using_isa(isa):
             rs.encode_into(data, parity)
         assert [p.tobytes() for p in parity] == want, shifts

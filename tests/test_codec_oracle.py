@@ -1,4 +1,5 @@
 """The checks that the codec tests' GF(2^8) oracle (``support.gf_oracle``) is itself a field."""
+
 from __future__ import annotations
 
 from support.gf_oracle import gf_inv, gf_mul, rank

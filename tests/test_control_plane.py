@@ -4,6 +4,7 @@ many ranks per node, uneven ranks, one multi-GPU node alone, a spare node, a bur
 Ranks are threads of one process per node (``support.ranks.NodeRanks``). Every wait below
 has a deadline; none is a measure of speed.
 """
+
 from __future__ import annotations
 
 import re
@@ -110,8 +111,12 @@ def test_ranks_that_moved_between_live_nodes_read_their_old_nodes_copy(c):
     kill_node_ranks(first)
     again = start_node_ranks("cp-moved", {1: [1], 2: [0], 3: [2], 4: [3]}, opts)  # 0 and 1 swapped
     restored = merged(ray.get([a.restore.remote() for a in again], timeout=300))
-    assert {r: (s, t) for r, (s, t, _) in restored.items()} == {0: (1, "copy"), 1: (1, "copy"),
-                                                                 2: (1, "local"), 3: (1, "local")}
+    assert {r: (s, t) for r, (s, t, _) in restored.items()} == {
+        0: (1, "copy"),
+        1: (1, "copy"),
+        2: (1, "local"),
+        3: (1, "local"),
+    }
     assert {r: d for r, (_, _, d) in restored.items()} == saved
     finish("cp-moved", again)
 
@@ -125,8 +130,14 @@ def test_a_second_live_run_under_the_same_job_name_is_refused_and_the_first_runs
     first, _ = run_job(job, layout)
     run = ray.get(first[0].status.remote(), timeout=60)["run"]
     refused = refused_node_ranks(job, layout, OPTS)
-    assert len(refused) == 2 and all(re.search(rf"(?s)JobInUseError.*a process with no run id.*held by run '{run}', "
-                                               r"still running.*its own job name", e) for e in refused), refused
+    assert len(refused) == 2 and all(
+        re.search(
+            rf"(?s)JobInUseError.*a process with no run id.*held by run '{run}', "
+            r"still running.*its own job name",
+            e,
+        )
+        for e in refused
+    ), refused
     saved = merged(ray.get([a.train_and_save.remote(2) for a in first], timeout=240))
     assert ray.get(first[0].wait.remote(2), timeout=180) == 2
     st = ray.get(first[0].status.remote(), timeout=60)

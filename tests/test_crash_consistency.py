@@ -3,6 +3,7 @@
 The seed of the kill points is printed (run with ``-s`` to see it) and can be set with
 ``MEMSNAP_CRASH_SEED`` to replay a failure.
 """
+
 from __future__ import annotations
 
 import os
@@ -80,8 +81,7 @@ def test_sigkill_during_save_leaves_a_whole_step(tmp_path):
     save_s = time.perf_counter() - t0
     probe, outcomes = make_state(0), []
     code = ZYGOTE.format(tests=os.path.dirname(__file__), uri=uri, state=STATE)
-    zygote = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
+    zygote = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         for i in range(KILLS):
             step = 2 + i

@@ -4,6 +4,7 @@ Without a GPU: the numpy reference of the kernel's arithmetic (``memsnap.device.
 the kernel's own per-thread code (``cupy_rs.KERNEL_CORE``) compiled as C by the host compiler
 and run over an emulated grid. With a GPU (``gpu`` marker): the CuPy kernel itself.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -53,10 +54,10 @@ def test_reference_kernel_arithmetic_encodes_and_decodes_like_the_codec(k: int, 
         for lost in _decode_cases(k, m):
             shards = [None if i in lost else s for i, s in enumerate(full)]
             used = tuple(i for i in range(k + m) if i not in lost)[:k]
-            coef = _codec.decode_matrix(np.eye(k, dtype=np.uint8).tobytes() + _codec.generator(k, m),
-                                        k, used, lost)
-            back = gf_ref.apply_words(gf_ref.nibble_tables(np.frombuffer(coef, np.uint8)), len(lost),
-                                      [full[i] for i in used])
+            coef = _codec.decode_matrix(np.eye(k, dtype=np.uint8).tobytes() + _codec.generator(k, m), k, used, lost)
+            back = gf_ref.apply_words(
+                gf_ref.nibble_tables(np.frombuffer(coef, np.uint8)), len(lost), [full[i] for i in used]
+            )
             assert [b.tobytes() for b in back] == [full[i].tobytes() for i in lost], (k, m, length, lost)
             assert [rs.reconstruct(shards)[i].tobytes() for i in lost] == [b.tobytes() for b in back]
 
@@ -65,23 +66,34 @@ def test_reference_kernel_arithmetic_encodes_and_decodes_like_the_codec(k: int, 
 def kernel_as_c(tmp_path_factory):
     """``KERNEL_CORE`` built as a host shared library, with a driver that runs every
     (emulated) thread of a grid of ``stride`` threads."""
-    cc = shutil.which(sysconfig.get_config_var("CC").split()[0] if sysconfig.get_config_var("CC") else "cc") \
-        or shutil.which("cc") or shutil.which("gcc")
+    cc = (
+        shutil.which(sysconfig.get_config_var("CC").split()[0] if sysconfig.get_config_var("CC") else "cc")
+        or shutil.which("cc")
+        or shutil.which("gcc")
+    )
     if cc is None:
         pytest.skip("no C compiler to build the kernel's code for the CPU")
     d = tmp_path_factory.mktemp("kernel")
     src = d / "kernel.c"
-    src.write_text("#define __device__ static\n" + cupy_rs.KERNEL_CORE + r"""
+    src.write_text(
+        "#define __device__ static\n"
+        + cupy_rs.KERNEL_CORE
+        + r"""
 void run(const unsigned char *t, const unsigned long long *in, const unsigned long long *out,
          int k, int rows, long long nbytes, long long stride)
 {
     for (long long gid = 0; gid < stride; gid++)
         rs_span(t, in, out, k, rows, nbytes, gid, stride);
 }
-""")
+"""
+    )
     lib = d / "kernel.so"
-    subprocess.run([cc, "-O1", "-shared", "-fPIC", "-Wall", "-Werror", "-o", str(lib), str(src)],
-                   check=True, capture_output=True, timeout=120)
+    subprocess.run(
+        [cc, "-O1", "-shared", "-fPIC", "-Wall", "-Werror", "-o", str(lib), str(src)],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     run = ctypes.CDLL(str(lib)).run
     run.restype = None
     run.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong]

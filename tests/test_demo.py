@@ -5,6 +5,7 @@ node kills, resume from RAM.
 Each end-to-end test runs the real command in a subprocess (its own Ray cluster on
 127.0.0.1) and reads its ``--json`` report.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,7 +27,11 @@ TINY = TrainConfig(model=ModelConfig.sized("tiny"), batch=4, frozen_mib=0.25)
 
 # --- the frozen table and the final-state digest -----------------------------------------------
 def test_frozen_table_is_its_size_reproducible_and_differs_by_rank():
-    a, b, other = FrozenTable(1 << 16, seed=3, rank=1), FrozenTable(1 << 16, seed=3, rank=1), FrozenTable(1 << 16, seed=3, rank=2)
+    a, b, other = (
+        FrozenTable(1 << 16, seed=3, rank=1),
+        FrozenTable(1 << 16, seed=3, rank=1),
+        FrozenTable(1 << 16, seed=3, rank=2),
+    )
     assert a.table.nbytes == 1 << 16 and a.table.dtype.is_floating_point
     assert a.table.equal(b.table) and not a.table.equal(other.table)
     assert "table" in a.state_dict()  # persistent: snapshotted and restored with the model
@@ -92,14 +97,29 @@ def test_resident_counts_cached_pages_and_evict_drops_them(tmp_path):
 
 # --- the comparison and the summary ----------------------------------------------------------------
 def _lost(fetch: float) -> dict:
-    return {"tier": "peer", "restored_step": 15, "restore_bytes": 128 << 20, "restoring_ranks": 4,
-            "restore_phases": {"plan": 5.0, "fetch": fetch, "total": 5.0 + fetch}}
+    return {
+        "tier": "peer",
+        "restored_step": 15,
+        "restore_bytes": 128 << 20,
+        "restoring_ranks": 4,
+        "restore_phases": {"plan": 5.0, "fetch": fetch, "total": 5.0 + fetch},
+    }
 
 
 def _disk(seconds: float) -> dict:
-    return {"step": 39, "rank": 3, "bytes": 128 << 20, "path": "x", "seconds": seconds, "read_s": seconds / 2,
-            "apply_s": seconds / 2, "gib_per_s": (128 / 1024) / seconds, "cached_pages_before": 0,
-            "pages": 32768, "cache_drop": "fsync + posix_fadvise(POSIX_FADV_DONTNEED)"}
+    return {
+        "step": 39,
+        "rank": 3,
+        "bytes": 128 << 20,
+        "path": "x",
+        "seconds": seconds,
+        "read_s": seconds / 2,
+        "apply_s": seconds / 2,
+        "gib_per_s": (128 / 1024) / seconds,
+        "cached_pages_before": 0,
+        "pages": 32768,
+        "cache_drop": "fsync + posix_fadvise(POSIX_FADV_DONTNEED)",
+    }
 
 
 def test_compare_sets_bytes_into_the_tensors_against_the_disk_leaving_out_the_plan():
@@ -119,11 +139,22 @@ def test_when_disk_is_ahead_the_comparison_says_why():
 
 
 def _report(lost: dict, disk_: dict) -> dict:
-    return {"nodes": 4, "k": 2, "m": 1, "steps": 40, "frozen_mib": 128.0, "failure_step": 15,
-            "resumed_from_step": 15, "restore_tier": "peer",
-            "recovery_seconds": {"detect": 3.0, "restart": 10.0, "restore": 6.0},
-            "restore_compare": compare(DemoOptions(), lost, disk_), "bitwise_identical": True,
-            "final_params_identical": True, "plot": "loss.png", "total_seconds": 120.0}
+    return {
+        "nodes": 4,
+        "k": 2,
+        "m": 1,
+        "steps": 40,
+        "frozen_mib": 128.0,
+        "failure_step": 15,
+        "resumed_from_step": 15,
+        "restore_tier": "peer",
+        "recovery_seconds": {"detect": 3.0, "restart": 10.0, "restore": 6.0},
+        "restore_compare": compare(DemoOptions(), lost, disk_),
+        "bitwise_identical": True,
+        "final_params_identical": True,
+        "plot": "loss.png",
+        "total_seconds": 120.0,
+    }
 
 
 def test_summary_shows_both_restores_with_bytes_and_rates_and_explains_a_disk_win():
@@ -154,8 +185,12 @@ def test_options_size_the_frozen_table():
 
 def _demo(tmp_path, *args: str, timeout: float = 600) -> dict:
     out = tmp_path / "demo"
-    proc = subprocess.run([sys.executable, "-m", "memsnap.cli", "demo", "--json", "--out", str(out), *args],
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-m", "memsnap.cli", "demo", "--json", "--out", str(out), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert proc.stdout.strip(), f"no report; stderr tail:\n{proc.stderr[-4000:]}"
     report = json.loads(proc.stdout)
     report["_rc"] = proc.returncode
@@ -178,8 +213,10 @@ def _check_report(r: dict, failures: int, mode: str = "inplace") -> None:
     assert r["restore_tier"] == "peer" and r["resumed_from_step"] == r["failure_step"]
     assert r["bitwise_identical"] is True
     assert r["final_params_identical"] is True
-    keys = {"inplace": {"first_sign", "detect", "reform", "restore", "first_step", "total"},
-            "restart": {"detect", "restart", "restore"}}[mode]
+    keys = {
+        "inplace": {"first_sign", "detect", "reform", "restore", "first_step", "total"},
+        "restart": {"detect", "restart", "restore"},
+    }[mode]
     assert set(r["recovery_seconds"]) == keys
     assert all(v is not None and v >= 0 for v in r["recovery_seconds"].values())
     assert r["disk_restore_seconds"] > 0 and r["disk_restore_step"] == r["steps"] - 1
@@ -231,10 +268,20 @@ def test_default_demo(tmp_path):
 
 def test_summary_in_place_shows_the_split_and_the_survivors_pids():
     failure = {"survivor_pids": {"0": [101, 101], "1": [102, 102]}, "survivor_tiers": {"0": "local", "1": "local"}}
-    r = dict(_report(_lost(0.25), _disk(1.0)), mode="inplace", failures=[failure],
-             survivors_kept_their_processes=True,
-             recovery_seconds={"first_sign": 0.1, "detect": 0.5, "reform": 0.02, "restore": 0.7, "first_step": 0.2,
-                               "total": 1.42})
+    r = dict(
+        _report(_lost(0.25), _disk(1.0)),
+        mode="inplace",
+        failures=[failure],
+        survivors_kept_their_processes=True,
+        recovery_seconds={
+            "first_sign": 0.1,
+            "detect": 0.5,
+            "reform": 0.02,
+            "restore": 0.7,
+            "first_step": 0.2,
+            "total": 1.42,
+        },
+    )
     text = demo_cmd.summary(r)
     assert "1.42 s in place" in text and "re-form 0.02 s" in text and "first step 0.20 s" in text
     assert "kept (rank 0 101 -> 101, rank 1 102 -> 102); rolled back from: local" in text

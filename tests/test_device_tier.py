@@ -6,6 +6,7 @@ then SIGKILLed while it still maps the buffer; the agent drains the buffer into 
 from its own process, and a new rank process restores from the agent's buffer: bitwise the
 state the dead one had.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,12 +36,19 @@ class Rank:
     """A rank process; ``answer()`` is its one JSON line; ``kill()`` SIGKILLs it."""
 
     def __init__(self, *args: str, device: str = "cpu"):
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), HERE,
-                                                           os.environ.get("PYTHONPATH", "")]),
-                   MEMSNAP_TEST_DEVICE=device)
-        self.proc = subprocess.Popen([sys.executable, "-m", "support.device_rank", *args], env=env,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True)
+        env = dict(
+            os.environ,
+            PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), HERE, os.environ.get("PYTHONPATH", "")]),
+            MEMSNAP_TEST_DEVICE=device,
+        )
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "support.device_rank", *args],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
 
     def answer(self) -> dict:
         line = self.proc.stdout.readline()  # the child answers once, then holds its mapping
@@ -111,8 +119,7 @@ def test_crashed_rank_loses_nothing_that_reached_the_buffer(any_agent, tmp_path)
 
     # the agent drains into its (pinned) host arena from its own process: the same bytes, and
     # their checksums are the ones the dead rank computed
-    host = Arena.create(os.path.join(naming.arena_dir(), f"memsnap-devtest{os.getpid()}-host"), 1 << 20,
-                        pin=True)
+    host = Arena.create(os.path.join(naming.arena_dir(), f"memsnap-devtest{os.getpid()}-host"), 1 << 20, pin=True)
     try:
         manifest = agent.drain(0, dev, host.view())
         n = manifest.nbytes
@@ -171,7 +178,7 @@ def test_rank_opens_each_buffer_once_and_captures_in_process(agent):
     buf = agent._slots[(0, "cpu")].buffer.host_view()
     expected = memoryview(bytearray(manifest.nbytes))
     cap.copy_into(manifest, sources, expected)
-    assert buf[:manifest.nbytes] == expected  # padding included: zeros
+    assert buf[: manifest.nbytes] == expected  # padding included: zeros
     tier.close()
 
 
@@ -246,11 +253,18 @@ def test_agent_sees_the_node_gpus_without_reserving_them():
 
 
 def test_cpu_only_install_never_imports_cupy():
-    code = ("import sys, memsnap.device, memsnap.device.tier, memsnap.device.cpu, memsnap.device.cuda, "
-            "memsnap.device.cupy_rs, memsnap.device.gf_ref, memsnap.device.pinning; "
-            "print('cupy' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=WAIT_S,
-                         env=dict(os.environ, PYTHONPATH=os.path.dirname(HERE)))
+    code = (
+        "import sys, memsnap.device, memsnap.device.tier, memsnap.device.cpu, memsnap.device.cuda, "
+        "memsnap.device.cupy_rs, memsnap.device.gf_ref, memsnap.device.pinning; "
+        "print('cupy' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S,
+        env=dict(os.environ, PYTHONPATH=os.path.dirname(HERE)),
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
 

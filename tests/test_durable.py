@@ -1,4 +1,5 @@
 """memsnap.save / memsnap.load: bitwise resume in a fresh process, fallback, metadata, refusals."""
+
 from __future__ import annotations
 
 import errno
@@ -63,8 +64,7 @@ def test_resume_in_fresh_process_is_bitwise(tmp_path):
     ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
     memsnap.save(ckpt, objs, N, {"loss": first[-1]})
     code = RESUME.format(tests=str(TESTS), ckpt=ckpt, out=out, n=N)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          cwd=str(REPO))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=str(REPO))
     assert proc.returncode == 0, proc.stderr
     second = [float.fromhex(x) for x in json.loads(proc.stdout.strip().splitlines()[-1])]
     assert first + second == reference  # exact float equality, step by step
@@ -146,10 +146,14 @@ def test_weights_only_warning_from_manifest_without_flag(tmp_path):
 
 
 def git(cwd: Path, *args: str) -> str:
-    env = dict(os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@example.invalid",
-               GIT_COMMITTER_NAME="t", GIT_COMMITTER_EMAIL="t@example.invalid")
-    return subprocess.run(["git", *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          check=True).stdout.strip()
+    env = dict(
+        os.environ,
+        GIT_AUTHOR_NAME="t",
+        GIT_AUTHOR_EMAIL="t@example.invalid",
+        GIT_COMMITTER_NAME="t",
+        GIT_COMMITTER_EMAIL="t@example.invalid",
+    )
+    return subprocess.run(["git", *args], cwd=cwd, env=env, capture_output=True, text=True, check=True).stdout.strip()
 
 
 def test_metadata_recorded(tmp_path, monkeypatch):
@@ -173,8 +177,21 @@ def test_metadata_recorded(tmp_path, monkeypatch):
     assert Store.open(str(tmp_path / "ckpt")).marker(8)["metadata"]["git"] is None
 
 
-ARGV = ["train.py", "--api-token=tok1", "--password", "pw2", "HF_TOKEN=hf3", "db.secret_key=k4",
-        "--lr", "0.1", "--keep-last", "3", "--use-key", "--verbose", "data=/x"]
+ARGV = [
+    "train.py",
+    "--api-token=tok1",
+    "--password",
+    "pw2",
+    "HF_TOKEN=hf3",
+    "db.secret_key=k4",
+    "--lr",
+    "0.1",
+    "--keep-last",
+    "3",
+    "--use-key",
+    "--verbose",
+    "data=/x",
+]
 
 
 def test_argv_secrets_are_redacted_in_each_form(tmp_path, monkeypatch):
@@ -183,8 +200,20 @@ def test_argv_secrets_are_redacted_in_each_form(tmp_path, monkeypatch):
     memsnap.save(str(tmp_path), small_state(), 1)
     raw = open(Store.open(str(tmp_path)).path(1, "COMMITTED")).read()
     assert json.loads(raw)["metadata"]["argv"] == [
-        "train.py", "--api-token=<redacted>", "--password", "<redacted>", "HF_TOKEN=<redacted>",
-        "db.secret_key=<redacted>", "--lr", "0.1", "--keep-last", "3", "--use-key", "--verbose", "data=/x"]
+        "train.py",
+        "--api-token=<redacted>",
+        "--password",
+        "<redacted>",
+        "HF_TOKEN=<redacted>",
+        "db.secret_key=<redacted>",
+        "--lr",
+        "0.1",
+        "--keep-last",
+        "3",
+        "--use-key",
+        "--verbose",
+        "data=/x",
+    ]
     assert not any(secret in raw for secret in ("tok1", "pw2", "hf3", "k4"))
 
 
@@ -233,8 +262,7 @@ def test_full_disk_during_save_keeps_previous(tmp_path, monkeypatch):
 
 def test_retention_through_save(tmp_path):
     for step in range(1, 8):
-        memsnap.save(str(tmp_path), small_state(), step, keep_last=2, milestone_every=3,
-                     milestone=(step == 1))
+        memsnap.save(str(tmp_path), small_state(), step, keep_last=2, milestone_every=3, milestone=(step == 1))
     assert Store.open(str(tmp_path)).steps() == [1, 3, 6, 7]
 
 
@@ -260,15 +288,23 @@ def test_rollback_then_crash_resumes_the_new_run(tmp_path, monkeypatch):
         memsnap.save(ckpt, small_state(step), step, keep_last=2)
     state = small_state(99)
     assert memsnap.load(ckpt, state, step=100) == 100  # a loss spike: roll back
-    with pytest.warns(UserWarning, match=r"saving step 110 behind newer committed step 200 of another "
-                                         r"lineage.*load\(step=None\) will resume this lineage; step 200 is kept"):
+    with pytest.warns(
+        UserWarning,
+        match=r"saving step 110 behind newer committed step 200 of another "
+        r"lineage.*load\(step=None\) will resume this lineage; step 200 is kept",
+    ):
         memsnap.save(ckpt, small_state(110), 110, keep_last=2)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once per process and lineage
         memsnap.save(ckpt, small_state(120), 120, keep_last=2)
     assert Store.open(ckpt).steps() == [100, 110, 120]
-    proc = subprocess.run([sys.executable, "-c", FRESH_LOAD.format(tests=str(TESTS), ckpt=ckpt, small=SMALL)],
-                          capture_output=True, text=True, timeout=120, cwd=str(REPO))
+    proc = subprocess.run(
+        [sys.executable, "-c", FRESH_LOAD.format(tests=str(TESTS), ckpt=ckpt, small=SMALL)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=str(REPO),
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == "120"
 
@@ -331,8 +367,12 @@ def tricky_state(seed: int) -> dict:
     """A state whose keys join alike as text: "a/b" beside a -> b, 0 beside "0"."""
     state = small_state(seed)
     g = torch.Generator().manual_seed(seed)
-    state["extra"] = {"a/b": torch.randn(3, generator=g), "a": {"b": torch.randn(3, generator=g)},
-                      0: torch.randn(3, generator=g), "0": torch.randn(3, generator=g)}
+    state["extra"] = {
+        "a/b": torch.randn(3, generator=g),
+        "a": {"b": torch.randn(3, generator=g)},
+        0: torch.randn(3, generator=g),
+        "0": torch.randn(3, generator=g),
+    }
     return state
 
 
@@ -388,8 +428,12 @@ def test_checkpoints_with_the_older_text_names_still_load_by_position(tmp_path):
             doc = json.load(f)
         for e in doc["tensors"]:
             e["path"] = OLD_NAMES.get(e["path"], e["path"])
-        assert [e["path"] for e in doc["tensors"] if e["path"].startswith("extra/")] == \
-            ["extra/a/b", "extra/a/b#1", "extra/0", "extra/0#1"]
+        assert [e["path"] for e in doc["tensors"] if e["path"].startswith("extra/")] == [
+            "extra/a/b",
+            "extra/a/b#1",
+            "extra/0",
+            "extra/0#1",
+        ]
         forge_manifest(str(tmp_path), 1, rank, doc)
     for world in (1, 2):
         live = tricky_state(1)
@@ -414,8 +458,11 @@ def test_loading_into_a_model_on_the_meta_device_is_refused_naming_the_fix(tmp_p
     assert all(torch.equal(t, want[k]) for k, t in params(model).items())
 
 
-@pytest.mark.parametrize("value", [torch.eye(2).to_sparse(), torch.empty(2, device="meta"), 10 ** 5000,
-                                   bytearray(b"x")], ids=["sparse", "meta", "bigint", "bytearray"])
+@pytest.mark.parametrize(
+    "value",
+    [torch.eye(2).to_sparse(), torch.empty(2, device="meta"), 10**5000, bytearray(b"x")],
+    ids=["sparse", "meta", "bigint", "bytearray"],
+)
 def test_a_save_of_what_cannot_come_back_exactly_is_refused_in_one_line(tmp_path, value):
     state = dict(small_state(), extra={"v": value})
     with pytest.raises(UnsupportedStateError, match=r"at 'extra/v'") as err:

@@ -1,5 +1,6 @@
 """Every durable read path (load, resharding load, verify, export, average) checks what verify
 checks, reads only within the sizes COMMITTED records and fixed caps, and fails typed."""
+
 from __future__ import annotations
 
 import json
@@ -42,12 +43,10 @@ def small_state(seed: int) -> dict:
 def save_two_ranks(root: str, step: int) -> None:
     """``step`` saved by two ranks of plain (unsharded) state, as two processes would."""
     for rank in (1, 0):  # rank 0 commits, after rank 1 wrote its files
-        memsnap.save(root, small_state(step * 10 + rank), step, rank=rank, world_size=2,
-                     barrier=lambda: None)
+        memsnap.save(root, small_state(step * 10 + rank), step, rank=rank, world_size=2, barrier=lambda: None)
 
 
-def resign(store: Store, step: int, rank: int, *, bin_raw: bytes | None = None,
-           json_doc: dict | None = None) -> None:
+def resign(store: Store, step: int, rank: int, *, bin_raw: bytes | None = None, json_doc: dict | None = None) -> None:
     """Rewrite rank ``rank``'s files of ``step`` and their sizes and xxh3s in COMMITTED (a forger can)."""
     mpath = store.path(step, "COMMITTED")
     marker = json.loads(open(mpath, "rb").read())
@@ -86,7 +85,7 @@ def readers(root: str, tmp_path) -> dict:
 def pad_changed(raw: bytes, manifest: dict) -> bytes:
     """``raw`` with a byte of the padding after a tensor changed (every tensor intact)."""
     at = next(t["offset"] + t["nbytes"] for t in manifest["tensors"] if (t["offset"] + t["nbytes"]) % 64)
-    return raw[:at] + bytes([raw[at] ^ 0xFF]) + raw[at + 1:]
+    return raw[:at] + bytes([raw[at] ^ 0xFF]) + raw[at + 1 :]
 
 
 @pytest.mark.parametrize("damage", ["padding", "symlink to a copy", "symlink to a changed copy"])
@@ -141,8 +140,18 @@ def sharded(whole: tuple, boxes: list) -> list[Manifest]:
     out = []
     for lo, shape in boxes:
         n = 4 * validate.numel(shape)
-        e = TensorEntry("model/w", "float32", tuple(shape), 0, n, "0" * 16, global_shape=tuple(whole),
-                        global_offset=tuple(lo), placements=("Shard(0)",), mesh_shape=(len(boxes),))
+        e = TensorEntry(
+            "model/w",
+            "float32",
+            tuple(shape),
+            0,
+            n,
+            "0" * 16,
+            global_shape=tuple(whole),
+            global_offset=tuple(lo),
+            placements=("Shard(0)",),
+            mesh_shape=(len(boxes),),
+        )
         out.append(Manifest([e], {"model": {"w": {"__tensor__": 0}}}, align_up(n)))
     return out
 
@@ -155,10 +164,13 @@ def write_sharded(root: str, whole: tuple, boxes: list) -> None:
     store.commit(1, len(boxes))
 
 
-@pytest.mark.parametrize("boxes", [
-    [((0,), (4,)), ((1,), (4,))],  # overlap and a gap, the element counts adding up
-    [((0,), (4,)), ((4,), (3,))],  # a gap
-])
+@pytest.mark.parametrize(
+    "boxes",
+    [
+        [((0,), (4,)), ((1,), (4,))],  # overlap and a gap, the element counts adding up
+        [((0,), (4,)), ((4,), (3,))],  # a gap
+    ],
+)
 def test_shards_that_do_not_tile_the_tensor_are_damage(tmp_path, capsys, boxes):
     root = str(tmp_path / "ckpt")
     write_sharded(root, (8,), boxes)
@@ -211,8 +223,17 @@ def exact_tiling(whole: tuple, boxes: list) -> bool:
 def test_sources_accepts_exactly_the_tilings(case):
     whole, boxes = case
     saved = sharded(whole, boxes)
-    live = TensorEntry("model/w", "float32", whole, 0, 4 * validate.numel(whole), global_shape=whole,
-                       global_offset=(0,) * len(whole), placements=("Shard(0)",), mesh_shape=(1,))
+    live = TensorEntry(
+        "model/w",
+        "float32",
+        whole,
+        0,
+        4 * validate.numel(whole),
+        global_shape=whole,
+        global_offset=(0,) * len(whole),
+        placements=("Shard(0)",),
+        mesh_shape=(1,),
+    )
     if exact_tiling(whole, boxes):
         got = reshard.sources(live, saved)
         assert sum(validate.numel(box[1]) for _, _, box in got) == validate.numel(whole)
@@ -223,12 +244,23 @@ def test_sources_accepts_exactly_the_tilings(case):
 
 def test_shards_of_another_dtype_or_global_shape_are_damage():
     saved = sharded((8,), [((0,), (4,)), ((4,), (4,))])
-    live = TensorEntry("model/w", "float32", (8,), 0, 32, global_shape=(8,), global_offset=(0,),
-                       placements=("Shard(0)",), mesh_shape=(1,))
+    live = TensorEntry(
+        "model/w",
+        "float32",
+        (8,),
+        0,
+        32,
+        global_shape=(8,),
+        global_offset=(0,),
+        placements=("Shard(0)",),
+        mesh_shape=(1,),
+    )
     assert len(reshard.sources(live, saved)) == 2
     for change in ({"dtype": "int32"}, {"global_shape": (9,)}):
-        other = [saved[0], Manifest([TensorEntry(**{**saved[1].tensors[0].__dict__, **change})],
-                                    saved[1].tree, saved[1].nbytes)]
+        other = [
+            saved[0],
+            Manifest([TensorEntry(**{**saved[1].tensors[0].__dict__, **change})], saved[1].tree, saved[1].nbytes),
+        ]
         with pytest.raises(FormatError, match="saved rank 1"):
             reshard.sources(live, other)
     with pytest.raises(StateMismatchError):  # the live state, not the checkpoint, is what differs
@@ -358,7 +390,7 @@ def test_on_an_object_store_a_declared_size_is_checked_before_it_is_allocated():
 def test_a_huge_number_in_the_marker_is_damage(two_steps, capsys):
     root, store = two_steps
     marker = json.loads(open(store.path(2, "COMMITTED"), "rb").read())
-    marker["ranks"][0]["bin_bytes"] = 10 ** 4299  # 4300 digits: the most Python parses
+    marker["ranks"][0]["bin_bytes"] = 10**4299  # 4300 digits: the most Python parses
     with open(store.path(2, "COMMITTED"), "w") as f:
         json.dump(marker, f)
     assert main(["ls", root]) == 2
@@ -369,7 +401,7 @@ def test_a_huge_number_in_the_marker_is_damage(two_steps, capsys):
 
 
 def test_a_manifest_with_more_entries_than_the_cap_is_refused_before_it_is_built():
-    assert validate.MAX_TENSORS >= 2 * 10 ** 5  # a large MoE model with its optimizer state loads
+    assert validate.MAX_TENSORS >= 2 * 10**5  # a large MoE model with its optimizer state loads
     n = validate.MAX_TENSORS + 1
     entry = '{"path":"t","dtype":"uint8","shape":[0],"offset":0,"nbytes":0}'
     raw = ('{"version":1,"nbytes":0,"meta":{},"tensors":[' + ",".join([entry] * n) + '],"tree":null}').encode()
@@ -459,8 +491,9 @@ def test_average_refuses_a_weight_whose_dtype_changes(tmp_path, capsys):
 
 # --- property: whatever the marker records and whatever sits where a file should, a typed outcome --------
 KINDS = ["longer", "shorter", "symlink to rank 1", "fifo", "directory", "/dev/zero", "absent"]
-SIZES = st.one_of(st.sampled_from([0, 1, 63, 64, 1 << 31, 1 << 45, (1 << 63) - 1, 1 << 63, 10 ** 4299, -1]),
-                  st.integers(0, 1 << 20))
+SIZES = st.one_of(
+    st.sampled_from([0, 1, 63, 64, 1 << 31, 1 << 45, (1 << 63) - 1, 1 << 63, 10**4299, -1]), st.integers(0, 1 << 20)
+)
 
 
 @pytest.fixture(scope="module")
@@ -485,8 +518,9 @@ def test_any_sizes_and_file_kinds_give_a_load_or_a_typed_refusal(pristine, tmp_p
         json.dump(marker, f)
     if data.draw(st.booleans()):
         name = data.draw(st.sampled_from(["rank_00000.bin", "rank_00000.json", "COMMITTED"]))
-        damage_file(store.path(2, name), store.path(2, name.replace("00000", "00001")),
-                    data.draw(st.sampled_from(KINDS)))
+        damage_file(
+            store.path(2, name), store.path(2, name.replace("00000", "00001")), data.draw(st.sampled_from(KINDS))
+        )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for world in (1, 2):
@@ -498,8 +532,12 @@ def test_any_sizes_and_file_kinds_give_a_load_or_a_typed_refusal(pristine, tmp_p
         out, err = sys.stdout, sys.stderr
         sys.stdout = sys.stderr = devnull
         try:
-            for argv in (["ls", root], ["inspect", root], ["verify", "--all", root],
-                         ["export", root, "--safetensors", os.path.join(root, "x.safetensors")]):
+            for argv in (
+                ["ls", root],
+                ["inspect", root],
+                ["verify", "--all", root],
+                ["export", root, "--safetensors", os.path.join(root, "x.safetensors")],
+            ):
                 assert main(argv) in (0, 1, 2)
         finally:
             sys.stdout, sys.stderr = out, err

@@ -1,6 +1,7 @@
 """Elastic restore from RAM without Ray: which saved regions each new rank reads, the
 collective plan for a job back with another world size (several ranks per node), and the
 partial read from real TCP holders, resharded bitwise (with a holder gone: decoded)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -56,11 +57,17 @@ def _sharded(man: Manifest, rank: int, world: int) -> Manifest:
     for e in man.tensors:
         name = e.path.rsplit("/", 1)[-1] if e.path.startswith("model/") else ""
         if name in ("w", "e"):
-            e = dataclasses.replace(e, global_shape=(ROWS, COLS if name == "w" else WIDE), global_offset=(a, 0),
-                                    placements=("Shard(0)",), mesh_shape=(world,))
+            e = dataclasses.replace(
+                e,
+                global_shape=(ROWS, COLS if name == "w" else WIDE),
+                global_offset=(a, 0),
+                placements=("Shard(0)",),
+                mesh_shape=(world,),
+            )
         elif name == "b":
-            e = dataclasses.replace(e, global_shape=(COLS,), global_offset=(0,), placements=("Replicate()",),
-                                    mesh_shape=(world,))
+            e = dataclasses.replace(
+                e, global_shape=(COLS,), global_offset=(0,), placements=("Replicate()",), mesh_shape=(world,)
+            )
         out.append(e)
     return dataclasses.replace(man, tensors=out, tensors_json=None)
 
@@ -133,8 +140,9 @@ def inventories(record: CommitRecord, alive: list[str], drop: dict[str, str] | N
         for owner, info in record.nodes.items():
             if node in info.holders and (drop or {}).get(node) != owner:
                 held[owner] = {info.holders.index(node): info.stripes(K)}
-        out[node] = Inventory(node, {"port": 1}, {record.step: ("committed", tuple(record.ranks_of(node)))},
-                              {record.step: held})
+        out[node] = Inventory(
+            node, {"port": 1}, {record.step: ("committed", tuple(record.ranks_of(node)))}, {record.step: held}
+        )
     return out
 
 
@@ -198,8 +206,11 @@ def test_the_coordinator_takes_the_new_world_size_plans_elastic_and_frees_the_ol
     for p in plans.values():
         assert p.tier == "elastic" and p.step == 7 and [s.rank for s in p.sources] == list(range(8))
         assert [s.copy is not None for s in p.sources] == [True] * 6 + [False] * 2
-        assert p.sources[6].owner == "d" and p.sources[6].addrs == ({"port": ord("a")}, {"port": ord("b")},
-                                                                     {"port": ord("c")})
+        assert p.sources[6].owner == "d" and p.sources[6].addrs == (
+            {"port": ord("a")},
+            {"port": ord("b")},
+            {"port": ord("c")},
+        )
     core.restore_report(0, {r: (True, {"tier": "elastic"}) for r in range(6)})
     assert core.restore_result(0)["ok"]
     gen = core.log.gen
@@ -227,11 +238,26 @@ def publish(holders, mans: list[Manifest], bufs: list, step: int) -> list[RankSo
         parity = memoryview(bytearray(region.stripes * M * chunk))
         encode.ParityBatch([(enc, s) for s in range(region.stripes)], M, chunk, parity).encode(codec)
         for j in range(K + M):
-            items = enc.items(step, f"owner{r}", j) if j < K else \
-                encode.ParityBatch([(enc, s) for s in range(region.stripes)], M, chunk, parity).items(step, f"owner{r}", j)
+            items = (
+                enc.items(step, f"owner{r}", j)
+                if j < K
+                else encode.ParityBatch([(enc, s) for s in range(region.stripes)], M, chunk, parity).items(
+                    step, f"owner{r}", j
+                )
+            )
             client.push(addrs[j], items, timeout=60)
-        out.append(RankSource(step, K, M, f"owner{r}", chunk, Region(r, man.nbytes, 0),
-                              tuple(f"h{j}" for j in range(K + M)), tuple(addrs)))
+        out.append(
+            RankSource(
+                step,
+                K,
+                M,
+                f"owner{r}",
+                chunk,
+                Region(r, man.nbytes, 0),
+                tuple(f"h{j}" for j in range(K + M)),
+                tuple(addrs),
+            )
+        )
     return out
 
 
@@ -271,8 +297,14 @@ def test_a_lost_holder_is_decoded_and_a_damaged_chunk_is_refused(holders):
     a, z = rows(1, 3)
     assert torch.equal(live["model"].e, FULL_E[a:z]) and stats["decoded_stripes"] > 0
     # every byte a saved rank's manifest records wrongly is caught before the state is touched
-    bad = [dataclasses.replace(m, tensors=[dataclasses.replace(e, checksum="0" * 16) if e.path.endswith("/e") else e
-                                           for e in m.tensors], tensors_json=None) for m in mans]
+    bad = [
+        dataclasses.replace(
+            m,
+            tensors=[dataclasses.replace(e, checksum="0" * 16) if e.path.endswith("/e") else e for e in m.tensors],
+            tensors_json=None,
+        )
+        for m in mans
+    ]
     with pytest.raises(ChecksumError, match=r"saved rank 0's tensor 'model/e' of step 20 hashes to"):
         load(holders, sources, bad, 0, 3)
 
@@ -296,8 +328,10 @@ def test_without_peers_every_saved_rank_is_read_from_its_old_nodes_copy(holders)
 def test_a_replicated_tensor_is_read_from_a_surviving_copy_spread_over_the_new_ranks():
     saved, _ = saved_step(4)
     b = path_of(saved[0], "/b")
-    src = [RankSource(1, K, M, f"n{r}", 64, Region(r, 1, 0), (), (), copy=None if r == 1 else {"port": r})
-           for r in range(4)]  # saved rank 1's node is gone: its bytes would be decoded from holders
+    src = [
+        RankSource(1, K, M, f"n{r}", 64, Region(r, 1, 0), (), (), copy=None if r == 1 else {"port": r})
+        for r in range(4)
+    ]  # saved rank 1's node is gone: its bytes would be decoded from holders
     picked = []
     for r in range(3):
         _, live = shard_state(r, 3, fill=False)

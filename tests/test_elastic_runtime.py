@@ -7,6 +7,7 @@ world size. Then 4 -> 1 after three nodes are lost: RAM cannot serve, every rank
 to the durable tier, resharded. One rank per process (gloo), one process per node.
 Every wait has a deadline; none is a measure of speed.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -23,8 +24,7 @@ JOB = "elastic"
 def c(tmp_path_factory):
     spill = tmp_path_factory.mktemp("elastic-spill")
     with cluster(JOB, 4) as lc:
-        yield lc, dict(k=2, m=1, memory_budget=64 << 20, spill=f"file://{spill}", spill_every=1,
-                       on_error="raise")
+        yield lc, dict(k=2, m=1, memory_budget=64 << 20, spill=f"file://{spill}", spill_every=1, on_error="raise")
 
 
 def start(opts: dict, nodes: list[int]) -> list:
@@ -65,8 +65,11 @@ def test_4_to_3_after_a_node_loss_then_3_to_4_when_a_node_returns_restore_from_r
     restored_equal_to_durable(ranks, 2, "elastic")
     train(ranks, [3])
     assert ray.get(ranks[0].status.remote(), timeout=120)["committed_steps"] == [3]  # step 2 let go
-    wait_for(lambda: all(a["held"] == 0 for a in ray.get(ranks[0].status.remote(), timeout=120)["agents"].values()),
-             timeout=120, what="every agent to free the chunks of the old world's step")
+    wait_for(
+        lambda: all(a["held"] == 0 for a in ray.get(ranks[0].status.remote(), timeout=120)["agents"].values()),
+        timeout=120,
+        what="every agent to free the chunks of the old world's step",
+    )
     stop(ranks)
 
     lc.add_node()  # capacity returns: node index 4

@@ -1,4 +1,5 @@
 """Striping a node's regions, parity, and rebuilding lost data shards."""
+
 from __future__ import annotations
 
 import numpy as np

@@ -4,6 +4,7 @@ lost while a step is encoded, and a spare node lost. All run the real code
 (``CoordinatorCore`` + ``rebuild_state`` over real ``AgentCore``s; the agent's spill thread
 in a process that dies half way through a file; a whole job in one process with its TCP data
 plane on loopback, ``support.inproc``)."""
+
 from __future__ import annotations
 
 import subprocess
@@ -186,8 +187,9 @@ def test_an_agent_killed_mid_spill_leaves_the_previous_durable_step_and_the_next
 
     uri = str(tmp_path / "spill")
     memsnap.save(uri, {"model": torch.nn.Linear(2048, 5120)}, 1, weights_only=True)  # step 1 is durable
-    run = subprocess.run([sys.executable, "-c", SPILL_AND_DIE.format(), uri], capture_output=True, text=True,
-                         timeout=180)
+    run = subprocess.run(
+        [sys.executable, "-c", SPILL_AND_DIE.format(), uri], capture_output=True, text=True, timeout=180
+    )
     assert run.returncode == 9, run.stderr[-2000:]
     store = Store.open(uri)
     assert store.latest() == 1 and store.steps() == [1]  # step 2's half-written files do not exist for readers
@@ -232,8 +234,11 @@ def reprotected(job) -> None:
     """Until re-protection has rebuilt shards and its thread has ended (it may start only after
     the step that set it off is already resolved)."""
     state = job.coord.reprotect.state
-    wait_for(lambda: state["rebuilt_chunks"] > 0 and state["running"] == 0, timeout=60,
-             what="re-protection to rebuild the lost node's shards")
+    wait_for(
+        lambda: state["rebuilt_chunks"] > 0 and state["running"] == 0,
+        timeout=60,
+        what="re-protection to rebuild the lost node's shards",
+    )
 
 
 def assert_whole(job, step: int, nodes) -> int:
@@ -261,8 +266,11 @@ def test_a_node_lost_while_a_step_is_encoded_fails_it_by_node_failed_and_the_pre
     gate = EncodeGate(job.cores[A])
     job.save(2, {r: model_state(10 + r) for r in range(4)})
     assert gate.reached.wait(60), "node A never began encoding step 2"
-    wait_for(lambda: all(job.cores[n].versions[2].state == "ready" for n in others), timeout=60,
-             what="every other node to have sent step 2")  # so A is the one that meets the loss
+    wait_for(
+        lambda: all(job.cores[n].versions[2].state == "ready" for n in others),
+        timeout=60,
+        what="every other node to have sent step 2",
+    )  # so A is the one that meets the loss
     job.lose(lost)
     gate.release()
     job.resolved(2)

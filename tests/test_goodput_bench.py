@@ -1,5 +1,6 @@
 """bench/goodput_timeline.py: the fault schedule and the timeline analysis of the goodput
 benchmark, on made-up events (no Ray)."""
+
 from __future__ import annotations
 
 import os
@@ -33,13 +34,17 @@ def _events(t0: float) -> tuple[list[dict], list[dict]]:
     for s in range(10):
         ev.append({"ev": "step", "step": s, "attempt": 0, "t": t0 + 1 + s})
         if s == 4:
-            ev += [{"ev": "save", "rank": r, "step": s, "stall": 0.5 + r, "bytes": 0, "t": t0 + 5.1} for r in range(NODES)]
+            ev += [
+                {"ev": "save", "rank": r, "step": s, "stall": 0.5 + r, "bytes": 0, "t": t0 + 5.1} for r in range(NODES)
+            ]
     ev += [{"ev": "built", "rank": r, "t": t0 + 20.0 + r / 6} for r in range(NODES)]
     ev += [{"ev": "restored", "rank": r, "step": 4, "wall": 1.5 + r / 10, "t": t0 + 22.0 + r / 6} for r in range(NODES)]
     for i, s in enumerate(range(5, 20)):
         ev.append({"ev": "step", "step": s, "attempt": 1, "t": t0 + 23.5 + i})
         if s == 9:
-            ev += [{"ev": "save", "rank": r, "step": s, "stall": 0.25, "bytes": 0, "t": t0 + 28.1} for r in range(NODES)]
+            ev += [
+                {"ev": "save", "rank": r, "step": s, "stall": 0.25, "bytes": 0, "t": t0 + 28.1} for r in range(NODES)
+            ]
     faults = [{"at_s": 10.0, "t_kill": t0 + 10.5, "t_dead": t0 + 13.5, "killed": 2, "replacement": 4}]
     return ev, faults
 
@@ -47,8 +52,17 @@ def _events(t0: float) -> tuple[list[dict], list[dict]]:
 def test_one_failure_is_split_into_detect_restart_restore():
     t0 = 1000.0
     ev, faults = _events(t0)
-    a = analyse(RunResult({"system": "torch.save", "interval": "5", "faults": True, "label": ""}, t0, 35.0,
-                          ev, faults, 7 << 20, 256 << 20))
+    a = analyse(
+        RunResult(
+            {"system": "torch.save", "interval": "5", "faults": True, "label": ""},
+            t0,
+            35.0,
+            ev,
+            faults,
+            7 << 20,
+            256 << 20,
+        )
+    )
     (f,) = a["failures"]
     assert f["lost_steps"] == 5  # 10 steps done when the node died, resumed at step 5
     assert f["detect"] == pytest.approx(3.0)
@@ -68,8 +82,7 @@ def test_a_failure_the_job_never_recovered_from_has_no_rto():
     t0 = 0.5
     ev, faults = _events(t0)
     cut = [e for e in ev if e["t"] < t0 + 15]  # the horizon ended during the restart
-    a = analyse(RunResult({"system": "dcp", "interval": "5", "faults": True, "label": ""}, t0, 15.0,
-                          cut, faults, 0, 1))
+    a = analyse(RunResult({"system": "dcp", "interval": "5", "faults": True, "label": ""}, t0, 15.0, cut, faults, 0, 1))
     (f,) = a["failures"]
     assert "rto" not in f and f["detect"] == pytest.approx(3.0)
     assert a["useful_steps"] == 10
@@ -83,8 +96,9 @@ def test_a_step_the_old_ranks_log_just_after_the_kill_is_progress_not_recovery()
     ev, faults = _events(t0)
     ev.append({"ev": "step", "step": 10, "attempt": 0, "t": t0 + 10.7})  # logged 0.2 s after the kill
     ev.sort(key=lambda e: e["t"])
-    (f,) = analyse(RunResult({"system": "memsnap", "interval": "1", "faults": True, "label": ""}, t0, 35.0,
-                             ev, faults, 0, 1))["failures"]
+    (f,) = analyse(
+        RunResult({"system": "memsnap", "interval": "1", "faults": True, "label": ""}, t0, 35.0, ev, faults, 0, 1)
+    )["failures"]
     assert f["lost_steps"] == 6  # 11 steps done, resumed at step 5
     assert f["rto"] == pytest.approx(23.5 - 10.5) and f["first_step"] == pytest.approx(1.0)
 
@@ -95,11 +109,15 @@ def _inplace(t0: float) -> tuple[list[dict], list[dict], list[dict]]:
     t0+16); every rank begins generation 1 by t0+11.3 (rank 2: the standby, a new pid), restores
     step 9 by t0+12.0 and steps 10.. end from t0+13.0. A second recovery at t0+25 no kill explains."""
     ev = []
-    for gen, t, pids in ((0, t0 - 2, {r: 100 + r for r in range(NODES)}),
-                         (1, t0 + 11.0, {0: 100, 1: 101, 2: 200, 3: 103})):
+    for gen, t, pids in (
+        (0, t0 - 2, {r: 100 + r for r in range(NODES)}),
+        (1, t0 + 11.0, {0: 100, 1: 101, 2: 200, 3: 103}),
+    ):
         ev += [{"ev": "built", "rank": r, "gen": gen, "pid": pids[r], "t": t + 0.1 * (r + 1)} for r in range(NODES)]
-        ev += [{"ev": "restored", "rank": r, "gen": gen, "step": None if gen == 0 else 9, "wall": 0.5,
-                "t": t + 1.0} for r in range(NODES)]
+        ev += [
+            {"ev": "restored", "rank": r, "gen": gen, "step": None if gen == 0 else 9, "wall": 0.5, "t": t + 1.0}
+            for r in range(NODES)
+        ]
     for s in range(10):
         ev.append({"ev": "step", "step": s, "attempt": 0, "t": t0 + 1 + s})
     for i, s in enumerate(range(10, 30)):
@@ -108,12 +126,29 @@ def _inplace(t0: float) -> tuple[list[dict], list[dict], list[dict]]:
     faults = [{"at_s": 10.0, "t_kill": t0 + 10.5, "t_dead": t0 + 16.0, "killed": 3, "replacement": 5, "rank": 2}]
     split = {"detect": 0.2, "reform": 0.3, "restore": 0.7, "first_step": 1.0, "total": 2.2}
     recoveries = [
-        {"gen": 1, "lost": {"2": "r2"}, "takeover": {"2": "s0"}, "why": "rank 2: its process ended",
-         "noticed": t0 + 10.8, "decided": t0 + 11.0, "split": split,
-         "tiers": {"0": "local", "1": "local", "2": "peers", "3": "local"}, "pids": {}},
-        {"gen": 2, "lost": {"1": "r1"}, "takeover": {"1": "s1"}, "why": "rank 1: no heartbeat for 1.2 s",
-         "noticed": t0 + 25.0, "decided": t0 + 25.1, "split": dict(split, reform=None, total=None),
-         "tiers": {}, "pids": {}}]
+        {
+            "gen": 1,
+            "lost": {"2": "r2"},
+            "takeover": {"2": "s0"},
+            "why": "rank 2: its process ended",
+            "noticed": t0 + 10.8,
+            "decided": t0 + 11.0,
+            "split": split,
+            "tiers": {"0": "local", "1": "local", "2": "peers", "3": "local"},
+            "pids": {},
+        },
+        {
+            "gen": 2,
+            "lost": {"1": "r1"},
+            "takeover": {"1": "s1"},
+            "why": "rank 1: no heartbeat for 1.2 s",
+            "noticed": t0 + 25.0,
+            "decided": t0 + 25.1,
+            "split": dict(split, reform=None, total=None),
+            "tiers": {},
+            "pids": {},
+        },
+    ]
     return ev, faults, recoveries
 
 
@@ -128,8 +163,11 @@ def test_in_place_faults_end_detect_at_memsnaps_decision():
     assert kill["t_dead"] == t0 + 11.0 and kill["t_dead_ray"] == t0 + 16.0  # Ray's verdict is kept
     assert kill["recovery"]["gen"] == 1 and faults[0]["t_dead"] == t0 + 16.0  # the input is not changed
     assert extra["t_kill"] == t0 + 25.0 and extra["t_dead"] == t0 + 25.1 and "rank 1" in extra["why"]
-    a = analyse(RunResult({"system": "memsnap-inplace", "interval": "1", "faults": True, "label": ""}, t0, 35.0,
-                          ev, fs, 0, 64 << 20))
+    a = analyse(
+        RunResult(
+            {"system": "memsnap-inplace", "interval": "1", "faults": True, "label": ""}, t0, 35.0, ev, fs, 0, 64 << 20
+        )
+    )
     f, g = a["failures"]
     assert f["detect"] == pytest.approx(0.5)  # kill -> decided, not kill -> Ray's verdict (5.5 s)
     assert f["restart"] == pytest.approx(0.4)  # decided -> every rank began generation 1
@@ -162,8 +200,11 @@ def test_the_report_shows_the_in_place_split_and_ranks_goodput():
     t0 = 1000.0
     ev, faults, recoveries = _inplace(t0)
     spec = {"system": "memsnap-inplace", "interval": "1", "faults": True, "label": ""}
-    run = {"spec": spec, **analyse(RunResult(spec, t0, 35.0, ev, inplace_faults(faults, recoveries), 0, 1)),
-           "extra": {"recoveries": recoveries, "standby_events": [{"t": t0 + 14.0, "event": "standby"}]}}
+    run = {
+        "spec": spec,
+        **analyse(RunResult(spec, t0, 35.0, ev, inplace_faults(faults, recoveries), 0, 1)),
+        "extra": {"recoveries": recoveries, "standby_events": [{"t": t0 + 14.0, "event": "standby"}]},
+    }
     base = {"spec": dict(spec, faults=False), "rate": 1.0}
     other = {"spec": {"system": "dcp", "interval": "5", "faults": True, "label": ""}, "rate": 0.3, "failures": []}
     data = {"runs": [run, base, other, {"spec": dict(other["spec"], faults=False), "rate": 0.6}]}

@@ -1,4 +1,5 @@
 """memsnap.goodput_model: the formulas on cases small enough to check by hand."""
+
 from __future__ import annotations
 
 import math
@@ -31,20 +32,37 @@ def test_lost_steps_and_a_finite_run():
     assert gm.run_goodput(fault_times_s=[], **dict(costs, every_steps=10)) == 1.0
     # every 10 steps, synchronous: 4.5 steps lost on average + half a step in progress
     assert gm.run_goodput(fault_times_s=[10.0], **dict(costs, every_steps=10, lag_s=0.0)) == pytest.approx(
-        1 - (8 + 5) / 60)
+        1 - (8 + 5) / 60
+    )
 
 
 def small_cluster(**kw) -> gm.Cluster:
     """4 nodes of 8 GPUs, 1 GiB per GPU (8 GiB per node), job MTBF 400 s, 1 s steps."""
-    base = dict(gpus=32, gpus_per_node=8, state_gib_per_gpu=1.0, node_mtbf_h=400 * 4 / 3600,
-                storage_gibps=4.0, node_storage_gibps=2.0, nic_gibps=10.0, agent_cores=4.0,
-                host_ram_gib=100.0, step_s=1.0, spill_every_s=100.0)
+    base = dict(
+        gpus=32,
+        gpus_per_node=8,
+        state_gib_per_gpu=1.0,
+        node_mtbf_h=400 * 4 / 3600,
+        storage_gibps=4.0,
+        node_storage_gibps=2.0,
+        nic_gibps=10.0,
+        agent_cores=4.0,
+        host_ram_gib=100.0,
+        step_s=1.0,
+        spill_every_s=100.0,
+    )
     base.update(kw)
     return gm.Cluster(**base)
 
 
-MEASURED = gm.Measured(stall_s_per_gib=0.25, agent_cpu_s_per_gib=1.0, peer_restore_gibps=2.0,
-                       storage_restore_gibps=2.0, detect_s=1.0, restart_s=1.0)
+MEASURED = gm.Measured(
+    stall_s_per_gib=0.25,
+    agent_cpu_s_per_gib=1.0,
+    peer_restore_gibps=2.0,
+    storage_restore_gibps=2.0,
+    detect_s=1.0,
+    restart_s=1.0,
+)
 
 
 def test_cluster_sizes_and_the_llama3_rate():
@@ -82,8 +100,15 @@ def test_memsnap_by_hand():
 
 
 def test_memsnap_in_place_by_hand():
-    x = gm.Measured(**{**vars(MEASURED), "inplace_detect_s": 0.5, "reform_s": 0.1, "local_restore_gibps": 4.0,
-                       "standby_warm_s": 40.0})
+    x = gm.Measured(
+        **{
+            **vars(MEASURED),
+            "inplace_detect_s": 0.5,
+            "reform_s": 0.1,
+            "local_restore_gibps": 4.0,
+            "standby_warm_s": 40.0,
+        }
+    )
     c = small_cluster()
     recovery, fast, p = gm.inplace_recovery(c, x)
     # no restart: memsnap's own verdict, the new group, and the slower of the two restores (the
@@ -125,14 +150,17 @@ def test_more_gpus_shrink_the_mtbf_and_slow_shared_storage():
     assert all(r[0].goodput >= r[1].goodput for r in rows)
 
 
-@pytest.mark.parametrize("make, needle", [
-    (lambda: gm.Cluster(gpus=12, gpus_per_node=8), "gpus=12 is not a multiple of gpus_per_node=8"),
-    (lambda: gm.Cluster(gpus=16, gpus_per_node=8), "2 nodes, too few for k=2 m=1"),
-    (lambda: gm.Cluster(gpus=1024, storage_gibps=0), "storage_gibps=0"),
-    (lambda: gm.Cluster(gpus=1024, step_s=math.nan), "step_s=nan"),
-    (lambda: gm.Measured(detect_s=-1), "detect_s=-1"),
-    (lambda: gm.Measured(restart_s=True), "restart_s=True"),
-])
+@pytest.mark.parametrize(
+    "make, needle",
+    [
+        (lambda: gm.Cluster(gpus=12, gpus_per_node=8), "gpus=12 is not a multiple of gpus_per_node=8"),
+        (lambda: gm.Cluster(gpus=16, gpus_per_node=8), "2 nodes, too few for k=2 m=1"),
+        (lambda: gm.Cluster(gpus=1024, storage_gibps=0), "storage_gibps=0"),
+        (lambda: gm.Cluster(gpus=1024, step_s=math.nan), "step_s=nan"),
+        (lambda: gm.Measured(detect_s=-1), "detect_s=-1"),
+        (lambda: gm.Measured(restart_s=True), "restart_s=True"),
+    ],
+)
 def test_bad_inputs_name_the_field(make, needle):
     with pytest.raises(ConfigError, match=needle):
         make()

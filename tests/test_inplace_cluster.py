@@ -1,6 +1,7 @@
 """In-place recovery on a loopback cluster: a node is killed mid-training; the survivors keep
 their processes, the standby takes the lost rank, and training goes on bitwise as if the
 node had never been lost."""
+
 from __future__ import annotations
 
 import threading
@@ -40,14 +41,25 @@ def test_a_killed_node_is_replaced_by_the_standby_and_the_survivors_keep_their_p
     job = f"inplace-{uuid.uuid4().hex[:6]}"
     steps = 60
     # DDP, built once per process in setup, its gradients through the re-formable group
-    j = InplaceJob(job, inplace_job.setup_ddp, inplace_job.make_train(steps, step_s=0.05),
-                   rank_nodes=[n.node_id for n in ranks], standby_nodes=[spare.node_id], options=OPTIONS)
+    j = InplaceJob(
+        job,
+        inplace_job.setup_ddp,
+        inplace_job.make_train(steps, step_s=0.05),
+        rank_nodes=[n.node_id for n in ranks],
+        standby_nodes=[spare.node_id],
+        options=OPTIONS,
+    )
     out: dict = {}
     runner = threading.Thread(target=lambda: out.update(results=j.run(timeout_s=600)), daemon=True)
     try:
         runner.start()
-        wait_for(lambda: j.store is not None and j.store.check(["test/progress/1"])
-                 and int(j.store.get("test/progress/1")) >= 10, timeout=300, what="rank 1 to train 10 steps")
+        wait_for(
+            lambda: (
+                j.store is not None and j.store.check(["test/progress/1"]) and int(j.store.get("test/progress/1")) >= 10
+            ),
+            timeout=300,
+            what="rank 1 to train 10 steps",
+        )
         pids_before = {r: s for r, s in j.members().items()}
         # the coordinator runs beside the controller, on no rank's node (so no rank node's loss takes it)
         coord = ray.get_actor(naming.coordinator(job), namespace=naming.NAMESPACE)
@@ -111,9 +123,15 @@ def test_a_hung_rank_is_noticed_by_its_heartbeat_fenced_and_replaced(cluster):
     ranks, spare = lc.nodes[-4:-1], lc.nodes[-1]
     job = f"inplace-{uuid.uuid4().hex[:6]}"
     steps = 40
-    j = InplaceJob(job, inplace_job.setup, inplace_job.make_train(steps, step_s=0.05),
-                   rank_nodes=[n.node_id for n in ranks], standby_nodes=[spare.node_id], options=OPTIONS,
-                   backend_timeout_s=300)
+    j = InplaceJob(
+        job,
+        inplace_job.setup,
+        inplace_job.make_train(steps, step_s=0.05),
+        rank_nodes=[n.node_id for n in ranks],
+        standby_nodes=[spare.node_id],
+        options=OPTIONS,
+        backend_timeout_s=300,
+    )
     out: dict = {}
     runner = run_in_thread(j, out)
     stopped = None
@@ -123,7 +141,7 @@ def test_a_hung_rank_is_noticed_by_its_heartbeat_fenced_and_replaced(cluster):
         stopped.suspend()
         runner.join(timeout=600)
         assert not runner.is_alive() and sorted(out["results"]) == [0, 1, 2]
-        rec, = j.collect()
+        (rec,) = j.collect()
         assert rec["lost"] == {2: "r2"} and rec["why"].startswith("rank 2: no heartbeat")
         # only the process hung: its node's agent still answers, so the node is not fenced and
         # the standby reads the rank's whole copy from it (one read, no decode)
@@ -132,8 +150,11 @@ def test_a_hung_rank_is_noticed_by_its_heartbeat_fenced_and_replaced(cluster):
         assert not any(j.store.check([f"test/mismatch/{r}/{s}"]) for r in range(3) for s in range(steps))
         assert len({v["digest"] for v in out["results"].values()}) == 1
         # fenced: the frozen process was killed, so it cannot wake up into the job
-        wait_for(lambda: not stopped.is_running() or stopped.status() == psutil.STATUS_ZOMBIE,
-                 timeout=60, what="the hung rank's process to be killed")
+        wait_for(
+            lambda: not stopped.is_running() or stopped.status() == psutil.STATUS_ZOMBIE,
+            timeout=60,
+            what="the hung rank's process to be killed",
+        )
     finally:
         if stopped is not None:
             try:
@@ -154,9 +175,15 @@ def test_a_slow_rank_is_not_taken_for_a_lost_one(cluster):
     lc = cluster
     ranks = lc.nodes[-3:]
     job = f"inplace-{uuid.uuid4().hex[:6]}"
-    j = InplaceJob(job, inplace_job.setup, inplace_job.make_train(20, slow=(1, 5, 3.0)),
-                   rank_nodes=[n.node_id for n in ranks], options=OPTIONS, lost_after_s=1.0,
-                   on_no_standby="fail")
+    j = InplaceJob(
+        job,
+        inplace_job.setup,
+        inplace_job.make_train(20, slow=(1, 5, 3.0)),
+        rank_nodes=[n.node_id for n in ranks],
+        options=OPTIONS,
+        lost_after_s=1.0,
+        on_no_standby="fail",
+    )
     out: dict = {}
     try:
         runner = run_in_thread(j, out)
@@ -180,9 +207,14 @@ def test_a_standby_that_dies_as_it_takes_over_is_replaced_by_the_next(cluster):
     ranks, spares = lc.nodes[-5:-2], lc.nodes[-2:]
     job = f"inplace-{uuid.uuid4().hex[:6]}"
     steps = 40
-    j = InplaceJob(job, inplace_job.setup, inplace_job.make_train(steps, step_s=0.05),
-                   rank_nodes=[n.node_id for n in ranks], standby_nodes=[s.node_id for s in spares],
-                   options=OPTIONS)
+    j = InplaceJob(
+        job,
+        inplace_job.setup,
+        inplace_job.make_train(steps, step_s=0.05),
+        rank_nodes=[n.node_id for n in ranks],
+        standby_nodes=[s.node_id for s in spares],
+        options=OPTIONS,
+    )
     out: dict = {}
     runner = run_in_thread(j, out)
     try:
@@ -215,8 +247,14 @@ def test_a_handover_moves_a_rank_to_the_standby_with_nothing_rolled_back(cluster
     ranks, spare = lc.nodes[-4:-1], lc.nodes[-1]
     job = f"inplace-{uuid.uuid4().hex[:6]}"
     steps = 30
-    j = InplaceJob(job, inplace_job.setup, inplace_job.make_train(steps, step_s=0.05),
-                   rank_nodes=[n.node_id for n in ranks], standby_nodes=[spare.node_id], options=OPTIONS)
+    j = InplaceJob(
+        job,
+        inplace_job.setup,
+        inplace_job.make_train(steps, step_s=0.05),
+        rank_nodes=[n.node_id for n in ranks],
+        standby_nodes=[spare.node_id],
+        options=OPTIONS,
+    )
     out: dict = {}
     runner = run_in_thread(j, out)
     try:
@@ -225,7 +263,7 @@ def test_a_handover_moves_a_rank_to_the_standby_with_nothing_rolled_back(cluster
         j.hand_over(2)
         runner.join(timeout=600)
         assert not runner.is_alive() and sorted(out["results"]) == [0, 1, 2]
-        rec, = j.collect()
+        (rec,) = j.collect()
         assert rec["lost"] == {2: "r2"} and "handed over" in rec["why"]
         assert rec["takeover"] == {2: "s0"}
         assert rec["fenced_nodes"] == []  # the node was still there: it left cleanly

@@ -1,5 +1,6 @@
 """``InplaceJob``'s settings are checked when it is made (no Ray needed), and ``Recovery.split``
 divides a recovery's seconds between its phases from the members' reports."""
+
 from __future__ import annotations
 
 import json
@@ -20,20 +21,26 @@ def test_the_defaults_make_a_job_of_one_rank_per_node():
     assert job.options["run"] == job.run_id  # every rank's snapshotter names this run
 
 
-@pytest.mark.parametrize("kwargs, named", [
-    ({"rank_nodes": []}, r"rank_nodes=\[\]"),
-    ({"on_no_standby": "retry"}, r"on_no_standby='retry': must be 'wait' or 'fail'"),
-    ({"backend": "mpi"}, r"backend='mpi': must be 'gloo' \(CPU tensors\) or 'nccl'"),
-    ({"beat_s": 0.5, "suspect_after_s": 0.3}, r"beat_s=0.5, suspect_after_s=0.3, lost_after_s=1.0: need 0 < beat_s"),
-    ({"suspect_after_s": 2.0}, r"suspect_after_s=2.0, lost_after_s=1.0"),
-    ({"beat_s": 0}, r"beat_s=0: must be a finite number of seconds > 0"),
-    ({"beat_s": "0.1"}, r"beat_s='0.1': must be a finite number"),
-    ({"lost_after_s": float("nan")}, r"lost_after_s=nan: must be a finite number"),
-    ({"suspect_after_s": True}, r"suspect_after_s=True: must be a finite number"),
-    ({"backend_timeout_s": 0}, r"backend_timeout_s=0: must be a finite number of seconds > 0"),
-    ({"backend_timeout_s": float("inf")}, r"backend_timeout_s=inf"),
-    ({"wait_for_node_s": -1}, r"wait_for_node_s=-1: must be a finite number of seconds >= 0"),
-])
+@pytest.mark.parametrize(
+    "kwargs, named",
+    [
+        ({"rank_nodes": []}, r"rank_nodes=\[\]"),
+        ({"on_no_standby": "retry"}, r"on_no_standby='retry': must be 'wait' or 'fail'"),
+        ({"backend": "mpi"}, r"backend='mpi': must be 'gloo' \(CPU tensors\) or 'nccl'"),
+        (
+            {"beat_s": 0.5, "suspect_after_s": 0.3},
+            r"beat_s=0.5, suspect_after_s=0.3, lost_after_s=1.0: need 0 < beat_s",
+        ),
+        ({"suspect_after_s": 2.0}, r"suspect_after_s=2.0, lost_after_s=1.0"),
+        ({"beat_s": 0}, r"beat_s=0: must be a finite number of seconds > 0"),
+        ({"beat_s": "0.1"}, r"beat_s='0.1': must be a finite number"),
+        ({"lost_after_s": float("nan")}, r"lost_after_s=nan: must be a finite number"),
+        ({"suspect_after_s": True}, r"suspect_after_s=True: must be a finite number"),
+        ({"backend_timeout_s": 0}, r"backend_timeout_s=0: must be a finite number of seconds > 0"),
+        ({"backend_timeout_s": float("inf")}, r"backend_timeout_s=inf"),
+        ({"wait_for_node_s": -1}, r"wait_for_node_s=-1: must be a finite number of seconds >= 0"),
+    ],
+)
 def test_a_bad_setting_is_refused_naming_the_value(kwargs, named):
     with pytest.raises(ConfigError, match=named):
         make(**kwargs)
@@ -44,16 +51,26 @@ def test_waiting_no_time_for_a_node_is_allowed():
 
 
 def recovery(reports: dict[int, dict]) -> Recovery:
-    return Recovery(gen=3, lost={1: "r1"}, takeover={1: "s0"}, fenced_nodes=["n1"], why="rank 1: its process ended",
-                    noticed=100.0, decided=100.25, reports=reports)
+    return Recovery(
+        gen=3,
+        lost={1: "r1"},
+        takeover={1: "s0"},
+        fenced_nodes=["n1"],
+        why="rank 1: its process ended",
+        noticed=100.0,
+        decided=100.25,
+        reports=reports,
+    )
 
 
 def test_split_measures_each_phase_up_to_the_last_member_to_finish_it():
-    rec = recovery({
-        0: {"formed": 100.5, "restored": 101.0, "first_step": 101.5, "tier": "local", "step": 9, "pid": 11},
-        1: {"formed": 101.0, "restored": 102.5, "first_step": 102.75, "tier": "peer", "step": 9, "pid": 22},
-        2: {"formed": 100.75, "restored": 101.25, "first_step": 103.0, "tier": "local", "step": 9, "pid": 33},
-    })
+    rec = recovery(
+        {
+            0: {"formed": 100.5, "restored": 101.0, "first_step": 101.5, "tier": "local", "step": 9, "pid": 11},
+            1: {"formed": 101.0, "restored": 102.5, "first_step": 102.75, "tier": "peer", "step": 9, "pid": 22},
+            2: {"formed": 100.75, "restored": 101.25, "first_step": 103.0, "tier": "local", "step": 9, "pid": 33},
+        }
+    )
     assert rec.split() == {"detect": 0.25, "reform": 0.75, "restore": 1.5, "first_step": 0.5, "total": 3.0}
     out = rec.to_dict()
     assert out["tiers"] == {0: "local", 1: "peer", 2: "local"} and out["pids"] == {0: 11, 1: 22, 2: 33}
@@ -62,13 +79,13 @@ def test_split_measures_each_phase_up_to_the_last_member_to_finish_it():
 
 
 def test_split_leaves_a_phase_unmeasured_until_every_member_reported_it():
-    rec = recovery({0: {"formed": 100.5, "restored": 101.0, "first_step": 101.5},
-                    1: {"formed": 101.0, "restored": 102.5}})  # rank 1 has not stepped yet
+    rec = recovery(
+        {0: {"formed": 100.5, "restored": 101.0, "first_step": 101.5}, 1: {"formed": 101.0, "restored": 102.5}}
+    )  # rank 1 has not stepped yet
     assert rec.split() == {"detect": 0.25, "reform": 0.75, "restore": 1.5, "first_step": None, "total": None}
     rec = recovery({0: {"formed": 100.5}, 1: {"restored": 102.5}})
     assert rec.split() == {"detect": 0.25, "reform": None, "restore": None, "first_step": None, "total": None}
 
 
 def test_split_of_a_recovery_with_no_report_yet_has_only_the_detection():
-    assert recovery({}).split() == {"detect": 0.25, "reform": None, "restore": None, "first_step": None,
-                                    "total": None}
+    assert recovery({}).split() == {"detect": 0.25, "reform": None, "restore": None, "first_step": None, "total": None}

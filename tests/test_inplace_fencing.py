@@ -2,6 +2,7 @@
 lost. The fenced node leaves the live nodes at once (before Ray says anything), its phase-one
 reports are ignored, it cannot join again, a standby taking its rank on a placed spare node
 makes the placement drop it, and a second verdict on it (Ray's, later) changes nothing."""
+
 from __future__ import annotations
 
 import pytest

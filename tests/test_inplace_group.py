@@ -5,6 +5,7 @@ A lost member ends every survivor's collective in ``PeerLost``: a killed one at 
 sockets close), a hung one as soon as the controller publishes the failure, long before the
 backend's own timeout. Re-forming in the same processes keeps threads and descriptors flat,
 and closing ends the watcher."""
+
 from __future__ import annotations
 
 import re

@@ -1,5 +1,6 @@
 """Heartbeats (no Ray): the controller's ``Monitor`` on a fake clock, a ``Beater`` that really
 beats, and a member whose beats go on while its training thread is blocked on the store."""
+
 from __future__ import annotations
 
 import threading
@@ -80,8 +81,7 @@ def test_a_beater_really_beats_and_stops_when_closed():
 
 @pytest.fixture
 def master():
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=30))
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
     yield store
 
 
@@ -91,17 +91,27 @@ def test_a_member_beats_while_its_process_group_waits_on_the_store(master):
     member's beats must go on meanwhile, or a member waiting for a slow peer looks lost."""
     from memsnap.inplace.member import Member
 
-    member = Member(JOB, "r0", ("127.0.0.1", master.port), setup=lambda ctx: None, train=lambda ctx, st: None,
-                    snapshot_options={}, beat_s=0.005, preemption_poll_s=None)
-    blocked = threading.Thread(target=lambda: member.group.store.get("memsnap/hbtest/pg/0/peer-address"),
-                               daemon=True)
+    member = Member(
+        JOB,
+        "r0",
+        ("127.0.0.1", master.port),
+        setup=lambda ctx: None,
+        train=lambda ctx, st: None,
+        snapshot_options={},
+        beat_s=0.005,
+        preemption_poll_s=None,
+    )
+    blocked = threading.Thread(target=lambda: member.group.store.get("memsnap/hbtest/pg/0/peer-address"), daemon=True)
     try:
         blocked.start()
         key = beat_key(JOB, "r0")
         wait_for(lambda: master.check([key]), timeout=10, what="the first beat")
         before = int(master.get(key))
-        wait_for(lambda: int(master.get(key)) >= before + 10, timeout=10,
-                 what="ten beats while the group's store client waits")
+        wait_for(
+            lambda: int(master.get(key)) >= before + 10,
+            timeout=10,
+            what="ten beats while the group's store client waits",
+        )
     finally:
         master.set("memsnap/hbtest/pg/0/peer-address", "x")  # the wait ends
         blocked.join(timeout=30)

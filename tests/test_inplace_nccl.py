@@ -1,6 +1,7 @@
 """The NCCL side of ``RecoverableGroup``, as far as it runs without a GPU: the environment a
 member runs with, a generation left by abort (never by destroy), and the timer that abandons
 a collective nobody reported. The NCCL group itself forms only on a GPU (skipped here)."""
+
 from __future__ import annotations
 
 import pytest

@@ -2,6 +2,7 @@
 worker (its process, or its whole node); Ray Train replaces only that worker, the survivors
 keep their processes and roll back from their own node's RAM, and training goes on bitwise as
 if nothing was lost."""
+
 from __future__ import annotations
 
 import json
@@ -51,10 +52,12 @@ def _run_losing_a_worker(tmp_path, monkeypatch, lose) -> dict:
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     job = f"rt-inplace-{uuid.uuid4().hex[:6]}"
     trainer = TorchTrainer(
-        loop, train_loop_config={"store": ("127.0.0.1", store.port), "steps": STEPS, "options": OPTIONS},
+        loop,
+        train_loop_config={"store": ("127.0.0.1", store.port), "steps": STEPS, "options": OPTIONS},
         torch_config=InplaceTorchConfig(job=job),
         scaling_config=ScalingConfig(num_workers=3, placement_strategy="STRICT_SPREAD"),
-        run_config=RunConfig(name=job, storage_path=str(tmp_path), failure_config=FailureConfig(max_failures=2)))
+        run_config=RunConfig(name=job, storage_path=str(tmp_path), failure_config=FailureConfig(max_failures=2)),
+    )
     out: dict = {}
 
     def fit():
@@ -67,8 +70,11 @@ def _run_losing_a_worker(tmp_path, monkeypatch, lose) -> dict:
     started = time.time()
     try:
         runner.start()
-        wait_for(lambda: min(_progress(store, r) for r in range(3)) >= 10 or not runner.is_alive(), timeout=300,
-                 what="every rank to train 10 steps")
+        wait_for(
+            lambda: min(_progress(store, r) for r in range(3)) >= 10 or not runner.is_alive(),
+            timeout=300,
+            what="every rank to train 10 steps",
+        )
         assert runner.is_alive(), out
         pids = {r: int(store.get(f"test/pid/{r}")) for r in range(3)}
         lost, killed, at_kill = lose(store)
@@ -81,8 +87,9 @@ def _run_losing_a_worker(tmp_path, monkeypatch, lose) -> dict:
         assert all(final[r]["pid"] == pids[r] for r in survivors) and final[lost]["pid"] != pids[lost]
         assert [final[r]["recoveries"] for r in range(3)] == [0 if r == lost else 1 for r in range(3)]
         restored = {r: json.loads(store.get(f"test/restored/1/{r}")) for r in range(3)}
-        print("lost rank", lost, "restored in generation 1:", restored, "at the loss rank", lost,
-              "had trained", at_kill)
+        print(
+            "lost rank", lost, "restored in generation 1:", restored, "at the loss rank", lost, "had trained", at_kill
+        )
         assert all(restored[r]["tier"] == "local" for r in survivors), restored  # from their own node's RAM
         assert len({r["start"] for r in restored.values()}) == 1
         assert restored[lost]["start"] >= at_kill - 3  # a step or two in flight is trained again, never more
@@ -102,8 +109,7 @@ def _run_losing_a_worker(tmp_path, monkeypatch, lose) -> dict:
 
 
 @pytest.mark.extended  # beside the node kill below, beyond CI's time: run with `pytest -m extended`
-def test_a_killed_worker_process_is_replaced_alone_and_the_survivors_roll_back_in_place(
-        cluster, tmp_path, monkeypatch):
+def test_a_killed_worker_process_is_replaced_alone_and_the_survivors_roll_back_in_place(cluster, tmp_path, monkeypatch):
     def lose(store):
         pid, at = int(store.get("test/pid/1")), _progress(store, 1)
         t = time.time()
@@ -117,7 +123,8 @@ def test_a_killed_worker_process_is_replaced_alone_and_the_survivors_roll_back_i
 
 
 def test_a_lost_node_is_replaced_by_a_worker_on_the_free_node_and_the_survivors_roll_back_in_place(
-        cluster, tmp_path, monkeypatch):
+    cluster, tmp_path, monkeypatch
+):
     lc = cluster
     head = lc.nodes[0].node_id
 

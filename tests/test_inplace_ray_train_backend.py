@@ -1,5 +1,6 @@
 """The Ray Train in-place backend's protocol, without a cluster: the generations it writes to
 the rendezvous store and what each new worker is told, at the start and on a replacement."""
+
 from __future__ import annotations
 
 import json
@@ -59,7 +60,7 @@ def _gen(b, gen: int) -> dict:
 
 
 def _env(worker) -> dict:
-    (name, (values,)), = worker.calls
+    ((name, (values,)),) = worker.calls
     assert name == "_set_env"
     return values
 
@@ -70,8 +71,10 @@ def test_the_backend_writes_generation_0_then_gives_a_replacement_the_lost_rank(
 
     b, config = backend
     workers = [FakeWorker(r, 3, f"n{r}") for r in range(3)]
-    whole = types.SimpleNamespace(get_workers=lambda: workers,  # the whole worker group (no ReplicaGroup)
-                                  execute_single_async=lambda i, fn, *a: workers[i].execute_async(fn, *a))
+    whole = types.SimpleNamespace(
+        get_workers=lambda: workers,  # the whole worker group (no ReplicaGroup)
+        execute_single_async=lambda i, fn, *a: workers[i].execute_async(fn, *a),
+    )
     b.on_start(whole, config)
     assert _gen(b, 0) == {"world": 3, "members": {"w0g0": 0, "w1g0": 1, "w2g0": 2}, "done": False}
     envs = [_env(w) for w in workers]
@@ -97,8 +100,11 @@ def test_without_a_job_name_the_run_gets_the_one_from_ray_train_would_give_it(ba
     b, _ = backend
     workers = [FakeWorker(0, 1, "n0")]
     run = types.SimpleNamespace(run_config=types.SimpleNamespace(name="sweep-2026"), run_id="0123456789abcdef")
-    whole = types.SimpleNamespace(get_workers=lambda: workers, _train_run_context=run,
-                                  execute_single_async=lambda i, fn, *a: workers[i].execute_async(fn, *a))
+    whole = types.SimpleNamespace(
+        get_workers=lambda: workers,
+        _train_run_context=run,
+        execute_single_async=lambda i, fn, *a: workers[i].execute_async(fn, *a),
+    )
     b.on_start(whole, InplaceTorchConfig())
     assert b.job == "sweep-2026-01234567"
 

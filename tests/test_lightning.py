@@ -6,6 +6,7 @@ fit does not depend on Lightning replaying an interrupted epoch's first batches 
 callback's docstring); weights, AdamW moments, the step-interval LR schedule and the fit
 loop's step counter must all come back exactly.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -66,8 +67,16 @@ def loader() -> DataLoader:
 
 def fit(model: Model, max_steps: int, callbacks: list, seed: int) -> pl.Trainer:
     pl.seed_everything(seed, verbose=False)
-    trainer = pl.Trainer(max_steps=max_steps, callbacks=callbacks, accelerator="cpu", devices=1, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = pl.Trainer(
+        max_steps=max_steps,
+        callbacks=callbacks,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(model, loader())
     return trainer
 
@@ -101,7 +110,7 @@ def test_a_crashed_fit_resumes_from_local_ram_bitwise(one_node):
     trainer = fit(resumed, 10, [second], seed=123)
     assert second.restored_step == 6
     assert resumed.steps_run == 3 and trainer.global_step == 10  # steps 7, 8, 9 only
-    assert trainer.lr_scheduler_configs[0].scheduler.get_last_lr() == [0.01 * 0.5 ** 3]
+    assert trainer.lr_scheduler_configs[0].scheduler.get_last_lr() == [0.01 * 0.5**3]
     for (name, want), got in zip(reference.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(want, got), name
 

@@ -1,5 +1,6 @@
 """The loopback cluster's start: a node that fails to start is cleaned up and started again, and
 closing the cluster leaves none of its processes behind, even after a failed start."""
+
 from __future__ import annotations
 
 import psutil
@@ -13,8 +14,11 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
 def descendants() -> set[int]:
-    return {p.pid for p in psutil.Process().children(recursive=True) if p.is_running()
-            and p.status() != psutil.STATUS_ZOMBIE}
+    return {
+        p.pid
+        for p in psutil.Process().children(recursive=True)
+        if p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    }
 
 
 def live_resources() -> set[str]:
@@ -35,8 +39,7 @@ def test_a_node_whose_start_fails_is_cleaned_up_and_started_again(monkeypatch):
     monkeypatch.setattr(Cluster, "add_node", add_node_that_fails_once_after_starting)
     before = descendants()
     with LocalCluster(nodes=2, object_store_mb=96) as c:
-        assert len(failed) == 1 and not failed[0].any_processes_alive(), \
-            "the failed node's processes were left running"
+        assert len(failed) == 1 and not failed[0].any_processes_alive(), "the failed node's processes were left running"
         alive = [n for n in ray.nodes() if n["Alive"]]
         assert len(alive) == 2 and len(c.nodes) == 2
         assert [c.index_of(n) for n in c.nodes] == [0, 1]  # the whole start was tried again, afresh
@@ -45,8 +48,11 @@ def test_a_node_whose_start_fails_is_cleaned_up_and_started_again(monkeypatch):
         assert len(failed) == 1 and not failed[0].any_processes_alive()
         assert c.index_of(added) == 3 and len(c.nodes) == 3
         want = {"memsnap_node_0", "memsnap_node_1", "memsnap_node_3"}
-        wait_for(lambda: live_resources() == want, timeout=60,
-                 what=f"the live nodes' resources to be {sorted(want)} (the failed try's node declared dead)")
+        wait_for(
+            lambda: live_resources() == want,
+            timeout=60,
+            what=f"the live nodes' resources to be {sorted(want)} (the failed try's node declared dead)",
+        )
         assert {n["NodeManagerAddress"] for n in alive} == {"127.0.0.1"}
     ray.shutdown()
     left = {pid for pid in descendants() - before}
@@ -94,11 +100,13 @@ def test_a_node_added_from_a_thread_that_ends_keeps_running():
         node = added[0]
         # the thread is gone from the kernel's view too (join returns a moment before), so any
         # parent-death signal has been sent by now
-        wait_for(lambda: not os.path.exists(f"/proc/self/task/{tids[0]}"), timeout=30,
-                 what="the injector thread to exit")
+        wait_for(
+            lambda: not os.path.exists(f"/proc/self/task/{tids[0]}"), timeout=30, what="the injector thread to exit"
+        )
         got = ray.get(where.options(resources={f"memsnap_node_{c.index_of(node)}": 0.01}).remote(), timeout=120)
         assert got == node.node_id
         raylet = _raylet(node)
-        assert raylet.is_running() and raylet.status() != psutil.STATUS_ZOMBIE, \
+        assert raylet.is_running() and raylet.status() != psutil.STATUS_ZOMBIE, (
             "the node's raylet died with the thread that added it"
+        )
         assert all(n["Alive"] for n in ray.nodes()), "a node was declared dead"

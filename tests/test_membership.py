@@ -1,5 +1,6 @@
 """Membership is by node (no Ray): how many nodes a job runs on decides whether pieces go to
 peers, spare agents count as holders, and re-protection never puts a shard on its owner."""
+
 from __future__ import annotations
 
 import pytest
@@ -62,8 +63,9 @@ def test_peers_true_on_too_few_nodes_is_refused_at_once_with_the_fix():
 
 
 def test_reprotection_never_places_a_shard_on_its_owner_or_beside_another_shard():
-    rec = CommitRecord(5, 2, 1, {"n0": NodeReady(5, "n0", 0, 64, (Region(0, 64, 0), Region(1, 64, 1)),
-                                                 ("n1", "n2", "n3"))})
+    rec = CommitRecord(
+        5, 2, 1, {"n0": NodeReady(5, "n0", 0, 64, (Region(0, 64, 0), Region(1, 64, 1)), ("n1", "n2", "n3"))}
+    )
     holders = ["n1", "n2", "n3"]
     moved = {0: "n4", 1: "n4"}  # Ray Train restarted n0's ranks on n4; n0 itself is alive
     assert new_holders(rec, "n0", holders, {"n0", "n2", "n3", "n4", "n5"}, moved) == [(0, "n5")]

@@ -5,6 +5,7 @@ on 127.0.0.1 (Ray reports them every second here: ``metrics_report_interval_ms``
 coordinator records its gauges every second: ``MEMSNAP_METRICS_INTERVAL_S``). The CLI runs in
 a subprocess against the cluster's address. The tests run in file order.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,10 +24,14 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 JOB = "rt-metrics"
 LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 SAMPLE = re.compile(r"^(\w+)(?:\{(.*)\})? (\S+)$")
-JOB_SPEC = JobSpec(JOB, 3, dict(k=1, m=1, chunk=64 * 255, memory_budget=256 << 20, on_error="raise",
-                                preemption=False, spill_every=1), spill="spill/root",
-                   env={"MEMSNAP_METRICS_INTERVAL_S": "1"},
-                   system_config={"metrics_report_interval_ms": 1000})
+JOB_SPEC = JobSpec(
+    JOB,
+    3,
+    dict(k=1, m=1, chunk=64 * 255, memory_budget=256 << 20, on_error="raise", preemption=False, spill_every=1),
+    spill="spill/root",
+    env={"MEMSNAP_METRICS_INTERVAL_S": "1"},
+    system_config={"metrics_report_interval_ms": 1000},
+)
 
 
 def scrape() -> list[tuple[str, dict, float]]:
@@ -79,8 +84,15 @@ def status(job) -> dict:
 def cli(job, *argv: str, stdin=subprocess.DEVNULL) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     env.pop("RAY_ADDRESS", None)
-    return subprocess.run([sys.executable, "-m", "memsnap.cli", *argv, "--address", job["cluster"].address],
-                          env=env, stdin=stdin, capture_output=True, text=True, timeout=180, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "memsnap.cli", *argv, "--address", job["cluster"].address],
+        env=env,
+        stdin=stdin,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
 
 
 def test_saves_restore_and_a_failure_show_in_the_metrics(job):
@@ -95,43 +107,63 @@ def test_saves_restore_and_a_failure_show_in_the_metrics(job):
     wait_for(lambda: status(job)["failed_snapshots"] >= 1, timeout=60, what="step 4's failure to reach the coordinator")
     wait_for(lambda: status(job)["durable_step"] == 3, timeout=60, what="step 3 to be spilled")
 
-    settle("the metrics of the saves, the restore and the failure", {
-        "committed step": lambda s: values(s, "ray_memsnap_committed_step", job=JOB) == [3.0],
-        "durable step": lambda s: values(s, "ray_memsnap_durable_step", job=JOB) == [3.0],
-        "training step": lambda s: by_node(s, "ray_memsnap_training_step") == {
-            n: 4.0 if i == 0 else 3.0 for i, n in enumerate(nodes)},
-        "captures": lambda s: by_node(s, "ray_memsnap_capture_seconds_count") == {n: 4.0 for n in nodes},
-        "sends": lambda s: by_node(s, "ray_memsnap_send_seconds_count") == {n: 4.0 for n in nodes},
-        "restores": lambda s: by_node(s, "ray_memsnap_restore_seconds_count", tier="local") == {
-            n: 1.0 for n in nodes},
-        "failures": lambda s: by_node(s, "ray_memsnap_snapshots_failed_total") == {nodes[0]: 1.0},
-        "spills": lambda s: len(by_node(s, "ray_memsnap_spill_seconds_count")) == 3,
-    })
+    settle(
+        "the metrics of the saves, the restore and the failure",
+        {
+            "committed step": lambda s: values(s, "ray_memsnap_committed_step", job=JOB) == [3.0],
+            "durable step": lambda s: values(s, "ray_memsnap_durable_step", job=JOB) == [3.0],
+            "training step": lambda s: (
+                by_node(s, "ray_memsnap_training_step") == {n: 4.0 if i == 0 else 3.0 for i, n in enumerate(nodes)}
+            ),
+            "captures": lambda s: by_node(s, "ray_memsnap_capture_seconds_count") == {n: 4.0 for n in nodes},
+            "sends": lambda s: by_node(s, "ray_memsnap_send_seconds_count") == {n: 4.0 for n in nodes},
+            "restores": lambda s: (
+                by_node(s, "ray_memsnap_restore_seconds_count", tier="local") == {n: 1.0 for n in nodes}
+            ),
+            "failures": lambda s: by_node(s, "ray_memsnap_snapshots_failed_total") == {nodes[0]: 1.0},
+            "spills": lambda s: len(by_node(s, "ray_memsnap_spill_seconds_count")) == 3,
+        },
+    )
 
     st = status(job)
     assert st["protection"] and all(p >= 1 for p in st["protection"].values())
-    settle("the coordinator's gauges", {
-        "protection": lambda s: {lab["group"]: v for n, lab, v in s if n == "ray_memsnap_protection_level"}
-        == {g: float(p) for g, p in st["protection"].items()},
-        "local bytes": lambda s: by_node(s, "ray_memsnap_bytes", tier="local") == {
-            n: float(a["local"]) for n, a in st["agents"].items()},
-        "peer bytes": lambda s: by_node(s, "ray_memsnap_bytes", tier="peer") == {
-            n: float(a["held"] + a["parity"]) for n, a in st["agents"].items()},
-        "durable bytes": lambda s: by_node(s, "ray_memsnap_bytes", tier="durable") == {
-            n: float(a["spill"]["bytes"]) for n, a in st["agents"].items()},
-        "budget": lambda s: by_node(s, "ray_memsnap_memory_budget_bytes") == {n: float(256 << 20) for n in nodes},
-        "re-protection idle": lambda s: values(s, "ray_memsnap_reprotect_running", job=JOB) == [0.0],
-    })
+    settle(
+        "the coordinator's gauges",
+        {
+            "protection": lambda s: (
+                {lab["group"]: v for n, lab, v in s if n == "ray_memsnap_protection_level"}
+                == {g: float(p) for g, p in st["protection"].items()}
+            ),
+            "local bytes": lambda s: (
+                by_node(s, "ray_memsnap_bytes", tier="local") == {n: float(a["local"]) for n, a in st["agents"].items()}
+            ),
+            "peer bytes": lambda s: (
+                by_node(s, "ray_memsnap_bytes", tier="peer")
+                == {n: float(a["held"] + a["parity"]) for n, a in st["agents"].items()}
+            ),
+            "durable bytes": lambda s: (
+                by_node(s, "ray_memsnap_bytes", tier="durable")
+                == {n: float(a["spill"]["bytes"]) for n, a in st["agents"].items()}
+            ),
+            "budget": lambda s: by_node(s, "ray_memsnap_memory_budget_bytes") == {n: float(256 << 20) for n in nodes},
+            "re-protection idle": lambda s: values(s, "ray_memsnap_reprotect_running", job=JOB) == [0.0],
+        },
+    )
     assert all(a["local"] > 0 and a["held"] > 0 and a["spill"]["bytes"] > 0 for a in st["agents"].values())
 
 
 def test_commit_lag_counts_the_snapshots_begun_since_the_last_commit(job):
     nodes = job["nodes"]
-    settle("the commit lag and commit times", {
-        # node 0 began step 4, which failed: step 3 is the newest committed
-        "lag": lambda s: by_node(s, "ray_memsnap_commit_lag_steps") == {nodes[0]: 1.0, nodes[1]: 0.0, nodes[2]: 0.0},
-        "commit times": lambda s: by_node(s, "ray_memsnap_commit_seconds_count") == {n: 4.0 for n in nodes},
-    })
+    settle(
+        "the commit lag and commit times",
+        {
+            # node 0 began step 4, which failed: step 3 is the newest committed
+            "lag": lambda s: (
+                by_node(s, "ray_memsnap_commit_lag_steps") == {nodes[0]: 1.0, nodes[1]: 0.0, nodes[2]: 0.0}
+            ),
+            "commit times": lambda s: by_node(s, "ray_memsnap_commit_seconds_count") == {n: 4.0 for n in nodes},
+        },
+    )
 
 
 def test_status_json_and_table_from_the_running_job(job):

@@ -4,6 +4,7 @@ Without a GPU the CUDA runtime is replaced by a recorder (``FakeCudart``), which
 calls memsnap makes: their order, addresses and sizes. The real ``cudaHostRegister`` runs only
 in ``bench/gpu.py`` and the ``gpu``-marked test.
 """
+
 from __future__ import annotations
 
 import os

@@ -1,4 +1,5 @@
 """Placement properties over many memberships: holders, groups, loss tolerance, labels."""
+
 from __future__ import annotations
 
 import itertools
@@ -17,8 +18,9 @@ def memberships(draw, max_nodes=14):
     m = draw(st.integers(0, 2))
     n = draw(st.integers(k + m + 1, max(k + m + 1, max_nodes)))
     racks = draw(st.integers(0, 5))
-    nodes = [NodeInfo(f"{draw(st.integers(0, 9))}{i:02x}",
-                      {"rack": f"r{i % racks}"} if racks else {}) for i in range(n)]
+    nodes = [
+        NodeInfo(f"{draw(st.integers(0, 9))}{i:02x}", {"rack": f"r{i % racks}"} if racks else {}) for i in range(n)
+    ]
     return nodes, k, m
 
 
@@ -81,8 +83,10 @@ def test_protection_level_matches_a_brute_force_search(case, local_copy):
         survives = 0  # the largest r such that every r more losses leave the group's owners whole
         for r in range(1, len(group) + 1):
             candidates = sorted(set(group) & alive_now)
-            ok = all(all(recoverable(p, o, alive_now - set(extra), local_copy) for o in group)
-                     for extra in itertools.combinations(candidates, min(r, len(candidates))))
+            ok = all(
+                all(recoverable(p, o, alive_now - set(extra), local_copy) for o in group)
+                for extra in itertools.combinations(candidates, min(r, len(candidates)))
+            )
             if not ok:
                 break
             survives = r

@@ -1,4 +1,5 @@
 """``memsnap plan``: the table, the JSON and input validation."""
+
 from __future__ import annotations
 
 import argparse
@@ -30,9 +31,11 @@ def invoke(capsys, *argv: str) -> tuple[int, str, str]:
 def expected(state, nodes, mtbf_h, bc=6.0, bn=2.0, bd=1.0, k=2, m=1):
     """The formulas of the issue, written out independently: {tier: (cost, interval, restore, lost)}."""
     mtbf = mtbf_h * 3600 / nodes
-    costs = {"ram": (state / bc, state / bc),
-             "peer": (state / bc + state * (k + m) / k / bn, state / bn),
-             "disk": (state / bc + state / bd, state / bd)}
+    costs = {
+        "ram": (state / bc, state / bc),
+        "peer": (state / bc + state * (k + m) / k / bn, state / bn),
+        "disk": (state / bc + state / bd, state / bd),
+    }
     out = {}
     for tier, (c, r) in costs.items():
         tau = (2 * c * mtbf) ** 0.5
@@ -59,9 +62,28 @@ def test_json_matches_the_formulas(capsys):
 
 
 def test_bandwidths_and_code_change_the_costs(capsys):
-    rc, out, _ = invoke(capsys, "--state-gb", "10", "--nodes", "16", "--mtbf-hours", "200",
-                        "--memcpy-gbps", "8", "--network-gbps", "1.5", "--streams", "2",
-                        "--disk-gbps", "0.5", "--k", "4", "--m", "2", "--json")
+    rc, out, _ = invoke(
+        capsys,
+        "--state-gb",
+        "10",
+        "--nodes",
+        "16",
+        "--mtbf-hours",
+        "200",
+        "--memcpy-gbps",
+        "8",
+        "--network-gbps",
+        "1.5",
+        "--streams",
+        "2",
+        "--disk-gbps",
+        "0.5",
+        "--k",
+        "4",
+        "--m",
+        "2",
+        "--json",
+    )
     assert rc == 0
     tiers = {t["tier"]: t for t in json.loads(out)["tiers"]}
     want = expected(10, 16, 200, bc=8, bn=3.0, bd=0.5, k=4, m=2)
@@ -98,16 +120,19 @@ def test_table_warns_when_snapshots_cost_more_than_half_the_mtbf(capsys):
     assert "warning: ram" not in out
 
 
-@pytest.mark.parametrize("flag, value, needle", [
-    ("--state-gb", "0", "--state-gb=0.0"),
-    ("--state-gb", "nan", "--state-gb=nan"),
-    ("--mtbf-hours", "-5", "--mtbf-hours=-5.0"),
-    ("--memcpy-gbps", "inf", "--memcpy-gbps=inf"),
-    ("--streams", "0", "--streams=0"),
-    ("--m", "0", "--m=0"),
-    ("--step-seconds", "0", "--step-seconds=0.0"),
-    ("--nodes", "3", "--nodes 3 is too few for --k 2 --m 1"),
-])
+@pytest.mark.parametrize(
+    "flag, value, needle",
+    [
+        ("--state-gb", "0", "--state-gb=0.0"),
+        ("--state-gb", "nan", "--state-gb=nan"),
+        ("--mtbf-hours", "-5", "--mtbf-hours=-5.0"),
+        ("--memcpy-gbps", "inf", "--memcpy-gbps=inf"),
+        ("--streams", "0", "--streams=0"),
+        ("--m", "0", "--m=0"),
+        ("--step-seconds", "0", "--step-seconds=0.0"),
+        ("--nodes", "3", "--nodes 3 is too few for --k 2 --m 1"),
+    ],
+)
 def test_bad_inputs_exit_2_naming_the_flag(capsys, flag, value, needle):
     argv = dict(zip(BASE[::2], BASE[1::2]))
     argv[flag] = value
@@ -130,13 +155,21 @@ def test_plan_inputs_validate_directly():
     ram = plan_cmd.plan(p)[0]
     mtbf = 100 * 3600 / 8
     assert ram.overhead_fraction == pytest.approx(
-        ram.snapshot_cost_s / ram.interval_s + (ram.interval_s / 2 + ram.restore_s) / mtbf)
+        ram.snapshot_cost_s / ram.interval_s + (ram.interval_s / 2 + ram.restore_s) / mtbf
+    )
     assert math.isclose(ram.interval_s, math.sqrt(2 * (2 / 6) * mtbf))
 
 
-@pytest.mark.parametrize("seconds, text", [
-    (0.0004, "0.4 ms"), (15.0, "15.0 s"), (918.0, "15.3 min"), (28125.0, "7.8 h"), (3e5, "3.5 d"),
-])
+@pytest.mark.parametrize(
+    "seconds, text",
+    [
+        (0.0004, "0.4 ms"),
+        (15.0, "15.0 s"),
+        (918.0, "15.3 min"),
+        (28125.0, "7.8 h"),
+        (3e5, "3.5 d"),
+    ],
+)
 def test_format_duration(seconds, text):
     assert plan_cmd.format_duration(seconds) == text
 
@@ -171,8 +204,20 @@ def test_through_the_memsnap_dispatcher(capsys):
 def test_goodput_json_is_the_model(capsys):
     from memsnap import goodput_model as gm
 
-    rc, out, err = invoke(capsys, "--goodput", "--json", "--gpus", "1024", "16384", "--detect-s", "5",
-                          "--state-gib-per-gpu", "20", "--step-seconds", "4")
+    rc, out, err = invoke(
+        capsys,
+        "--goodput",
+        "--json",
+        "--gpus",
+        "1024",
+        "16384",
+        "--detect-s",
+        "5",
+        "--state-gib-per-gpu",
+        "20",
+        "--step-seconds",
+        "4",
+    )
     assert rc == 0 and err == ""
     data = json.loads(out)
     assert [r["cluster"]["gpus"] for r in data["rows"]] == [1024, 16384]
@@ -201,12 +246,15 @@ def test_goodput_table_has_every_size_and_system(capsys):
     assert "closest to running out" in out
 
 
-@pytest.mark.parametrize("argv, needle", [
-    (["--nic-gibps", "0"], "--nic-gibps=0.0"),
-    (["--detect-s", "nan"], "--detect-s=nan"),
-    (["--gpus", "1000", "--gpus-per-node", "16"], "--gpus=1000 is not a multiple of gpus_per_node=16"),
-    (["--gpus", "16"], "--gpus=16 make 2 nodes, too few"),
-])
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--nic-gibps", "0"], "--nic-gibps=0.0"),
+        (["--detect-s", "nan"], "--detect-s=nan"),
+        (["--gpus", "1000", "--gpus-per-node", "16"], "--gpus=1000 is not a multiple of gpus_per_node=16"),
+        (["--gpus", "16"], "--gpus=16 make 2 nodes, too few"),
+    ],
+)
 def test_goodput_bad_inputs_exit_2_naming_the_flag(capsys, argv, needle):
     rc, out, err = invoke(capsys, "--goodput", *argv)
     assert rc == 2 and out == ""
@@ -226,8 +274,22 @@ def test_the_plan_names_the_memory_budget_a_node_needs(capsys):
     assert rc == 0
     want = 0.25 * (3 + 4 * 1.5)  # 2.25 GB: what a 2 GB budget refused under load at 256 MiB per rank
     assert f"memory_budget per node: at least {want:.3g} GB (keep=2" in out
-    rc, out, _ = invoke(capsys, "--state-gb", "10", "--nodes", "16", "--mtbf-hours", "1", "--k", "4", "--m", "2",
-                        "--keep", "1", "--json")
+    rc, out, _ = invoke(
+        capsys,
+        "--state-gb",
+        "10",
+        "--nodes",
+        "16",
+        "--mtbf-hours",
+        "1",
+        "--k",
+        "4",
+        "--m",
+        "2",
+        "--keep",
+        "1",
+        "--json",
+    )
     assert rc == 0 and json.loads(out)["memory_budget_gb"] == pytest.approx(10 * (2 + 3 * 6 / 4))
     rc, _, err = invoke(capsys, *BASE, "--keep", "0")
     assert rc == 2 and "--keep=0" in err

@@ -1,4 +1,5 @@
 """Snapshot policy: every-N / every-T / both / auto (Young/Daly), validation, staleness."""
+
 from __future__ import annotations
 
 import math
@@ -84,8 +85,11 @@ def test_a_failed_snapshot_waits_for_the_next_step_every_rank_takes():
     failed, ok = Scheduler(Policy(every_steps=2), clock), Scheduler(Policy(every_steps=2), clock)
     assert failed.due(1) and ok.due(1)
     ok.taken(1)  # the failed rank's snapshot of step 1 was never taken()
-    assert [s for s in range(2, 9) if failed.due(s) and (failed.taken(s) or True)] == \
-        [s for s in range(2, 9) if ok.due(s) and (ok.taken(s) or True)] == [3, 5, 7]
+    assert (
+        [s for s in range(2, 9) if failed.due(s) and (failed.taken(s) or True)]
+        == [s for s in range(2, 9) if ok.due(s) and (ok.taken(s) or True)]
+        == [3, 5, 7]
+    )
 
 
 def test_ranks_that_measure_different_step_times_and_costs_still_take_common_steps():
@@ -177,21 +181,24 @@ def test_auto_with_every_steps_as_a_cap():
     assert run_steps(sched, clock, range(0, 7), 0.001) == [2, 5]
 
 
-@pytest.mark.parametrize("kwargs, names", [
-    ({}, "every_steps"),
-    ({"every_steps": 0}, "every_steps=0"),
-    ({"every_steps": 2.5}, "every_steps=2.5"),
-    ({"every_steps": True}, "every_steps=True"),
-    ({"every_seconds": -1.0}, "every_seconds=-1.0"),
-    ({"every_seconds": float("nan")}, "every_seconds=nan"),
-    ({"auto": True, "every_seconds": 5.0}, "every_seconds=5.0"),
-    ({"auto": "yes"}, "auto='yes'"),
-    ({"auto": True, "mtbf_hours": 0}, "mtbf_hours=0"),
-    ({"auto": True, "nodes": 0}, "nodes=0"),
-    ({"auto": True, "cost_smoothing": 0.0}, "cost_smoothing=0.0"),
-    ({"auto": True, "initial_cost_seconds": -2}, "initial_cost_seconds=-2"),
-    ({"every_steps": 1, "tier": "disk"}, "tier='disk'"),
-])
+@pytest.mark.parametrize(
+    "kwargs, names",
+    [
+        ({}, "every_steps"),
+        ({"every_steps": 0}, "every_steps=0"),
+        ({"every_steps": 2.5}, "every_steps=2.5"),
+        ({"every_steps": True}, "every_steps=True"),
+        ({"every_seconds": -1.0}, "every_seconds=-1.0"),
+        ({"every_seconds": float("nan")}, "every_seconds=nan"),
+        ({"auto": True, "every_seconds": 5.0}, "every_seconds=5.0"),
+        ({"auto": "yes"}, "auto='yes'"),
+        ({"auto": True, "mtbf_hours": 0}, "mtbf_hours=0"),
+        ({"auto": True, "nodes": 0}, "nodes=0"),
+        ({"auto": True, "cost_smoothing": 0.0}, "cost_smoothing=0.0"),
+        ({"auto": True, "initial_cost_seconds": -2}, "initial_cost_seconds=-2"),
+        ({"every_steps": 1, "tier": "disk"}, "tier='disk'"),
+    ],
+)
 def test_policy_validation_names_the_bad_value(kwargs, names):
     with pytest.raises(ConfigError, match=names.replace("(", r"\(").replace(".", r"\.")):
         Policy(**kwargs)

@@ -1,4 +1,5 @@
 """Preemption: a real SIGTERM to a subprocess, handler chaining, the Ray drain poll."""
+
 from __future__ import annotations
 
 import json
@@ -46,8 +47,9 @@ CHILD = textwrap.dedent("""
 
 def run_child(tmp_path, mode: str) -> tuple[dict, str]:
     out = tmp_path / "result.json"
-    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(out), mode],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(out), mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         ready, _, _ = select.select([proc.stdout], [], [], 60)
         assert ready, "the child never installed its watcher"
@@ -115,8 +117,14 @@ def test_outside_the_main_thread_no_signal_is_installed():
 def test_drain_poll_with_a_fake_source():
     source = {"other": 0}
     calls = []
-    w = PreemptionWatcher(calls.append, signals=(), node_id="me", grace_seconds=30.0,
-                          draining_nodes=lambda: source, wall_clock=lambda: 1000.0)
+    w = PreemptionWatcher(
+        calls.append,
+        signals=(),
+        node_id="me",
+        grace_seconds=30.0,
+        draining_nodes=lambda: source,
+        wall_clock=lambda: 1000.0,
+    )
     assert w.poll_once() is False and not calls
     source["me"] = 1_042_500  # deadline in ms: 42.5 s after the fake wall clock
     assert w.poll_once() is True
@@ -126,8 +134,7 @@ def test_drain_poll_with_a_fake_source():
 
 def test_drain_without_deadline_uses_the_grace_period():
     calls = []
-    w = PreemptionWatcher(calls.append, signals=(), node_id="me", grace_seconds=12.0,
-                          draining_nodes=lambda: {"me": 0})
+    w = PreemptionWatcher(calls.append, signals=(), node_id="me", grace_seconds=12.0, draining_nodes=lambda: {"me": 0})
     w.poll_once()
     assert calls == [12.0]
 
@@ -142,18 +149,20 @@ def test_drain_poll_thread_fires_and_survives_source_errors():
             raise a
         return a
 
-    w = PreemptionWatcher(lambda d: fired.set(), signals=(), node_id="me",
-                          poll_seconds=0.01, draining_nodes=source)
+    w = PreemptionWatcher(lambda d: fired.set(), signals=(), node_id="me", poll_seconds=0.01, draining_nodes=source)
     with w:
         assert fired.wait(30), "the poll thread never saw the drain"
     assert w.preempted
 
 
-@pytest.mark.parametrize("kwargs, needle", [
-    ({"grace_seconds": 0}, "grace_seconds=0"),
-    ({"poll_seconds": -1.0}, "poll_seconds=-1.0"),
-    ({"signals": (12345,)}, "12345 is not a signal"),
-])
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        ({"grace_seconds": 0}, "grace_seconds=0"),
+        ({"poll_seconds": -1.0}, "poll_seconds=-1.0"),
+        ({"signals": (12345,)}, "12345 is not a signal"),
+    ],
+)
 def test_bad_arguments(kwargs, needle):
     with pytest.raises(ConfigError, match=needle):
         PreemptionWatcher(lambda d: None, **kwargs)
@@ -202,11 +211,16 @@ def test_real_ray_drain_is_seen_by_a_watcher_on_that_node():
         assert ray.get(actor.seen.remote(), timeout=30) == ([], None)
         gcs = ray._raylet.GcsClient(address=cluster.address)
         accepted, why = gcs.drain_node(
-            target, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
-            "memsnap test", int(time.time() * 1000) + 60_000)
+            target,
+            autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+            "memsnap test",
+            int(time.time() * 1000) + 60_000,
+        )
         assert accepted, why
-        deadlines, reason = wait_for(lambda: ray.get(actor.seen.remote(), timeout=10)[0] and
-                                     ray.get(actor.seen.remote(), timeout=10),
-                                     timeout=30, what="the watcher on node 1 to see the drain")
+        deadlines, reason = wait_for(
+            lambda: ray.get(actor.seen.remote(), timeout=10)[0] and ray.get(actor.seen.remote(), timeout=10),
+            timeout=30,
+            what="the watcher on node 1 to see the drain",
+        )
     assert len(deadlines) == 1 and 0 < deadlines[0] <= 60.0
     assert reason == f"Ray is draining node {target}"

@@ -1,5 +1,6 @@
 """A restore from peers inside the rank (receive.py), without Ray: real TCP holders, a real
 codec, and a live model + optimizer that must end bitwise equal, received in place."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -53,8 +54,9 @@ def publish(holders, state: dict, step: int, chunk_target: int = 4096) -> tuple[
     for j in range(K + M):
         items = enc.items(step, OWNER, j) if j < K else batch.items(step, OWNER, j)
         client.push(addrs[j], items, timeout=60)
-    source = RankSource(step, K, M, OWNER, chunk, Region(0, man.nbytes, 0), tuple(f"h{j}" for j in range(K + M)),
-                        tuple(addrs))
+    source = RankSource(
+        step, K, M, OWNER, chunk, Region(0, man.nbytes, 0), tuple(f"h{j}" for j in range(K + M)), tuple(addrs)
+    )
     return (source, man.to_json().decode()), digest(state, rng=False)
 
 
@@ -64,7 +66,8 @@ def peers(holders) -> receive.Peers:
 
 def pointers(state: dict) -> list[int]:
     return [p.data_ptr() for p in state["model"].parameters()] + [
-        t.data_ptr() for s in state["optim"].state.values() for t in s.values()]
+        t.data_ptr() for s in state["optim"].state.values() for t in s.values()
+    ]
 
 
 def test_shards_land_in_the_live_tensors_and_the_state_is_bitwise_equal(holders):
@@ -170,8 +173,12 @@ def _snapshotter(plans: list[dict], fail_with: Exception, monkeypatch):
     return snap
 
 
-PEER = {"step": 3, "tier": "peer", "plan": "ram",
-        "source": RankSource(3, K, M, OWNER, 64, Region(0, 64, 0), ("h0", "h1", "h2"), (None,) * 3).to_wire()}
+PEER = {
+    "step": 3,
+    "tier": "peer",
+    "plan": "ram",
+    "source": RankSource(3, K, M, OWNER, 64, Region(0, 64, 0), ("h0", "h1", "h2"), (None,) * 3).to_wire(),
+}
 NONE = {"step": None, "tier": "none", "plan": "none"}
 
 
@@ -186,8 +193,11 @@ def test_a_restore_that_failed_mid_write_never_starts_fresh_on_mixed_state(monke
 
 def test_a_refused_restore_touched_nothing_and_may_start_fresh(monkeypatch):
     snap = _snapshotter([PEER, NONE], StateMismatchError("'model/w': snapshot has float32[4]"), monkeypatch)
-    snap._agent = type("Agent", (), {name: type("M", (), {"remote": staticmethod(lambda *a: None)})
-                                     for name in ("resume", "ready_slots")})()
+    snap._agent = type(
+        "Agent",
+        (),
+        {name: type("M", (), {"remote": staticmethod(lambda *a: None)}) for name in ("resume", "ready_slots")},
+    )()
     snap._plan = type("Plan", (), {"plan": lambda self, state: (Manifest([], {}, 0), [])})()
     monkeypatch.setattr("memsnap.snapshotter._get", lambda ref, timeout=None: None)
     snap._policy = type("P", (), {"resume": lambda self, s: None})()

@@ -5,6 +5,7 @@ uneven split, replicated biases) with AdamW state, and save step 1. Phase B: 2 r
 take one more optimizer step and save step 2. Phase C: 4 ranks load step 2. After every phase
 rank 0 writes the gathered full tensors; they must match bitwise across the load.
 """
+
 from __future__ import annotations
 
 import os
@@ -25,11 +26,25 @@ TESTS = Path(__file__).parent
 
 
 def run_workers(root: str) -> None:
-    env = dict(os.environ, ROOT=root, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
-               PYTHONWARNINGS="ignore", **{f"PORT_{p}": str(free_port()) for p in "ABC"})
-    procs = [subprocess.Popen([sys.executable, "-m", "support.reshard_worker"], env=dict(env, RANK=str(r)),
-                              cwd=TESTS, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(4)]
+    env = dict(
+        os.environ,
+        ROOT=root,
+        GLOO_SOCKET_IFNAME="lo",
+        OMP_NUM_THREADS="1",
+        PYTHONWARNINGS="ignore",
+        **{f"PORT_{p}": str(free_port()) for p in "ABC"},
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "support.reshard_worker"],
+            env=dict(env, RANK=str(r)),
+            cwd=TESTS,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(4)
+    ]
     outs = []
     try:
         for p in procs:
@@ -59,25 +74,37 @@ def test_overlap_boxes():
 
 
 def _shard(path: str, start: int, n: int, mesh: int, offset: int = 0) -> TensorEntry:
-    return TensorEntry(path=path, dtype="float32", shape=(n,), offset=offset, nbytes=4 * n, global_shape=(4,),
-                       global_offset=(start,), placements=("Shard(0)",), mesh_shape=(mesh,))
+    return TensorEntry(
+        path=path,
+        dtype="float32",
+        shape=(n,),
+        offset=offset,
+        nbytes=4 * n,
+        global_shape=(4,),
+        global_offset=(start,),
+        placements=("Shard(0)",),
+        mesh_shape=(mesh,),
+    )
 
 
 def test_saved_shards_are_matched_to_the_live_tensor_at_their_skeleton_position():
     """Two sharded tensors whose keys join alike as text ("a/b" beside a -> b); the saved entries
     carry the names an older memsnap gave them ("m/a/b", "m/a/b#1"), the live plan its own."""
     skeleton = {"m": {"a/b": {"__tensor__": 0}, "a": {"b": {"__tensor__": 1}}}}
-    saved = [Manifest([_shard("m/a/b", 2 * r, 2, 2), _shard("m/a/b#1", 2 * r, 2, 2, offset=64)],
-                      skeleton, 128) for r in range(2)]
+    saved = [
+        Manifest([_shard("m/a/b", 2 * r, 2, 2), _shard("m/a/b#1", 2 * r, 2, 2, offset=64)], skeleton, 128)
+        for r in range(2)
+    ]
     live = Manifest([_shard("m/a%2Fb", 0, 4, 1), _shard("m/a/b", 0, 4, 1)], skeleton, 0)
     target = layout(saved, live, 0)
-    assert [(e.path, e.shape, e.global_offset) for e in target.tensors] == [("m/a/b", (4,), (0,)),
-                                                                            ("m/a/b#1", (4,), (0,))]
-    values = {(r, e.path): torch.arange(2.0) + 2 * r + 10 * i
-              for r in range(2) for i, e in enumerate(saved[r].tensors)}
+    assert [(e.path, e.shape, e.global_offset) for e in target.tensors] == [
+        ("m/a/b", (4,), (0,)),
+        ("m/a/b#1", (4,), (0,)),
+    ]
+    values = {(r, e.path): torch.arange(2.0) + 2 * r + 10 * i for r in range(2) for i, e in enumerate(saved[r].tensors)}
     reader = type("Reader", (), {"saved": saved, "tensor": lambda self, r, path: values[(r, path)]})()
     buf = torch.from_numpy(fill(target, saved, reader, 0).copy())
-    got = [buf[e.offset:e.offset + e.nbytes].view(torch.float32).tolist() for e in target.tensors]
+    got = [buf[e.offset : e.offset + e.nbytes].view(torch.float32).tolist() for e in target.tensors]
     assert got == [[0.0, 1.0, 2.0, 3.0], [10.0, 11.0, 12.0, 13.0]]
 
 

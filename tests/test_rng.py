@@ -1,4 +1,5 @@
 """RNG state: every generator comes back, directly and through a snapshot."""
+
 from __future__ import annotations
 
 import random

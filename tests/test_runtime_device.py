@@ -5,6 +5,7 @@ standing in for GPU memory), the agent drains it into the step's host arena and 
 the rank's process is killed, and its replacement restores from the agent's buffer (tier
 ``device``), bitwise. On a GPU the same path runs with the CUDA backend (not yet run).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -14,8 +15,9 @@ from support.runtime import JobSpec, kill, start_trainer
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 JOB = "rt-device"
-OPTS = dict(k=2, m=1, memory_budget=128 << 20, on_error="raise", preemption=False,
-            device_buffer=True, device_backend="cpu")
+OPTS = dict(
+    k=2, m=1, memory_budget=128 << 20, on_error="raise", preemption=False, device_buffer=True, device_backend="cpu"
+)
 
 JOB_SPEC = JobSpec(JOB, 1, ranks=())  # the cluster only: each test starts its trainers
 

@@ -6,6 +6,7 @@ save/commit -> process crash -> rank dies mid-capture -> coordinator lost -> cor
 + node loss (that node, a holder, dies in the middle of a transfer) -> re-protection -> more losses than the code
 tolerates (durable fallback).
 """
+
 from __future__ import annotations
 
 import os
@@ -32,8 +33,12 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 JOB = "rt-failures"
 K, M = 2, 1
-JOB_SPEC = JobSpec(JOB, 4, dict(k=K, m=M, chunk=64 * 255, memory_budget=256 << 20, spill_every=2,
-                                on_error="raise", preemption=False), spill="spill")
+JOB_SPEC = JobSpec(
+    JOB,
+    4,
+    dict(k=K, m=M, chunk=64 * 255, memory_budget=256 << 20, spill_every=2, on_error="raise", preemption=False),
+    spill="spill",
+)
 
 
 def save_all(job, step: int, commit: bool = True) -> list[str]:
@@ -53,8 +58,11 @@ def agent(node_id: str):
 
 
 def full_protection(job) -> dict:
-    return wait_for(lambda: (lambda p: p if p and all(v == M + 1 for v in p.values()) else None)(
-        status(job)["protection"]), timeout=180, what="full protection (m+1 with the local copy)")
+    return wait_for(
+        lambda: (lambda p: p if p and all(v == M + 1 for v in p.values()) else None)(status(job)["protection"]),
+        timeout=180,
+        what="full protection (m+1 with the local copy)",
+    )
 
 
 def test_save_commits_and_reports_status(job):
@@ -135,8 +143,9 @@ def test_coordinator_loss_the_job_continues_and_restores(job):
     save_all(job, 4)
     results = restore_all(job["trainers"])
     assert [r[0] for r in results] == [4] * 4 and [r[1] for r in results] == job["digests"][4]
-    job["spilled"] = wait_for(lambda: (lambda d: d if d == 4 else None)(status(job)["durable_step"]),
-                              timeout=90, what="step 4 spilled")
+    job["spilled"] = wait_for(
+        lambda: (lambda d: d if d == 4 else None)(status(job)["durable_step"]), timeout=90, what="step 4 spilled"
+    )
 
 
 def test_corrupt_chunk_and_node_loss_restore_from_peers(job):
@@ -155,8 +164,11 @@ def test_corrupt_chunk_and_node_loss_restore_from_peers(job):
     testing.stall_receiving(agent(lost), 5, 1)
     for r in (0, 1, 2, 3):
         ray.get(trainers[r].step_and_save.remote(5), timeout=120)
-    wait_for(lambda: testing.stalled(agent(lost)), timeout=60,
-             what="a transfer of step 5 to the soon-lost holder to be under way")
+    wait_for(
+        lambda: testing.stalled(agent(lost)),
+        timeout=60,
+        what="a transfer of step 5 to the soon-lost holder to be under way",
+    )
     assert status(job)["committed_step"] == 4
     lose_nodes(c, [lost])
     assert ray.get(trainers[0].wait.remote(5, 120), timeout=150) == 4  # step 5 fails, never commits
@@ -260,8 +272,11 @@ def test_m_node_losses_at_once_are_restored_from_ram(job):
         assert [r[0] for r in results] == [1] * 4 and [r[1] for r in results] == digests
         assert [r[2]["tier"] for r in results] == ["local", "peer", "peer", "peer"]
         # the agent installs the rebuilt copy as a new file of that slot
-        wait_for(lambda: any(_byte(p, 4096) == good for p in shmdir.arena_files(other, node3) if "-r3-s0-g1" in p),
-                 timeout=60, what="rank 3's local copy rebuilt")
+        wait_for(
+            lambda: any(_byte(p, 4096) == good for p in shmdir.arena_files(other, node3) if "-r3-s0-g1" in p),
+            timeout=60,
+            what="rank 3's local copy rebuilt",
+        )
         assert not os.path.exists(path)
     finally:
         from memsnap.snapshotter import shutdown

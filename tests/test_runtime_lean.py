@@ -6,6 +6,7 @@ and a group is protected against ``m`` node losses, not ``m+1``: the last test l
 nodes of a second, spilling lean job and falls back to the durable tier. The tests run in file
 order.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -28,8 +29,11 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 JOB = "rt-lean"
 K, M = 2, 1
-JOB_SPEC = JobSpec(JOB, 4, dict(k=K, m=M, chunk=64 * 255, memory_budget=256 << 20, local_copy=False,
-                                on_error="raise", preemption=False))
+JOB_SPEC = JobSpec(
+    JOB,
+    4,
+    dict(k=K, m=M, chunk=64 * 255, memory_budget=256 << 20, local_copy=False, on_error="raise", preemption=False),
+)
 
 
 def save_all(job, step: int) -> None:
@@ -48,8 +52,11 @@ def status(job) -> dict:
 
 
 def assert_no_local_copy(job, steps: list[int]) -> None:
-    wait_for(lambda: all(inv["records"] == steps for inv in inventories(job)), timeout=60,
-             what=f"every agent told of the commits of steps {steps}")
+    wait_for(
+        lambda: all(inv["records"] == steps for inv in inventories(job)),
+        timeout=60,
+        what=f"every agent told of the commits of steps {steps}",
+    )
     for inv in inventories(job):
         assert not any(v["state"] == "committed" for v in inv["versions"].values()), inv["versions"]
         assert inv["records"] == steps
@@ -61,8 +68,11 @@ def test_lean_saves_commit_and_keep_no_local_copy(job):
     save_all(job, 1)
     save_all(job, 2)
     assert_no_local_copy(job, [1, 2])
-    protection = wait_for(lambda: (lambda p: p if p and all(v == M for v in p.values()) else None)(
-        status(job)["protection"]), timeout=120, what="protection m (no local copy to add one)")
+    protection = wait_for(
+        lambda: (lambda p: p if p and all(v == M for v in p.values()) else None)(status(job)["protection"]),
+        timeout=120,
+        what="protection m (no local copy to add one)",
+    )
     assert protection == {"0": M}
     st = status(job)
     assert st["committed_steps"] == [1, 2] and st["failed_snapshots"] == 0
@@ -99,13 +109,23 @@ def test_lean_with_spill_m_plus_1_node_losses_fall_back_to_durable(job, tmp_path
         for step in (1, 2, 3):  # spilled: 1 (the first commit) and 2 (first of the block 2-3)
             digests[step] = ray.get([t.step_and_save.remote(step) for t in trainers], timeout=120)
             assert ray.get(trainers[0].wait.remote(step, 120), timeout=150) == step
-        wait_for(lambda: ray.get(trainers[0].status.remote(), timeout=60)["durable_step"] == 2, timeout=120,
-                 what="step 2 spilled")
+        wait_for(
+            lambda: ray.get(trainers[0].status.remote(), timeout=60)["durable_step"] == 2,
+            timeout=120,
+            what="step 2 spilled",
+        )
         agents = [ray.get_actor(naming.agent(name, n), namespace=naming.NAMESPACE) for n in nodes]
-        wait_for(lambda: not any(v["state"] == "committed" for inv in ray.get([a.inventory.remote() for a in agents],
-                                                                                timeout=60)
-                                 for v in inv["versions"].values()),
-                 timeout=60, what="the lean agents to drop the spilled step's local copy")
+        wait_for(
+            lambda: (
+                not any(
+                    v["state"] == "committed"
+                    for inv in ray.get([a.inventory.remote() for a in agents], timeout=60)
+                    for v in inv["versions"].values()
+                )
+            ),
+            timeout=60,
+            what="the lean agents to drop the spilled step's local copy",
+        )
         doomed = nodes[2:]
         lose_nodes(c, doomed)
         for r in (2, 3):

@@ -1,4 +1,5 @@
 """The spill thread without Ray: throttled writes from the arena, failures reported and retried."""
+
 from __future__ import annotations
 
 import threading
@@ -26,8 +27,11 @@ def fake_core(tmp_path):
     man, raw = capture(state)
     arena = Arena.create(naming.arena_path(f"test-spill-{uuid.uuid4().hex[:8]}", "n0", 0, 0, 0), man.nbytes)
     arena.view(0, man.nbytes)[:] = raw
-    core = types.SimpleNamespace(lock=threading.RLock(), arenas={(0, 0): arena},
-                                 versions={7: Version(7, 0, "committed", {0: man.nbytes}, {0: man.to_json().decode()})})
+    core = types.SimpleNamespace(
+        lock=threading.RLock(),
+        arenas={(0, 0): arena},
+        versions={7: Version(7, 0, "committed", {0: man.nbytes}, {0: man.to_json().decode()})},
+    )
     yield core, state, bytes(raw)
     arena.close()
 

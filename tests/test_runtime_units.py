@@ -1,4 +1,5 @@
 """The runtime's pure parts without Ray: config, the tier decision, protection, agent slots."""
+
 from __future__ import annotations
 
 import logging
@@ -39,8 +40,12 @@ def test_tunables_come_from_one_table_with_env_override(monkeypatch):
 
 def record(step=5, k=2, m=1, nbytes=1000):
     """Rank r on node nr (1000 bytes: 3 stripes of 2 x 192), held by the next k+m nodes."""
-    nodes = {f"n{r}": NodeReady(step, f"n{r}", 0, 192, (Region(r, nbytes, 0),),
-                                tuple(f"n{(r + 1 + j) % 4}" for j in range(k + m))) for r in range(4)}
+    nodes = {
+        f"n{r}": NodeReady(
+            step, f"n{r}", 0, 192, (Region(r, nbytes, 0),), tuple(f"n{(r + 1 + j) % 4}" for j in range(k + m))
+        )
+        for r in range(4)
+    }
     return CommitRecord(step, k, m, nodes)
 
 
@@ -66,8 +71,11 @@ def test_decide_prefers_local_then_peer_then_durable():
     # three nodes lost: rank 0's holders n1, n2, n3 -> only n3 left < k
     inv = {"n3": inventories(5, ["n3"])["n3"], "n7": Inventory("n7"), "n8": Inventory("n8"), "n9": Inventory("n9")}
     gone = {0: "n7", 1: "n8", 2: "n9", 3: "n3"}
-    assert decide(recs, gone, inv, durable_step=4) == {"step": 4, "tier": "durable",
-                                                       "ranks": {r: "durable" for r in range(4)}}
+    assert decide(recs, gone, inv, durable_step=4) == {
+        "step": 4,
+        "tier": "durable",
+        "ranks": {r: "durable" for r in range(4)},
+    }
     assert decide(recs, gone, inv, durable_step=None)["tier"] == "none"
     assert decide(recs, members, inventories(5, ["n0", "n1", "n2", "n3"]), None, bad={5})["tier"] == "none"
 
@@ -170,8 +178,10 @@ def test_lean_protection_counts_m_losses_not_m_plus_one():
 
     rec, members = record(5), {r: f"n{r}" for r in range(4)}
     alive = ["n0", "n1", "n2", "n3"]
-    margins = [owner_margin(rec, "n0", members, inventories(5, nodes), local_copy=False)
-               for nodes in (alive, ["n0", "n2", "n3"], ["n0", "n3"])]
+    margins = [
+        owner_margin(rec, "n0", members, inventories(5, nodes), local_copy=False)
+        for nodes in (alive, ["n0", "n2", "n3"], ["n0", "n3"])
+    ]
     assert margins == [1, 0, -1]  # the owner alive with its arena does not count in lean mode
     p = place([NodeInfo(n) for n in alive], 2, 1)
     assert protection_level(p, set(alive), local_copy=False) == {0: 1}
@@ -252,11 +262,13 @@ def test_a_burst_of_saves_coalesces_newest_wins_and_nothing_counts_as_failed(cor
 
 def _gather_writing(fill: bytes, during=None):
     """A stand-in for ``restore.gather``: runs ``during`` (the rank saving on meanwhile), fills ``out``."""
+
     def gather(core, src, out):
         if during is not None:
             during()
         out[:] = fill * (len(out) // len(fill))
         return {"repaired": 0}
+
     return gather
 
 
@@ -268,8 +280,7 @@ def test_a_rebuilt_local_copy_is_installed_only_if_the_rank_has_not_moved_on(cor
     rec = record(7, nbytes=4096).source(0, {})
     core.hold_manifests(7, "n0", record(7, nbytes=4096).nodes["n0"].to_wire(), {0: "{}"})  # held here for n0
     used = core.budget.used
-    monkeypatch.setattr(memsnap.restore, "gather",
-                        _gather_writing(b"x", during=lambda: core.begin(8, 0, 4096)))
+    monkeypatch.setattr(memsnap.restore, "gather", _gather_writing(b"x", during=lambda: core.begin(8, 0, 4096)))
     assert core.rebuild_local(7, 0, rec) is False  # step 8 began during the gather
     assert 7 not in core.versions and core.versions[8].state == "capturing"
     assert core.budget.used == used + 4096  # only step 8's arena is charged
@@ -431,9 +442,11 @@ def test_a_waiting_begin_takes_the_slot_that_frees_and_skips_only_at_its_deadlin
     async def run(fn, *args):  # the actor's thread pool, inline; frees a slot after the first answer
         answers.append(fn(*args))
         if len(answers) == 1:
+
             def spilled():
                 core.slots.pinned = lambda s: False
                 core.changed()
+
             asyncio.get_running_loop().call_soon(spilled)
         return answers[-1]
 
@@ -531,8 +544,10 @@ def test_a_refused_rank_leaves_the_agent_as_the_live_run_left_it(core):
     from memsnap.waiting import Signal
 
     core.joined(0, 2, {"run": "trial-a", "process": "p0"})
-    answers = {4: {"hints": {}, "run": "trial-a", "refused": {0: "job 'unit-agent': rank 0 of run 'trial-b' ..."}},
-               2: {"hints": {1: 64}, "run": "trial-a", "refused": {}}}
+    answers = {
+        4: {"hints": {}, "run": "trial-a", "refused": {0: "job 'unit-agent': rank 0 of run 'trial-b' ..."}},
+        2: {"hints": {1: 64}, "run": "trial-a", "refused": {}},
+    }
 
     async def call(method, node, address, ranks, world, claims, timeout):
         assert method == "join" and list(claims) == ranks
@@ -554,11 +569,15 @@ def test_ray_train_runs_and_tune_trials_get_a_job_name_and_run_id_of_their_own()
     def v2_only():
         raise DeprecationWarning("get_trial_name is deprecated")
 
-    trial = SimpleNamespace(get_trial_name=lambda: "TorchTrainer_8b1c0_00000", get_trial_id=lambda: "8b1c0_00000",
-                            get_experiment_name=lambda: "sweep")
+    trial = SimpleNamespace(
+        get_trial_name=lambda: "TorchTrainer_8b1c0_00000",
+        get_trial_id=lambda: "8b1c0_00000",
+        get_experiment_name=lambda: "sweep",
+    )
     assert run_identity(trial) == ("TorchTrainer_8b1c0_00000", "8b1c0_00000")
-    v2 = SimpleNamespace(get_trial_name=v2_only, get_trial_id=v2_only,
-                         get_experiment_name=lambda: "ray_train_run-2025-01-01_10:00:00")
+    v2 = SimpleNamespace(
+        get_trial_name=v2_only, get_trial_id=v2_only, get_experiment_name=lambda: "ray_train_run-2025-01-01_10:00:00"
+    )
     one = run_identity(v2, lambda: "0123456789abcdef")
     two = run_identity(v2, lambda: "fedcba9876543210")  # a second trainer started in the same second
     assert one == ("ray_train_run-2025-01-01_10-00-00-01234567", "ray_train_run-2025-01-01_10-00-00-0123456789abcdef")

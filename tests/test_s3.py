@@ -1,4 +1,5 @@
 """The durable format against a real S3-compatible server (moto, loopback) through pyarrow.fs."""
+
 from __future__ import annotations
 
 import boto3

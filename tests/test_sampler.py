@@ -1,4 +1,5 @@
 """The resumable data position: coverage, determinism, and resuming with prefetching workers."""
+
 from __future__ import annotations
 
 import pytest
@@ -68,8 +69,11 @@ def test_bad_arguments_are_refused():
 
 def loader(seed: int, workers: int = 2, drop_last: bool = False) -> ResumableLoader:
     data = torch.arange(30)
-    return ResumableLoader(DataLoader(data, batch_size=4, sampler=ResumableSampler(data, seed=seed),
-                                      num_workers=workers, drop_last=drop_last))
+    return ResumableLoader(
+        DataLoader(
+            data, batch_size=4, sampler=ResumableSampler(data, seed=seed), num_workers=workers, drop_last=drop_last
+        )
+    )
 
 
 def test_only_batches_handed_to_the_loop_count_and_resume_is_exact():

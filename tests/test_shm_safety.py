@@ -1,4 +1,5 @@
 """/dev/shm safety: no SIGBUS on a full tmpfs, never another user's file, dead agents swept."""
+
 from __future__ import annotations
 
 import logging
@@ -36,8 +37,7 @@ def small_tmpfs(tmp_path, monkeypatch):
         pytest.skip("mounting a small tmpfs needs root")
     root = tmp_path / "tmpfs"
     root.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(root)],
-                      capture_output=True).returncode:
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(root)], capture_output=True).returncode:
         pytest.skip("mounting a tmpfs was refused here")
     monkeypatch.setenv("MEMSNAP_SHM_DIR", str(root))
     try:
@@ -62,7 +62,7 @@ def test_an_arena_larger_than_the_free_tmpfs_is_refused_not_a_sigbus(small_tmpfs
     # what the old ftruncate-only arena did here: the first touch beyond the free space kills
     hazard = python(f"""
         import mmap, os
-        fd = os.open({small_tmpfs + '/hazard'!r}, os.O_CREAT | os.O_RDWR, 0o600)
+        fd = os.open({small_tmpfs + "/hazard"!r}, os.O_CREAT | os.O_RDWR, 0o600)
         os.ftruncate(fd, 16 << 20)
         mm = mmap.mmap(fd, 16 << 20)
         mm[::4096] = bytes(4096)
@@ -228,8 +228,9 @@ def test_a_file_other_users_may_read_is_not_reused(shm):
 
 
 def test_a_stale_file_of_a_dead_owner_is_replaced_but_a_live_one_is_not(shm):
-    dead = python(f"from memsnap.arena import Arena; Arena.create({path()!r}, 4096).view()[:4] = b'old!'; "
-                  "import os; os._exit(0)")
+    dead = python(
+        f"from memsnap.arena import Arena; Arena.create({path()!r}, 4096).view()[:4] = b'old!'; import os; os._exit(0)"
+    )
     assert dead.returncode == 0, dead.stderr
     arena = Arena.create(path(), 8192)  # its creator is gone: replaced
     try:
@@ -269,13 +270,22 @@ def test_sweep_removes_a_dead_agents_arenas_and_keeps_live_ones(shm):
     dead, live, mine = path("dead"), path("live"), path("mine")
     out = python(f"from memsnap.arena import Arena; Arena.create({dead!r}, 4096); import os; os._exit(0)")
     assert out.returncode == 0, out.stderr
-    agent = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+    agent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(f"""
         import sys
         from memsnap.arena import Arena
         arena = Arena.create({live!r}, 4096)
         print("ready", flush=True)
         sys.stdin.read()  # alive until the test closes our stdin
-    """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    """),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     own = Arena.create(mine, 4096)
     try:
         assert agent.stdout.readline() == "ready\n"
@@ -306,18 +316,26 @@ def test_only_a_whole_arena_name_is_an_arena():
 
 
 def test_arena_files_match_the_job_exactly(shm):
-    arenas = [Arena.create(path(job, node), 4096)
-              for job, node in [("bar", "n1"), ("bar", "n2"), ("bar-runtime", "n1"), ("foo-bar", "n1")]]
+    arenas = [
+        Arena.create(path(job, node), 4096)
+        for job, node in [("bar", "n1"), ("bar", "n2"), ("bar-runtime", "n1"), ("foo-bar", "n1")]
+    ]
     try:
         assert shmdir.arena_files("bar") == [path("bar", "n1"), path("bar", "n2")]
         assert shmdir.arena_files("bar", "n2") == [path("bar", "n2")]
         assert shmdir.arena_files("bar-runtime") == [path("bar-runtime", "n1")]
         assert shmdir.arena_files("ba") == [] and shmdir.arena_files("runtime") == []
         assert naming.parse_arena(os.path.basename(path("bar-runtime", "n1"))) == {
-            "job": "bar-runtime", "node": "n1", "rank": 0, "slot": "0", "gen": 0}
+            "job": "bar-runtime",
+            "node": "n1",
+            "rank": 0,
+            "slot": "0",
+            "gen": 0,
+        }
         assert shmdir.remove_job("bar") == [path("bar", "n1"), path("bar", "n2")]
         assert sorted(os.listdir(naming.arena_dir())) == sorted(
-            os.path.basename(path(j, "n1")) for j in ("bar-runtime", "foo-bar"))
+            os.path.basename(path(j, "n1")) for j in ("bar-runtime", "foo-bar")
+        )
     finally:
         for arena in arenas:
             arena.close()

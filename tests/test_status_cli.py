@@ -1,4 +1,5 @@
 """The live-cluster commands' formatting and parsing, and the metrics module's fallback, without Ray."""
+
 from __future__ import annotations
 
 import io
@@ -16,21 +17,44 @@ NODE_A, NODE_B, NODE_C = "a" * 56, "b" * 56, "c" * 56
 
 
 def agent(local: int, held: int, parity: int, used: int, begun: int, spill: dict | None = None) -> dict:
-    return {"arena": local, "local": local, "held": held, "parity": parity, "budget_used": used,
-            "budget": 1 << 30, "counters": {"failed_snapshots": 0, "newest_begun": begun}, "spill": spill}
+    return {
+        "arena": local,
+        "local": local,
+        "held": held,
+        "parity": parity,
+        "budget_used": used,
+        "budget": 1 << 30,
+        "counters": {"failed_snapshots": 0, "newest_begun": begun},
+        "spill": spill,
+    }
 
 
 def coordinator_status() -> dict:
     return {
-        "committed_step": 7, "last_commit_time": 1000.0, "committed_steps": [6, 7],
-        "failed_snapshots": 1, "skipped_snapshots": 2, "protection": {"0": 1, "1": 0},
-        "peers": True, "members": {"0": NODE_A, "1": NODE_B}, "generation": 1, "durable_step": 6,
+        "committed_step": 7,
+        "last_commit_time": 1000.0,
+        "committed_steps": [6, 7],
+        "failed_snapshots": 1,
+        "skipped_snapshots": 2,
+        "protection": {"0": 1, "1": 0},
+        "peers": True,
+        "members": {"0": NODE_A, "1": NODE_B},
+        "generation": 1,
+        "durable_step": 6,
         "last_restore": {"tier": "peer", "step": 5, "seconds": {"plan": 0.25, "fetch": 1.0, "total": 1.5}},
         "reprotect": {"running": 1, "rebuilt_chunks": 12, "local_copies": 1, "errors": []},
-        "agents": {NODE_A: agent(4 << 20, 8 << 20, 1 << 20, 16 << 20, 9,
-                                 {"spilled_step": 6, "writing": 7, "failures": 0, "bytes": 3 << 20}),
-                   NODE_B: agent(4 << 20, 8 << 20, 0, 12 << 20, 8),
-                   NODE_C: agent(0, 8 << 20, 0, 8 << 20, -1)},
+        "agents": {
+            NODE_A: agent(
+                4 << 20,
+                8 << 20,
+                1 << 20,
+                16 << 20,
+                9,
+                {"spilled_step": 6, "writing": 7, "failures": 0, "bytes": 3 << 20},
+            ),
+            NODE_B: agent(4 << 20, 8 << 20, 0, 12 << 20, 8),
+            NODE_C: agent(0, 8 << 20, 0, 8 << 20, -1),
+        },
     }
 
 
@@ -72,12 +96,17 @@ def test_tier_bytes_match_the_documented_tiers():
     assert metrics.tier_bytes(agent(5, 7, 2, 0, 0))["durable"] == 0
 
 
-@pytest.mark.parametrize("name, parsed", [
-    ("memsnap-coordinator:gpt", ("gpt", None)),
-    ("memsnap-agent:gpt:" + NODE_A, ("gpt", NODE_A)),
-    ("memsnap-agent:a:b:" + NODE_A, ("a:b", NODE_A)),  # a job name may hold ':'
-    ("memsnap-agent:gpt", None), ("something-else:gpt", None), ("memsnap-coordinator:", None),
-])
+@pytest.mark.parametrize(
+    "name, parsed",
+    [
+        ("memsnap-coordinator:gpt", ("gpt", None)),
+        ("memsnap-agent:gpt:" + NODE_A, ("gpt", NODE_A)),
+        ("memsnap-agent:a:b:" + NODE_A, ("a:b", NODE_A)),  # a job name may hold ':'
+        ("memsnap-agent:gpt", None),
+        ("something-else:gpt", None),
+        ("memsnap-coordinator:", None),
+    ],
+)
 def test_parse_actor(name, parsed):
     assert _cluster.parse_actor(name) == parsed
 
@@ -200,7 +229,10 @@ def test_strings_from_the_cluster_are_printed_escaped():
 
     found = {HOSTILE_JOB: {"coordinator": True, "agents": [NODE_A]}}
     assert table(["JOB", "COORDINATOR", "AGENTS"], jobs.rows(found)).splitlines()[-1].split() == [
-        "evil\\x1b]52;c;SGk=\\x07\\u202e", "yes", "1"]
+        "evil\\x1b]52;c;SGk=\\x07\\u202e",
+        "yes",
+        "1",
+    ]
     for shown in (text, table(["JOB"], [[HOSTILE_JOB]])):
         assert "\x1b" not in shown and "\x07" not in shown and "\u202e" not in shown
 

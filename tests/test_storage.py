@@ -1,4 +1,5 @@
 """The step-directory format: write/commit/read, visibility, corruption, ENOSPC, retention."""
+
 from __future__ import annotations
 
 import errno
@@ -169,8 +170,7 @@ def test_marker_is_json_with_ranks(tmp_path):
     save_step(store, 2, world=3)
     doc = json.loads(open(store.path(2, "COMMITTED")).read())
     assert [r["rank"] for r in doc["ranks"]] == [0, 1, 2]
-    assert all(r["bin_bytes"] == os.path.getsize(store.path(2, f"rank_{r['rank']:05d}.bin"))
-               for r in doc["ranks"])
+    assert all(r["bin_bytes"] == os.path.getsize(store.path(2, f"rank_{r['rank']:05d}.bin")) for r in doc["ranks"])
     assert not [f for f in os.listdir(store.path(2)) if f.endswith(".tmp")]
 
 
@@ -248,8 +248,11 @@ def test_rollback_keeps_the_new_lineage_and_the_step_it_resumed_from(tmp_path, n
     save_step(store, 100)
     save_step(store, 200)
     store.resumed(100)  # a run rolled back to step 100 (what load(step=100) records)
-    with pytest.warns(UserWarning, match="saving step 110 behind newer committed step 200 of another "
-                                         "lineage.*load.step=None. will resume this lineage"):
+    with pytest.warns(
+        UserWarning,
+        match="saving step 110 behind newer committed step 200 of another "
+        "lineage.*load.step=None. will resume this lineage",
+    ):
         save_step(store, 110)
     assert store.retain(Retention(keep_last=2)) == []  # 200 stays until this lineage holds 2 steps
     assert store.steps() == [100, 110, 200] and store.latest() == 110
@@ -324,8 +327,7 @@ def test_resave_replaces_a_committed_step_in_one_marker_write(tmp_path, new_proc
     store.commit(5, 1)
     assert read_back(Store.open(str(tmp_path)), 5) == new
     tag = store.marker(5)["files"]
-    assert sorted(os.listdir(store.path(5))) == ["COMMITTED", f"rank_00000.{tag}.bin",
-                                                 f"rank_00000.{tag}.json"]
+    assert sorted(os.listdir(store.path(5))) == ["COMMITTED", f"rank_00000.{tag}.bin", f"rank_00000.{tag}.json"]
     out = bytearray(16)
     Store.open(str(tmp_path)).read_range(5, 0, 0, out)
     assert out == new[:16]
@@ -345,10 +347,17 @@ def test_a_marker_naming_files_outside_its_step_is_refused(tmp_path, new_process
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(keep=st.integers(1, 3),
-       ops=st.lists(st.one_of(st.tuples(st.just("save"), st.integers(1, 3)),
-                              st.tuples(st.just("rollback"), st.integers(0, 1 << 16)),
-                              st.tuples(st.just("crash"), st.just(0))), max_size=14))
+@given(
+    keep=st.integers(1, 3),
+    ops=st.lists(
+        st.one_of(
+            st.tuples(st.just("save"), st.integers(1, 3)),
+            st.tuples(st.just("rollback"), st.integers(0, 1 << 16)),
+            st.tuples(st.just("crash"), st.just(0)),
+        ),
+        max_size=14,
+    ),
+)
 def test_retention_and_resume_follow_the_newest_run(keep, ops, new_process):
     """Random saves, rollbacks to a committed step and crashes (a fresh process): the newest
     save is what a fresh process resumes, the newest ``keep`` saves of the run since its last

@@ -1,5 +1,6 @@
 """stream.TensorStream and Store.write_rank_stream: the data file written straight from the
 tensors is byte for byte the captured buffer, with the same checksums, and loads verified."""
+
 from __future__ import annotations
 
 import json
@@ -123,7 +124,7 @@ def test_writeback_is_started_along_the_file_and_the_file_is_intact(tmp_path, mo
     _, buf = capture(state)
     assert (tmp_path / "step_000000000001" / "rank_00000.bin").read_bytes() == bytes(buf)
     restarts = [i for i, (off, _) in enumerate(calls) if off == 0] + [len(calls)]
-    ranges = calls[:restarts[1]]  # the data file's (the manifest, written next, starts at 0 again)
+    ranges = calls[: restarts[1]]  # the data file's (the manifest, written next, starts at 0 again)
     assert ranges[0][0] == 0 and all(n >= 8192 for _, n in ranges)
     assert all(a + n == b for (a, n), (b, _) in zip(ranges, ranges[1:]))  # consecutive ranges
     assert ranges[-1][0] + ranges[-1][1] <= rec.bin_bytes
@@ -159,9 +160,13 @@ def test_save_writes_from_the_tensors_and_loads_bitwise_verified(tmp_path):
 
 @pytest.mark.gpu
 def test_cuda_tensors_are_copied_to_the_host_one_at_a_time_and_give_the_capture_bytes():
-    state = {"values": {"w": torch.randn(300, 70, device="cuda"),
-                        "t": torch.randn(40, 30, device="cuda").t(),
-                        "b": torch.randn(9, device="cuda").to(torch.bfloat16)}}
+    state = {
+        "values": {
+            "w": torch.randn(300, 70, device="cuda"),
+            "t": torch.randn(40, 30, device="cuda").t(),
+            "b": torch.randn(9, device="cuda").to(torch.bfloat16),
+        }
+    }
     stream = stream_of(state)
     written = b"".join(bytes(p) for p in stream)
     manifest, buf = capture(state, checksums=True)

@@ -1,4 +1,5 @@
 """The stripe layout: every byte in exactly one data shard, odd cache-line chunks."""
+
 from __future__ import annotations
 
 import pytest

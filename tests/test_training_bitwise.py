@@ -1,4 +1,5 @@
 """Proof: N steps, snapshot, a fresh process resumes for N more, bit for bit the uninterrupted run."""
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,7 @@ HERE = Path(__file__).parent
 def read_params(directory: Path) -> dict[str, torch.Tensor]:
     m = Manifest.from_json((directory / "params.json").read_bytes())
     raw = bytearray((directory / "params.bin").read_bytes())
-    return {e.path: torch.frombuffer(raw, dtype=torch.uint8, offset=e.offset, count=e.nbytes)
-            for e in m.tensors}
+    return {e.path: torch.frombuffer(raw, dtype=torch.uint8, offset=e.offset, count=e.nbytes) for e in m.tensors}
 
 
 def as_bytes(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -33,8 +33,12 @@ def test_resume_in_a_fresh_process_is_bitwise_identical(tmp_path):
     first = toytrain.train_steps(objs, N)
     assert first == ref[:N]
     toytrain.save(objs, tmp_path)
-    subprocess.run([sys.executable, str(HERE / "support" / "toytrain.py"), str(tmp_path), str(N)],
-                   check=True, timeout=120, cwd=HERE)
+    subprocess.run(
+        [sys.executable, str(HERE / "support" / "toytrain.py"), str(tmp_path), str(N)],
+        check=True,
+        timeout=120,
+        cwd=HERE,
+    )
     resumed = [float.fromhex(x) for x in json.loads((tmp_path / "losses.json").read_text())]
     assert [x.hex() for x in first + resumed] == [x.hex() for x in ref]
     got, want = read_params(tmp_path), as_bytes(ref_objs["model"])

@@ -6,6 +6,7 @@ runs rank 0 as a separate, torchrun-style Python process (``Snapshotter.from_env
 WORLD_SIZE and RAY_ADDRESS from the environment), the other two ranks as actors that mirror
 its steps.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -101,8 +102,13 @@ class Rank:
             saved, error = self.snap.save(step, view), None
         except Exception as exc:
             saved, error = None, f"{type(exc).__name__}: {exc}"
-        return {"saved": saved, "error": error, "reads": view.reads, "counters": dict(self.snap.counters),
-                "last_error": self.snap.last_error}
+        return {
+            "saved": saved,
+            "error": error,
+            "reads": view.reads,
+            "counters": dict(self.snap.counters),
+            "last_error": self.snap.last_error,
+        }
 
     def wait(self, step: int, timeout: float) -> int | None:
         return self.snap.wait(step, timeout)
@@ -132,8 +138,7 @@ def own_job(local_cluster, request):
 
 def start_ranks(job, opts: dict, ranks=range(WORLD)) -> list:
     name, actors = job
-    started = [Rank.options(resources={f"memsnap_node_{r}": 0.01}).remote(name, r, dict(BASE, **opts))
-               for r in ranks]
+    started = [Rank.options(resources={f"memsnap_node_{r}": 0.01}).remote(name, r, dict(BASE, **opts)) for r in ranks]
     actors.extend(started)
     ray.get([a.ready.remote() for a in started], timeout=180)
     return started
@@ -208,7 +213,8 @@ def test_a_single_process_snapshots_into_local_ram_and_the_spill(own_job, tmp_pa
 
     def solo():
         actor = Rank.options(resources={"memsnap_node_0": 0.01}).remote(
-            name, 0, dict(BASE, spill=spill, spill_every=2), world=1)
+            name, 0, dict(BASE, spill=spill, spill_every=2), world=1
+        )
         actors.append(actor)
         ray.get(actor.ready.remote(), timeout=180)
         return actor
@@ -218,8 +224,11 @@ def test_a_single_process_snapshots_into_local_ram_and_the_spill(own_job, tmp_pa
         got = ray.get(first.step.remote(step), timeout=240)
         assert got["saved"] and got["error"] is None
     assert wait(first, 2) == 2
-    wait_for(lambda: ray.get(first.status.remote(), timeout=60)["durable_step"] == 2, timeout=120,
-             what="step 2 spilled (the first commit of the second block of 2 steps)")
+    wait_for(
+        lambda: ray.get(first.status.remote(), timeout=60)["durable_step"] == 2,
+        timeout=120,
+        what="step 2 spilled (the first commit of the second block of 2 steps)",
+    )
     st = ray.get(first.status.remote(), timeout=60)
     assert st["committed_steps"] == [1, 2] and st["protection"] == {"0": 0}
     saved = ray.get(first.digest.remote(), timeout=60)
@@ -278,8 +287,9 @@ def test_sigterm_takes_a_last_snapshot_spills_it_and_exits_cleanly(own_job, loca
     script.write_text(textwrap.dedent(SCRIPT.format(world=WORLD, k=K, m=M, budget=BUDGET, state=STATE, batch=BATCH)))
     env = dict(os.environ, RANK="0", WORLD_SIZE=str(WORLD), RAY_ADDRESS=local_cluster.address)
     with open(tmp_path / "stderr.txt", "w") as err:
-        proc = subprocess.Popen([sys.executable, str(script), name, spill, out],
-                                stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+        proc = subprocess.Popen(
+            [sys.executable, str(script), name, spill, out], stdout=subprocess.PIPE, stderr=err, text=True, env=env
+        )
     try:
         others = start_ranks(own_job, dict(spill=spill, spill_every=1000, preemption=False), ranks=(1, 2))
         lines, exit_line = _lines(proc), None

@@ -1,4 +1,5 @@
 """The TCP handshake: connections without the job secret are dropped, logged, and store nothing."""
+
 from __future__ import annotations
 
 import logging
@@ -63,8 +64,7 @@ def _dropped(sock: socket.socket) -> bool:
 
 
 def _logged_drop(caplog, port: int) -> bool:
-    return any(f"dropped data-plane connection from 127.0.0.1:{port}" in r.getMessage()
-               for r in caplog.records)
+    return any(f"dropped data-plane connection from 127.0.0.1:{port}" in r.getMessage() for r in caplog.records)
 
 
 def test_connection_without_the_secret_is_dropped_and_logged(server, caplog):
@@ -94,8 +94,8 @@ def test_wrong_secret_is_dropped_and_logged(server, caplog):
     with socket.create_connection((addr["host"], addr["port"]), timeout=10) as sock:
         port = sock.getsockname()[1]
         hello = wire.recv_exact(sock, len(auth.MAGIC) + 1 + auth.NONCE, _soon())
-        nonce, mode = os.urandom(auth.NONCE), hello[len(auth.MAGIC):len(auth.MAGIC) + 1]
-        bad = auth._mac(os.urandom(32), b"client", mode, hello[len(auth.MAGIC) + 1:], nonce)
+        nonce, mode = os.urandom(auth.NONCE), hello[len(auth.MAGIC) : len(auth.MAGIC) + 1]
+        bad = auth._mac(os.urandom(32), b"client", mode, hello[len(auth.MAGIC) + 1 :], nonce)
         sock.sendall(auth.MAGIC + mode + nonce + bad + _push_frame())
         assert _dropped(sock)
     wait_for(lambda: _logged_drop(caplog, port), timeout=10, what="the drop to be logged")
@@ -112,8 +112,11 @@ def test_client_with_a_wrong_secret_cannot_push(server, caplog):
             client.push(addr, [(ChunkKey(1, "x", 0, 0), memoryview(b"data"))], timeout=10)
     finally:
         client.close()
-    wait_for(lambda: any("authentication failed" in r.getMessage() for r in caplog.records),
-             timeout=10, what="the drop to be logged")
+    wait_for(
+        lambda: any("authentication failed" in r.getMessage() for r in caplog.records),
+        timeout=10,
+        what="the drop to be logged",
+    )
     assert store.reserved == [] and store.held == {}
 
 
@@ -154,8 +157,11 @@ def _push_to(serve, payload: bytes, *, match: str) -> None:
     client = make_transport("tcp", secret=SECRET, host="127.0.0.1")
     try:
         with pytest.raises(TransportError, match=match):
-            client.push({"host": "127.0.0.1", "port": listener.getsockname()[1]},
-                        [(ChunkKey(1, "x", 0, 0), memoryview(payload))], timeout=10)
+            client.push(
+                {"host": "127.0.0.1", "port": listener.getsockname()[1]},
+                [(ChunkKey(1, "x", 0, 0), memoryview(payload))],
+                timeout=10,
+            )
     finally:
         client.close()
         thread.join(timeout=10)
@@ -194,8 +200,9 @@ def test_agents_of_another_protocol_version_are_refused_by_name(server, caplog):
         sock.sendall(b"MEMSNAP3" + b"\0" + os.urandom(auth.NONCE + auth.MAC))
         assert _dropped(sock)
     wait_for(lambda: _logged_drop(caplog, port), timeout=10, what="the drop to be logged")
-    assert any("client speaks data-plane protocol MEMSNAP3, this agent MEMSNAP4" in r.getMessage()
-               for r in caplog.records)
+    assert any(
+        "client speaks data-plane protocol MEMSNAP3, this agent MEMSNAP4" in r.getMessage() for r in caplog.records
+    )
 
 
 def test_the_secret_never_crosses_the_wire():

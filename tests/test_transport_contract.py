@@ -1,4 +1,5 @@
 """One contract for every transport: TCP and Ray's object store behave the same."""
+
 from __future__ import annotations
 
 import logging
@@ -73,8 +74,9 @@ class TcpHarness:
                 return
 
     def client(self, small: bool = False):
-        return make_transport("tcp", secret=SECRET, host="127.0.0.1", wire=self.wire,
-                              **({"window": 2} if small else {}))
+        return make_transport(
+            "tcp", secret=SECRET, host="127.0.0.1", wire=self.wire, **({"window": 2} if small else {})
+        )
 
     def corrupt(self, key):
         self.store.corrupt(key)
@@ -146,8 +148,9 @@ class ObjStoreHarness:
         ray.kill(gone)
 
     def client(self, small: bool = False):
-        return make_transport("objstore", secret=SECRET, host="127.0.0.1",
-                              **({"batch_bytes": 64 << 10} if small else {}))
+        return make_transport(
+            "objstore", secret=SECRET, host="127.0.0.1", **({"batch_bytes": 64 << 10} if small else {})
+        )
 
     def corrupt(self, key):
         import ray
@@ -244,8 +247,11 @@ def test_fetch_into_a_scatter_fills_the_pieces_in_order(harness):
     client = harness.client()
     try:
         client.push(harness.addr, items, timeout=60)
-        dests = [_scattered(1000, [0, 1, 999]), _scattered((1 << 20) + 3, [4096, 4096, 700_001]),
-                 _scattered(600 * 64, list(range(0, 600 * 64, 64)))]  # more pieces than one scatter read
+        dests = [
+            _scattered(1000, [0, 1, 999]),
+            _scattered((1 << 20) + 3, [4096, 4096, 700_001]),
+            _scattered(600 * 64, list(range(0, 600 * 64, 64))),
+        ]  # more pieces than one scatter read
         out = [(k, d) for (k, _), d in zip(items, dests)]
         assert client.fetch(harness.addr, out, timeout=60) == [True] * 3
         assert [d.joined() for d in dests] == [bytes(v) for _, v in items]
@@ -381,8 +387,12 @@ def test_bad_addresses_and_names_are_refused():
 
 
 @settings(max_examples=200, deadline=None)
-@given(step=st.integers(0, (1 << 64) - 1), owner=st.text(min_size=1, max_size=80),
-       stripe=st.integers(0, (1 << 32) - 1), shard=st.integers(0, (1 << 16) - 1))
+@given(
+    step=st.integers(0, (1 << 64) - 1),
+    owner=st.text(min_size=1, max_size=80),
+    stripe=st.integers(0, (1 << 32) - 1),
+    shard=st.integers(0, (1 << 16) - 1),
+)
 def test_chunk_key_packs_and_unpacks_exactly(step, owner, stripe, shard):
     key = ChunkKey(step, owner, stripe, shard)
     assert ChunkKey.unpack(key.pack()) == key

@@ -1,4 +1,5 @@
 """The payload MAC of wire="mac": GMAC per fixed piece, its nonces, and payloads landing in scattered views."""
+
 from __future__ import annotations
 
 import os
@@ -40,7 +41,7 @@ def _pair() -> tuple[Session, Session]:
 def _split(buf: bytearray, sizes: list[int]) -> list[memoryview]:
     view, at, parts = memoryview(buf), 0, []
     for n in sizes:
-        parts.append(view[at:at + n])
+        parts.append(view[at : at + n])
         at += n
     assert at == len(buf)
     return parts
@@ -53,7 +54,7 @@ def _deadline() -> float:
 def test_pieces_cut_the_logical_payload_at_fixed_offsets_across_views():
     data = os.urandom(sum(ODD))
     got = [bytes(p) for p in pieces(_split(bytearray(data), ODD), P)]
-    assert got == [data[at:at + P] for at in range(0, len(data), P)]
+    assert got == [data[at : at + P] for at in range(0, len(data), P)]
 
 
 def test_frame_split_into_odd_views_verifies_and_a_flipped_byte_does_not():
@@ -61,8 +62,9 @@ def test_frame_split_into_odd_views_verifies_and_a_flipped_byte_does_not():
     data = os.urandom(sum(ODD))
     a, b = socket.socketpair()
     with a, b:
-        threading.Thread(target=wire.send_frame, args=(a, client.send, wire.PUSH, b"k", memoryview(data),
-                                                       0, _deadline())).start()
+        threading.Thread(
+            target=wire.send_frame, args=(a, client.send, wire.PUSH, b"k", memoryview(data), 0, _deadline())
+        ).start()
         head = wire.read_head(b, server.recv, wire.REQUESTS, len(data), _deadline())
         landed = bytearray(len(data))
         parts = _split(landed, ODD)
@@ -160,8 +162,7 @@ def test_the_holder_stores_the_checksum_of_the_bytes_it_authenticated_not_the_pu
         addr = server.start(store)
         conn = client._connect((addr["host"], addr["port"]), _deadline())
         with conn.sock:
-            wire.send_frame(conn.sock, conn.session.send, wire.PUSH, key.pack(), memoryview(data), 12345,
-                            _deadline())
+            wire.send_frame(conn.sock, conn.session.send, wire.PUSH, key.pack(), memoryview(data), 12345, _deadline())
             assert wire.read_head(conn.sock, conn.session.recv, wire.RESPONSES, 0, _deadline()).kind == wire.OK
         held, checksum = store.lookup(key)
         assert bytes(held) == data and checksum == xxhash.xxh3_64_intdigest(data)

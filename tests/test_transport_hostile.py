@@ -1,5 +1,6 @@
 """The TCP data plane against hostile and flaky peers: resource exhaustion, slow and vanishing
 peers, malformed frames, and a man in the middle that modifies, replays, injects or truncates."""
+
 from __future__ import annotations
 
 import contextlib
@@ -98,19 +99,30 @@ sys.stdin.readline()
 
 
 def test_accept_loop_survives_running_out_of_descriptors(served, caplog):
-    store, _, addr = served(tcp_max_unauthenticated=1000, tcp_max_unauthenticated_per_source=1000,
-                            tcp_accept_backoff_s=0.2, tcp_handshake_timeout_s=30)
+    store, _, addr = served(
+        tcp_max_unauthenticated=1000,
+        tcp_max_unauthenticated_per_source=1000,
+        tcp_accept_backoff_s=0.2,
+        tcp_handshake_timeout_s=30,
+    )
     caplog.set_level(logging.WARNING, logger="memsnap.transport")
-    attacker = subprocess.Popen([sys.executable, "-c", ATTACKER, str(addr["port"]), "80"],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    attacker = subprocess.Popen(
+        [sys.executable, "-c", ATTACKER, str(addr["port"]), "80"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     try:
         resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 16, hard))
         attacker.stdin.write("go\n")
         attacker.stdin.flush()
         assert int(attacker.stdout.readline()) == 80  # 80 idle connections, more than the server can hold
-        wait_for(lambda: any("Too many open files" in r.getMessage() for r in caplog.records),
-                 timeout=20, what="the server to run out of descriptors")
+        wait_for(
+            lambda: any("Too many open files" in r.getMessage() for r in caplog.records),
+            timeout=20,
+            what="the server to run out of descriptors",
+        )
         attacker.kill()
         attacker.wait(timeout=10)
         wait_for(lambda: _push_succeeds(addr), timeout=30, what="a legitimate push after the attack")
@@ -221,15 +233,17 @@ class SilentFlood:
 def test_silent_connections_reopened_as_they_close_do_not_lock_new_peers_out(served):
     """The pool full of silent connections from two other addresses, each re-opened as the
     server closes it: a fresh client still pushes, and another fetches."""
-    store, _, addr = served(tcp_max_unauthenticated=8, tcp_max_unauthenticated_per_source=4,
-                            tcp_handshake_timeout_s=30)
+    store, _, addr = served(tcp_max_unauthenticated=8, tcp_max_unauthenticated_per_source=4, tcp_handshake_timeout_s=30)
     flood = SilentFlood(addr["port"], ["127.0.0.2", "127.0.0.3"], per_source=4)
     out = bytearray(5)
     try:
         wait_for(lambda: flood.greeted() == 8, timeout=20, what="the attack to fill the handshake pool")
         _push(addr, [(_key(), memoryview(b"legit"))], timeout=10)
-        wait_for(lambda: flood.reopened >= 1 and flood.greeted() == 8, timeout=20,
-                 what="the attack to re-open what the push evicted and fill the pool again")
+        wait_for(
+            lambda: flood.reopened >= 1 and flood.greeted() == 8,
+            timeout=20,
+            what="the attack to re-open what the push evicted and fill the pool again",
+        )
         client = _client()
         try:
             assert client.fetch(addr, [(_key(), memoryview(out))], timeout=10) == [True]
@@ -329,8 +343,15 @@ def test_trickling_holder_fails_a_fetch_within_its_deadline():
             session = auth.server_handshake(conn, SECRET, time.monotonic() + 10)
             wire.read_head(conn, session.recv, wire.REQUESTS, 0, time.monotonic() + 10)
             frame = Collect()
-            wire.send_frame(frame, session.send, wire.OK, b"", memoryview(payload),
-                            xxhash.xxh3_64_intdigest(payload), time.monotonic() + 10)
+            wire.send_frame(
+                frame,
+                session.send,
+                wire.OK,
+                b"",
+                memoryview(payload),
+                xxhash.xxh3_64_intdigest(payload),
+                time.monotonic() + 10,
+            )
             total[0] = len(frame.data)
             _trickle(conn, bytes(frame.data), 0.05, stop, sent)
 
@@ -340,8 +361,11 @@ def test_trickling_holder_fails_a_fetch_within_its_deadline():
     began = time.monotonic()
     try:
         with pytest.raises(TransportError, match="timed out"):
-            client.fetch({"host": "127.0.0.1", "port": listener.getsockname()[1]},
-                         [(_key(), memoryview(bytearray(1000)))], timeout=1.0)
+            client.fetch(
+                {"host": "127.0.0.1", "port": listener.getsockname()[1]},
+                [(_key(), memoryview(bytearray(1000)))],
+                timeout=1.0,
+            )
         assert time.monotonic() - began < 10  # a hang guard, not a timing claim
     finally:
         stop.set()
@@ -360,8 +384,7 @@ def test_vanishing_pusher_releases_its_reservation(served):
         wire.send_all(sock, os.urandom(n // 2), time.monotonic() + 10)  # half the chunk, then silence
         # one reading of both: the reservation lasts only tcp_frame_timeout_s
         wait_for(lambda: (store.pending(), budget.used) == (1, n), timeout=10, what="the chunk to be reserved")
-        wait_for(lambda: store.pending() == 0 and budget.used == 0, timeout=10,
-                 what="the reservation to be released")
+        wait_for(lambda: store.pending() == 0 and budget.used == 0, timeout=10, what="the reservation to be released")
         assert _closed_by_peer(sock)
     assert store.keys() == []
 
@@ -402,8 +425,9 @@ def test_fetch_with_a_payload_closes_the_connection(served):
         # the server may close on the header alone, before the body is sent: then the body's
         # send meets the close (EPIPE/ECONNRESET), which is the outcome under test
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-            wire.send_frame(sock, session.send, wire.FETCH, _key().pack(), memoryview(b"junk"), 0,
-                            time.monotonic() + 10)
+            wire.send_frame(
+                sock, session.send, wire.FETCH, _key().pack(), memoryview(b"junk"), 0, time.monotonic() + 10
+            )
         assert _closed_by_peer(sock)
 
 
@@ -520,7 +544,7 @@ def _frame_len(key: ChunkKey, n: int = N) -> int:
 
 
 def _flip(offset: int):
-    return lambda seg: seg[:offset] + bytes([seg[offset] ^ 0x01]) + seg[offset + 1:]
+    return lambda seg: seg[:offset] + bytes([seg[offset] ^ 0x01]) + seg[offset + 1 :]
 
 
 def _through(relay: Relay, items, **opts) -> None:
@@ -537,8 +561,9 @@ def test_modified_push_frame_is_rejected(served, where):
     store, budget, addr = served()
     head = wire.HEAD.size + len(_key().pack())
     # the stored checksum (offset 11) is covered by the header tag alone; the payload counter (19) by both
-    offset = {"header": 3, "checksum": 11, "counter": 19, "payload": head + 16 + 100,
-              "tag": _frame_len(_key()) - 1}[where]
+    offset = {"header": 3, "checksum": 11, "counter": 19, "payload": head + 16 + 100, "tag": _frame_len(_key()) - 1}[
+        where
+    ]
     relay = Relay(addr["port"], c2s=Edit(HANDSHAKE + offset, HANDSHAKE + offset + 1, _flip(0)))
     with pytest.raises(TransportError):
         _through(relay, [(_key(), memoryview(os.urandom(N)))])
@@ -559,9 +584,9 @@ class Replay:
         if at >= second or self.seen <= first:
             return data, False
         if self.seen < second:  # hold the second frame until it is whole
-            return data[:max(0, first - at)], False
-        replayed = bytes(self.buf[self.start:first])
-        return bytes(data[:max(0, first - at)]) + replayed + bytes(self.buf[second:]), False
+            return data[: max(0, first - at)], False
+        replayed = bytes(self.buf[self.start : first])
+        return bytes(data[: max(0, first - at)]) + replayed + bytes(self.buf[second:]), False
 
 
 def test_replayed_frame_is_rejected(served):
@@ -593,8 +618,13 @@ def test_reordered_frames_are_rejected(served):
 
 def test_injected_frame_is_rejected(served):
     store, _, addr = served()
-    forged = wire.HEAD.pack(wire.PUSH, len(_key(stripe=7).pack()), 4, 0, 1) + _key(stripe=7).pack() + bytes(16) \
-        + b"evil" + bytes(16)
+    forged = (
+        wire.HEAD.pack(wire.PUSH, len(_key(stripe=7).pack()), 4, 0, 1)
+        + _key(stripe=7).pack()
+        + bytes(16)
+        + b"evil"
+        + bytes(16)
+    )
     relay = Relay(addr["port"], c2s=Edit(HANDSHAKE, HANDSHAKE + 1, lambda seg: forged + seg))
     with pytest.raises(TransportError):
         _through(relay, [(_key(), memoryview(os.urandom(N)))])

@@ -1,5 +1,6 @@
 """Every parser is total: mutated real manifests, skeletons, markers and wire headers give a
 memsnap error or a correct load, never another exception and never a crash."""
+
 from __future__ import annotations
 
 import copy
@@ -96,21 +97,59 @@ def real():
     state = llama_state(1)
     man, buf = capture(state, checksums=True)
     assert len(man.tensors) >= 1000 and any(t.alias_of for t in man.tensors)
-    return {"manifest": man, "raw": man.to_json(), "doc": json.loads(man.to_json()),
-            "buf": bytes(buf), "live": llama_state(2), "want": tensors_of(state)}
+    return {
+        "manifest": man,
+        "raw": man.to_json(),
+        "doc": json.loads(man.to_json()),
+        "buf": bytes(buf),
+        "live": llama_state(2),
+        "want": tensors_of(state),
+    }
 
 
 # --- mutations of JSON documents ------------------------------------------------------------------
 NASTY = st.one_of(
-    st.none(), st.booleans(), st.sampled_from([-4096, -1, 0, 1, 63, 64, 2**31, 2**63, 2**64, 10**30]),
-    st.integers(), st.floats(allow_nan=False), st.text(max_size=20),
-    st.sampled_from(["float32", "bfloat16", "int64", "Shard(5)", "Replicate()", "cuda:0", "__tensor__",
-                     "model/embed.weight", "0" * 16, "inf", "nan"]),
+    st.none(),
+    st.booleans(),
+    st.sampled_from([-4096, -1, 0, 1, 63, 64, 2**31, 2**63, 2**64, 10**30]),
+    st.integers(),
+    st.floats(allow_nan=False),
+    st.text(max_size=20),
+    st.sampled_from(
+        [
+            "float32",
+            "bfloat16",
+            "int64",
+            "Shard(5)",
+            "Replicate()",
+            "cuda:0",
+            "__tensor__",
+            "model/embed.weight",
+            "0" * 16,
+            "inf",
+            "nan",
+        ]
+    ),
     st.lists(st.integers(-2, 2**40), max_size=4),
-    st.sampled_from([{"__tensor__": 0}, {"__tensor__": -1}, {"__tensor__": 10**6}, {"__tuple__": 3},
-                     {"__dict__": [[[], 1]]}, {"__dict__": [[{"a": 1}, 1]]}, {"__ndarray__": ["<f4", [2], "AAAA"]},
-                     {"__npscalar__": ["O", ""]}, {"__bytes__": "!!"}, {"__device__": "cuda:-1"},
-                     {"__float__": "1.5"}, {"__size__": [-1]}, {"__dtype__": "qint8"}, [[[[]]]], {}]),
+    st.sampled_from(
+        [
+            {"__tensor__": 0},
+            {"__tensor__": -1},
+            {"__tensor__": 10**6},
+            {"__tuple__": 3},
+            {"__dict__": [[[], 1]]},
+            {"__dict__": [[{"a": 1}, 1]]},
+            {"__ndarray__": ["<f4", [2], "AAAA"]},
+            {"__npscalar__": ["O", ""]},
+            {"__bytes__": "!!"},
+            {"__device__": "cuda:-1"},
+            {"__float__": "1.5"},
+            {"__size__": [-1]},
+            {"__dtype__": "qint8"},
+            [[[[]]]],
+            {},
+        ]
+    ),
 )
 
 
@@ -151,8 +190,9 @@ def mutate(doc, path: tuple, how: str, value):
 def mutated_doc(draw, doc, focus=None):
     """One or two changes at locations of ``doc`` (a second one where the first left it valid)."""
     paths = all_paths(doc, focus)
-    out = mutate(doc, draw(st.sampled_from(paths)), draw(st.sampled_from(["set", "set", "delete", "wrap"])),
-                 draw(NASTY))
+    out = mutate(
+        doc, draw(st.sampled_from(paths)), draw(st.sampled_from(["set", "set", "delete", "wrap"])), draw(NASTY)
+    )
     if draw(st.booleans()):
         try:
             out = mutate(out, draw(st.sampled_from(paths)), "set", draw(NASTY))
@@ -169,7 +209,7 @@ def layout_shift(draw, doc):
     e = doc["tensors"][i] = dict(doc["tensors"][i])
     field = draw(st.sampled_from(["offset", "nbytes", "shape", "alias_of", "dtype"]))
     if field in ("offset", "nbytes"):
-        e[field] = e[field] + 64 * draw(st.integers(-10**4, 10**4))
+        e[field] = e[field] + 64 * draw(st.integers(-(10**4), 10**4))
     elif field == "shape":
         e["shape"] = draw(st.lists(st.integers(0, 64), max_size=3))
     elif field == "alias_of":
@@ -183,7 +223,8 @@ def layout_shift(draw, doc):
 
 def byte_flip(raw: bytes):
     return st.tuples(st.integers(0, len(raw) - 1), st.binary(max_size=4)).map(
-        lambda t: raw[:t[0]] + t[1] + raw[t[0] + 1:])
+        lambda t: raw[: t[0]] + t[1] + raw[t[0] + 1 :]
+    )
 
 
 def parse_and_apply(raw: bytes, real: dict) -> None:
@@ -341,7 +382,7 @@ def test_a_generator_state_torch_refuses_is_a_format_error_and_nothing_is_writte
     man, buf = capture({"w": w.clone()}, checksums=False)
     torch_state = next(e for e in man.tensors if e.path == "__rng__/torch")
     raw = bytearray(memoryview(buf).cast("B"))
-    raw[torch_state.offset:torch_state.offset + torch_state.nbytes] = bytes(torch_state.nbytes)
+    raw[torch_state.offset : torch_state.offset + torch_state.nbytes] = bytes(torch_state.nbytes)
     live = {"w": torch.zeros(8)}
     before = torch.get_rng_state()
     with pytest.raises(FormatError, match="generator state torch refuses"):
@@ -389,8 +430,15 @@ def ckpt(tmp_path_factory):
         want[step] = tensors_of(state)
     store = Store.open(root)
     files = {name: open(store.path(2, name), "rb").read() for name in ("COMMITTED", "rank_00000.json")}
-    return {"root": root, "store": store, "want": want, "files": files, "live": llama_state(3),
-            "marker": json.loads(files["COMMITTED"]), "manifest": json.loads(files["rank_00000.json"])}
+    return {
+        "root": root,
+        "store": store,
+        "want": want,
+        "files": files,
+        "live": llama_state(3),
+        "marker": json.loads(files["COMMITTED"]),
+        "manifest": json.loads(files["rank_00000.json"]),
+    }
 
 
 def restore(ckpt) -> None:
@@ -434,8 +482,11 @@ def check_marker(ckpt, doc, cli: tuple = ("ls", "inspect")) -> None:
 
 
 def check_rank_manifest(ckpt, doc, cli: tuple = ("ls", "inspect")) -> None:
-    exact = {k: doc.get(k) for k in ("tensors", "tree")} == \
-        {k: ckpt["manifest"].get(k) for k in ("tensors", "tree")} if isinstance(doc, dict) else False
+    exact = (
+        {k: doc.get(k) for k in ("tensors", "tree")} == {k: ckpt["manifest"].get(k) for k in ("tensors", "tree")}
+        if isinstance(doc, dict)
+        else False
+    )
     try:
         forge_manifest(ckpt["root"], 2, 0, doc)
         load_total(ckpt, exact, cli)
@@ -465,17 +516,21 @@ def test_mutated_markers_and_manifests_many(ckpt, data):
     if data.draw(st.booleans()):
         check_marker(ckpt, data.draw(mutated_doc(ckpt["marker"])), cli)
     else:
-        check_rank_manifest(ckpt, data.draw(st.one_of(mutated_doc(ckpt["manifest"]),
-                                                      layout_shift(ckpt["manifest"]))), cli)
+        check_rank_manifest(
+            ckpt, data.draw(st.one_of(mutated_doc(ckpt["manifest"]), layout_shift(ckpt["manifest"]))), cli
+        )
 
 
-@pytest.mark.parametrize("damage", [
-    lambda m: [m],
-    lambda m: {k: v for k, v in m.items() if k != "world_size"},
-    lambda m: dict(m, world_size="1"),
-    lambda m: dict(m, ranks=[dict(m["ranks"][0], bin_bytes="12")]),
-    lambda m: dict(m, step=1),
-])
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda m: [m],
+        lambda m: {k: v for k, v in m.items() if k != "world_size"},
+        lambda m: dict(m, world_size="1"),
+        lambda m: dict(m, ranks=[dict(m["ranks"][0], bin_bytes="12")]),
+        lambda m: dict(m, step=1),
+    ],
+)
 def test_damaged_newest_marker_falls_back_and_cli_says_so(ckpt, capsys, damage):
     try:
         with_marker(ckpt, damage(ckpt["marker"]))
@@ -495,11 +550,14 @@ def test_damaged_newest_marker_falls_back_and_cli_says_so(ckpt, capsys, damage):
         restore(ckpt)
 
 
-@pytest.mark.parametrize("where, value, match", [
-    (("tensors", 5, "shape"), "big", r"rank_00000.json tensors\[5\] shape: must be a list"),
-    (("tree", "__rng__", "python"), [3, [1, 2], None], r"RNG state .* does not restore"),
-    (("tree", "optim", "param_groups"), {"params": [0]}, r"'optim'.*'param_groups'"),
-])
+@pytest.mark.parametrize(
+    "where, value, match",
+    [
+        (("tensors", 5, "shape"), "big", r"rank_00000.json tensors\[5\] shape: must be a list"),
+        (("tree", "__rng__", "python"), [3, [1, 2], None], r"RNG state .* does not restore"),
+        (("tree", "optim", "param_groups"), {"params": [0]}, r"'optim'.*'param_groups'"),
+    ],
+)
 def test_malformed_rank_manifest_falls_back(ckpt, where, value, match):
     doc = mutate(ckpt["manifest"], where, "set", value)
     try:
@@ -526,8 +584,7 @@ def read_header(raw: bytes, kinds: tuple) -> None:
     try:
         b.sendall(raw + bytes(0xFFFF + 64))
         try:
-            wire.read_head(a, Direction(os.urandom(32), os.urandom(32), None), kinds, MAX_FRAME,
-                           time.monotonic() + 10)
+            wire.read_head(a, Direction(os.urandom(32), os.urandom(32), None), kinds, MAX_FRAME, time.monotonic() + 10)
         except MemsnapError:
             pass
     finally:
@@ -548,9 +605,13 @@ def test_arbitrary_wire_headers_many(raw, kinds):
     read_header(raw, kinds)
 
 
-@pytest.mark.parametrize("fields, match", [
-    ((3, 4, 10, 0, 0), "kind=3"), ((wire.PUSH, 4, MAX_FRAME + 1, 0, 1), "payload"),
-])
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        ((3, 4, 10, 0, 0), "kind=3"),
+        ((wire.PUSH, 4, MAX_FRAME + 1, 0, 1), "payload"),
+    ],
+)
 def test_bad_frame_header_is_named(fields, match):
     raw = wire.HEAD.pack(*fields)
     with pytest.raises(FormatError, match=match):
@@ -618,11 +679,14 @@ class Peers:
         self.calls += 1
 
 
-@pytest.mark.parametrize("rank, theirs, want", [
-    (0, [1, 0], 1),  # rank 1 finds step 2 malformed: rank 0 falls back with it
-    (1, [0, 0], 1),  # rank 1 itself: falls back, and reduces once per candidate step
-    (0, [2], "failed to load on another rank"),  # the other rank hit a fatal error: raise too
-])
+@pytest.mark.parametrize(
+    "rank, theirs, want",
+    [
+        (0, [1, 0], 1),  # rank 1 finds step 2 malformed: rank 0 falls back with it
+        (1, [0, 0], 1),  # rank 1 itself: falls back, and reduces once per candidate step
+        (0, [2], "failed to load on another rank"),  # the other rank hit a fatal error: raise too
+    ],
+)
 def test_the_malformed_rank_and_its_peer_agree(tmp_path, monkeypatch, rank, theirs, want):
     from memsnap import durable
 
@@ -644,8 +708,16 @@ def test_ranks_agree_to_fall_back_when_one_manifest_is_malformed(tmp_path):
     root = two_rank_ckpt(str(tmp_path / "ckpt"))
     port = free_port()
     env = dict(os.environ, ROOT=root, PORT=str(port), GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, "-c", AGREE], env=dict(env, RANK=str(r)), text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", AGREE],
+            env=dict(env, RANK=str(r)),
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for r in (0, 1)
+    ]
     try:
         outs = [p.communicate(timeout=120)[0] for p in procs]  # a rank left waiting fails here
     finally:

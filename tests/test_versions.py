@@ -1,5 +1,6 @@
 """A node's version table without Ray or arenas: every state move, the refused ones, which
 version gives way under pressure, and what lean mode (``local_copy=False``) changes."""
+
 from __future__ import annotations
 
 import itertools
@@ -316,8 +317,10 @@ def test_no_other_part_of_the_agent_writes_the_version_table():
     import memsnap
 
     root = pathlib.Path(memsnap.__file__).parent
-    writes = re.compile(r"(?<!self)\.state\s*=(?!=)|versions\.pop\(|versions\[[^\]]*\]\s*=(?!=)"
-                        r"|\.(sizes|manifests)(\[[^\]]*\]\s*=(?!=)|\.pop\(|\.update\()")
+    writes = re.compile(
+        r"(?<!self)\.state\s*=(?!=)|versions\.pop\(|versions\[[^\]]*\]\s*=(?!=)"
+        r"|\.(sizes|manifests)(\[[^\]]*\]\s*=(?!=)|\.pop\(|\.update\()"
+    )
     found = []
     for name in ("agent.py", "slots.py", "sender.py", "repair.py", "spill.py", "relay.py", "device/runtime.py"):
         for n, line in enumerate((root / name).read_text().splitlines(), 1):

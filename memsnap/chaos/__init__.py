@@ -12,6 +12,7 @@ Modules: ``schedule`` (Fault, Schedule: pure), ``nodes`` (which node a target na
 ``hand`` (what a fault does on its node), ``backend`` (carrying faults out on a Ray cluster or
 a loopback ``LocalCluster``), ``injector`` (the clock, the thread, the log).
 """
+
 from memsnap.chaos.injector import CONFIRM_HINT, Event, Injector, Timeline, read_log
 from memsnap.chaos.schedule import KINDS, PREEMPT_HOW, Fault, Schedule
 

@@ -4,6 +4,7 @@
 Every method takes a resolved ``nodes.Node`` and returns the event's detail (a small JSON-ready
 dict) or raises; the ``Injector`` records either. The driver must already be connected to Ray.
 """
+
 from __future__ import annotations
 
 import functools
@@ -79,8 +80,10 @@ class RayBackend:
         except ray.exceptions.RayTaskError as exc:  # the hand raised: nothing was killed
             raise RuntimeError(f"the kill task failed on node {node.id[:12]}: {exc.cause or exc}") from None
         except ray.exceptions.RayError:  # its worker died with the node, as it must
-            return {"how": "raylet and its processes SIGKILLed by a task on the node",
-                    "dispatch_s": round(time.monotonic() - started, 3)}
+            return {
+                "how": "raylet and its processes SIGKILLed by a task on the node",
+                "dispatch_s": round(time.monotonic() - started, 3),
+            }
         raise RuntimeError(f"the node's kill task returned {got!r} instead of dying with its node")
 
     def kill_process(self, node: Node, process, rng) -> dict:
@@ -89,8 +92,10 @@ class RayBackend:
         else:
             actors = training_actors(node.id, process)
             if not actors:
-                raise ConfigError(f"no training process{'' if process is None else f' {process!r}'} on node "
-                                  f"{node.id[:12]}: pass process= a pid, or an actor's name or class name")
+                raise ConfigError(
+                    f"no training process{'' if process is None else f' {process!r}'} on node "
+                    f"{node.id[:12]}: pass process= a pid, or an actor's name or class name"
+                )
             victim = rng.choice(actors)
         got = on_node(node, "signal_pids", [victim["pid"]], int(signal.SIGKILL))
         if not got["pids"]:
@@ -121,8 +126,10 @@ class RayBackend:
         if how in ("sigterm", "both"):
             pids = [process] if isinstance(process, int) else [a["pid"] for a in training_actors(node.id, process)]
             if not pids and how == "sigterm":
-                raise ConfigError(f"no training process on node {node.id[:12]} to send SIGTERM to: pass process= "
-                                  "a pid, or an actor's name or class name")
+                raise ConfigError(
+                    f"no training process on node {node.id[:12]} to send SIGTERM to: pass process= "
+                    "a pid, or an actor's name or class name"
+                )
             out["sigterm"] = on_node(node, "signal_pids", pids, int(signal.SIGTERM)) if pids else {"pids": []}
         if how in ("drain", "both"):
             out["drain"] = drain(node.id, deadline_s)
@@ -131,8 +138,10 @@ class RayBackend:
     def step(self) -> int | None:
         """The job's newest committed step (for faults ``at_step``), or None before the first."""
         if self.job is None:
-            raise ConfigError("faults at_step need the job's step: pass job= (--job) so the injector reads its "
-                              "newest committed step, or call injector.observe_step(step) from the training loop")
+            raise ConfigError(
+                "faults at_step need the job's step: pass job= (--job) so the injector reads its "
+                "newest committed step, or call injector.observe_step(step) from the training loop"
+            )
         try:
             coord = ray.get_actor(naming.coordinator(self.job), namespace=naming.NAMESPACE)
         except ValueError:
@@ -146,8 +155,9 @@ class RayBackend:
         try:
             return ray.get_actor(naming.agent(self.job, node.id), namespace=naming.NAMESPACE)
         except ValueError:
-            raise ConfigError(f"job {self.job!r} has no agent on node {node.id[:12]} (`memsnap jobs` lists the "
-                              "jobs and their nodes)") from None
+            raise ConfigError(
+                f"job {self.job!r} has no agent on node {node.id[:12]} (`memsnap jobs` lists the jobs and their nodes)"
+            ) from None
 
     def _spill_dir(self, node: Node) -> str:
         cfg = ray.get(self._agent(node, "fill_disk").config.remote(), timeout=CALL_TIMEOUT_S)
@@ -155,10 +165,12 @@ class RayBackend:
         if not uri:
             raise ConfigError(f"job {self.job!r} does not spill; pass path= (--fault ... path=DIR) for fill_disk")
         if uri.startswith("file://"):
-            uri = uri[len("file://"):]
+            uri = uri[len("file://") :]
         if "://" in uri:
-            raise ConfigError(f"job {self.job!r} spills to {uri!r}, not a local disk; pass path= a directory "
-                              "on the node's disk for fill_disk")
+            raise ConfigError(
+                f"job {self.job!r} spills to {uri!r}, not a local disk; pass path= a directory "
+                "on the node's disk for fill_disk"
+            )
         return uri
 
 
@@ -194,9 +206,7 @@ def drain(node_id: str, deadline_s: float | None) -> dict:
     # ray._raylet is a compiled module and autoscaler_pb2 generated code: neither declares these names
     client = ray._raylet.GcsClient(address=ray.get_runtime_context().gcs_address)  # type: ignore[attr-defined]
     reason = autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION")  # type: ignore[attr-defined]
-    accepted, why = client.drain_node(node_id, reason,
-                                      "memsnap.chaos preemption notice", deadline_ms)
+    accepted, why = client.drain_node(node_id, reason, "memsnap.chaos preemption notice", deadline_ms)
     if not accepted:
         raise RuntimeError(f"Ray refused to drain node {node_id[:12]}: {why}")
     return {"accepted": True, "deadline_ms": deadline_ms}
-

@@ -3,6 +3,7 @@
 Each returns a small JSON-ready dict (the event's detail) or raises. ``kill_raylet`` does not
 return: it ends the process it runs in with the rest of the node.
 """
+
 from __future__ import annotations
 
 import errno

@@ -7,6 +7,7 @@ returns once every fault has landed and ended; ``stop()`` ends the thread and un
 still in place (filler files, stalls), then closes the log. ``events`` holds one ``Event`` per fault
 landed and one per fault ended, in order; the log is the same, as JSON lines (``read_log``).
 """
+
 from __future__ import annotations
 
 import json
@@ -92,9 +93,20 @@ class Injector:
     (needed by ``stall``, by ``fill_disk`` without ``path``, and by faults ``at_step`` unless the
     loop calls ``observe_step``). The head node is spared unless ``allow_head``."""
 
-    def __init__(self, schedule: Schedule, *, cluster=None, address: str | None = None, log: str | None = None,
-                 job: str | None = None, confirm: bool = False, allow_head: bool = False,
-                 replace_killed: bool = False, step_poll_s: float = 0.5, backend=None):
+    def __init__(
+        self,
+        schedule: Schedule,
+        *,
+        cluster=None,
+        address: str | None = None,
+        log: str | None = None,
+        job: str | None = None,
+        confirm: bool = False,
+        allow_head: bool = False,
+        replace_killed: bool = False,
+        step_poll_s: float = 0.5,
+        backend=None,
+    ):
         if not isinstance(schedule, Schedule):
             raise ConfigError(f"schedule={schedule!r}: give a memsnap.chaos.Schedule (Schedule.fixed or .poisson)")
         if backend is None:
@@ -131,8 +143,17 @@ class Injector:
         if self._log_path:
             os.makedirs(os.path.dirname(os.path.abspath(self._log_path)), exist_ok=True)
             self._log = open(self._log_path, "w", encoding="utf-8")
-        self._write({"type": "start", "version": LOG_VERSION, "time": time.time(), "seed": self.schedule.seed,
-                     "cluster": self.where, "source": self.schedule.source, "schedule": self.schedule.to_list()})
+        self._write(
+            {
+                "type": "start",
+                "version": LOG_VERSION,
+                "time": time.time(),
+                "seed": self.schedule.seed,
+                "cluster": self.where,
+                "source": self.schedule.source,
+                "schedule": self.schedule.to_list(),
+            }
+        )
         self._thread = threading.Thread(target=self._run, name="memsnap-chaos", daemon=True)
         self._thread.start()
         return self
@@ -147,8 +168,14 @@ class Injector:
             self._end(i, undo, early=True)
         self._undo.clear()
         if self._log is not None:
-            self._write({"type": "stop", "time": time.time(), "landed": sum(e.phase == "fault" for e in self.events),
-                         "not_landed": list(self._pending)})
+            self._write(
+                {
+                    "type": "stop",
+                    "time": time.time(),
+                    "landed": sum(e.phase == "fault" for e in self.events),
+                    "not_landed": list(self._pending),
+                }
+            )
             self._log.close()
             self._log = None
         return self.events
@@ -278,8 +305,20 @@ class Injector:
         self._record(i, f, "end", target, detail, error)
 
     def _record(self, i: int, f: Fault, phase: str, target: str | None, detail: dict, error: str | None) -> None:
-        ev = Event(len(self.events), i, f.kind, phase, target, f.at_s, f.at_step, time.time(),
-                   round(self.elapsed, 6), error is None, detail, error)
+        ev = Event(
+            len(self.events),
+            i,
+            f.kind,
+            phase,
+            target,
+            f.at_s,
+            f.at_step,
+            time.time(),
+            round(self.elapsed, 6),
+            error is None,
+            detail,
+            error,
+        )
         self.events.append(ev)
         self._write(dict(type="event", **ev.to_dict()))
 
@@ -293,16 +332,21 @@ def _backend(cluster, address, job, confirm, replace_killed):
     from memsnap.chaos.backend import LocalBackend, RayBackend
 
     if (cluster is None) == (address is None):
-        raise ConfigError("give exactly one of cluster= (a memsnap.localcluster.LocalCluster) and address= "
-                          "(a running Ray cluster)")
+        raise ConfigError(
+            "give exactly one of cluster= (a memsnap.localcluster.LocalCluster) and address= (a running Ray cluster)"
+        )
     if cluster is not None:
         return LocalBackend(cluster, job, replace_killed)
     if replace_killed:
-        raise ConfigError("replace_killed adds nodes to a memsnap.localcluster.LocalCluster only; on a real "
-                          "cluster the autoscaler replaces nodes")
+        raise ConfigError(
+            "replace_killed adds nodes to a memsnap.localcluster.LocalCluster only; on a real "
+            "cluster the autoscaler replaces nodes"
+        )
     if confirm is not True:
-        raise ConfigError(f"refusing to inject faults into the Ray cluster at {address!r} without confirmation: "
-                          f"they kill real nodes and processes; {CONFIRM_HINT}")
+        raise ConfigError(
+            f"refusing to inject faults into the Ray cluster at {address!r} without confirmation: "
+            f"they kill real nodes and processes; {CONFIRM_HINT}"
+        )
     _connect(address)
     return RayBackend(job)
 

@@ -1,4 +1,5 @@
 """Which node a fault's target names: by id (or a unique prefix), label, or index; never the head unless asked."""
+
 from __future__ import annotations
 
 import random
@@ -25,8 +26,9 @@ def from_ray(entry: dict) -> Node:
     """A ``Node`` from one entry of ``ray.nodes()``."""
     resources = entry.get("Resources") or {}
     index = next((int(m.group(1)) for r in resources if (m := _INDEX.match(r))), None)
-    return Node(entry["NodeID"], bool(entry.get("Alive")), HEAD_RESOURCE in resources,
-                dict(entry.get("Labels") or {}), index)
+    return Node(
+        entry["NodeID"], bool(entry.get("Alive")), HEAD_RESOURCE in resources, dict(entry.get("Labels") or {}), index
+    )
 
 
 def ray_nodes() -> list[Node]:
@@ -61,8 +63,10 @@ def resolve(target, nodes: list[Node], rng: random.Random, *, allow_head: bool =
         raise ConfigError(f"{what} names node(s) {[n.id[:12] for n in found]} that are already dead")
     spared = [n for n in alive if allow_head or not n.head]
     if not spared:
-        raise ConfigError(f"{what} names the head node {alive[0].id[:12]}; faults spare the head unless "
-                          "asked explicitly (allow_head=True, --allow-head)")
+        raise ConfigError(
+            f"{what} names the head node {alive[0].id[:12]}; faults spare the head unless "
+            "asked explicitly (allow_head=True, --allow-head)"
+        )
     return rng.choice(sorted(spared, key=lambda n: n.id))
 
 
@@ -71,16 +75,22 @@ def _by_id(target: str, nodes: list[Node]) -> list[Node]:
     if exact:
         return exact
     if len(target) < MIN_PREFIX or not re.fullmatch(r"[0-9a-fA-F]+", target):
-        raise ConfigError(f"target {target!r} is not a node id: give a node id or a prefix of at least {MIN_PREFIX} "
-                          f"hex digits, 'key=value' for a label, or a node index; nodes: {_known(nodes)}")
+        raise ConfigError(
+            f"target {target!r} is not a node id: give a node id or a prefix of at least {MIN_PREFIX} "
+            f"hex digits, 'key=value' for a label, or a node index; nodes: {_known(nodes)}"
+        )
     found = [n for n in nodes if n.id.startswith(target.lower())]
     if len(found) > 1:
-        raise ConfigError(f"node id prefix {target!r} matches {len(found)} nodes "
-                          f"({[n.id[:12] for n in found]}); give more digits")
+        raise ConfigError(
+            f"node id prefix {target!r} matches {len(found)} nodes ({[n.id[:12] for n in found]}); give more digits"
+        )
     return found
 
 
 def _known(nodes: list[Node]) -> str:
-    parts = [f"{n.id[:12]}{' (head)' if n.head else ''}{'' if n.alive else ' (dead)'}"
-             + ("" if n.index is None else f" index {n.index}") for n in nodes]
+    parts = [
+        f"{n.id[:12]}{' (head)' if n.head else ''}{'' if n.alive else ' (dead)'}"
+        + ("" if n.index is None else f" index {n.index}")
+        for n in nodes
+    ]
     return ", ".join(parts) or "none"

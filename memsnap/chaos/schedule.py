@@ -4,6 +4,7 @@ Pure and deterministic: the same arguments and seed give the same schedule, so t
 benchmarked in turn meet the same faults. Times are seconds from ``Injector.start()``; steps
 are the job's step numbers as the injector observes them.
 """
+
 from __future__ import annotations
 
 import math
@@ -56,15 +57,19 @@ class Fault:
         if self.kind not in KINDS:
             raise ConfigError(f"fault kind {self.kind!r} is unknown; use one of {', '.join(KINDS)}")
         if (self.at_s is None) == (self.at_step is None):
-            raise ConfigError(f"{self.kind}: give exactly one of at_s (seconds after start) and at_step "
-                              f"(a step of the job), got at_s={self.at_s!r}, at_step={self.at_step!r}")
+            raise ConfigError(
+                f"{self.kind}: give exactly one of at_s (seconds after start) and at_step "
+                f"(a step of the job), got at_s={self.at_s!r}, at_step={self.at_step!r}"
+            )
         if self.at_s is not None:
             object.__setattr__(self, "at_s", float(_number("at_s", self.at_s, "seconds after the injector starts")))
         if self.at_step is not None:
             _number("at_step", self.at_step, "a step number of the job", integer=True)
         if isinstance(self.target, bool) or not isinstance(self.target, (str, int, type(None))):
-            raise ConfigError(f"target={self.target!r}: give a node id (or a unique prefix of one), "
-                              "'key=value' (a node label), a node index, or None for any worker node")
+            raise ConfigError(
+                f"target={self.target!r}: give a node id (or a unique prefix of one), "
+                "'key=value' (a node label), a node index, or None for any worker node"
+            )
         self._check_duration()
         self._check_options()
 
@@ -89,8 +94,13 @@ class Fault:
         if self.limit_bytes is not None:
             if self.kind != "fill_disk":
                 raise ConfigError(f"{self.kind}: limit_bytes= applies to fill_disk only")
-            _number("limit_bytes", self.limit_bytes, "the most bytes the filler writes (None: until the disk "
-                    "is full)", allow_zero=False, integer=True)
+            _number(
+                "limit_bytes",
+                self.limit_bytes,
+                "the most bytes the filler writes (None: until the disk is full)",
+                allow_zero=False,
+                integer=True,
+            )
         if self.how not in PREEMPT_HOW:
             raise ConfigError(f"how={self.how!r}: a preemption notice is one of {', '.join(PREEMPT_HOW)}")
 
@@ -142,9 +152,18 @@ class Schedule:
         return cls(tuple(got), seed, {"fixed": len(got)})
 
     @classmethod
-    def poisson(cls, *, mtbf_s: float, kinds: Sequence[str] = ("kill_node",), nodes: Sequence[Target] | int,
-                seed: int = 0, horizon_s: float, duration_s: float | None = None, start_s: float = 0.0,
-                **options) -> Schedule:
+    def poisson(
+        cls,
+        *,
+        mtbf_s: float,
+        kinds: Sequence[str] = ("kill_node",),
+        nodes: Sequence[Target] | int,
+        seed: int = 0,
+        horizon_s: float,
+        duration_s: float | None = None,
+        start_s: float = 0.0,
+        **options,
+    ) -> Schedule:
         """Faults as independent Poisson processes, one per node, each with mean time between
         failures ``mtbf_s``, from ``start_s`` until ``horizon_s``; each fault's kind is drawn
         uniformly from ``kinds``. ``nodes`` is a list of targets, or a count of nodes whose
@@ -165,8 +184,15 @@ class Schedule:
                 if t >= horizon_s:
                     break
                 faults.append(_fault(rng.choice(kinds), target, t, duration_s, options))
-        source = {"poisson": {"mtbf_s": mtbf_s, "kinds": list(kinds), "nodes": nodes if isinstance(nodes, int)
-                              else list(targets), "horizon_s": horizon_s, "start_s": start_s}}
+        source = {
+            "poisson": {
+                "mtbf_s": mtbf_s,
+                "kinds": list(kinds),
+                "nodes": nodes if isinstance(nodes, int) else list(targets),
+                "horizon_s": horizon_s,
+                "start_s": start_s,
+            }
+        }
         return cls(tuple(faults), seed, source)
 
     def to_list(self) -> list[dict]:
@@ -201,8 +227,12 @@ def _targets(nodes) -> tuple[Target, ...]:
 
 
 def _fault(kind: str, target: Target, t: float, duration_s: float | None, options: dict) -> Fault:
-    applies = {"process": ("kill_process", "preempt"), "path": ("fill_disk",), "limit_bytes": ("fill_disk",),
-               "how": ("preempt",)}
+    applies = {
+        "process": ("kill_process", "preempt"),
+        "path": ("fill_disk",),
+        "limit_bytes": ("fill_disk",),
+        "how": ("preempt",),
+    }
     unknown = set(options) - set(applies)
     if unknown:
         raise ConfigError(f"Schedule.poisson: unknown option(s) {sorted(unknown)}; use {sorted(applies)}")

@@ -4,6 +4,7 @@ A command module defines ``register(subparsers) -> ArgumentParser``, which adds 
 and sets ``func`` (``args -> exit code``). Adding a command is adding one file; modules whose
 name starts with ``_`` are helpers, not commands.
 """
+
 from __future__ import annotations
 
 import importlib

@@ -1,4 +1,5 @@
 """Helpers the live-cluster commands share: ``--address``, connecting (never starting) Ray, finding jobs."""
+
 from __future__ import annotations
 
 import argparse
@@ -14,8 +15,9 @@ NOT_FOUND = 2  # the exit code of a command naming a job the cluster does not ru
 
 
 def add_address(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--address", default=None,
-                    help="the running Ray cluster (default: $RAY_ADDRESS, else 'auto'); never starts one")
+    ap.add_argument(
+        "--address", default=None, help="the running Ray cluster (default: $RAY_ADDRESS, else 'auto'); never starts one"
+    )
 
 
 def address(args: argparse.Namespace) -> str:
@@ -33,11 +35,18 @@ def connect(args: argparse.Namespace) -> None:
 
         loopback_env()
     try:
-        ray.init(address=addr, namespace=naming.NAMESPACE, log_to_driver=False,
-                 logging_level=logging.ERROR, configure_logging=False)
+        ray.init(
+            address=addr,
+            namespace=naming.NAMESPACE,
+            log_to_driver=False,
+            logging_level=logging.ERROR,
+            configure_logging=False,
+        )
     except (ConnectionError, RuntimeError, ValueError) as exc:
-        raise ConfigError(f"no Ray cluster reachable at --address {addr!r} ({exc}); start one with "
-                          "`ray start --head`, or pass --address HOST:PORT or set RAY_ADDRESS") from None
+        raise ConfigError(
+            f"no Ray cluster reachable at --address {addr!r} ({exc}); start one with "
+            "`ray start --head`, or pass --address HOST:PORT or set RAY_ADDRESS"
+        ) from None
 
 
 def _reachable(addr: str, timeout: float = 5.0) -> None:
@@ -50,8 +59,10 @@ def _reachable(addr: str, timeout: float = 5.0) -> None:
     try:
         socket.create_connection((host, int(port)), timeout=timeout).close()
     except OSError as exc:
-        raise ConfigError(f"no Ray cluster reachable at --address {addr!r} ({exc}); pass the head's "
-                          "GCS address HOST:PORT (`ray status` prints it) or set RAY_ADDRESS") from None
+        raise ConfigError(
+            f"no Ray cluster reachable at --address {addr!r} ({exc}); pass the head's "
+            "GCS address HOST:PORT (`ray status` prints it) or set RAY_ADDRESS"
+        ) from None
 
 
 def jobs() -> dict[str, dict]:
@@ -91,6 +102,11 @@ def parse_actor(name: str) -> tuple[str, str | None] | None:
 def not_found(command: str, job: str, args: argparse.Namespace, known: dict) -> int:
     """Say in one line that ``job`` does not run on the cluster; the exit code."""
     others = ", ".join(sorted(known)) or "none"
-    print(printable(f"memsnap {command}: no memsnap job {job!r} on the Ray cluster at {address(args)} "
-                    f"(jobs there: {others}); `memsnap jobs` lists them"), file=sys.stderr)
+    print(
+        printable(
+            f"memsnap {command}: no memsnap job {job!r} on the Ray cluster at {address(args)} "
+            f"(jobs there: {others}); `memsnap jobs` lists them"
+        ),
+        file=sys.stderr,
+    )
     return NOT_FOUND

@@ -1,5 +1,6 @@
 """Helpers the checkpoint commands share: URI[/step] arguments, opening a step, tables, sizes,
 and the escaping of every string a checkpoint or a cluster hands the terminal."""
+
 from __future__ import annotations
 
 import argparse
@@ -35,15 +36,26 @@ def printable(value: Any) -> str:
 
 
 def add_location(ap: argparse.ArgumentParser, *, step: bool = True) -> None:
-    ap.add_argument("location", metavar="URI/step" if step else "URI",
-                    help="checkpoint root (path, file://, s3://, gs://, hdfs://)"
-                    + (", optionally followed by /step_NNN or /NNN (default: newest step); a root that "
-                       "holds committed steps is that root whatever its name" if step else ""))
+    ap.add_argument(
+        "location",
+        metavar="URI/step" if step else "URI",
+        help="checkpoint root (path, file://, s3://, gs://, hdfs://)"
+        + (
+            ", optionally followed by /step_NNN or /NNN (default: newest step); a root that "
+            "holds committed steps is that root whatever its name"
+            if step
+            else ""
+        ),
+    )
     if step:
-        ap.add_argument("--step", type=int, default=None, metavar="N",
-                        help="the step of the root URI (instead of a /step_NNN or /NNN suffix)")
-    ap.add_argument("--endpoint", default=None,
-                    help="S3 endpoint URL (default: $AWS_ENDPOINT_URL, else AWS)")
+        ap.add_argument(
+            "--step",
+            type=int,
+            default=None,
+            metavar="N",
+            help="the step of the root URI (instead of a /step_NNN or /NNN suffix)",
+        )
+    ap.add_argument("--endpoint", default=None, help="S3 endpoint URL (default: $AWS_ENDPOINT_URL, else AWS)")
 
 
 def split_location(location: str) -> tuple[str, int | None]:
@@ -95,8 +107,10 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 
 def _unstorable(name: str, dtype: Any) -> UnsupportedStateError:
-    return UnsupportedStateError(f"tensor {name!r} is {dtype}, which safetensors cannot store; convert "
-                                 "it in the training code, or export with --key a state key without it")
+    return UnsupportedStateError(
+        f"tensor {name!r} is {dtype}, which safetensors cannot store; convert "
+        "it in the training code, or export with --key a state key without it"
+    )
 
 
 def weight_paths(manifest: Manifest, key: str | None) -> tuple[str, list[str]]:
@@ -104,8 +118,7 @@ def weight_paths(manifest: Manifest, key: str | None) -> tuple[str, list[str]]:
     keys = [k for k in manifest.tree if not k.startswith("__")] if isinstance(manifest.tree, dict) else []
     key = key or ("model" if "model" in keys else None)
     if key is None or key not in keys:
-        raise ConfigError(f"cannot tell which state key holds the weights (keys: {keys}); "
-                          "pass --key NAME")
+        raise ConfigError(f"cannot tell which state key holds the weights (keys: {keys}); pass --key NAME")
     # memsnap.tree imports torch: only the commands that read tensors get here
     from memsnap.tree import segment
 

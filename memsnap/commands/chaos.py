@@ -1,4 +1,5 @@
 """``memsnap chaos``: inject faults into a running Ray job on a seeded schedule, and log when each landed."""
+
 from __future__ import annotations
 
 import argparse
@@ -61,15 +62,24 @@ def schedule(args: argparse.Namespace):
     if args.fault:
         return Schedule.fixed([parse_fault(s) for s in args.fault], seed=args.seed)
     if args.mtbf is None:
-        raise ConfigError("no faults to inject: give --fault 'KIND at_s=T ...' (repeatable) or --mtbf SECONDS "
-                          "--horizon SECONDS for a Poisson schedule")
+        raise ConfigError(
+            "no faults to inject: give --fault 'KIND at_s=T ...' (repeatable) or --mtbf SECONDS "
+            "--horizon SECONDS for a Poisson schedule"
+        )
     if args.horizon is None:
         raise ConfigError("--mtbf needs --horizon SECONDS, when the Poisson schedule ends")
     nodes = args.nodes or "1"
     nodes = int(nodes) if nodes.isdigit() else [n for n in nodes.split(",") if n]
     options = {} if args.limit_bytes is None else {"limit_bytes": args.limit_bytes}
-    return Schedule.poisson(mtbf_s=args.mtbf, kinds=args.kinds.split(","), nodes=nodes, seed=args.seed,
-                            horizon_s=args.horizon, duration_s=args.duration, **options)
+    return Schedule.poisson(
+        mtbf_s=args.mtbf,
+        kinds=args.kinds.split(","),
+        nodes=nodes,
+        seed=args.seed,
+        horizon_s=args.horizon,
+        duration_s=args.duration,
+        **options,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -84,10 +94,18 @@ def run(args: argparse.Namespace) -> int:
     from memsnap.chaos import Injector
 
     log_path = args.log or time.strftime("memsnap-chaos-%Y%m%d-%H%M%S.jsonl")
-    inj = Injector(sched, address=address(args), log=log_path, job=args.job, confirm=args.yes_kill_nodes,
-                   allow_head=args.allow_head)
-    print(f"injecting {len(sched)} fault(s) (seed {sched.seed}) into the Ray cluster at {address(args)}; "
-          f"log: {log_path}", file=sys.stderr)
+    inj = Injector(
+        sched,
+        address=address(args),
+        log=log_path,
+        job=args.job,
+        confirm=args.yes_kill_nodes,
+        allow_head=args.allow_head,
+    )
+    print(
+        f"injecting {len(sched)} fault(s) (seed {sched.seed}) into the Ray cluster at {address(args)}; log: {log_path}",
+        file=sys.stderr,
+    )
     shown = 0
     deadline = time.monotonic() + (args.timeout if args.timeout else _span(sched) + 120)
     inj.start()
@@ -100,8 +118,11 @@ def run(args: argparse.Namespace) -> int:
         events = inj.stop()
     _print_new(events, shown)
     failed = [e for e in events if not e.ok]
-    print(f"{sum(e.phase == 'fault' for e in events)} of {len(sched)} fault(s) landed, {len(failed)} failed; "
-          f"timeline in {log_path}", file=sys.stderr)
+    print(
+        f"{sum(e.phase == 'fault' for e in events)} of {len(sched)} fault(s) landed, {len(failed)} failed; "
+        f"timeline in {log_path}",
+        file=sys.stderr,
+    )
     return 1 if failed else 0
 
 
@@ -119,16 +140,20 @@ def _line(e) -> str:
     when = f"t={e.planned_s:.1f}s" if e.planned_s is not None else f"step {e.planned_step}"
     what = "ok" if e.ok else f"FAILED {e.error}"
     target = (e.target or "-")[:12]
-    return printable(f"{time.strftime('%H:%M:%S', time.localtime(e.landed))}  +{e.landed_s:8.2f}s  {e.kind:<12} "
-                     f"{e.phase:<5} {target:<12} ({when})  {what}  {json.dumps(e.detail, sort_keys=True)}")
+    return printable(
+        f"{time.strftime('%H:%M:%S', time.localtime(e.landed))}  +{e.landed_s:8.2f}s  {e.kind:<12} "
+        f"{e.phase:<5} {target:<12} ({when})  {what}  {json.dumps(e.detail, sort_keys=True)}"
+    )
 
 
 def show_timeline(path: str) -> int:
     from memsnap.chaos import read_log
 
     tl = read_log(path)
-    print(f"run started {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(tl.header['time']))} on "
-          f"{printable(tl.header['cluster'])}, seed {tl.header['seed']}, {len(tl.header['schedule'])} fault(s) planned")
+    print(
+        f"run started {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(tl.header['time']))} on "
+        f"{printable(tl.header['cluster'])}, seed {tl.header['seed']}, {len(tl.header['schedule'])} fault(s) planned"
+    )
     for e in tl.events:
         print(_line(e))
     if tl.stopped is None:
@@ -137,17 +162,30 @@ def show_timeline(path: str) -> int:
 
 
 def register(subparsers) -> argparse.ArgumentParser:
-    ap = subparsers.add_parser("chaos", help="inject faults into a running Ray job on a seeded schedule",
-                               description=__doc__.split("\n")[0], epilog=EXAMPLES,
-                               formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = subparsers.add_parser(
+        "chaos",
+        help="inject faults into a running Ray job on a seeded schedule",
+        description=__doc__.split("\n")[0],
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_address(ap)
-    ap.add_argument("--yes-kill-nodes", action="store_true",
-                    help="confirm: the faults kill real nodes and processes of the cluster (required)")
+    ap.add_argument(
+        "--yes-kill-nodes",
+        action="store_true",
+        help="confirm: the faults kill real nodes and processes of the cluster (required)",
+    )
     ap.add_argument("--job", default=None, help="the memsnap job (stall, fill_disk's spill directory, at_step)")
-    ap.add_argument("--fault", action="append", metavar="'KIND key=value ...'",
-                    help="one fault of a fixed schedule (repeatable); KIND is kill_node, kill_process, stall, "
-                    "fill_disk or preempt; keys: at_s, at_step, target, duration_s, process, path, limit_bytes, how")
-    ap.add_argument("--mtbf", type=float, default=None, help="a Poisson schedule: mean seconds between failures per node")
+    ap.add_argument(
+        "--fault",
+        action="append",
+        metavar="'KIND key=value ...'",
+        help="one fault of a fixed schedule (repeatable); KIND is kill_node, kill_process, stall, "
+        "fill_disk or preempt; keys: at_s, at_step, target, duration_s, process, path, limit_bytes, how",
+    )
+    ap.add_argument(
+        "--mtbf", type=float, default=None, help="a Poisson schedule: mean seconds between failures per node"
+    )
     ap.add_argument("--kinds", default="kill_node", help="comma-separated fault kinds of the Poisson schedule")
     ap.add_argument("--nodes", default=None, help="how many nodes fail (a count), or comma-separated node targets")
     ap.add_argument("--horizon", type=float, default=None, help="seconds after start when the Poisson schedule ends")
@@ -156,8 +194,12 @@ def register(subparsers) -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0, help="the schedule's seed (same seed, same faults)")
     ap.add_argument("--allow-head", action="store_true", help="let faults land on the head node too")
     ap.add_argument("--log", default=None, help="the JSON-lines timeline (default: memsnap-chaos-DATE.jsonl)")
-    ap.add_argument("--timeout", type=float, default=None,
-                    help="stop after this many seconds (default: the schedule's span + 120 s)")
+    ap.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="stop after this many seconds (default: the schedule's span + 120 s)",
+    )
     ap.add_argument("--dry-run", action="store_true", help="print the schedule and exit; inject nothing")
     ap.add_argument("--timeline", metavar="LOG", default=None, help="print the timeline of a log and exit")
     ap.set_defaults(func=run)

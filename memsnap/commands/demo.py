@@ -1,5 +1,6 @@
 """``memsnap demo``: a node killed mid-training on a simulated Ray cluster, recovered in place
 (the survivors keep their processes; a warm standby takes the lost rank from peers' RAM)."""
+
 from __future__ import annotations
 
 import argparse
@@ -16,36 +17,57 @@ QUICK_FROZEN_MIB = 4.0
 
 def register(subparsers) -> argparse.ArgumentParser:
     ap = subparsers.add_parser(
-        "demo", help="kill a node mid-training on a local Ray cluster and recover in place from RAM",
+        "demo",
+        help="kill a node mid-training on a local Ray cluster and recover in place from RAM",
         description="Starts a simulated multi-node Ray cluster on 127.0.0.1, trains a small "
-                    "transformer (with a frozen table beside it, so each rank's state has a "
-                    "realistic size) on Ray actors, snapshots every step into peers' RAM, and kills "
-                    "a rank's node. By default the job recovers in place (memsnap.inplace): the "
-                    "surviving ranks keep their processes and roll back from their own node's RAM, "
-                    "a warm standby takes the lost rank from its peers' RAM; the summary shows where "
-                    "the seconds went and the survivors' process ids. With --restart, Ray Train "
-                    "restarts the whole worker group instead. Then it checks the loss curve and every "
-                    "rank's final state against a run that never failed, bit for bit, and compares "
-                    "the lost rank's restore from peers with reading its bytes back from disk.")
+        "transformer (with a frozen table beside it, so each rank's state has a "
+        "realistic size) on Ray actors, snapshots every step into peers' RAM, and kills "
+        "a rank's node. By default the job recovers in place (memsnap.inplace): the "
+        "surviving ranks keep their processes and roll back from their own node's RAM, "
+        "a warm standby takes the lost rank from its peers' RAM; the summary shows where "
+        "the seconds went and the survivors' process ids. With --restart, Ray Train "
+        "restarts the whole worker group instead. Then it checks the loss curve and every "
+        "rank's final state against a run that never failed, bit for bit, and compares "
+        "the lost rank's restore from peers with reading its bytes back from disk.",
+    )
     ap.add_argument("--nodes", type=int, default=4, help="simulated nodes (default 4)")
     ap.add_argument("-k", type=int, default=2, help="Reed-Solomon data shards (default 2)")
     ap.add_argument("-m", type=int, default=1, help="Reed-Solomon parity shards (default 1)")
     ap.add_argument("--model", default="small", choices=["tiny", "small", "medium"])
     ap.add_argument("--steps", type=int, default=40, help="training steps (default 40)")
-    ap.add_argument("--failure-step", type=int, action="append", dest="failure_steps",
-                    help="kill a node after this step (repeat for more failures; default 15)")
-    ap.add_argument("--failures", type=int, default=None,
-                    help="number of node kills, spread over the run (instead of --failure-step)")
-    ap.add_argument("--frozen-mib", type=float, default=None,
-                    help=f"MiB of frozen state per rank beside the model, snapshotted and restored with it "
-                         f"(default {DEFAULT_FROZEN_MIB:g}; --quick: {QUICK_FROZEN_MIB:g}; 0: the model's state only)")
+    ap.add_argument(
+        "--failure-step",
+        type=int,
+        action="append",
+        dest="failure_steps",
+        help="kill a node after this step (repeat for more failures; default 15)",
+    )
+    ap.add_argument(
+        "--failures",
+        type=int,
+        default=None,
+        help="number of node kills, spread over the run (instead of --failure-step)",
+    )
+    ap.add_argument(
+        "--frozen-mib",
+        type=float,
+        default=None,
+        help=f"MiB of frozen state per rank beside the model, snapshotted and restored with it "
+        f"(default {DEFAULT_FROZEN_MIB:g}; --quick: {QUICK_FROZEN_MIB:g}; 0: the model's state only)",
+    )
     ap.add_argument("--spill-every", type=int, default=10, help="spill to disk every N steps")
     ap.add_argument("--out", default="memsnap-demo", help="directory for logs, spill and the plot")
-    ap.add_argument("--quick", action="store_true", help="a smaller, faster run (tiny model, 3 nodes with RS(1,1), 16 steps, "
-                         f"{QUICK_FROZEN_MIB:g} MiB frozen)")
-    ap.add_argument("--restart", action="store_true",
-                    help="recover by restarting the whole job under Ray Train (every rank's process), "
-                         "as without memsnap.inplace, instead of in place")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"a smaller, faster run (tiny model, 3 nodes with RS(1,1), 16 steps, {QUICK_FROZEN_MIB:g} MiB frozen)",
+    )
+    ap.add_argument(
+        "--restart",
+        action="store_true",
+        help="recover by restarting the whole job under Ray Train (every rank's process), "
+        "as without memsnap.inplace, instead of in place",
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
     ap.set_defaults(func=run)
     return ap
@@ -66,10 +88,18 @@ def options(args: argparse.Namespace):
         fails = tuple(steps * (i + 1) // (args.failures + 1) for i in range(args.failures))
     else:
         fails = (max(1, steps * 3 // 8),)
-    return DemoOptions(nodes=nodes, k=args.k, m=args.m, model=model, steps=steps, failure_steps=fails,
-                       spill_every=min(args.spill_every, max(1, steps // 4)), out=args.out,
-                       frozen_mib=frozen if args.frozen_mib is None else args.frozen_mib,
-                       mode="restart" if args.restart else "inplace")
+    return DemoOptions(
+        nodes=nodes,
+        k=args.k,
+        m=args.m,
+        model=model,
+        steps=steps,
+        failure_steps=fails,
+        spill_every=min(args.spill_every, max(1, steps // 4)),
+        out=args.out,
+        frozen_mib=frozen if args.frozen_mib is None else args.frozen_mib,
+        mode="restart" if args.restart else "inplace",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -132,17 +162,23 @@ def _recovery_line(r: dict) -> list[str]:
     rec = r["recovery_seconds"]
     fmt = lambda v: "n/a" if v is None else f"{v:.2f} s"  # noqa: E731
     if r.get("mode", "restart") == "restart":
-        return [f"  failure -> training again    detect {fmt(rec['detect'])}, restart {fmt(rec['restart'])}, "
-                f"restore {fmt(rec['restore'])} (slowest rank, from its first call)"]
+        return [
+            f"  failure -> training again    detect {fmt(rec['detect'])}, restart {fmt(rec['restart'])}, "
+            f"restore {fmt(rec['restore'])} (slowest rank, from its first call)"
+        ]
     first = r["failures"][0] if r["failures"] else {}
-    pids = ", ".join(f"rank {k} {a} -> {b}" for k, (a, b) in sorted(first.get("survivor_pids", {}).items(),
-                                                                  key=lambda kv: int(kv[0])))
+    pids = ", ".join(
+        f"rank {k} {a} -> {b}"
+        for k, (a, b) in sorted(first.get("survivor_pids", {}).items(), key=lambda kv: int(kv[0]))
+    )
     tiers = sorted(set(first.get("survivor_tiers", {}).values()))
     kept = "kept" if r.get("survivors_kept_their_processes") else "NOT kept"
-    return [f"  failure -> training again    {fmt(rec['total'])} in place: first sign {fmt(rec['first_sign'])}, "
-            f"detect {fmt(rec['detect'])}, re-form {fmt(rec['reform'])}, restore {fmt(rec['restore'])}, "
-            f"first step {fmt(rec['first_step'])}",
-            f"  survivors' processes         {kept} ({pids}); rolled back from: {', '.join(tiers) or 'n/a'}"]
+    return [
+        f"  failure -> training again    {fmt(rec['total'])} in place: first sign {fmt(rec['first_sign'])}, "
+        f"detect {fmt(rec['detect'])}, re-form {fmt(rec['reform'])}, restore {fmt(rec['restore'])}, "
+        f"first step {fmt(rec['first_step'])}",
+        f"  survivors' processes         {kept} ({pids}); rolled back from: {', '.join(tiers) or 'n/a'}",
+    ]
 
 
 def summary(r: dict) -> str:

@@ -1,4 +1,5 @@
 """``memsnap export URI[/step] --safetensors OUT``: a step's model weights for inference."""
+
 from __future__ import annotations
 
 import argparse
@@ -12,7 +13,7 @@ from memsnap.tree import segment, unquote
 def weights(store: Store, step: int, marker: dict, key: str | None) -> dict:
     """``{name: full tensor}`` of the weights under ``key``; sharded tensors gathered whole."""
     key, paths = weight_paths(store.manifest(step, 0, marker), key)
-    return {_weight_name(path[len(segment(key)) + 1:]): t for path, t in gather(store, step, paths, marker)}
+    return {_weight_name(path[len(segment(key)) + 1 :]): t for path, t in gather(store, step, paths, marker)}
 
 
 def _weight_name(rest: str) -> str:
@@ -29,8 +30,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def register(subparsers) -> argparse.ArgumentParser:
-    ap = subparsers.add_parser("export", help="export model weights (safetensors)",
-                               description=__doc__.split("\n")[0])
+    ap = subparsers.add_parser("export", help="export model weights (safetensors)", description=__doc__.split("\n")[0])
     add_location(ap)
     ap.add_argument("--safetensors", required=True, metavar="OUT", help="output .safetensors file")
     ap.add_argument("--key", default=None, help="state key of the model (default: 'model')")

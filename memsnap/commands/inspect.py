@@ -1,5 +1,6 @@
 """``memsnap inspect URI[/step]``: a step's metadata and its tensors as a table (every string
 from the checkpoint escaped: ``printable``)."""
+
 from __future__ import annotations
 
 import argparse
@@ -30,16 +31,17 @@ def run(args: argparse.Namespace) -> int:
     print(f"step {step} of {printable(store.uri)} (rank {args.rank} of {marker['world_size']})")
     print(table(["METADATA", "VALUE"], _flat(marker.get("metadata", {}))))
     print()
-    rows = [[t.path, t.dtype, list(t.shape), human(t.nbytes) if not t.alias_of else f"= {t.alias_of}",
-             _sharding(t)] for t in manifest.tensors]
+    rows = [
+        [t.path, t.dtype, list(t.shape), human(t.nbytes) if not t.alias_of else f"= {t.alias_of}", _sharding(t)]
+        for t in manifest.tensors
+    ]
     print(table(["TENSOR", "DTYPE", "SHAPE", "SIZE", "SHARDING"], rows))
     print(f"{len(manifest.tensors)} tensors, {human(manifest.nbytes)} in this rank's file")
     return 0
 
 
 def register(subparsers) -> argparse.ArgumentParser:
-    ap = subparsers.add_parser("inspect", help="show a step's metadata and tensors",
-                               description=__doc__.split("\n")[0])
+    ap = subparsers.add_parser("inspect", help="show a step's metadata and tensors", description=__doc__.split("\n")[0])
     add_location(ap)
     ap.add_argument("--rank", type=int, default=0, help="whose manifest to show (default 0)")
     ap.set_defaults(func=run)

@@ -1,4 +1,5 @@
 """``memsnap jobs``: the memsnap jobs running on a Ray cluster, from their named actors."""
+
 from __future__ import annotations
 
 import argparse
@@ -26,8 +27,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def register(subparsers) -> argparse.ArgumentParser:
-    ap = subparsers.add_parser("jobs", help="list the memsnap jobs on a running cluster",
-                               description=__doc__.split("\n")[0])
+    ap = subparsers.add_parser(
+        "jobs", help="list the memsnap jobs on a running cluster", description=__doc__.split("\n")[0]
+    )
     add_address(ap)
     ap.add_argument("--json", action="store_true", help="as JSON: {job: {coordinator, agents}}")
     ap.set_defaults(func=run)

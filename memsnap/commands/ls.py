@@ -2,6 +2,7 @@
 
 A step whose commit marker is malformed is listed as DAMAGED (reason on stderr), exit code 2.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,9 +24,15 @@ def _row(step: int, marker: dict) -> list:
     commit = git.get("commit")
     if not isinstance(commit, str):
         commit = ""
-    return [step, md.get("time_utc", "?"), marker["world_size"],
-            human(sum(r["bin_bytes"] for r in marker["ranks"])),
-            _loss(md), "yes" if md.get("milestone") else "", commit[:10]]
+    return [
+        step,
+        md.get("time_utc", "?"),
+        marker["world_size"],
+        human(sum(r["bin_bytes"] for r in marker["ranks"])),
+        _loss(md),
+        "yes" if md.get("milestone") else "",
+        commit[:10],
+    ]
 
 
 def run(args: argparse.Namespace) -> int:

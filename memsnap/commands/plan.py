@@ -29,6 +29,7 @@ step time. Formulas, all in seconds:
   ``S * ((keep + 1) + (keep + 2) * (k + m) / k)``: ``keep + 1`` arena slots of the node's
   own state, and the pieces held for peers for ``keep`` committed versions and two in flight.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -71,18 +72,17 @@ class PlanInputs:
 
     def __post_init__(self) -> None:
         for name in ("state_gb", "mtbf_hours", "memcpy_gbps", "network_gbps", "disk_gbps"):
-            require_positive_float("--" + name.replace("_", "-"), getattr(self, name),
-                                   "pass a positive number")
+            require_positive_float("--" + name.replace("_", "-"), getattr(self, name), "pass a positive number")
         if self.step_seconds is not None:
-            require_positive_float("--step-seconds", self.step_seconds,
-                                   "pass the seconds one training step takes")
+            require_positive_float("--step-seconds", self.step_seconds, "pass the seconds one training step takes")
         for name in ("nodes", "streams", "k", "m", "keep"):
             require_positive_int("--" + name, getattr(self, name), "pass an integer >= 1")
         if self.nodes < self.k + self.m + 1:
             raise ConfigError(
                 f"--nodes {self.nodes} is too few for --k {self.k} --m {self.m}: each node's "
                 f"k+m={self.k + self.m} chunks go to other nodes, so the job needs at least "
-                f"{self.k + self.m + 1} nodes; lower k/m or raise --nodes")
+                f"{self.k + self.m + 1} nodes; lower k/m or raise --nodes"
+            )
 
 
 @dataclass(frozen=True)
@@ -131,23 +131,19 @@ def job_mtbf_seconds(p: PlanInputs) -> float:
 def plan(p: PlanInputs) -> list[TierPlan]:
     """One ``TierPlan`` per tier, ram, peer, disk."""
     mtbf = job_mtbf_seconds(p)
-    return [_tier_plan(tier, cost, restore, mtbf, p.step_seconds)
-            for tier, (cost, restore) in tier_costs(p).items()]
+    return [_tier_plan(tier, cost, restore, mtbf, p.step_seconds) for tier, (cost, restore) in tier_costs(p).items()]
 
 
-def _tier_plan(tier: str, cost: float, restore: float, mtbf: float,
-               step_seconds: float | None) -> TierPlan:
+def _tier_plan(tier: str, cost: float, restore: float, mtbf: float, step_seconds: float | None) -> TierPlan:
     tau = young_daly_interval(cost, mtbf)
     steps = None if step_seconds is None else max(1, round(tau / step_seconds))
     lost = tau / 2 + restore
-    return TierPlan(tier, cost, tau, steps, restore, lost,
-                    cost / tau + lost / mtbf, cost < mtbf / 2)
+    return TierPlan(tier, cost, tau, steps, restore, lost, cost / tau + lost / mtbf, cost < mtbf / 2)
 
 
 def format_duration(seconds: float) -> str:
     """A short human duration: ms, s, min, h or d."""
-    for unit, size, limit in (("ms", 1e-3, 1.0), ("s", 1.0, 120.0), ("min", 60.0, 7200.0),
-                              ("h", 3600.0, 172800.0)):
+    for unit, size, limit in (("ms", 1e-3, 1.0), ("s", 1.0, 120.0), ("min", 60.0, 7200.0), ("h", 3600.0, 172800.0)):
         if seconds < limit:
             return f"{seconds / size:.1f} {unit}"
     return f"{seconds / 86400.0:.1f} d"
@@ -157,60 +153,96 @@ def format_table(p: PlanInputs, plans: list[TierPlan]) -> str:
     """The plain-text report: inputs, one row per tier, and warnings."""
     mtbf = job_mtbf_seconds(p)
     head = ("tier", "snapshot cost", "interval", "steps", "lost work/failure", "restore", "overhead")
-    rows = [head] + [(t.tier, format_duration(t.snapshot_cost_s), format_duration(t.interval_s),
-                      "-" if t.interval_steps is None else str(t.interval_steps),
-                      format_duration(t.lost_work_per_failure_s), format_duration(t.restore_s),
-                      f"{100 * t.overhead_fraction:.2f}%") for t in plans]
+    rows = [head] + [
+        (
+            t.tier,
+            format_duration(t.snapshot_cost_s),
+            format_duration(t.interval_s),
+            "-" if t.interval_steps is None else str(t.interval_steps),
+            format_duration(t.lost_work_per_failure_s),
+            format_duration(t.restore_s),
+            f"{100 * t.overhead_fraction:.2f}%",
+        )
+        for t in plans
+    ]
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    lines = [f"{p.state_gb:g} GB/node x {p.nodes} nodes, node MTBF {p.mtbf_hours:g} h -> "
-             f"job MTBF {format_duration(mtbf)}; k={p.k} m={p.m}; memcpy {p.memcpy_gbps:.3g} GB/s"
-             f"{' (measured)' if p.memcpy_measured else ''}, "
-             f"network {p.network_gbps:g} GB/s x {p.streams} stream(s), disk {p.disk_gbps:g} GB/s",
-             ""]
+    lines = [
+        f"{p.state_gb:g} GB/node x {p.nodes} nodes, node MTBF {p.mtbf_hours:g} h -> "
+        f"job MTBF {format_duration(mtbf)}; k={p.k} m={p.m}; memcpy {p.memcpy_gbps:.3g} GB/s"
+        f"{' (measured)' if p.memcpy_measured else ''}, "
+        f"network {p.network_gbps:g} GB/s x {p.streams} stream(s), disk {p.disk_gbps:g} GB/s",
+        "",
+    ]
     for i, r in enumerate(rows):
-        lines.append("  ".join(c.ljust(w) if j == 0 else c.rjust(w)
-                               for j, (c, w) in enumerate(zip(r, widths))).rstrip())
+        lines.append(
+            "  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths))).rstrip()
+        )
         if i == 0:
             lines.append("  ".join("-" * w for w in widths))
-    lines += [f"warning: {t.tier} snapshots cost {format_duration(t.snapshot_cost_s)}, at least "
-              "half the job MTBF; Young/Daly does not hold there: snapshot as often as you can "
-              "and reduce the cost" for t in plans if not t.formula_valid]
+    lines += [
+        f"warning: {t.tier} snapshots cost {format_duration(t.snapshot_cost_s)}, at least "
+        "half the job MTBF; Young/Daly does not hold there: snapshot as often as you can "
+        "and reduce the cost"
+        for t in plans
+        if not t.formula_valid
+    ]
     lines.append("interval = sqrt(2 x cost x job MTBF); lost work = interval/2 + restore")
-    lines.append(f"memory_budget per node: at least {agent_ram(p.state_gb, p.k, p.m, p.keep):.3g} GB "
-                 f"(keep={p.keep}: {p.keep + 1} slots of the node's state, and its peers' pieces for "
-                 f"{p.keep} committed versions and 2 in flight)")
+    lines.append(
+        f"memory_budget per node: at least {agent_ram(p.state_gb, p.k, p.m, p.keep):.3g} GB "
+        f"(keep={p.keep}: {p.keep + 1} slots of the node's state, and its peers' pieces for "
+        f"{p.keep} committed versions and 2 in flight)"
+    )
     return "\n".join(lines)
 
 
 def to_json(p: PlanInputs, plans: list[TierPlan]) -> str:
-    return json.dumps({"inputs": asdict(p), "job_mtbf_s": job_mtbf_seconds(p),
-                       "memory_budget_gb": agent_ram(p.state_gb, p.k, p.m, p.keep),
-                       "tiers": [asdict(t) for t in plans]}, indent=2)
+    return json.dumps(
+        {
+            "inputs": asdict(p),
+            "job_mtbf_s": job_mtbf_seconds(p),
+            "memory_budget_gb": agent_ram(p.state_gb, p.k, p.m, p.keep),
+            "tiers": [asdict(t) for t in plans],
+        },
+        indent=2,
+    )
 
 
 def register(subparsers) -> argparse.ArgumentParser:
     """Add ``plan`` to the ``memsnap`` command's subparsers."""
     d = PlanInputs.__dataclass_fields__
     ap = subparsers.add_parser(
-        "plan", help="recommend snapshot intervals per tier",
+        "plan",
+        help="recommend snapshot intervals per tier",
         description="Recommend snapshot intervals for the ram, peer and disk tiers (Young/Daly) "
-                    "and show the expected lost work per failure; with --goodput, project the goodput "
-                    "of memsnap and of disk checkpointing at 1k-16k GPUs from measured figures.",
-        epilog=EPILOG + "\n\n" + plan_goodput.EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+        "and show the expected lost work per failure; with --goodput, project the goodput "
+        "of memsnap and of disk checkpointing at 1k-16k GPUs from measured figures.",
+        epilog=EPILOG + "\n\n" + plan_goodput.EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--state-gb", type=float, help="training state per node, GB (required without --goodput)")
     ap.add_argument("--nodes", type=int, help="nodes in the job (required without --goodput)")
     ap.add_argument("--mtbf-hours", type=float, help="MTBF of one node, hours (required without --goodput)")
-    for name, text in (("memcpy_gbps", "memory copy, GB/s"), ("network_gbps", "one TCP stream, GB/s"),
-                       ("disk_gbps", "durable storage per node, GB/s")):
-        ap.add_argument("--" + name.replace("_", "-"), type=float, default=d[name].default,
-                        help=f"{text} (default {d[name].default})")
-    for name, text in (("streams", "parallel TCP streams per node"), ("k", "data chunks per stripe"),
-                       ("m", "parity chunks per stripe")):
-        ap.add_argument("--" + name, type=int, default=d[name].default,
-                        help=f"{text} (default {d[name].default})")
+    for name, text in (
+        ("memcpy_gbps", "memory copy, GB/s"),
+        ("network_gbps", "one TCP stream, GB/s"),
+        ("disk_gbps", "durable storage per node, GB/s"),
+    ):
+        ap.add_argument(
+            "--" + name.replace("_", "-"),
+            type=float,
+            default=d[name].default,
+            help=f"{text} (default {d[name].default})",
+        )
+    for name, text in (
+        ("streams", "parallel TCP streams per node"),
+        ("k", "data chunks per stripe"),
+        ("m", "parity chunks per stripe"),
+    ):
+        ap.add_argument("--" + name, type=int, default=d[name].default, help=f"{text} (default {d[name].default})")
     ap.add_argument("--step-seconds", type=float, default=None, help="one training step, seconds")
-    ap.add_argument("--measure", action="store_true",
-                    help="measure this machine's memcpy bandwidth and use it for --memcpy-gbps")
+    ap.add_argument(
+        "--measure", action="store_true", help="measure this machine's memcpy bandwidth and use it for --memcpy-gbps"
+    )
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
     plan_goodput.add_arguments(ap)
     ap.set_defaults(func=run)
@@ -223,8 +255,10 @@ def run(args: argparse.Namespace) -> int:
         return _run_goodput(args)
     missing = [f"--{n.replace('_', '-')}" for n in ("state_gb", "nodes", "mtbf_hours") if getattr(args, n) is None]
     if missing:
-        print(f"memsnap plan: error: {', '.join(missing)} required (or --goodput for the goodput projection)",
-              file=sys.stderr)
+        print(
+            f"memsnap plan: error: {', '.join(missing)} required (or --goodput for the goodput projection)",
+            file=sys.stderr,
+        )
         return 2
     names = [f for f in PlanInputs.__dataclass_fields__ if f != "memcpy_measured"]
     values = {n: getattr(args, n) for n in names}

@@ -1,5 +1,6 @@
 """``memsnap plan --goodput``: projected goodput of memsnap (recovering in place, and restarting
 the job) and of disk checkpointing at 1k-16k GPUs, from measured figures (memsnap/goodput_model.py holds the model and its formulas)."""
+
 from __future__ import annotations
 
 import argparse
@@ -49,20 +50,29 @@ failure rate: Llama 3 report, 419 unexpected interruptions in 54 days on 16,384 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     g = ap.add_argument_group("goodput (--goodput)")
-    g.add_argument("--goodput", action="store_true",
-                   help="project goodput of memsnap (in place and restarting) and disk checkpointing at "
-                        "1k-16k GPUs instead")
-    g.add_argument("--gpus", type=int, nargs="+", default=list(DEFAULT_GPUS),
-                   help=f"cluster sizes in GPUs (default {' '.join(map(str, DEFAULT_GPUS))})")
+    g.add_argument(
+        "--goodput",
+        action="store_true",
+        help="project goodput of memsnap (in place and restarting) and disk checkpointing at 1k-16k GPUs instead",
+    )
+    g.add_argument(
+        "--gpus",
+        type=int,
+        nargs="+",
+        default=list(DEFAULT_GPUS),
+        help=f"cluster sizes in GPUs (default {' '.join(map(str, DEFAULT_GPUS))})",
+    )
     mdef = {f.name: f.default for f in fields(gm.Measured)}
     for name, text in MEASURED_HELP.items():
-        g.add_argument("--" + name.replace("_", "-"), type=float, default=mdef[name],
-                       help=f"{text} (default {mdef[name]:g})")
+        g.add_argument(
+            "--" + name.replace("_", "-"), type=float, default=mdef[name], help=f"{text} (default {mdef[name]:g})"
+        )
     cdef = {f.name: f.default for f in fields(gm.Cluster)}
     for name, text in CLUSTER_HELP.items():
         kind = int if isinstance(cdef[name], int) else float
-        g.add_argument("--" + name.replace("_", "-"), type=kind, default=cdef[name],
-                       help=f"{text} (default {cdef[name]:g})")
+        g.add_argument(
+            "--" + name.replace("_", "-"), type=kind, default=cdef[name], help=f"{text} (default {cdef[name]:g})"
+        )
 
 
 def inputs(args: argparse.Namespace) -> tuple[gm.Measured, list[gm.Cluster]]:
@@ -83,30 +93,53 @@ def inputs(args: argparse.Namespace) -> tuple[gm.Measured, list[gm.Cluster]]:
 def report(measured: gm.Measured, clusters: list[gm.Cluster], as_json: bool) -> str:
     rows = [(c, gm.project(c, measured)) for c in clusters]
     if as_json:
-        return json.dumps({"measured": asdict(measured), "rows": [
-            {"cluster": asdict(c), "nodes": c.nodes, "job_mtbf_s": c.mtbf_s,
-             "systems": [dict(asdict(p), binding=p.binding[0]) for p in ps]} for c, ps in rows]}, indent=2)
+        return json.dumps(
+            {
+                "measured": asdict(measured),
+                "rows": [
+                    {
+                        "cluster": asdict(c),
+                        "nodes": c.nodes,
+                        "job_mtbf_s": c.mtbf_s,
+                        "systems": [dict(asdict(p), binding=p.binding[0]) for p in ps],
+                    }
+                    for c, ps in rows
+                ],
+            },
+            indent=2,
+        )
     from memsnap.commands.plan import format_duration
 
     c0 = clusters[0]
-    lines = [f"{c0.state_gib_per_gpu:g} GiB/GPU x {c0.gpus_per_node} GPUs/node, node MTBF {c0.node_mtbf_h:.0f} h, "
-             f"storage {c0.storage_gibps:g} GiB/s shared ({c0.node_storage_gibps:g} per node), NIC "
-             f"{c0.nic_gibps:g} GiB/s, {c0.agent_cores:g} agent cores, step {c0.step_s:g} s, k={c0.k} m={c0.m}",
-             f"measured: stall {measured.stall_s_per_gib:g} s/GiB, agent CPU {measured.agent_cpu_s_per_gib:g} "
-             f"core-s/GiB, restore {measured.peer_restore_gibps:g} GiB/s peers / "
-             f"{measured.storage_restore_gibps:g} GiB/s storage, detect {measured.detect_s:g} s, "
-             f"restart {measured.restart_s:g} s; in place: detect {measured.inplace_detect_s:g} s, re-form "
-             f"{measured.reform_s:g} s, local restore {measured.local_restore_gibps:g} GiB/s, a new standby in "
-             f"{measured.standby_warm_s:g} s, {c0.spares} spare(s)", ""]
+    lines = [
+        f"{c0.state_gib_per_gpu:g} GiB/GPU x {c0.gpus_per_node} GPUs/node, node MTBF {c0.node_mtbf_h:.0f} h, "
+        f"storage {c0.storage_gibps:g} GiB/s shared ({c0.node_storage_gibps:g} per node), NIC "
+        f"{c0.nic_gibps:g} GiB/s, {c0.agent_cores:g} agent cores, step {c0.step_s:g} s, k={c0.k} m={c0.m}",
+        f"measured: stall {measured.stall_s_per_gib:g} s/GiB, agent CPU {measured.agent_cpu_s_per_gib:g} "
+        f"core-s/GiB, restore {measured.peer_restore_gibps:g} GiB/s peers / "
+        f"{measured.storage_restore_gibps:g} GiB/s storage, detect {measured.detect_s:g} s, "
+        f"restart {measured.restart_s:g} s; in place: detect {measured.inplace_detect_s:g} s, re-form "
+        f"{measured.reform_s:g} s, local restore {measured.local_restore_gibps:g} GiB/s, a new standby in "
+        f"{measured.standby_warm_s:g} s, {c0.spares} spare(s)",
+        "",
+    ]
     head = ("GPUs", "job MTBF", "system", "period", "stall", "recovery", "goodput", "closest to running out")
     table = [head]
     for c, ps in rows:
         for i, p in enumerate(ps):
             name, share = p.binding
-            table.append((str(c.gpus) if i == 0 else "", format_duration(c.mtbf_s) if i == 0 else "", p.system,
-                          format_duration(p.period_s), format_duration(p.stall_s),
-                          format_duration(p.recovery_s), f"{100 * p.goodput:.1f}%",
-                          f"{name} {100 * share:.0f}%" + (" (runs out)" if share >= 1 else "")))
+            table.append(
+                (
+                    str(c.gpus) if i == 0 else "",
+                    format_duration(c.mtbf_s) if i == 0 else "",
+                    p.system,
+                    format_duration(p.period_s),
+                    format_duration(p.stall_s),
+                    format_duration(p.recovery_s),
+                    f"{100 * p.goodput:.1f}%",
+                    f"{name} {100 * share:.0f}%" + (" (runs out)" if share >= 1 else ""),
+                )
+            )
     widths = [max(len(r[i]) for r in table) for i in range(len(head))]
     for i, r in enumerate(table):
         lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())

@@ -1,4 +1,5 @@
 """``memsnap status JOB``: the live state of a running job's snapshots, from its coordinator."""
+
 from __future__ import annotations
 
 import argparse
@@ -50,14 +51,17 @@ def _recovery_line(recoveries: list) -> str | None:
     parts = ", ".join(f"{k} {v:.2f} s" for k, v in split.items() if k != "total" and v is not None)
     total = split.get("total")
     lost = ", ".join(f"rank {r}" for r in sorted(rec.get("lost") or {}, key=int)) or "none"
-    return (f"last in-place recovery ({len(recoveries)} in all): lost {lost}, generation {rec.get('gen')}, "
-            f"{parts}" + (f"; {total:.2f} s to every rank's first step" if total is not None else ""))
+    return f"last in-place recovery ({len(recoveries)} in all): lost {lost}, generation {rec.get('gen')}, {parts}" + (
+        f"; {total:.2f} s to every rank's first step" if total is not None else ""
+    )
 
 
 def _reprotect_line(rp: dict) -> str:
     state = "running" if rp.get("running") else "idle"
-    line = (f"re-protection: {state}, {rp.get('rebuilt_chunks', 0)} chunk(s) rebuilt, "
-            f"{rp.get('local_copies', 0)} local cop{'y' if rp.get('local_copies', 0) == 1 else 'ies'} given back")
+    line = (
+        f"re-protection: {state}, {rp.get('rebuilt_chunks', 0)} chunk(s) rebuilt, "
+        f"{rp.get('local_copies', 0)} local cop{'y' if rp.get('local_copies', 0) == 1 else 'ies'} given back"
+    )
     errors = rp.get("errors") or []
     return line + (f", last error: {errors[-1]}" if errors else "")
 
@@ -82,10 +86,19 @@ def node_rows(st: dict) -> list[list]:
     for node, a in sorted(st.get("agents", {}).items()):
         used, budget = a.get("budget_used", 0), a.get("budget", 0)
         tiers = metrics.tier_bytes(a)
-        rows.append([node[:12], ",".join(map(str, sorted(ranks.get(node, [])))) or "spare",
-                     human(used), human(budget), f"{100 * used / budget:.0f}%" if budget else "-",
-                     human(tiers["local"]), human(tiers["peer"]), human(tiers["durable"]),
-                     _spill_cell(a.get("spill"))])
+        rows.append(
+            [
+                node[:12],
+                ",".join(map(str, sorted(ranks.get(node, [])))) or "spare",
+                human(used),
+                human(budget),
+                f"{100 * used / budget:.0f}%" if budget else "-",
+                human(tiers["local"]),
+                human(tiers["peer"]),
+                human(tiers["durable"]),
+                _spill_cell(a.get("spill")),
+            ]
+        )
     return rows
 
 
@@ -93,21 +106,31 @@ def render(s: dict, now: float | None = None) -> str:
     """The text table of ``summary(...)``."""
     now = time.time() if now is None else now
     protection = s.get("protection") or {}
-    prot = ", ".join(f"group {g}: {lvl}{' (UNPROTECTED)' if lvl <= 0 else ''}"
-                     for g, lvl in sorted(protection.items())) or "- (nothing committed or not placed yet)"
-    head = (f"job {s['job']}: committed step {_dash(s.get('committed_step'))}{_ago(s.get('last_commit_time'), now)}, "
-            f"lag {_dash(s.get('lag_steps'))} step(s) behind snapshot {_dash(s.get('newest_begun'))}, "
-            f"durable step {_dash(s.get('durable_step'))}")
-    counts = (f"snapshots: {s.get('failed_snapshots', 0)} failed, {s.get('skipped_snapshots', 0)} skipped busy; "
-              f"peers {'on' if s.get('peers') else 'off'}, restore generation {s.get('generation', 0)}")
-    lines = [printable(line) for line in (
-        head,
-        f"protection (further node losses survived): {prot}",
-        counts,
-        _restore_line(s.get("last_restore") or {}),
-        _recovery_line(s.get("recoveries") or []),
-        _reprotect_line(s.get("reprotect") or {}),
-    ) if line is not None] + [
+    prot = (
+        ", ".join(f"group {g}: {lvl}{' (UNPROTECTED)' if lvl <= 0 else ''}" for g, lvl in sorted(protection.items()))
+        or "- (nothing committed or not placed yet)"
+    )
+    head = (
+        f"job {s['job']}: committed step {_dash(s.get('committed_step'))}{_ago(s.get('last_commit_time'), now)}, "
+        f"lag {_dash(s.get('lag_steps'))} step(s) behind snapshot {_dash(s.get('newest_begun'))}, "
+        f"durable step {_dash(s.get('durable_step'))}"
+    )
+    counts = (
+        f"snapshots: {s.get('failed_snapshots', 0)} failed, {s.get('skipped_snapshots', 0)} skipped busy; "
+        f"peers {'on' if s.get('peers') else 'off'}, restore generation {s.get('generation', 0)}"
+    )
+    lines = [
+        printable(line)
+        for line in (
+            head,
+            f"protection (further node losses survived): {prot}",
+            counts,
+            _restore_line(s.get("last_restore") or {}),
+            _recovery_line(s.get("recoveries") or []),
+            _reprotect_line(s.get("reprotect") or {}),
+        )
+        if line is not None
+    ] + [
         "",
         table(["NODE", "RANKS", "RAM USED", "BUDGET", "USE", "LOCAL", "PEER", "SPILLED", "SPILL"], node_rows(s)),
     ]
@@ -122,8 +145,10 @@ def fetch(handle, job: str, timeout: float) -> dict:
     try:
         return summary(job, ray.get(handle.status.remote(), timeout=timeout))
     except (ray.exceptions.RayError, TimeoutError) as exc:
-        raise CommitError(f"the coordinator of job {job!r} did not answer within {timeout:.0f} s "
-                          f"({type(exc).__name__}); is the job restarting? try again, or --timeout") from None
+        raise CommitError(
+            f"the coordinator of job {job!r} did not answer within {timeout:.0f} s "
+            f"({type(exc).__name__}); is the job restarting? try again, or --timeout"
+        ) from None
 
 
 def run(args: argparse.Namespace) -> int:

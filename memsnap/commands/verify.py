@@ -2,6 +2,7 @@
 
 Exit code 0 when every step checked is intact, 2 (``DAMAGED``) when any is damaged or malformed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -78,8 +79,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def register(subparsers) -> argparse.ArgumentParser:
-    ap = subparsers.add_parser("verify", help="check every checksum of a step",
-                               description=__doc__.split("\n")[0])
+    ap = subparsers.add_parser("verify", help="check every checksum of a step", description=__doc__.split("\n")[0])
     add_location(ap)
     ap.add_argument("--all", action="store_true", help="verify every committed step")
     ap.set_defaults(func=run)

@@ -10,6 +10,7 @@ the read started cold. The read itself is what ``Snapshotter`` does for the ``du
 ``Store.read_rank_into`` (whole-file xxh3) into a new buffer, then ``apply`` (per-tensor
 checksums, copy into the live tensors).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -75,8 +76,16 @@ def cold_restore(spill_uri: str, step: int, rank: int, state: Mapping[str, Any])
     t1 = time.perf_counter()
     apply(state, man, buf, verify=True)
     t2 = time.perf_counter()
-    return {"step": step, "rank": rank, "bytes": man.nbytes, "path": data,
-            "seconds": t2 - t0, "read_s": t1 - t0, "apply_s": t2 - t1,
-            "gib_per_s": man.nbytes / (t2 - t0) / (1 << 30),
-            "cached_pages_before": cached, "pages": pages,
-            "cache_drop": "fsync + posix_fadvise(POSIX_FADV_DONTNEED)"}
+    return {
+        "step": step,
+        "rank": rank,
+        "bytes": man.nbytes,
+        "path": data,
+        "seconds": t2 - t0,
+        "read_s": t1 - t0,
+        "apply_s": t2 - t1,
+        "gib_per_s": man.nbytes / (t2 - t0) / (1 << 30),
+        "cached_pages_before": cached,
+        "pages": pages,
+        "cache_drop": "fsync + posix_fadvise(POSIX_FADV_DONTNEED)",
+    }

@@ -10,6 +10,7 @@ driver's clock):
     restart   every rank of the new worker group is running ``train_loop_per_worker`` again
     restore   every rank has loaded the restored step (the lost rank from peers' RAM)
 """
+
 from __future__ import annotations
 
 import os
@@ -44,16 +45,17 @@ class DemoOptions:
         if self.mode not in ("inplace", "restart"):
             raise ValueError(f"mode={self.mode!r}: must be 'inplace' (the default) or 'restart'")
         if self.nodes < self.k + self.m + 1:
-            raise ValueError(f"--nodes {self.nodes} is too few for k={self.k}, m={self.m}: "
-                             f"RS({self.k},{self.m}) needs at least k+m+1 = {self.k + self.m + 1} nodes")
+            raise ValueError(
+                f"--nodes {self.nodes} is too few for k={self.k}, m={self.m}: "
+                f"RS({self.k},{self.m}) needs at least k+m+1 = {self.k + self.m + 1} nodes"
+            )
         if self.frozen_mib < 0:
             raise ValueError(f"--frozen-mib {self.frozen_mib}: must be >= 0 (0: the model's state only)")
         if self.steps < 2:
             raise ValueError(f"--steps {self.steps}: needs at least 2 steps")
         fs = list(self.failure_steps)
         if fs != sorted(set(fs)) or any(not 0 < s < self.steps - 1 for s in fs):
-            raise ValueError(f"--failure-step {fs}: failure steps must be increasing and inside "
-                             f"(0, {self.steps - 1})")
+            raise ValueError(f"--failure-step {fs}: failure steps must be increasing and inside (0, {self.steps - 1})")
         if len(fs) > self.nodes - 1:
             raise ValueError(f"{len(fs)} failures need more than {self.nodes} nodes")
 
@@ -91,8 +93,14 @@ def _say(msg: str) -> None:
 
 
 def _train_config(opts: DemoOptions, log_path: str) -> TrainConfig:
-    return TrainConfig(model=ModelConfig.sized(opts.model), steps=opts.steps, seed=opts.seed,
-                       log_path=log_path, batch=8, frozen_mib=opts.frozen_mib)
+    return TrainConfig(
+        model=ModelConfig.sized(opts.model),
+        steps=opts.steps,
+        seed=opts.seed,
+        log_path=log_path,
+        batch=8,
+        frozen_mib=opts.frozen_mib,
+    )
 
 
 def _trainer(opts: DemoOptions, run: Run, spill_uri: str):
@@ -109,11 +117,15 @@ def _trainer(opts: DemoOptions, run: Run, spill_uri: str):
         "snapshotter": {"k": opts.k, "m": opts.m, "spill": spill_uri, "spill_every": opts.spill_every},
     }
     return TorchTrainer(
-        train_loop_per_worker, train_loop_config=config,
+        train_loop_per_worker,
+        train_loop_config=config,
         scaling_config=ScalingConfig(num_workers=opts.nodes, placement_strategy="STRICT_SPREAD"),
-        run_config=RunConfig(storage_path=os.path.join(os.path.abspath(opts.out), "ray-train"),
-                             name=opts.job,
-                             failure_config=FailureConfig(max_failures=len(opts.failure_steps) + 1)))
+        run_config=RunConfig(
+            storage_path=os.path.join(os.path.abspath(opts.out), "ray-train"),
+            name=opts.job,
+            failure_config=FailureConfig(max_failures=len(opts.failure_steps) + 1),
+        ),
+    )
 
 
 def _fit(trainer, run: Run) -> None:
@@ -184,8 +196,11 @@ def _held_at(run: Run, step: int) -> int | None:
     """The step (``step`` or later, committed) at which the current worker group holds for
     the next failure, or None while it has not got there."""
     since = run.failures[-1].t_kill if run.failures else 0.0
-    held = [e["step"] for e in read_events(run.events_path)
-            if e["ev"] == "at_failure_step" and e["step"] >= step and e["t"] > since]
+    held = [
+        e["step"]
+        for e in read_events(run.events_path)
+        if e["ev"] == "at_failure_step" and e["step"] >= step and e["t"] > since
+    ]
     return min(held, default=None)
 
 
@@ -239,8 +254,12 @@ def run_demo(opts: DemoOptions, *, progress: bool = True) -> dict:
     run = Run(opts, os.path.join(out, "losses.jsonl"), os.path.join(out, "events.jsonl"))
     spill_uri = os.path.join(out, "spill")
     ref: dict = {}
-    ref_thread = threading.Thread(target=lambda: ref.update(reference_losses(
-        _train_config(opts, ""), opts.nodes, os.path.join(out, "reference.jsonl"))), daemon=True)
+    ref_thread = threading.Thread(
+        target=lambda: ref.update(
+            reference_losses(_train_config(opts, ""), opts.nodes, os.path.join(out, "reference.jsonl"))
+        ),
+        daemon=True,
+    )
     _say(f"starting a {opts.cluster_nodes}-node Ray cluster on 127.0.0.1")
     job_out = None
     with LocalCluster(opts.cluster_nodes) as cluster:
@@ -251,15 +270,20 @@ def run_demo(opts: DemoOptions, *, progress: bool = True) -> dict:
                 if opts.mode == "inplace":
                     from memsnap.demo import inplace_driver
 
-                    _say(f"training {opts.steps} steps on {opts.nodes} Ray actors that recover in place, "
-                         f"{len(opts.failure_steps)} warm standby(s); snapshot every step into peers' RAM with "
-                         f"RS({opts.k},{opts.m}); node kills after steps {list(opts.failure_steps)}")
-                    job_out = inplace_driver.run_job(opts, run, cluster, _train_config(opts, run.log_path).to_json(),
-                                                     spill_uri, bar)
+                    _say(
+                        f"training {opts.steps} steps on {opts.nodes} Ray actors that recover in place, "
+                        f"{len(opts.failure_steps)} warm standby(s); snapshot every step into peers' RAM with "
+                        f"RS({opts.k},{opts.m}); node kills after steps {list(opts.failure_steps)}"
+                    )
+                    job_out = inplace_driver.run_job(
+                        opts, run, cluster, _train_config(opts, run.log_path).to_json(), spill_uri, bar
+                    )
                 else:
-                    _say(f"training {opts.steps} steps with Ray Train on {opts.nodes} workers, snapshot every "
-                         f"step into peers' RAM with RS({opts.k},{opts.m}); node kills after steps "
-                         f"{list(opts.failure_steps)}; Ray Train restarts the worker group")
+                    _say(
+                        f"training {opts.steps} steps with Ray Train on {opts.nodes} workers, snapshot every "
+                        f"step into peers' RAM with RS({opts.k},{opts.m}); node kills after steps "
+                        f"{list(opts.failure_steps)}; Ray Train restarts the worker group"
+                    )
                     thread = threading.Thread(target=_fit, args=(_trainer(opts, run, spill_uri), run), daemon=True)
                     thread.start()
                     _drive(cluster, run, thread, bar)
@@ -289,16 +313,17 @@ def _cleanup(job: str) -> None:
         _say(f"removing arenas: {exc}")
 
 
-RECOVERY_KEYS = {"inplace": ("first_sign", "detect", "reform", "restore", "first_step", "total"),
-                 "restart": ("detect", "restart", "restore")}
+RECOVERY_KEYS = {
+    "inplace": ("first_sign", "detect", "reform", "restore", "first_step", "total"),
+    "restart": ("detect", "restart", "restore"),
+}
 
 
 def _report(opts, run, ref, t_end, disk, out, total, job_out=None) -> dict:
     from memsnap.demo.plot import plot_losses
 
     losses = read_log(run.log_path)
-    identical = bool(ref) and sorted(losses) == sorted(ref) and all(
-        losses[s].hex() == ref[s].hex() for s in ref)
+    identical = bool(ref) and sorted(losses) == sorted(ref) and all(losses[s].hex() == ref[s].hex() for s in ref)
     final, ref_final = read_final(run.log_path), read_final(os.path.join(out, "reference.jsonl"))
     if job_out is not None:
         from memsnap.demo.inplace_driver import recoveries
@@ -310,8 +335,13 @@ def _report(opts, run, ref, t_end, disk, out, total, job_out=None) -> dict:
             until = run.failures[i + 1].t_kill if i + 1 < len(run.failures) else t_end
             recs.append({"failure_step": f.step, "rank": f.rank, **recovery(run, f, until)})
     first = recs[0] if recs else {}
-    plot = plot_losses(ref, losses, [f.step for f in run.failures], os.path.join(out, "loss.png"),
-                       [r.get("restored_step") for r in recs])
+    plot = plot_losses(
+        ref,
+        losses,
+        [f.step for f in run.failures],
+        os.path.join(out, "loss.png"),
+        [r.get("restored_step") for r in recs],
+    )
     return {
         "failure_step": first.get("failure_step"),
         "resumed_from_step": first.get("restored_step"),
@@ -321,7 +351,8 @@ def _report(opts, run, ref, t_end, disk, out, total, job_out=None) -> dict:
         "mode": opts.mode,
         "recovery_seconds": {k: first.get(k) for k in RECOVERY_KEYS[opts.mode]},
         "survivors_kept_their_processes": all(r.get("survivors_kept_their_processes", False) for r in recs)
-        if opts.mode == "inplace" and recs else None,
+        if opts.mode == "inplace" and recs
+        else None,
         "restore_phases": first.get("restore_phases", {}),
         "disk_restore_seconds": disk["seconds"],
         "disk_restore_step": disk["step"],
@@ -347,9 +378,14 @@ def compare(opts: DemoOptions, lost: dict, disk: dict) -> dict:
     knows what to load (the peer side leaves out the plan, the wait for every rank to ask)."""
     phases = lost.get("restore_phases") or {}
     peer_s = sum(phases.get(k, 0.0) for k in ("fetch", "apply")) or None
-    peer = {"tier": lost.get("tier"), "step": lost.get("restored_step"), "bytes": lost.get("restore_bytes"),
-            "seconds": peer_s, "gib_per_s": _gib_s(lost.get("restore_bytes"), peer_s),
-            "restoring_ranks": lost.get("restoring_ranks")}
+    peer = {
+        "tier": lost.get("tier"),
+        "step": lost.get("restored_step"),
+        "bytes": lost.get("restore_bytes"),
+        "seconds": peer_s,
+        "gib_per_s": _gib_s(lost.get("restore_bytes"), peer_s),
+        "restoring_ranks": lost.get("restoring_ranks"),
+    }
     out = {"peer": peer, "disk": disk, "why_disk_wins": []}
     if peer["gib_per_s"] is not None and disk["gib_per_s"] > peer["gib_per_s"]:
         out["why_disk_wins"] = why_disk_wins(opts, peer, disk)
@@ -362,20 +398,27 @@ SMALL_STATE = 16 << 20  # below this a restore's time is mostly fixed costs
 def why_disk_wins(opts: DemoOptions, peer: dict, disk: dict) -> list[str]:
     """What made this machine's disk look faster than its peers' RAM, from what was measured."""
     cpus = os.cpu_count() or 1
-    around = ("the survivors rolled back beside it" if opts.mode == "inplace"
-              else "Ray restarted the worker group")
-    why = [f"the peer restore ran while {peer['restoring_ranks']} ranks restored at once and "
-           f"{around}, all on this machine's {cpus} cores: the holders' sends, TCP on "
-           f"loopback, frame authentication and the RS({opts.k},{opts.m}) decode took turns with them; "
-           "the disk read ran alone, after training"]
+    around = "the survivors rolled back beside it" if opts.mode == "inplace" else "Ray restarted the worker group"
+    why = [
+        f"the peer restore ran while {peer['restoring_ranks']} ranks restored at once and "
+        f"{around}, all on this machine's {cpus} cores: the holders' sends, TCP on "
+        f"loopback, frame authentication and the RS({opts.k},{opts.m}) decode took turns with them; "
+        "the disk read ran alone, after training"
+    ]
     if (peer["bytes"] or 0) < SMALL_STATE:
-        why.append(f"at {peer['bytes'] / (1 << 20):.1f} MiB a restore is mostly fixed costs (connecting to "
-                   "the holders, the manifest, waiting for each round trip), not bytes; a realistic state "
-                   "(--frozen-mib 128 or more) shows the rates")
+        why.append(
+            f"at {peer['bytes'] / (1 << 20):.1f} MiB a restore is mostly fixed costs (connecting to "
+            "the holders, the manifest, waiting for each round trip), not bytes; a realistic state "
+            "(--frozen-mib 128 or more) shows the rates"
+        )
     if disk["cached_pages_before"]:
-        why.append(f"{disk['cached_pages_before']} of {disk['pages']} pages of the file were still cached "
-                   "when the read began (the kernel kept them despite the drop request)")
-    why.append("the durable tier here is a local disk read by one process; in a job every replacement "
-               "node (after a wider failure, every rank) reads the shared storage at once and divides "
-               "its bandwidth, while peers' RAM grows with the job: each node serves its own chunks")
+        why.append(
+            f"{disk['cached_pages_before']} of {disk['pages']} pages of the file were still cached "
+            "when the read began (the kernel kept them despite the drop request)"
+        )
+    why.append(
+        "the durable tier here is a local disk read by one process; in a job every replacement "
+        "node (after a wider failure, every rank) reads the shared storage at once and divides "
+        "its bandwidth, while peers' RAM grows with the job: each node serves its own chunks"
+    )
     return why

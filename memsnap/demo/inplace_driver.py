@@ -8,6 +8,7 @@ The survivors' next all-reduce fails, the controller fences the node, the surviv
 in their own processes from their node's RAM and a standby takes the lost rank from its
 peers' RAM. The recovery's split (detect, re-form, restore, first step) is the controller's.
 """
+
 from __future__ import annotations
 
 import functools
@@ -25,16 +26,27 @@ def run_job(opts, run: Run, cluster, train_config: dict, spill_uri: str, bar) ->
     """Train to the end with in-place recoveries; returns ``{"failures": [...], "digests": ...}``."""
     from memsnap.inplace import InplaceJob
 
-    head, rank_nodes = cluster.nodes[0], cluster.nodes[1:1 + opts.nodes]
-    spares = cluster.nodes[1 + opts.nodes:]
-    config = {"train": train_config, "events": run.events_path, "out": os.path.abspath(opts.out),
-              "failure_steps": list(opts.failure_steps), "steps": opts.steps, "world": opts.nodes}
-    options = {"k": opts.k, "m": opts.m, "spill": spill_uri, "spill_every": opts.spill_every,
-               "preemption": False}
-    job = InplaceJob(opts.job, functools.partial(setup, config), functools.partial(train, config),
-                     rank_nodes=[n.node_id for n in rank_nodes], standby_nodes=[n.node_id for n in spares],
-                     options=options, on_no_standby="fail",
-                     events=os.path.join(os.path.abspath(opts.out), "recoveries.jsonl"))
+    head, rank_nodes = cluster.nodes[0], cluster.nodes[1 : 1 + opts.nodes]
+    spares = cluster.nodes[1 + opts.nodes :]
+    config = {
+        "train": train_config,
+        "events": run.events_path,
+        "out": os.path.abspath(opts.out),
+        "failure_steps": list(opts.failure_steps),
+        "steps": opts.steps,
+        "world": opts.nodes,
+    }
+    options = {"k": opts.k, "m": opts.m, "spill": spill_uri, "spill_every": opts.spill_every, "preemption": False}
+    job = InplaceJob(
+        opts.job,
+        functools.partial(setup, config),
+        functools.partial(train, config),
+        rank_nodes=[n.node_id for n in rank_nodes],
+        standby_nodes=[n.node_id for n in spares],
+        options=options,
+        on_no_standby="fail",
+        events=os.path.join(os.path.abspath(opts.out), "recoveries.jsonl"),
+    )
     out: dict = {}
 
     def fit() -> None:
@@ -85,20 +97,25 @@ def recoveries(run: Run, job_out: dict) -> list[dict]:
         split = rec["split"]
         survivors = {int(r): p for r, p in before.items() if int(r) != rank}
         after = {int(r): p for r, p in rec["pids"].items()}
-        recs.append({
-            "failure_step": f.step, "rank": rank,
-            "detect": split["detect"] + (rec["noticed"] - f.t_kill),  # kill -> decided
-            "first_sign": rec["noticed"] - f.t_kill,
-            "reform": split["reform"], "restore": split["restore"], "first_step": split["first_step"],
-            "total": None if split["total"] is None else split["total"] + rec["noticed"] - f.t_kill,
-            "tier": lost[0]["tier"] if lost else None,
-            "restored_step": lost[0]["step"] if lost else None,
-            "restore_phases": lost[0]["seconds"] if lost else {},
-            "restore_bytes": lost[0].get("nbytes") if lost else None,
-            "restoring_ranks": len(restores),
-            "survivor_tiers": {r: t for r, t in rec["tiers"].items() if int(r) != rank},
-            "survivor_pids": {r: [p, after.get(r)] for r, p in survivors.items()},
-            "survivors_kept_their_processes": all(after.get(r) == p for r, p in survivors.items()),
-            "takeover": rec["takeover"],
-        })
+        recs.append(
+            {
+                "failure_step": f.step,
+                "rank": rank,
+                "detect": split["detect"] + (rec["noticed"] - f.t_kill),  # kill -> decided
+                "first_sign": rec["noticed"] - f.t_kill,
+                "reform": split["reform"],
+                "restore": split["restore"],
+                "first_step": split["first_step"],
+                "total": None if split["total"] is None else split["total"] + rec["noticed"] - f.t_kill,
+                "tier": lost[0]["tier"] if lost else None,
+                "restored_step": lost[0]["step"] if lost else None,
+                "restore_phases": lost[0]["seconds"] if lost else {},
+                "restore_bytes": lost[0].get("nbytes") if lost else None,
+                "restoring_ranks": len(restores),
+                "survivor_tiers": {r: t for r, t in rec["tiers"].items() if int(r) != rank},
+                "survivor_pids": {r: [p, after.get(r)] for r, p in survivors.items()},
+                "survivors_kept_their_processes": all(after.get(r) == p for r, p in survivors.items()),
+                "takeover": rec["takeover"],
+            }
+        )
     return recs

@@ -3,6 +3,7 @@ model, optimizer and data loader once per process (ranks and the warm standby al
 ``train`` runs once per generation: restore (a survivor from its own node's RAM, the standby
 from its peers'), then the same training loop as the Ray Train path, its sums through the
 job's re-formable process group."""
+
 from __future__ import annotations
 
 import os
@@ -44,17 +45,35 @@ def train(config: dict, ctx, objs: dict) -> str:
     t0 = time.perf_counter()
     first = ctx.restore(snapshot_state(objs))
     last = snap.status()["last_restore"]
-    event(config["events"], ev="restored", rank=rank, node=node, step=first - 1 if first else None,
-          tier=last["tier"], seconds=last["seconds"], wall=time.perf_counter() - t0,
-          nbytes=plan(snapshot_state(objs)).nbytes, gen=ctx.generation, pid=os.getpid())
+    event(
+        config["events"],
+        ev="restored",
+        rank=rank,
+        node=node,
+        step=first - 1 if first else None,
+        tier=last["tier"],
+        seconds=last["seconds"],
+        wall=time.perf_counter() - t0,
+        nbytes=plan(snapshot_state(objs)).nbytes,
+        gen=ctx.generation,
+        pid=os.getpid(),
+    )
 
     def after_step(step: int, o: dict) -> None:
         ctx.save(step, snapshot_state(o), force=step == cfg.steps - 1)  # the last step waits for a busy pipeline
         if failure_due(config, step):
             hold_for_failure(snap, step, rank, config)
 
-    run(cfg, rank, world, first_step=first, objs=objs, after_step=after_step, attempt=ctx.generation or 0,
-        all_reduce=ctx.all_reduce)
+    run(
+        cfg,
+        rank,
+        world,
+        first_step=first,
+        objs=objs,
+        after_step=after_step,
+        attempt=ctx.generation or 0,
+        all_reduce=ctx.all_reduce,
+    )
     if rank == 0:
         final = snap.wait(cfg.steps - 1, timeout=60)
         if final is not None:  # for the demo's comparison with a restore from disk

@@ -1,5 +1,6 @@
 """The demo's model (a small causal transformer), its synthetic next-token data, and the
 frozen table that gives a rank's state a realistic size."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -45,16 +46,16 @@ class TinyTransformer(nn.Module):
         self.cfg = cfg
         self.tok = nn.Embedding(cfg.vocab, cfg.dim)
         self.pos = nn.Embedding(cfg.seq, cfg.dim)
-        layer = nn.TransformerEncoderLayer(cfg.dim, cfg.heads, 4 * cfg.dim, cfg.dropout,
-                                           batch_first=True, norm_first=True)
+        layer = nn.TransformerEncoderLayer(
+            cfg.dim, cfg.heads, 4 * cfg.dim, cfg.dropout, batch_first=True, norm_first=True
+        )
         self.blocks = nn.TransformerEncoder(layer, cfg.layers, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(cfg.dim)
         self.head = nn.Linear(cfg.dim, cfg.vocab, bias=False)
         self.head.weight = self.tok.weight  # tied weights: stored once, stay tied on restore
         nn.init.normal_(self.tok.weight, std=0.02)
         nn.init.normal_(self.pos.weight, std=0.02)
-        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(cfg.seq),
-                             persistent=False)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(cfg.seq), persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         n = tokens.shape[1]

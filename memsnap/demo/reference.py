@@ -1,5 +1,6 @@
 """The run that never fails: the demo's training in plain gloo processes on 127.0.0.1,
 with no Ray and no memsnap, whose loss curve the resumed run must match bit for bit."""
+
 from __future__ import annotations
 
 import os
@@ -29,6 +30,7 @@ def reference_losses(cfg: TrainConfig, world: int, log_path: str) -> dict[int, f
     if world == 1:
         run(cfg, 0, 1)
     else:
-        mp.start_processes(_rank_main, args=(cfg.to_json(), world, free_port()), nprocs=world,
-                           join=True, start_method="spawn")
+        mp.start_processes(
+            _rank_main, args=(cfg.to_json(), world, free_port()), nprocs=world, join=True, start_method="spawn"
+        )
     return read_log(log_path)

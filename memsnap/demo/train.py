@@ -1,5 +1,6 @@
 """One rank's training loop for the demo: the same code runs under Ray Train and in the
 reference processes, so the two loss curves can be compared bit for bit."""
+
 from __future__ import annotations
 
 import json
@@ -24,7 +25,7 @@ class TrainConfig:
     batch: int = 16
     lr: float = 3e-3
     seed: int = 0
-    log_path: str = ""      # rank 0 appends one JSON line per step here
+    log_path: str = ""  # rank 0 appends one JSON line per step here
     step_delay: float = 0.0  # seconds of simulated extra compute per step
     frozen_mib: float = 0.0  # MiB of frozen state per rank beside the model (``FrozenTable``)
 
@@ -51,8 +52,13 @@ def build(cfg: TrainConfig, rank: int, world: int, ddp: bool | None = None) -> d
     parallel = world > 1 if ddp is None else ddp
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: min(1.0, (s + 1) / 10))
-    return {"model": model, "optim": optim, "sched": sched, **rank_parts(cfg, rank, world),
-            "_world": world if parallel else 1}
+    return {
+        "model": model,
+        "optim": optim,
+        "sched": sched,
+        **rank_parts(cfg, rank, world),
+        "_world": world if parallel else 1,
+    }
 
 
 def rank_parts(cfg: TrainConfig, rank: int, world: int) -> dict[str, Any]:
@@ -60,8 +66,9 @@ def rank_parts(cfg: TrainConfig, rank: int, world: int) -> dict[str, Any]:
     every epoch) and its frozen table."""
     data = MarkovTokens(cfg.model)
     sampler = ResumableSampler(data, shuffle=True, seed=cfg.seed, rank=rank, world_size=world)
-    parts: dict[str, Any] = {"data": ResumableLoader(DataLoader(data, batch_size=cfg.batch, sampler=sampler,
-                                                                drop_last=True))}
+    parts: dict[str, Any] = {
+        "data": ResumableLoader(DataLoader(data, batch_size=cfg.batch, sampler=sampler, drop_last=True))
+    }
     if cfg.frozen_mib > 0:
         parts["frozen"] = FrozenTable(int(cfg.frozen_mib * (1 << 20)), seed=cfg.seed, rank=rank)
     return parts
@@ -93,9 +100,17 @@ def _global_mean(loss: torch.Tensor, world: int, all_reduce: Callable = dist.all
     return float(value)
 
 
-def run(cfg: TrainConfig, rank: int, world: int, *, first_step: int = 0, objs=None,
-        after_step: Callable[[int, dict], None] | None = None, attempt: int = 0,
-        all_reduce: Callable = dist.all_reduce) -> dict[str, Any]:
+def run(
+    cfg: TrainConfig,
+    rank: int,
+    world: int,
+    *,
+    first_step: int = 0,
+    objs=None,
+    after_step: Callable[[int, dict], None] | None = None,
+    attempt: int = 0,
+    all_reduce: Callable = dist.all_reduce,
+) -> dict[str, Any]:
     """Train steps ``first_step .. cfg.steps - 1``; ``after_step(step, objs)`` runs after each.
     ``all_reduce(tensor)`` sums a tensor across the ranks in place (``dist.all_reduce`` by
     default; the in-place recovery passes its re-formable group's, which runs the same gloo
@@ -117,8 +132,10 @@ def run(cfg: TrainConfig, rank: int, world: int, *, first_step: int = 0, objs=No
         if cfg.step_delay:
             time.sleep(cfg.step_delay)
         if rank == 0 and cfg.log_path:
-            _log(cfg.log_path, {"step": step, "loss": mean.hex(), "attempt": attempt,
-                                "t": time.time(), "pid": os.getpid()})
+            _log(
+                cfg.log_path,
+                {"step": step, "loss": mean.hex(), "attempt": attempt, "t": time.time(), "pid": os.getpid()},
+            )
         if after_step is not None:
             after_step(step, objs)
     if cfg.log_path and first_step < cfg.steps:  # every rank: its frozen table is its own

@@ -1,4 +1,5 @@
 """The demo's ``train_loop_per_worker``: restore, train, snapshot every step, report events."""
+
 from __future__ import annotations
 
 import json
@@ -39,8 +40,9 @@ def hold_for_failure(snap, step: int, rank: int, config: dict, timeout: float = 
     deadline = time.monotonic() + timeout
     while not os.path.exists(gate):
         if time.monotonic() > deadline:
-            raise TimeoutError(f"rank {rank}: the demo driver did not inject the failure after step {step} "
-                               f"within {timeout:.0f} s")
+            raise TimeoutError(
+                f"rank {rank}: the demo driver did not inject the failure after step {step} within {timeout:.0f} s"
+            )
         time.sleep(0.05)
     return True
 
@@ -70,8 +72,17 @@ def train_loop_per_worker(config: dict) -> None:
     restored = snap.restore(snapshot_state(objs))
     last = snap.status()["last_restore"]
     wall = time.perf_counter() - t0
-    event(config["events"], ev="restored", rank=rank, node=node, step=restored, tier=last["tier"],
-          seconds=last["seconds"], wall=wall, nbytes=plan(snapshot_state(objs)).nbytes)
+    event(
+        config["events"],
+        ev="restored",
+        rank=rank,
+        node=node,
+        step=restored,
+        tier=last["tier"],
+        seconds=last["seconds"],
+        wall=wall,
+        nbytes=plan(snapshot_state(objs)).nbytes,
+    )
     first = 0 if restored is None else restored + 1
 
     def after_step(step: int, o: dict) -> None:
@@ -79,8 +90,7 @@ def train_loop_per_worker(config: dict) -> None:
         if failure_due(config, step):
             hold_for_failure(snap, step, rank, config)
 
-    run(cfg, rank, world, first_step=first, objs=objs, after_step=after_step,
-        attempt=0 if restored is None else 1)
+    run(cfg, rank, world, first_step=first, objs=objs, after_step=after_step, attempt=0 if restored is None else 1)
     if rank == 0:
         final = snap.wait(cfg.steps - 1, timeout=60)
         if final is not None:  # for the demo's comparison with a restore from disk

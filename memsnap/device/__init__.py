@@ -6,6 +6,7 @@ protocol both sides of it follow, ``pinning.py`` page-locks host arenas once, ``
 and ``cupy_rs.py`` the Reed-Solomon code on the device. Nothing here imports CuPy until a
 CUDA buffer or kernel is asked for.
 """
+
 from __future__ import annotations
 
 from memsnap.device.backend import Backend, BufferHandle, CopyStream, DeviceBuffer

@@ -24,6 +24,7 @@ Call protocol (one buffer per local rank per device; ``memsnap.device.tier`` dri
               every rank's mapping of its buffers (CUDA frees an IPC-shared allocation only
               after every importer closed it; a crashed importer's mapping dies with it).
 """
+
 from __future__ import annotations
 
 import json
@@ -61,8 +62,9 @@ class BufferHandle:
         except (TypeError, ValueError) as exc:
             raise DeviceError(f"malformed device buffer handle {raw!r:.200}: {exc}") from None
         if not isinstance(handle.nbytes, int) or handle.nbytes < 0 or not isinstance(handle.token, str):
-            raise DeviceError(f"malformed device buffer handle {raw!r:.200}: nbytes must be an int >= 0 "
-                              "and token a str")
+            raise DeviceError(
+                f"malformed device buffer handle {raw!r:.200}: nbytes must be an int >= 0 and token a str"
+            )
         return handle
 
 
@@ -140,5 +142,7 @@ class Backend(ABC):
 
     def check(self, handle: BufferHandle) -> None:
         if handle.backend != self.name:
-            raise DeviceError(f"a {handle.backend!r} device buffer handle was given to the {self.name!r} "
-                              "backend; the agent and its ranks must use the same device backend")
+            raise DeviceError(
+                f"a {handle.backend!r} device buffer handle was given to the {self.name!r} "
+                "backend; the agent and its ranks must use the same device backend"
+            )

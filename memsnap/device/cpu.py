@@ -5,6 +5,7 @@ A buffer is an agent-owned ``memsnap.arena.Arena`` (a private /dev/shm file unde
 owner's ``flock``, swept if the agent dies); its handle's token is the file's path, and
 ``open`` attaches to it. Copies run at once (there is no device to overlap with).
 """
+
 from __future__ import annotations
 
 import os

@@ -17,6 +17,7 @@ never executed (the machines it was written on have no GPU). ``bench/gpu.py`` an
 
 CuPy is imported only when this backend is used (``pip install memsnap[gpu]``).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -33,8 +34,10 @@ def _runtime() -> Any:
     try:
         import cupy.cuda.runtime as rt  # noqa: PLC0415 (optional extra, imported on use)
     except ImportError:
-        raise DeviceError("the CUDA device tier needs CuPy: pip install 'memsnap[gpu]' (cupy-cuda12x); "
-                          "without it use the side-stream D2H capture (device_buffer=False)") from None
+        raise DeviceError(
+            "the CUDA device tier needs CuPy: pip install 'memsnap[gpu]' (cupy-cuda12x); "
+            "without it use the side-stream D2H capture (device_buffer=False)"
+        ) from None
     return rt
 
 
@@ -48,8 +51,10 @@ def ordinal_of(uuid: str) -> int:
     see it (``CUDA_VISIBLE_DEVICES`` hides it: see ``memsnap.device.visibility``)."""
     seen = [device_uuid(i) for i in range(torch.cuda.device_count())]
     if uuid not in seen:
-        raise DeviceError(f"CUDA device {uuid} is not visible to this process (it sees {seen}); "
-                          "the node's agent must see every GPU: see memsnap.device.visibility")
+        raise DeviceError(
+            f"CUDA device {uuid} is not visible to this process (it sees {seen}); "
+            "the node's agent must see every GPU: see memsnap.device.visibility"
+        )
     return seen.index(uuid)
 
 
@@ -57,8 +62,13 @@ class _Interface:
     """A raw device range as ``__cuda_array_interface__`` (v3), for ``torch.as_tensor``."""
 
     def __init__(self, ptr: int, nbytes: int):
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
-                                         "version": 3, "strides": None}
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "version": 3,
+            "strides": None,
+        }
 
 
 class CudaBuffer(DeviceBuffer):
@@ -137,8 +147,10 @@ class CudaBackend(Backend):
 
     def __init__(self) -> None:
         if not torch.cuda.is_available():
-            raise DeviceError("the cuda device backend needs a CUDA device; this process sees none "
-                              f"(CUDA_VISIBLE_DEVICES={_visible()!r})")
+            raise DeviceError(
+                "the cuda device backend needs a CUDA device; this process sees none "
+                f"(CUDA_VISIBLE_DEVICES={_visible()!r})"
+            )
         _runtime()
 
     def device_of(self, t: torch.Tensor) -> str:
@@ -152,14 +164,17 @@ class CudaBackend(Backend):
             try:
                 ptr = rt.malloc(max(nbytes, 1))
             except Exception as exc:  # cupy raises CUDARuntimeError
-                raise DeviceError(f"cudaMalloc of {nbytes} bytes on {device} for {name} failed: {exc}; "
-                                  "lower the device buffer budget") from None
+                raise DeviceError(
+                    f"cudaMalloc of {nbytes} bytes on {device} for {name} failed: {exc}; lower the device buffer budget"
+                ) from None
             try:
                 raw = bytes(rt.ipcGetMemHandle(ptr))
             except Exception as exc:
                 rt.free(ptr)
-                raise DeviceError(f"cudaIpcGetMemHandle refused ({exc}): CUDA IPC is not available here; "
-                                  "the side-stream D2H capture is used instead") from None
+                raise DeviceError(
+                    f"cudaIpcGetMemHandle refused ({exc}): CUDA IPC is not available here; "
+                    "the side-stream D2H capture is used instead"
+                ) from None
         if len(raw) != IPC_HANDLE_BYTES:
             raise DeviceError(f"cudaIpcGetMemHandle returned {len(raw)} bytes, expected {IPC_HANDLE_BYTES}")
         return CudaBuffer(BufferHandle("cuda", device, nbytes, raw.hex()), ptr, ordinal, owner=True)
@@ -177,8 +192,10 @@ class CudaBackend(Backend):
             try:
                 ptr = rt.ipcOpenMemHandle(raw, rt.cudaIpcMemLazyEnablePeerAccess)
             except Exception as exc:
-                raise DeviceError(f"cudaIpcOpenMemHandle refused ({exc}): CUDA IPC is not available "
-                                  "between these processes; the side-stream D2H capture is used instead") from None
+                raise DeviceError(
+                    f"cudaIpcOpenMemHandle refused ({exc}): CUDA IPC is not available "
+                    "between these processes; the side-stream D2H capture is used instead"
+                ) from None
         return CudaBuffer(handle, ptr, ordinal, owner=False)
 
     def stream(self, device: str) -> CudaStream:

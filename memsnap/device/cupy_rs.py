@@ -17,6 +17,7 @@ rows than ``MAX_ROWS`` run as several launches.
 
 CuPy is imported on first use only (``pip install memsnap[gpu]``).
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -68,7 +69,9 @@ __device__ void rs_span(const unsigned char *t, const unsigned long long *in, co
 }
 """
 
-KERNEL = KERNEL_CORE + r"""
+KERNEL = (
+    KERNEL_CORE
+    + r"""
 extern "C" __global__ void rs_apply(const unsigned char *tables, const unsigned long long *in,
                                     const unsigned long long *out, int k, int rows, long long nbytes)
 {
@@ -80,14 +83,17 @@ extern "C" __global__ void rs_apply(const unsigned char *tables, const unsigned 
             (long long)blockIdx.x * blockDim.x + threadIdx.x, (long long)gridDim.x * blockDim.x);
 }
 """
+)
 
 
 def _cupy() -> Any:
     try:
         import cupy  # noqa: PLC0415 (optional extra)
     except ImportError:
-        raise CodecError("GPU erasure coding needs CuPy: pip install 'memsnap[gpu]' (cupy-cuda12x); "
-                         "memsnap.codec codes on the CPU without it") from None
+        raise CodecError(
+            "GPU erasure coding needs CuPy: pip install 'memsnap[gpu]' (cupy-cuda12x); "
+            "memsnap.codec codes on the CPU without it"
+        ) from None
     return cupy
 
 
@@ -131,8 +137,10 @@ class CupyReedSolomon:
         lost = [i for i, s in enumerate(shards) if s is None]
         present = [i for i, s in enumerate(shards) if s is not None]
         if len(present) < self.k:
-            raise TooFewShardsError(f"only {len(present)} of {self.k + self.m} shards present; at least "
-                                    f"k={self.k} are needed to rebuild a stripe")
+            raise TooFewShardsError(
+                f"only {len(present)} of {self.k + self.m} shards present; at least "
+                f"k={self.k} are needed to rebuild a stripe"
+            )
         used = present[: self.k]
         wanted = [i for i in lost if i < self.k] if data_only else lost
         out = list(shards)
@@ -159,11 +167,15 @@ class CupyReedSolomon:
         blocks = max(1, min(-(-(length // 4 or 1) // THREADS), sms * 16))
         for r0 in range(0, rows, MAX_ROWS):
             r = min(MAX_ROWS, rows - r0)
-            part = coef[r0 * self.k:(r0 + r) * self.k]
+            part = coef[r0 * self.k : (r0 + r) * self.k]
             tables = self._tables(cp, part)
-            outs = cp.asarray(np.array([a.data.ptr for a in outputs[r0:r0 + r]], dtype=np.uint64))
-            _kernel(cp)((blocks,), (THREADS,), (tables, ins, outs, np.int32(self.k), np.int32(r),
-                                                np.int64(length)), shared_mem=r * self.k * 32)
+            outs = cp.asarray(np.array([a.data.ptr for a in outputs[r0 : r0 + r]], dtype=np.uint64))
+            _kernel(cp)(
+                (blocks,),
+                (THREADS,),
+                (tables, ins, outs, np.int32(self.k), np.int32(r), np.int64(length)),
+                shared_mem=r * self.k * 32,
+            )
 
     def _tables(self, cp: Any, coef: bytes) -> Any:
         if coef not in self._dev_tables:  # decode plans repeat per loss pattern

@@ -7,6 +7,7 @@ coefficient: ``t[n] = c*n``, ``t[16+n] = c*(n<<4)``), and ``apply_words``, which
 lookups XORed into each output word; the bytes past the last whole word one by one). The
 tests hold all of it to ``memsnap.codec`` byte for byte, on any machine.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -87,7 +88,7 @@ def apply_words(tables: np.ndarray, rows: int, inputs: list[np.ndarray]) -> list
             lo, hi = t[j, i, :16], t[j, i, 16:]
             for shift in (0, 8, 16, 24):
                 acc ^= (lo[(d >> shift) & 15] ^ hi[(d >> (shift + 4)) & 15]) << shift
-            x = inputs[i][4 * words:]
+            x = inputs[i][4 * words :]
             tail ^= (lo[x & 15] ^ hi[x >> 4]).astype(np.uint8)
         out.append(np.concatenate([acc.astype("<u4").view(np.uint8), tail]))
     return out

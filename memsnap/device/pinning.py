@@ -16,6 +16,7 @@ are back, or DMA would keep writing the old, orphaned pages (``memsnap.arena`` d
 NOT YET RUN ON A GPU: the CUDA calls are the ones ``memsnap.cuda_capture`` made before; the
 no-CUDA path is what the tests run.
 """
+
 from __future__ import annotations
 
 import logging

@@ -16,6 +16,7 @@ Call sequence of one snapshot with ``device_buffer`` on (the host path's ``begin
   6. (rank)  restore after a crash, when the plan says ``local``: ``agent.device_source(rank,
              step)`` -> the buffer still holds ``step``: copy back D2D (tier ``device``).
 """
+
 from __future__ import annotations
 
 import logging
@@ -52,8 +53,10 @@ class AgentDevice:
             log.info("memsnap: device tier: %s", visibility.see_node_gpus())
         kind = resolve_kind(kind)
         if kind == "none":
-            raise DeviceError(f"node {core.node[:12]}: the agent sees no CUDA device (CUDA_VISIBLE_DEVICES="
-                              f"{os.environ.get(visibility.VISIBLE)!r}); the device tier is off here")
+            raise DeviceError(
+                f"node {core.node[:12]}: the agent sees no CUDA device (CUDA_VISIBLE_DEVICES="
+                f"{os.environ.get(visibility.VISIBLE)!r}); the device tier is off here"
+            )
         budget = UNBOUNDED if buffer is True else int(buffer)
         self.core = core
         self.tier = AgentTier(make_backend(kind), budget, prefix=f"memsnap-{core.cfg.job}-{core.node[:12]}")
@@ -94,7 +97,7 @@ class AgentDevice:
     def source(self, rank: int, step: int) -> list | None:
         """``[manifest JSON, handle JSON]`` of ``rank``'s ``step`` in a device buffer, or None."""
         with self.lock:
-            for (r, device) in list(self.tier._slots):
+            for r, device in list(self.tier._slots):
                 if r == rank:
                     found = self.tier.source(rank, device, step)
                     if found is not None:
@@ -162,8 +165,12 @@ class RankDevice:
         if got is None:
             return False
         manifest_json = layout.to_json().decode()
-        ok = tier.capture(BufferHandle.from_json(got), layout, sources, on_done=lambda: self._get(
-            self.agent.device_captured.remote(step, self.rank, device, manifest_json, local)))  # a round trip
+        ok = tier.capture(
+            BufferHandle.from_json(got),
+            layout,
+            sources,
+            on_done=lambda: self._get(self.agent.device_captured.remote(step, self.rank, device, manifest_json, local)),
+        )  # a round trip
         if ok and self.kind == "cpu":
             tier.wait()  # nothing to overlap with on the CPU
         return ok
@@ -178,8 +185,12 @@ class RankDevice:
         try:
             self.tier.restore(state, got[0], BufferHandle.from_json(got[1]))
         except DeviceError as exc:
-            log.warning("rank %d: device tier restore of step %d refused (%s); restoring from the host copy",
-                        self.rank, step, exc)
+            log.warning(
+                "rank %d: device tier restore of step %d refused (%s); restoring from the host copy",
+                self.rank,
+                step,
+                exc,
+            )
             return False
         return True
 

@@ -21,6 +21,7 @@ The rank's calls: ``RankTier.capture`` (enqueue the copies; False when the tier 
 here, e.g. CUDA IPC is not allowed, and the caller takes the side-stream D2H path),
 ``RankTier.wait`` (before the optimizer step), ``RankTier.restore``.
 """
+
 from __future__ import annotations
 
 import logging
@@ -82,7 +83,8 @@ class AgentTier:
             raise MemoryBudgetError(
                 f"rank {key[0]}'s device buffer needs {nbytes} bytes on {key[1]}, but only "
                 f"{self.budget - self.used + freed} of the device budget {self.budget} are free; raise "
-                "device_buffer (bytes per node) or set device_buffer=False")
+                "device_buffer (bytes per node) or set device_buffer=False"
+            )
         if old is not None:
             old.buffer.close()
             del self._slots[key]
@@ -96,8 +98,10 @@ class AgentTier:
         """``rank``'s copies of ``step`` are done: the buffer holds it (and ``manifest_json``)."""
         slot = self._slot(rank, device)
         if slot.state != "writing" or slot.step != step:
-            raise DeviceError(f"rank {rank} reported step {step} captured on {device}, but its device buffer "
-                              f"is {slot.state} for step {slot.step}; call begin first")
+            raise DeviceError(
+                f"rank {rank} reported step {step} captured on {device}, but its device buffer "
+                f"is {slot.state} for step {slot.step}; call begin first"
+            )
         slot.state, slot.manifest = "held", manifest_json
 
     def drain(self, rank: int, device: str, out: memoryview | torch.Tensor) -> Manifest:
@@ -156,8 +160,10 @@ class AgentTier:
 def _host_tensor(out: memoryview, n: int) -> torch.Tensor:
     mv = memoryview(out).cast("B")
     if mv.readonly or mv.nbytes < n:
-        raise DeviceError(f"drain needs a writable host buffer of at least {n} bytes, got "
-                          f"{mv.nbytes}{' (read-only)' if mv.readonly else ''}")
+        raise DeviceError(
+            f"drain needs a writable host buffer of at least {n} bytes, got "
+            f"{mv.nbytes}{' (read-only)' if mv.readonly else ''}"
+        )
     import numpy as np
 
     return torch.from_numpy(np.frombuffer(mv, dtype=np.uint8, count=n))
@@ -194,16 +200,19 @@ class RankTier:
         for opt in optimizers:
             self._hooks.append(opt.register_step_pre_hook(lambda *_: self.wait()))
 
-    def capture(self, handle: BufferHandle, manifest: Manifest, sources: list[torch.Tensor],
-                on_done: Any = None) -> bool:
+    def capture(
+        self, handle: BufferHandle, manifest: Manifest, sources: list[torch.Tensor], on_done: Any = None
+    ) -> bool:
         """Enqueue the copies of ``sources`` (laid out by ``manifest``) into the buffer and
         return True; ``on_done()`` runs once they are done (in ``wait``: tell the agent
         ``captured`` there). False, with ``refused`` saying why, when this process cannot
         open the buffer: the caller takes the side-stream D2H path then."""
         self.wait()
         if manifest.nbytes > handle.nbytes:
-            raise DeviceError(f"the snapshot needs {manifest.nbytes} bytes but the device buffer holds "
-                              f"{handle.nbytes}; ask the agent for a larger one (begin with nbytes)")
+            raise DeviceError(
+                f"the snapshot needs {manifest.nbytes} bytes but the device buffer holds "
+                f"{handle.nbytes}; ask the agent for a larger one (begin with nbytes)"
+            )
         try:
             buf = self.buffer(handle)
         except DeviceError as exc:
@@ -220,7 +229,7 @@ class RankTier:
                 stream.copy(tensor_view(base, entry, src.dtype), src.detach())
                 end = entry.offset + entry.nbytes
                 if align_up(end) > end:  # padding: zeros, never stale bytes
-                    stream.copy(base[end:align_up(end)], _zeros(align_up(end) - end, base.device))
+                    stream.copy(base[end : align_up(end)], _zeros(align_up(end) - end, base.device))
             self._event = (stream, stream.record())
         self._on_done = on_done
         return True
@@ -239,8 +248,15 @@ class RankTier:
             if done is not None:
                 done()
 
-    def restore(self, state: Mapping[str, Any], manifest_json: str, handle: BufferHandle, *,
-                verify: bool = True, rng: bool = True) -> Manifest:
+    def restore(
+        self,
+        state: Mapping[str, Any],
+        manifest_json: str,
+        handle: BufferHandle,
+        *,
+        verify: bool = True,
+        rng: bool = True,
+    ) -> Manifest:
         """Copy the snapshot in the agent's buffer back into ``state`` (D2D for CUDA tensors),
         all or nothing: the manifest is matched against the live state before a byte moves;
         with ``verify`` the checksums are checked where the buffer is host memory."""
@@ -249,7 +265,7 @@ class RankTier:
         buf = self.buffer(handle)
         host = buf.host_view()
         if verify and host is not None:
-            apply_mod.verify_checksums(manifest, host[:manifest.nbytes])
+            apply_mod.verify_checksums(manifest, host[: manifest.nbytes])
         received = {}
         for i, e in enumerate(manifest.tensors):
             if e.alias_of is None and e.nbytes:

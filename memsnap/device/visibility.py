@@ -12,6 +12,7 @@ sees no device. Two ways around it, both without reserving a GPU:
 Either way the agent names devices by UUID (``memsnap.device.cuda.device_uuid``), never by
 index: a rank's ``cuda:0`` is the node's GPU 3 when Ray gave it GPU 3.
 """
+
 from __future__ import annotations
 
 import os

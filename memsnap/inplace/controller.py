@@ -19,6 +19,7 @@ and on a loss:
 Without a standby, ``on_no_standby="wait"`` waits (bounded) for Ray to offer a free node and
 warms a standby there; ``"fail"`` ends the job with an error naming the fix.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -66,23 +67,34 @@ class Recovery:
     def split(self) -> dict[str, float | None]:
         """``detect`` (first sign -> decision), ``reform`` (decision -> every member formed the
         group), ``restore`` (-> every rank restored), ``first_step`` (-> every rank took a step)."""
+
         def last(key):
             values = [r.get(key) for r in self.reports.values()]
             return max(values) if values and None not in values else None
 
         formed, restored, stepped = last("formed"), last("restored"), last("first_step")
-        return {"detect": self.decided - self.noticed,
-                "reform": None if formed is None else formed - self.decided,
-                "restore": None if restored is None or formed is None else restored - formed,
-                "first_step": None if stepped is None or restored is None else stepped - restored,
-                "total": None if stepped is None else stepped - self.noticed}
+        return {
+            "detect": self.decided - self.noticed,
+            "reform": None if formed is None else formed - self.decided,
+            "restore": None if restored is None or formed is None else restored - formed,
+            "first_step": None if stepped is None or restored is None else stepped - restored,
+            "total": None if stepped is None else stepped - self.noticed,
+        }
 
     def to_dict(self) -> dict:
-        return {"gen": self.gen, "lost": self.lost, "takeover": self.takeover, "fenced_nodes": self.fenced_nodes,
-                "why": self.why, "noticed": self.noticed, "decided": self.decided, "split": self.split(),
-                "tiers": {r: rep.get("tier") for r, rep in sorted(self.reports.items())},
-                "steps": {r: rep.get("step") for r, rep in sorted(self.reports.items())},
-                "pids": {r: rep.get("pid") for r, rep in sorted(self.reports.items())}}
+        return {
+            "gen": self.gen,
+            "lost": self.lost,
+            "takeover": self.takeover,
+            "fenced_nodes": self.fenced_nodes,
+            "why": self.why,
+            "noticed": self.noticed,
+            "decided": self.decided,
+            "split": self.split(),
+            "tiers": {r: rep.get("tier") for r, rep in sorted(self.reports.items())},
+            "steps": {r: rep.get("step") for r, rep in sorted(self.reports.items())},
+            "pids": {r: rep.get("pid") for r, rep in sorted(self.reports.items())},
+        }
 
 
 def pin_coordinator(job: str, options: dict, world: int, node: str) -> None:
@@ -95,8 +107,11 @@ def pin_coordinator(job: str, options: dict, world: int, node: str) -> None:
     from memsnap.snapshotter import job_config
 
     opts = {k: v for k, v in options.items() if k != "run"}
-    groups = {g: opts.pop(g) for g in list(opts) if g in ("protection", "memory", "spill", "when",
-                                                          "failures", "wire", "device")}
+    groups = {
+        g: opts.pop(g)
+        for g in list(opts)
+        if g in ("protection", "memory", "spill", "when", "failures", "wire", "device")
+    }
     cfg = job_config(job, resolve(groups, opts))
     ray.get(actors.coordinator_for(cfg, world, node=node).config.remote(), timeout=120)
 
@@ -127,8 +142,12 @@ def silent_nodes(job: str, nodes: Sequence[str], ping_s: float) -> list[str]:
 
 def _seconds(name: str, value, zero_ok: bool = False) -> float:
     """``value`` as a finite number of seconds (> 0, or >= 0 with ``zero_ok``), else ConfigError."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
+    ok = (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
         and (value >= 0 if zero_ok else value > 0)
+    )
     if not ok:
         raise ConfigError(f"{name}={value!r}: must be a finite number of seconds {'>= 0' if zero_ok else '> 0'}")
     return float(value)
@@ -156,25 +175,48 @@ class InplaceJob:
     ``standby_nodes``: the node of each warm standby (each also runs a memsnap spare agent).
     ``options``: the ``memsnap.Snapshotter`` options of every rank."""
 
-    def __init__(self, job: str, setup: Callable, train: Callable, *, rank_nodes: list[str],
-                 standby_nodes: Sequence[str] = (), options: dict | None = None, beat_s: float = 0.1,
-                 lost_after_s: float = 1.0, suspect_after_s: float = 0.3, backend: str = "gloo",
-                 backend_timeout_s: float = 60.0, on_no_standby: str = "wait", wait_for_node_s: float = 120.0,
-                 agent_ping_s: float = 0.5, events: str | None = None):
+    def __init__(
+        self,
+        job: str,
+        setup: Callable,
+        train: Callable,
+        *,
+        rank_nodes: list[str],
+        standby_nodes: Sequence[str] = (),
+        options: dict | None = None,
+        beat_s: float = 0.1,
+        lost_after_s: float = 1.0,
+        suspect_after_s: float = 0.3,
+        backend: str = "gloo",
+        backend_timeout_s: float = 60.0,
+        on_no_standby: str = "wait",
+        wait_for_node_s: float = 120.0,
+        agent_ping_s: float = 0.5,
+        events: str | None = None,
+    ):
         if not rank_nodes:
             raise ConfigError("rank_nodes=[]: give the Ray node id of every rank")
         if on_no_standby not in ("wait", "fail"):
             raise ConfigError(f"on_no_standby={on_no_standby!r}: must be 'wait' or 'fail'")
         if backend not in ("gloo", "nccl"):
-            raise ConfigError(f"backend={backend!r}: must be 'gloo' (CPU tensors) or 'nccl' (CUDA tensors; "
-                              "its groups are aborted, never destroyed, when a peer is lost)")
-        beat_s, suspect_after_s, lost_after_s = (_seconds("beat_s", beat_s), _seconds("suspect_after_s", suspect_after_s),
-                                                 _seconds("lost_after_s", lost_after_s))
-        backend_timeout_s, wait_for_node_s = (_seconds("backend_timeout_s", backend_timeout_s),
-                                              _seconds("wait_for_node_s", wait_for_node_s, zero_ok=True))
+            raise ConfigError(
+                f"backend={backend!r}: must be 'gloo' (CPU tensors) or 'nccl' (CUDA tensors; "
+                "its groups are aborted, never destroyed, when a peer is lost)"
+            )
+        beat_s, suspect_after_s, lost_after_s = (
+            _seconds("beat_s", beat_s),
+            _seconds("suspect_after_s", suspect_after_s),
+            _seconds("lost_after_s", lost_after_s),
+        )
+        backend_timeout_s, wait_for_node_s = (
+            _seconds("backend_timeout_s", backend_timeout_s),
+            _seconds("wait_for_node_s", wait_for_node_s, zero_ok=True),
+        )
         if not 0 < beat_s < suspect_after_s <= lost_after_s:
-            raise ConfigError(f"beat_s={beat_s}, suspect_after_s={suspect_after_s}, lost_after_s={lost_after_s}: "
-                              "need 0 < beat_s < suspect_after_s <= lost_after_s (a few beats each)")
+            raise ConfigError(
+                f"beat_s={beat_s}, suspect_after_s={suspect_after_s}, lost_after_s={lost_after_s}: "
+                "need 0 < beat_s < suspect_after_s <= lost_after_s (a few beats each)"
+            )
         self.job, self.setup, self.train = job, setup, train
         self.rank_nodes, self.standby_nodes = list(rank_nodes), list(standby_nodes)
         self.world = len(self.rank_nodes)
@@ -202,8 +244,7 @@ class InplaceJob:
         import torch.distributed as dist
 
         host = ray.util.get_node_ip_address()
-        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
-                                   timeout=timedelta(seconds=60))
+        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
         self.monitor = Monitor(self.store, self.job)
         try:
             import memsnap
@@ -245,8 +286,9 @@ class InplaceJob:
                 return None  # no coordinator (no rank registered yet)
             except (ray.exceptions.ActorUnavailableError, ray.exceptions.ActorDiedError) as exc:
                 if time.monotonic() >= deadline:
-                    raise RecoveryError(f"job {self.job!r}: the coordinator did not come back within "
-                                        f"{timeout_s:.0f} s ({exc})") from None
+                    raise RecoveryError(
+                        f"job {self.job!r}: the coordinator did not come back within {timeout_s:.0f} s ({exc})"
+                    ) from None
                 time.sleep(0.1)  # it is restarting; Ray has no event to wait on for that
 
     def _start(self, name: str, node: str) -> _Slot:
@@ -256,11 +298,26 @@ class InplaceJob:
         assert self.store is not None, "ranks start from run()"
         host, port = self.store.host, self.store.port
         self.monitor.watch(name)
-        actor = ray.remote(Member).options(
-            num_cpus=0, max_concurrency=4, max_restarts=0,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(
-            self.job, name, (host, port), self.setup, self.train, self.options, beat_s=self.beat_s,
-            backend=self.backend, backend_timeout_s=self.backend_timeout_s)
+        actor = (
+            ray.remote(Member)
+            .options(
+                num_cpus=0,
+                max_concurrency=4,
+                max_restarts=0,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+            )
+            .remote(
+                self.job,
+                name,
+                (host, port),
+                self.setup,
+                self.train,
+                self.options,
+                beat_s=self.beat_s,
+                backend=self.backend,
+                backend_timeout_s=self.backend_timeout_s,
+            )
+        )
         self._used_nodes.add(node)
         return _Slot(name, node, actor)
 
@@ -351,8 +408,15 @@ class InplaceJob:
         members = {s.name: rank for rank, s in self._ranks.items()}
         gen = self.gen + 1
         self._assign(gen, members)
-        rec = Recovery(gen=gen, lost={r: s.name for r, s in lost_slots.items()}, takeover=takeover,
-                       fenced_nodes=fenced, why=why, noticed=noticed, decided=time.time())
+        rec = Recovery(
+            gen=gen,
+            lost={r: s.name for r, s in lost_slots.items()},
+            takeover=takeover,
+            fenced_nodes=fenced,
+            why=why,
+            noticed=noticed,
+            decided=time.time(),
+        )
         self.recoveries.append(rec)
         self._event({"event": "recovery", **rec.to_dict()})
         for _ in lost_slots:
@@ -381,8 +445,10 @@ class InplaceJob:
             if self._standbys:
                 return self._standbys.pop(0)
         if self.on_no_standby == "fail":
-            raise RecoveryError(f"job {self.job!r}: a rank was lost and no standby is left: give more "
-                                "standby_nodes, or on_no_standby='wait' to wait for a free node")
+            raise RecoveryError(
+                f"job {self.job!r}: a rank was lost and no standby is left: give more "
+                "standby_nodes, or on_no_standby='wait' to wait for a free node"
+            )
         for t in list(self._warming):
             t.join(timeout=max(0.0, self.wait_for_node_s))
         deadline = time.monotonic() + self.wait_for_node_s
@@ -394,8 +460,10 @@ class InplaceJob:
                 self._warm_a_standby(wait=True)
                 continue
             time.sleep(0.5)  # Ray has no event for a node joining to wait on
-        raise RecoveryError(f"job {self.job!r}: no standby and no free node within {self.wait_for_node_s:.0f} s: "
-                            "add a node to the cluster or give standby_nodes")
+        raise RecoveryError(
+            f"job {self.job!r}: no standby and no free node within {self.wait_for_node_s:.0f} s: "
+            "add a node to the cluster or give standby_nodes"
+        )
 
     def _free_node(self) -> str | None:
         import ray

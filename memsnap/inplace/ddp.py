@@ -14,6 +14,7 @@ The buckets are fixed at construction (``find_unused_parameters=True``, as torch
 every member, a standby built later included, reduces the same buckets in the same order and
 a replayed step is bitwise equal to its first run.
 """
+
 from __future__ import annotations
 
 from memsnap.inplace.group import PeerLost, RecoverableGroup

@@ -32,6 +32,7 @@ False``: an abort can interrupt them), and a generation is left by aborting its 
 is abandoned once it outlives the backend's timeout (the timer), which fails the generation.
 These paths import cleanly without CUDA; they run on a GPU only.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -79,8 +80,7 @@ def connect(host: str, port: int, timeout_s: float):
     """A client of the rendezvous store."""
     import torch.distributed as dist
 
-    return dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
-                         timeout=timedelta(seconds=timeout_s))
+    return dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
 
 
 def use_loopback_if(host: str) -> None:
@@ -132,8 +132,15 @@ class RecoverableGroup:
     (the last bound on a hung collective nobody reported; the controller's heartbeats report a
     silent peer long before it)."""
 
-    def __init__(self, job: str, store_addr: tuple[str, int], *, backend: str = "gloo",
-                 timeout_s: float = 60.0, store_timeout_s: float = 30.0):
+    def __init__(
+        self,
+        job: str,
+        store_addr: tuple[str, int],
+        *,
+        backend: str = "gloo",
+        timeout_s: float = 60.0,
+        store_timeout_s: float = 30.0,
+    ):
         self.job, self.backend, self.timeout_s = job, backend, float(timeout_s)
         self.host, self.port = store_addr
         use_loopback_if(self.host)
@@ -171,8 +178,14 @@ class RecoverableGroup:
             import torch
 
             extra = {"pg_options": nccl_options(), "device_id": torch.device("cuda", torch.cuda.current_device())}
-        dist.init_process_group(self.backend, store=dist.PrefixStore(prefix(self.job, gen), self.store),
-                                rank=rank, world_size=world, timeout=timedelta(seconds=self.timeout_s), **extra)
+        dist.init_process_group(
+            self.backend,
+            store=dist.PrefixStore(prefix(self.job, gen), self.store),
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=self.timeout_s),
+            **extra,
+        )
 
     def reap(self) -> int:
         """Let go of abandoned groups whose work has completed; how many are still kept."""
@@ -235,7 +248,7 @@ class RecoverableGroup:
         flat /= self.world
         off = 0
         for g in grads:
-            g.copy_(flat[off:off + g.numel()].view_as(g))
+            g.copy_(flat[off : off + g.numel()].view_as(g))
             off += g.numel()
 
     def barrier(self) -> None:
@@ -293,8 +306,7 @@ class RecoverableGroup:
         done = None
         while True:
             with self._wake:
-                while not self._stop and (self.gen is None or self.gen in self._failed
-                                          or self.gen == done):
+                while not self._stop and (self.gen is None or self.gen in self._failed or self.gen == done):
                     self._wake.wait()
                 if self._stop:
                     return
@@ -302,8 +314,11 @@ class RecoverableGroup:
             assert gen is not None  # the wait above ends on a generation
             try:
                 self._watcher_store.wait([over_key(self.job, gen)], timedelta(days=365))
-                why = self._watcher_store.get(failed_key(self.job, gen)).decode(errors="replace") \
-                    if self._watcher_store.check([failed_key(self.job, gen)]) else None
+                why = (
+                    self._watcher_store.get(failed_key(self.job, gen)).decode(errors="replace")
+                    if self._watcher_store.check([failed_key(self.job, gen)])
+                    else None
+                )
             except Exception as exc:  # the store went away: nothing more to watch
                 log.warning("the rendezvous store is gone (%s): generation %s is over", exc, gen)
                 self._mark(gen, f"the rendezvous store is gone: {exc}")
@@ -332,8 +347,11 @@ class RecoverableGroup:
     def counts(self) -> dict:
         """Threads (native ones included: gloo's are) and file descriptors of this process, and
         the old groups kept (one abandoned group is kept once, however many of its works)."""
-        return {"threads": os_threads(), "fds": len(os.listdir("/proc/self/fd")),
-                "graveyard": len({id(group) for group, _ in self._graveyard})}
+        return {
+            "threads": os_threads(),
+            "fds": len(os.listdir("/proc/self/fd")),
+            "graveyard": len({id(group) for group, _ in self._graveyard}),
+        }
 
 
 def os_threads() -> int:

@@ -7,6 +7,7 @@ process that stops as a whole (killed, frozen by SIGSTOP, its host gone) stops b
 member whose beats stop for ``lost_after_s`` is fenced (killed and left out of every later
 generation), so a frozen process that wakes up later finds itself out of the job.
 """
+
 from __future__ import annotations
 
 import threading

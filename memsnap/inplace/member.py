@@ -23,6 +23,7 @@ the leaving rank, which named it first) and takes a forced snapshot of ``S+1``, 
 commit, and ends the generation; the leaving member returns, a standby takes its rank, and
 everyone restores ``S+1``: nothing is rolled back.
 """
+
 from __future__ import annotations
 
 import json
@@ -113,8 +114,9 @@ class Context:
             if why is None:
                 raise
             # a member was lost while the others restored: the round was cancelled
-            raise PeerLost(f"generation {self._m.gen} is over during the restore: {why} ({exc})",
-                           self._m.current_gen) from None
+            raise PeerLost(
+                f"generation {self._m.gen} is over during the restore: {why} ({exc})", self._m.current_gen
+            ) from None
         self._m.restored(step)
         return 0 if step is None else step + 1
 
@@ -151,11 +153,23 @@ class Context:
 class Member:
     """The plain object behind a member's Ray actor (``controller`` wraps it)."""
 
-    def __init__(self, job: str, name: str, store_addr: tuple[str, int], setup: Callable, train: Callable,
-                 snapshot_options: dict, *, beat_s: float = 0.1, backend: str = "gloo",
-                 backend_timeout_s: float = 60.0, assign_timeout_s: float = 3600.0,
-                 preemption_poll_s: float | None = 1.0, handover_commit_s: float = 120.0,
-                 watch_preemption: bool = True):
+    def __init__(
+        self,
+        job: str,
+        name: str,
+        store_addr: tuple[str, int],
+        setup: Callable,
+        train: Callable,
+        snapshot_options: dict,
+        *,
+        beat_s: float = 0.1,
+        backend: str = "gloo",
+        backend_timeout_s: float = 60.0,
+        assign_timeout_s: float = 3600.0,
+        preemption_poll_s: float | None = 1.0,
+        handover_commit_s: float = 120.0,
+        watch_preemption: bool = True,
+    ):
         import torch.distributed as dist
 
         self.job, self.name = job, name
@@ -166,8 +180,9 @@ class Member:
         self.assign_timeout_s = float(assign_timeout_s)
         host, port = store_addr
         self.group = RecoverableGroup(job, store_addr, backend=backend, timeout_s=backend_timeout_s)
-        self.store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
-                                   timeout=timedelta(seconds=self.assign_timeout_s))
+        self.store = dist.TCPStore(
+            host, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=self.assign_timeout_s)
+        )
         # a client of its own: one client serves one call at a time, and the group's waits
         # on it (a rendezvous waiting for a slow peer) would stop the beats behind them
         self._beater = Beater(connect(host, port, 30.0), job, name, beat_s)
@@ -190,8 +205,7 @@ class Member:
             import ray
 
             node = ray.get_runtime_context().get_node_id()
-            return PreemptionWatcher(lambda deadline: self._leaving.set(), poll_seconds=poll_s,
-                                     node_id=node).start()
+            return PreemptionWatcher(lambda deadline: self._leaving.set(), poll_seconds=poll_s, node_id=node).start()
         except Exception as exc:  # never let the watcher stop the member from starting
             log.warning("member %s: preemption watcher not started: %s", self.name, exc)
             return None
@@ -225,8 +239,13 @@ class Member:
         if self._leaving.is_set() or self.store.check([leave_key(self.job, self.name)]):
             self._leaving.set()
             self.store.compare_set(key, "", str(step + 1))
-            log.warning("member %s (rank %d): leaving: the job hands rank %d over after step %d",
-                        self.name, self.rank, self.rank, step + 1)
+            log.warning(
+                "member %s (rank %d): leaving: the job hands rank %d over after step %d",
+                self.name,
+                self.rank,
+                self.rank,
+                step + 1,
+            )
         return None
 
     def hand_over(self, step: int, state) -> None:
@@ -236,17 +255,28 @@ class Member:
         committed = self.snapshotter.wait(step, timeout=self.handover_commit_s)
         self._report["handover_step"] = step
         if committed is None or committed < step:
-            log.warning("member %s: the handover snapshot of step %d did not commit (newest %s): the "
-                        "job rolls back to the newest committed step", self.name, step, committed)
+            log.warning(
+                "member %s: the handover snapshot of step %d did not commit (newest %s): the "
+                "job rolls back to the newest committed step",
+                self.name,
+                step,
+                committed,
+            )
         if self._leaving.is_set():
             raise HandedOver(f"member {self.name} handed rank {self.rank} over after step {step}")
         raise PeerLost(f"generation {self.gen} ends after step {step}: a rank is handed over", self.current_gen)
 
     # --- called by the controller --------------------------------------------------------------
     def info(self) -> dict:
-        return {"member": self.name, "pid": os.getpid(), "rank": self.rank, "gen": self.gen,
-                "threads": os_threads(), "fds": len(os.listdir("/proc/self/fd")),
-                "rss": _rss()}
+        return {
+            "member": self.name,
+            "pid": os.getpid(),
+            "rank": self.rank,
+            "gen": self.gen,
+            "threads": os_threads(),
+            "fds": len(os.listdir("/proc/self/fd")),
+            "rss": _rss(),
+        }
 
     def prepare(self) -> dict:
         """Run the user's setup (before any generation: a standby is warm before it is needed)."""
@@ -261,6 +291,7 @@ class Member:
         import memsnap.restore  # noqa: F401
         import memsnap.snapshotter  # noqa: F401
         import memsnap.transport  # noqa: F401
+
         return {**self.info(), "setup_s": time.time() - t}
 
     def run(self, first_gen: int = 0) -> dict:
@@ -293,8 +324,14 @@ class Member:
         t_assigned = time.time()
         takeover = self.rank is None and gen > 0
         self.rank, self.world, self.gen = rank, world, gen
-        self._report = {"member": self.name, "pid": os.getpid(), "rank": rank, "gen": gen,
-                        "takeover": takeover, "assigned": t_assigned}
+        self._report = {
+            "member": self.name,
+            "pid": os.getpid(),
+            "rank": rank,
+            "gen": gen,
+            "takeover": takeover,
+            "assigned": t_assigned,
+        }
         self.group.configure(gen, rank, world)
         self._report["formed"] = time.time()
         if self.snap is None:
@@ -314,8 +351,9 @@ class Member:
             # generation was failing (a collective inside a library, a cancelled restore) too
             if not isinstance(exc, PeerLost) and self.group.wait_failure(2.0) is None:
                 raise
-            log.warning("member %s (rank %d): generation %d is over (%s): waiting for the next",
-                        self.name, rank, gen, exc)
+            log.warning(
+                "member %s (rank %d): generation %d is over (%s): waiting for the next", self.name, rank, gen, exc
+            )
             self._report.setdefault("lost", time.time())
             self._publish()
             return PeerLost
@@ -332,8 +370,9 @@ class Member:
     # --- what ``Context`` tells ------------------------------------------------------------------
     def restored(self, step: int | None) -> None:
         lr = getattr(self.snap, "last_restore", {}) or {}
-        self._report.update(restored=time.time(), step=step, tier=lr.get("tier"),
-                            restore_s=(lr.get("seconds") or {}).get("total"))
+        self._report.update(
+            restored=time.time(), step=step, tier=lr.get("tier"), restore_s=(lr.get("seconds") or {}).get("total")
+        )
 
     def stepped(self, step: int) -> None:
         if "first_step" not in self._report and "restored" in self._report:

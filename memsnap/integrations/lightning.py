@@ -16,6 +16,7 @@ state into ``extra`` (for example ``memsnap.sampler.ResumableSampler``) to resum
 
 Needs ``pytorch_lightning`` or ``lightning`` (``pip install memsnap[lightning]``).
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
@@ -29,8 +30,10 @@ except ImportError:  # the standalone package
     try:
         from pytorch_lightning.callbacks import Callback
     except ImportError as exc:
-        raise ImportError("memsnap.integrations.lightning needs PyTorch Lightning: "
-                          "pip install 'memsnap[lightning]' (or pytorch_lightning / lightning)") from exc
+        raise ImportError(
+            "memsnap.integrations.lightning needs PyTorch Lightning: "
+            "pip install 'memsnap[lightning]' (or pytorch_lightning / lightning)"
+        ) from exc
 
 
 class _FitLoop:
@@ -78,8 +81,7 @@ class MemsnapCallback(Callback):
         from memsnap.snapshotter import Snapshotter, ensure_ray
 
         ensure_ray()
-        self.snap = Snapshotter(job=self.job, rank=trainer.global_rank, world_size=trainer.world_size,
-                                **self.kwargs)
+        self.snap = Snapshotter(job=self.job, rank=trainer.global_rank, world_size=trainer.world_size, **self.kwargs)
 
     def on_fit_start(self, trainer, pl_module) -> None:
         """Load the newest step every rank can load (collective): optimizers exist and the fit

@@ -13,6 +13,7 @@ the new workers' ``restore`` then reads the lost node's state from its peers' RA
 The job name defaults to one per run or trial (``run_identity``), so the trials of a Ray Tune
 sweep never share snapshots; ``{job}`` in the spill URI gives each its own directory.
 """
+
 from __future__ import annotations
 
 import json

@@ -27,6 +27,7 @@ and writes the next generation with the same ranks: the new worker takes the los
 restores it from its peers. A restart of the whole group (every worker failed) is a new
 generation of new processes, restored the same way.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -79,8 +80,9 @@ def _run_job_name(worker_group) -> str:
 
     run: Any = getattr(worker_group, "_train_run_context", None)  # Ray Train v2's, private
     try:
-        return run_identity(SimpleNamespace(get_experiment_name=lambda: run.run_config.name),
-                            lambda: str(run.run_id))[0]
+        return run_identity(SimpleNamespace(get_experiment_name=lambda: run.run_config.name), lambda: str(run.run_id))[
+            0
+        ]
     except Exception:  # noqa: BLE001 (not readable: any failure means a name of our own)
         return f"raytrain-{uuid.uuid4().hex[:8]}"
 
@@ -119,8 +121,7 @@ class _InplaceBackend(_TorchBackend):
 
         self.job = getattr(config, "job", None) or _run_job_name(worker_group)
         host = ray.util.get_node_ip_address()
-        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
-                                   timeout=timedelta(seconds=60))
+        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
         self.controller_node = ray.get_runtime_context().get_node_id()
         log.info("memsnap job %r: rendezvous store at %s:%d", self.job, host, self.store.port)
 
@@ -131,15 +132,18 @@ class _InplaceBackend(_TorchBackend):
         from memsnap.inplace.member import gen_key
 
         if not hasattr(worker_group, "get_workers"):
-            raise RuntimeError("InplaceTorchConfig needs Ray Train v2 (RAY_TRAIN_V2_ENABLED=1): Ray Train v1 "
-                               "restarts the whole worker group after a failure")
+            raise RuntimeError(
+                "InplaceTorchConfig needs Ray Train v2 (RAY_TRAIN_V2_ENABLED=1): Ray Train v1 "
+                "restarts the whole worker group after a failure"
+            )
         # Ray Train's controller calls its backend from one thread (start, replacements, shutdown)
         self._ensure_store(backend_config, worker_group)
         assert self.job is not None
         workers = worker_group.get_workers()
         if self.gen >= 0:  # a replacement (or a full restart): the generation is over
-            self._end_generation(f"worker(s) {sorted(w.distributed_context.world_rank for w in workers)} "
-                                 "replaced by Ray Train", workers)
+            self._end_generation(
+                f"worker(s) {sorted(w.distributed_context.world_rank for w in workers)} replaced by Ray Train", workers
+            )
         self.gen += 1
         if not isinstance(worker_group, ReplicaGroup):  # the whole group: every rank is new
             self.members.clear()
@@ -150,15 +154,27 @@ class _InplaceBackend(_TorchBackend):
             self.members[rank] = f"w{rank}g{self.gen}"
             self.nodes[rank] = w.metadata.node_id
         # the new workers learn where and who they are before their training function runs
-        refs = [worker_group.execute_single_async(i, _set_env, {
-            STORE_ENV: f"{self.store.host}:{self.store.port}", JOB_ENV: self.job,
-            GEN_ENV: str(self.gen), MEMBER_ENV: self.members[w.distributed_context.world_rank],
-            NODE_ENV: self.controller_node, BACKEND_ENV: getattr(backend_config, "backend", None) or "gloo",
-            TIMEOUT_ENV: str(getattr(backend_config, "group_timeout_s", 60.0))}) for i, w in enumerate(workers)]
+        refs = [
+            worker_group.execute_single_async(
+                i,
+                _set_env,
+                {
+                    STORE_ENV: f"{self.store.host}:{self.store.port}",
+                    JOB_ENV: self.job,
+                    GEN_ENV: str(self.gen),
+                    MEMBER_ENV: self.members[w.distributed_context.world_rank],
+                    NODE_ENV: self.controller_node,
+                    BACKEND_ENV: getattr(backend_config, "backend", None) or "gloo",
+                    TIMEOUT_ENV: str(getattr(backend_config, "group_timeout_s", 60.0)),
+                },
+            )
+            for i, w in enumerate(workers)
+        ]
         ray.get(refs, timeout=120)
         members = {name: rank for rank, name in self.members.items()}
-        self.store.set(gen_key(self.job, self.gen),
-                       json.dumps({"world": self.world, "members": members, "done": False}))
+        self.store.set(
+            gen_key(self.job, self.gen), json.dumps({"world": self.world, "members": members, "done": False})
+        )
         (log.warning if self.gen else log.info)("memsnap job %r: generation %d: %s", self.job, self.gen, members)
 
     def on_shutdown(self, worker_group, backend_config):
@@ -216,8 +232,10 @@ def run(setup: Callable, train: Callable, **snapshot_options: Any):
 
     missing = [k for k in (STORE_ENV, JOB_ENV, GEN_ENV, MEMBER_ENV) if k not in os.environ]
     if missing:
-        raise RuntimeError("memsnap.integrations.ray_train_inplace.run needs a TorchTrainer with "
-                           f"torch_config=InplaceTorchConfig() (no {', '.join(missing)} here)")
+        raise RuntimeError(
+            "memsnap.integrations.ray_train_inplace.run needs a TorchTrainer with "
+            f"torch_config=InplaceTorchConfig() (no {', '.join(missing)} here)"
+        )
     host, port = os.environ[STORE_ENV].rsplit(":", 1)
     job, name = os.environ[JOB_ENV], os.environ[MEMBER_ENV]
     ctx = ray.train.get_context()
@@ -226,9 +244,17 @@ def run(setup: Callable, train: Callable, **snapshot_options: Any):
     node = os.environ.get(NODE_ENV)
     if node:  # beside the store, on no worker's node (so no worker node's loss takes it)
         pin_coordinator(job, options, ctx.get_world_size(), node)
-    member = Member(job, name, (host, int(port)), setup, train, options,
-                    backend=os.environ.get(BACKEND_ENV, "gloo"),
-                    backend_timeout_s=float(os.environ.get(TIMEOUT_ENV, "60")), watch_preemption=False)
+    member = Member(
+        job,
+        name,
+        (host, int(port)),
+        setup,
+        train,
+        options,
+        backend=os.environ.get(BACKEND_ENV, "gloo"),
+        backend_timeout_s=float(os.environ.get(TIMEOUT_ENV, "60")),
+        watch_preemption=False,
+    )
     try:
         member.prepare()
         out = member.run(first_gen=int(os.environ[GEN_ENV]))

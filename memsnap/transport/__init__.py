@@ -1,4 +1,5 @@
 """The data plane: chunks between agents over direct TCP or Ray's object store."""
+
 from __future__ import annotations
 
 from memsnap.transport.base import ChunkKey, ChunkStore, Transport

@@ -9,6 +9,7 @@ side checks the other's proof with a constant-time compare. The secret never cro
 Both ends then derive the connection's frame keys (session.py) from the secret and both
 nonces. The whole exchange must finish by one deadline, however the bytes trickle in.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -41,11 +42,13 @@ def _mac(secret: bytes, role: bytes, mode: bytes, server_nonce: bytes, client_no
 
 def _check_magic(raw: bytes, who: str) -> None:
     """AuthenticationError unless ``raw`` opens with this protocol version's magic."""
-    if raw[:len(MAGIC)] == MAGIC:
+    if raw[: len(MAGIC)] == MAGIC:
         return
-    if raw[:len(MAGIC) - 1] == MAGIC[:-1]:
-        raise AuthenticationError(f"{who} speaks data-plane protocol {raw[:len(MAGIC)].decode(errors='replace')}, "
-                                  f"this agent {MAGIC.decode()}: run the same memsnap version on every agent of the job")
+    if raw[: len(MAGIC) - 1] == MAGIC[:-1]:
+        raise AuthenticationError(
+            f"{who} speaks data-plane protocol {raw[: len(MAGIC)].decode(errors='replace')}, "
+            f"this agent {MAGIC.decode()}: run the same memsnap version on every agent of the job"
+        )
     raise AuthenticationError(f"{who} did not speak the memsnap data-plane protocol ({MAGIC.decode()})")
 
 
@@ -75,9 +78,9 @@ def server_handshake(sock: socket.socket, secret: bytes, deadline: float, mode: 
     wire.send_all(sock, MAGIC + mb + server_nonce, deadline)
     hello = _recv(sock, len(MAGIC) + 1 + NONCE + MAC, deadline)
     _check_magic(hello, "client")
-    their_mb = hello[len(MAGIC):len(MAGIC) + 1]
+    their_mb = hello[len(MAGIC) : len(MAGIC) + 1]
     theirs = _mode_of(their_mb, "client")
-    client_nonce, proof = hello[len(MAGIC) + 1:len(MAGIC) + 1 + NONCE], hello[len(MAGIC) + 1 + NONCE:]
+    client_nonce, proof = hello[len(MAGIC) + 1 : len(MAGIC) + 1 + NONCE], hello[len(MAGIC) + 1 + NONCE :]
     if not hmac.compare_digest(proof, _mac(secret, b"client", their_mb, server_nonce, client_nonce)):
         raise AuthenticationError("client's proof of the job secret is wrong")
     if theirs != mode:
@@ -90,13 +93,13 @@ def client_handshake(sock: socket.socket, secret: bytes, deadline: float, mode: 
     """Authenticate to the server on ``sock`` by ``deadline`` and check that it knows the secret too."""
     hello = _recv(sock, len(MAGIC) + 1 + NONCE, deadline)
     _check_magic(hello, "server")
-    theirs = _mode_of(hello[len(MAGIC):len(MAGIC) + 1], "server")
+    theirs = _mode_of(hello[len(MAGIC) : len(MAGIC) + 1], "server")
     if theirs != mode:
-        raise AuthenticationError(f"server uses wire={theirs!r}, this client wire={mode!r}: "
-                                  "configure every agent of the job alike")
-    server_nonce, client_nonce, mb = hello[len(MAGIC) + 1:], os.urandom(NONCE), _mode_byte(mode)
-    wire.send_all(sock, MAGIC + mb + client_nonce + _mac(secret, b"client", mb, server_nonce, client_nonce),
-                  deadline)
+        raise AuthenticationError(
+            f"server uses wire={theirs!r}, this client wire={mode!r}: configure every agent of the job alike"
+        )
+    server_nonce, client_nonce, mb = hello[len(MAGIC) + 1 :], os.urandom(NONCE), _mode_byte(mode)
+    wire.send_all(sock, MAGIC + mb + client_nonce + _mac(secret, b"client", mb, server_nonce, client_nonce), deadline)
     proof = _recv(sock, MAC, deadline)
     if not hmac.compare_digest(proof, _mac(secret, b"server", mb, server_nonce, client_nonce)):
         raise AuthenticationError("server's proof of the job secret is wrong (a different job's key?)")

@@ -1,4 +1,5 @@
 """The data-plane interface: chunk keys, the agent's chunk store, and the transport contract."""
+
 from __future__ import annotations
 
 import struct
@@ -40,7 +41,7 @@ class Scatter:
         if len(src) != self.nbytes:
             raise ValueError(f"{len(src)} bytes written into a {self.nbytes}-byte scatter")
         for p in self.parts:
-            p[:] = src[at:at + len(p)]
+            p[:] = src[at : at + len(p)]
             at += len(p)
 
     def joined(self) -> bytes:
@@ -89,7 +90,7 @@ class ChunkKey:
         step, stripe, shard, n = _KEY_HEAD.unpack_from(raw)
         if len(raw) != _KEY_HEAD.size + n:
             raise ValueError(f"packed ChunkKey says owner is {n} bytes but {len(raw) - _KEY_HEAD.size} follow")
-        return cls(step, raw[_KEY_HEAD.size:].decode(), stripe, shard)
+        return cls(step, raw[_KEY_HEAD.size :].decode(), stripe, shard)
 
 
 class ChunkStore(Protocol):

@@ -4,6 +4,7 @@ Piece ``i`` of a payload is tagged with AES-256-GCM, the piece as associated dat
 plaintext (GMAC), under the 12-byte nonce (payload counter as u64 LE, ``first + i`` as u32
 LE); the tags are 16 bytes each, concatenated.
 """
+
 from __future__ import annotations
 
 import struct
@@ -42,14 +43,14 @@ def pieces(parts, size: int):
         if fill:  # finish the piece begun in the previous part
             assert scratch is not None
             at = min(size - fill, len(part))
-            scratch[fill:fill + at] = part[:at]
+            scratch[fill : fill + at] = part[:at]
             fill += at
             if fill < size:
                 continue
             yield scratch
             fill = 0
         while len(part) - at >= size:
-            yield part[at:at + size]
+            yield part[at : at + size]
             at += size
         if at < len(part):
             scratch = scratch if scratch is not None else memoryview(bytearray(size))

@@ -8,6 +8,7 @@ snapshot never fills the object store at once. The peer address names the agent 
 its namespace. Server: ``ObjStoreServer`` is a plain object; the agent actor's
 ``objstore_push``/``objstore_fetch`` methods delegate to its ``handle_push``/``handle_fetch``.
 """
+
 from __future__ import annotations
 
 import collections
@@ -37,8 +38,9 @@ class ObjStoreServer:
         import ray
 
         arrays = ray.get(list(refs))
-        return [self._store_one(ChunkKey.unpack(raw), arr, int(c))
-                for raw, arr, c in zip(packed_keys, arrays, checksums)]
+        return [
+            self._store_one(ChunkKey.unpack(raw), arr, int(c)) for raw, arr, c in zip(packed_keys, arrays, checksums)
+        ]
 
     def _store_one(self, key: ChunkKey, arr: np.ndarray, checksum: int) -> str | None:
         src = byte_view(arr)
@@ -85,8 +87,9 @@ class ObjStoreTransport(Transport):
 
     name = "objstore"
 
-    def __init__(self, *, actor_name: str | None = None, namespace: str | None = None,
-                 batch_bytes: int = 64 << 20, **_ignored):
+    def __init__(
+        self, *, actor_name: str | None = None, namespace: str | None = None, batch_bytes: int = 64 << 20, **_ignored
+    ):
         if not isinstance(batch_bytes, int) or batch_bytes < 1:
             raise ValueError(f"batch_bytes={batch_bytes!r}: must be an int >= 1")
         self.actor_name, self.namespace, self.batch_bytes = actor_name, namespace, batch_bytes
@@ -100,8 +103,10 @@ class ObjStoreTransport(Transport):
         ctx = ray.get_runtime_context()
         name = self.actor_name or ctx.get_actor_name()
         if not name:
-            raise ValueError("the objstore transport needs the hosting actor's name: start it inside a "
-                             "named actor or pass actor_name=... to make_transport")
+            raise ValueError(
+                "the objstore transport needs the hosting actor's name: start it inside a "
+                "named actor or pass actor_name=... to make_transport"
+            )
         self.server = ObjStoreServer(store)
         return {"transport": "objstore", "actor": name, "namespace": self.namespace or ctx.namespace}
 
@@ -164,8 +169,9 @@ class ObjStoreTransport(Transport):
             return False
         src = byte_view(arr)
         if len(src) != len(dest):
-            log.warning("fetch from %s: chunk %s is %d bytes, the buffer %d", self._describe(peer), key,
-                        len(src), len(dest))
+            log.warning(
+                "fetch from %s: chunk %s is %d bytes, the buffer %d", self._describe(peer), key, len(src), len(dest)
+            )
             return False
         if xxhash.xxh3_64_intdigest(src) != checksum:
             log.warning("fetch from %s: chunk %s fails its checksum; treated as missing", self._describe(peer), key)
@@ -184,8 +190,9 @@ class ObjStoreTransport(Transport):
             return getattr(self._handle(peer), method).remote(*args)
         except (RayError, ValueError) as exc:
             self._handles.pop(self._ident(peer), None)
-            raise TransportError(f"{method} to {self._describe(peer)} failed at chunk {key}: "
-                                 f"{type(exc).__name__}: {exc}") from exc
+            raise TransportError(
+                f"{method} to {self._describe(peer)} failed at chunk {key}: {type(exc).__name__}: {exc}"
+            ) from exc
 
     def _wait(self, peer: dict, method: str, ref, deadline: float, timeout: float, key: ChunkKey):
         import ray
@@ -194,12 +201,14 @@ class ObjStoreTransport(Transport):
         try:
             return ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
         except GetTimeoutError:
-            raise TransportError(f"{method} to {self._describe(peer)} timed out after {timeout:g} s "
-                                 f"at chunk {key}") from None
+            raise TransportError(
+                f"{method} to {self._describe(peer)} timed out after {timeout:g} s at chunk {key}"
+            ) from None
         except RayError as exc:
             self._handles.pop(self._ident(peer), None)
-            raise TransportError(f"{method} to {self._describe(peer)} failed at chunk {key}: "
-                                 f"{type(exc).__name__}: {exc}") from exc
+            raise TransportError(
+                f"{method} to {self._describe(peer)} failed at chunk {key}: {type(exc).__name__}: {exc}"
+            ) from exc
 
     def _handle(self, peer: dict):
         import ray
@@ -214,7 +223,9 @@ class ObjStoreTransport(Transport):
         try:
             return str(peer["actor"]), str(peer["namespace"])
         except (KeyError, TypeError):
-            raise ValueError(f"peer address {peer!r} is not an objstore address: pass the dict start() returned") from None
+            raise ValueError(
+                f"peer address {peer!r} is not an objstore address: pass the dict start() returned"
+            ) from None
 
     @staticmethod
     def _describe(peer: dict) -> str:

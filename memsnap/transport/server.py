@@ -13,6 +13,7 @@ so its reservation is released). A frame larger than the chunk bound, a malforme
 frame failing its tag closes the connection. Refused and evicted connections are logged as one
 line per ``tcp_refusal_log_s`` with a count.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -35,9 +36,21 @@ log = logging.getLogger("memsnap.transport")
 
 PIPELINE = 8  # requests read (pushes: checked) ahead of the one being answered, per connection
 # accept(2): errors of the one connection, to retry at once, and a shortage of resources, to retry after a pause
-_RETRY_NOW = {errno.ECONNABORTED, errno.EINTR, errno.EPROTO, errno.EAGAIN, errno.ENETDOWN, errno.ENOPROTOOPT,
-              errno.EHOSTDOWN, errno.ENONET, errno.EHOSTUNREACH, errno.EOPNOTSUPP, errno.ENETUNREACH,
-              errno.EPERM, errno.ETIMEDOUT}
+_RETRY_NOW = {
+    errno.ECONNABORTED,
+    errno.EINTR,
+    errno.EPROTO,
+    errno.EAGAIN,
+    errno.ENETDOWN,
+    errno.ENOPROTOOPT,
+    errno.EHOSTDOWN,
+    errno.ENONET,
+    errno.EHOSTUNREACH,
+    errno.EOPNOTSUPP,
+    errno.ENETUNREACH,
+    errno.EPERM,
+    errno.ETIMEDOUT,
+}
 _SHORTAGE = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 
 
@@ -56,10 +69,16 @@ class Limits:
 
     @classmethod
     def from_tunables(cls, max_payload: int) -> Limits:
-        return cls(tunable("tcp_handshake_timeout_s"), _at_least_one("tcp_max_unauthenticated"),
-                   _at_least_one("tcp_max_unauthenticated_per_source"),
-                   tunable("tcp_idle_timeout_s"), tunable("tcp_frame_timeout_s"), max_payload,
-                   tunable("tcp_accept_backoff_s"), tunable("tcp_refusal_log_s"))
+        return cls(
+            tunable("tcp_handshake_timeout_s"),
+            _at_least_one("tcp_max_unauthenticated"),
+            _at_least_one("tcp_max_unauthenticated_per_source"),
+            tunable("tcp_idle_timeout_s"),
+            tunable("tcp_frame_timeout_s"),
+            max_payload,
+            tunable("tcp_accept_backoff_s"),
+            tunable("tcp_refusal_log_s"),
+        )
 
 
 def _at_least_one(name: str) -> int:
@@ -190,11 +209,17 @@ class Server:
         if victim is not None:
             with contextlib.suppress(OSError):
                 victim.shutdown(socket.SHUT_RDWR)  # wakes its handshake, which then gives up
-            self.refusals.note("evicted the oldest data-plane connection still in its handshake for one "
-                               "from %s:%s (tcp_max_unauthenticated=%d, tcp_max_unauthenticated_per_source=%d)",
-                               addr[0], addr[1], self.limits.max_unauthenticated, self.limits.max_per_source)
-        threading.Thread(target=self._serve, args=(sock, addr), daemon=True,
-                         name=f"memsnap-tcp-{self.port}-{addr[1]}").start()
+            self.refusals.note(
+                "evicted the oldest data-plane connection still in its handshake for one "
+                "from %s:%s (tcp_max_unauthenticated=%d, tcp_max_unauthenticated_per_source=%d)",
+                addr[0],
+                addr[1],
+                self.limits.max_unauthenticated,
+                self.limits.max_per_source,
+            )
+        threading.Thread(
+            target=self._serve, args=(sock, addr), daemon=True, name=f"memsnap-tcp-{self.port}-{addr[1]}"
+        ).start()
 
     # -- one connection ----------------------------------------------------------------------
     def _serve(self, sock: socket.socket, addr) -> None:
@@ -226,8 +251,12 @@ class Server:
             with self.lock:
                 evicted = not self.pool.leave(sock)
         if failure is not None and not evicted and not self.stopping.is_set():
-            self.refusals.note("dropped data-plane connection from %s:%s: authentication failed: %s",
-                               addr[0], addr[1], failure or type(failure).__name__)
+            self.refusals.note(
+                "dropped data-plane connection from %s:%s: authentication failed: %s",
+                addr[0],
+                addr[1],
+                failure or type(failure).__name__,
+            )
         return None if evicted else session
 
     def close(self) -> None:
@@ -267,8 +296,9 @@ class Stream:
     def _read_one(self) -> tuple:
         """The next request as a job for the responder; raises to close the connection."""
         idle = time.monotonic() + self.limits.idle_s
-        head = wire.read_head(self.sock, self.session.recv, wire.REQUESTS, self.limits.max_payload, idle,
-                              self.limits.frame_s)
+        head = wire.read_head(
+            self.sock, self.session.recv, wire.REQUESTS, self.limits.max_payload, idle, self.limits.frame_s
+        )
         try:
             key = ChunkKey.unpack(head.name)
         except ValueError as exc:
@@ -305,8 +335,16 @@ class Stream:
                 continue
             try:
                 status, message, payload, checksum = self._answer(job)
-                wire.send_frame(self.sock, self.session.send, status, message.encode()[:0xFFFF], payload,
-                                checksum, time.monotonic() + self.limits.frame_s, self.wscratch)
+                wire.send_frame(
+                    self.sock,
+                    self.session.send,
+                    status,
+                    message.encode()[:0xFFFF],
+                    payload,
+                    checksum,
+                    time.monotonic() + self.limits.frame_s,
+                    self.wscratch,
+                )
             except Exception as exc:
                 if isinstance(exc, FrameError):
                     self.server.refusals.note("closed a data-plane connection: %s", exc)

@@ -19,6 +19,7 @@ is protected by
 
 A replayed, reordered, dropped, truncated or modified frame therefore fails a tag.
 """
+
 from __future__ import annotations
 
 import hmac
@@ -33,8 +34,9 @@ from memsnap.errors import TransportError
 try:
     from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 except ImportError as exc:  # a hard dependency: say so rather than fail later
-    raise ImportError("memsnap's data plane needs the cryptography package (>= 45, for AES-GCM): "
-                      "pip install 'cryptography>=45'") from exc
+    raise ImportError(
+        "memsnap's data plane needs the cryptography package (>= 45, for AES-GCM): pip install 'cryptography>=45'"
+    ) from exc
 
 from memsnap.transport.gmac import Gmac
 
@@ -118,6 +120,7 @@ def mac_pieces(d: Direction, counter: int, parts, first: int = 0, also=None) -> 
 def _direction(secret: bytes, mode: str, server_nonce: bytes, client_nonce: bytes, name: str) -> Direction:
     """Direction ``name`` ("c2s" or "s2c"): its header MAC key, and its payload GMAC key
     (``mac`` mode) or AEAD key (``encrypt``), each derived for its own purpose."""
+
     def key(purpose: str) -> bytes:
         return derive(secret, mode, server_nonce, client_nonce, f"{name} {purpose}")
 
@@ -126,8 +129,7 @@ def _direction(secret: bytes, mode: str, server_nonce: bytes, client_nonce: byte
     return Direction(key("mac"), None, key("aead"))
 
 
-def verify_body(d: Direction, counter: int, seq: bytes, head_tag: bytes, parts, tag: bytes,
-                with_xxh3: bool) -> int:
+def verify_body(d: Direction, counter: int, seq: bytes, head_tag: bytes, parts, tag: bytes, with_xxh3: bool) -> int:
     """Check the payload that landed in ``parts`` against its body ``tag`` (FrameError if it
     fails); return its xxh3-64, computed in the same pass, with ``with_xxh3`` (else 0)."""
     x = xxhash.xxh3_64() if with_xxh3 else None

@@ -15,6 +15,7 @@ holder stored).
 Timeouts: a client call has one deadline; it bounds the connect, the handshake and every
 frame whole (each system call waits only for what is left of it).
 """
+
 from __future__ import annotations
 
 import collections
@@ -54,8 +55,10 @@ def _wire_mode(wire_mode: str | None) -> str:
     if mode not in MODES:
         raise ValueError(f"wire={wire_mode!r}: use 'mac' (authenticated frames) or 'encrypt' (also encrypted)")
     if mode == "encrypt" and not hasattr(AESGCM, "decrypt_into"):
-        raise ValueError("wire='encrypt' needs cryptography >= 45 (AESGCM.encrypt_into, decrypt_into): "
-                         "pip install 'cryptography>=45'")
+        raise ValueError(
+            "wire='encrypt' needs cryptography >= 45 (AESGCM.encrypt_into, decrypt_into): "
+            "pip install 'cryptography>=45'"
+        )
     return mode
 
 
@@ -82,8 +85,16 @@ class TcpTransport(Transport):
 
     name = "tcp"
 
-    def __init__(self, *, secret: bytes, host: str, port: int = 0, window: int = 32,
-                 wire: str | None = None, max_chunk: int | None = None):
+    def __init__(
+        self,
+        *,
+        secret: bytes,
+        host: str,
+        port: int = 0,
+        window: int = 32,
+        wire: str | None = None,
+        max_chunk: int | None = None,
+    ):
         if not isinstance(window, int) or window < 1:
             raise ValueError(f"window={window!r}: must be an int >= 1 (chunks in flight per stream)")
         if max_chunk is not None and (not isinstance(max_chunk, int) or max_chunk < 1):
@@ -133,8 +144,9 @@ class TcpTransport(Transport):
                 result = body(conn, items, deadline, cursor, addr)
             except _TIMEOUTS:
                 conn.close()
-                raise TransportError(f"{what} to {addr[0]}:{addr[1]} timed out after {timeout:g} s "
-                                     f"at chunk {cursor[0]}") from None
+                raise TransportError(
+                    f"{what} to {addr[0]}:{addr[1]} timed out after {timeout:g} s at chunk {cursor[0]}"
+                ) from None
             except (OSError, ValueError, FrameError) as exc:
                 conn.close()
                 if pooled and attempt == 0 and isinstance(exc, ConnectionError):
@@ -179,8 +191,9 @@ class TcpTransport(Transport):
         pending: collections.deque[ChunkKey] = collections.deque()
         for key, buf in items:
             cursor[0] = key
-            wire.send_frame(conn.sock, conn.session.send, wire.PUSH, key.pack(), byte_view(buf), 0, deadline,
-                            conn.scratch)
+            wire.send_frame(
+                conn.sock, conn.session.send, wire.PUSH, key.pack(), byte_view(buf), 0, deadline, conn.scratch
+            )
             pending.append(key)
             if len(pending) >= self.window:
                 self._ack(conn, pending.popleft(), deadline, cursor, addr)
@@ -192,20 +205,22 @@ class TcpTransport(Transport):
         head = wire.read_head(conn.sock, conn.session.recv, wire.RESPONSES, 0, deadline)
         if head.kind != wire.OK:
             conn.close()
-            raise TransportError(f"push to {addr[0]}:{addr[1]}: the peer refused chunk {key}: "
-                                 f"{head.name.decode(errors='replace')}")
+            raise TransportError(
+                f"push to {addr[0]}:{addr[1]}: the peer refused chunk {key}: {head.name.decode(errors='replace')}"
+            )
 
     # -- fetch -----------------------------------------------------------------------------
     def _fetch_on(self, conn: _Conn, items, deadline: float, cursor, addr) -> list[bool]:
-        for key, _ in items[:self.window]:
+        for key, _ in items[: self.window]:
             wire.send_frame(conn.sock, conn.session.send, wire.FETCH, key.pack(), None, 0, deadline)
         found: list[bool] = []
         for i, (key, buf) in enumerate(items):
             cursor[0] = key
             found.append(self._receive_one(conn, key, dest_parts(buf), deadline, addr))
             if i + self.window < len(items):
-                wire.send_frame(conn.sock, conn.session.send, wire.FETCH, items[i + self.window][0].pack(),
-                                None, 0, deadline)
+                wire.send_frame(
+                    conn.sock, conn.session.send, wire.FETCH, items[i + self.window][0].pack(), None, 0, deadline
+                )
         return found
 
     def _receive_one(self, conn: _Conn, key: ChunkKey, dest: list[memoryview], deadline: float, addr) -> bool:
@@ -215,17 +230,23 @@ class TcpTransport(Transport):
         head = wire.read_head(conn.sock, d, wire.RESPONSES, self.max_chunk, deadline)
         if head.kind != wire.OK:
             if head.kind == wire.FAILED:
-                log.warning("fetch from %s:%s: chunk %s failed: %s", addr[0], addr[1], key,
-                            head.name.decode(errors="replace"))
+                log.warning(
+                    "fetch from %s:%s: chunk %s failed: %s", addr[0], addr[1], key, head.name.decode(errors="replace")
+                )
             return False
         size = sum(len(p) for p in dest)
         if head.nbytes != size:
             wire.drain(conn.sock, head.nbytes, deadline)  # (and its tag)
-            log.warning("fetch from %s:%s: chunk %s is %d bytes, the buffer %d", addr[0], addr[1], key,
-                        head.nbytes, size)
+            log.warning(
+                "fetch from %s:%s: chunk %s is %d bytes, the buffer %d", addr[0], addr[1], key, head.nbytes, size
+            )
             return False
         if wire.read_body(conn.sock, d, head, dest, conn.scratch, True) == head.checksum:
             return True
-        log.warning("fetch from %s:%s: chunk %s fails its checksum (the held copy is corrupt); treated as missing",
-                    addr[0], addr[1], key)
+        log.warning(
+            "fetch from %s:%s: chunk %s fails its checksum (the held copy is corrupt); treated as missing",
+            addr[0],
+            addr[1],
+            key,
+        )
         return False

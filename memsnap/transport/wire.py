@@ -18,6 +18,7 @@ is answered ``OK`` or ``FAILED`` (with a message); ``FETCH`` has no payload and 
 payload is tagged a ``SLICE`` at a time next to the socket copy of that slice, on both ends. Every receive and send is bounded by a deadline for the whole frame,
 not per system call; a trickling peer cannot stretch it.
 """
+
 from __future__ import annotations
 
 import socket
@@ -73,7 +74,7 @@ def recv_into(sock: socket.socket, view: memoryview, deadline: float) -> None:
     while got < total:
         _arm(sock, deadline, socket.SO_RCVTIMEO)
         try:
-            n = sock.recv_into(view[got:got + PIECE], min(PIECE, total - got), socket.MSG_WAITALL)
+            n = sock.recv_into(view[got : got + PIECE], min(PIECE, total - got), socket.MSG_WAITALL)
         except BlockingIOError:
             raise FrameTimeout(f"{got} of {total} bytes arrived before the deadline") from None
         if n == 0:
@@ -91,7 +92,7 @@ def recv_parts(sock: socket.socket, parts: list[memoryview], deadline: float) ->
     while i < len(parts):
         _arm(sock, deadline, socket.SO_RCVTIMEO)
         try:
-            n = sock.recvmsg_into(parts[i:i + IOV], 0, socket.MSG_WAITALL)[0]
+            n = sock.recvmsg_into(parts[i : i + IOV], 0, socket.MSG_WAITALL)[0]
         except BlockingIOError:
             raise FrameTimeout(f"{got} of {total} bytes arrived before the deadline") from None
         if n == 0:
@@ -119,7 +120,7 @@ def send_all(sock: socket.socket, data, deadline: float) -> None:
     while at < len(view):
         _arm(sock, deadline, socket.SO_SNDTIMEO)
         try:
-            at += sock.send(view[at:at + PIECE])
+            at += sock.send(view[at : at + PIECE])
         except BlockingIOError:
             raise FrameTimeout(f"{at} of {len(view)} bytes left before the deadline") from None
 
@@ -138,8 +139,9 @@ class Head(NamedTuple):
     deadline: float  # when the rest of the frame is due
 
 
-def send_head(sock, d: Direction, kind: int, name: bytes, nbytes: int, checksum: int,
-              deadline: float, counter: int = 0) -> tuple[bytes, bytes]:
+def send_head(
+    sock, d: Direction, kind: int, name: bytes, nbytes: int, checksum: int, deadline: float, counter: int = 0
+) -> tuple[bytes, bytes]:
     """Send a frame's header; return its ``(sequence number, header tag)`` for the body."""
     seq = d.next_seq()
     head = HEAD.pack(kind, len(name), nbytes, checksum, counter) + name
@@ -148,8 +150,16 @@ def send_head(sock, d: Direction, kind: int, name: bytes, nbytes: int, checksum:
     return seq, tag
 
 
-def send_body(sock, d: Direction, seq: bytes, head_tag: bytes, payload: memoryview, deadline: float,
-              counter: int = 0, scratch: Scratch | None = None) -> None:
+def send_body(
+    sock,
+    d: Direction,
+    seq: bytes,
+    head_tag: bytes,
+    payload: memoryview,
+    deadline: float,
+    counter: int = 0,
+    scratch: Scratch | None = None,
+) -> None:
     """Send a frame's payload and body tag. ``mac`` mode: ``SLICE`` bytes at a time, each
     tagged (GMAC pieces under ``counter``) just before the socket copies it, so the copy reads
     it from cache; ``encrypt``: sealed whole into ``scratch``."""
@@ -160,14 +170,22 @@ def send_body(sock, d: Direction, seq: bytes, head_tag: bytes, payload: memoryvi
         return send_all(sock, out, deadline)
     tags = []
     for at in range(0, len(payload), SLICE):
-        piece = payload[at:at + SLICE]
+        piece = payload[at : at + SLICE]
         tags.append(mac_pieces(d, counter, [piece], at // MAC_PIECE))
         send_all(sock, piece, deadline)
     send_all(sock, body_tag(d, seq, head_tag, b"".join(tags)), deadline)
 
 
-def send_frame(sock, d: Direction, kind: int, name: bytes, payload: memoryview | None, checksum: int,
-               deadline: float, scratch: Scratch | None = None) -> None:
+def send_frame(
+    sock,
+    d: Direction,
+    kind: int,
+    name: bytes,
+    payload: memoryview | None,
+    checksum: int,
+    deadline: float,
+    scratch: Scratch | None = None,
+) -> None:
     """Send a whole frame; a payload in mac mode takes the direction's next payload counter."""
     nbytes = 0 if payload is None else len(payload)
     counter = d.next_payload() if nbytes and d.gmac is not None else 0
@@ -176,8 +194,9 @@ def send_frame(sock, d: Direction, kind: int, name: bytes, payload: memoryview |
         send_body(sock, d, seq, tag, payload, deadline, counter, scratch)
 
 
-def read_head(sock, d: Direction, kinds: tuple, max_payload: int, deadline: float,
-              frame_s: float | None = None) -> Head:
+def read_head(
+    sock, d: Direction, kinds: tuple, max_payload: int, deadline: float, frame_s: float | None = None
+) -> Head:
     """The next frame's header, authenticated; the payload is left on the socket. The first
     byte must arrive by ``deadline``; the rest of the frame is due ``frame_s`` after it (None:
     by ``deadline``)."""
@@ -196,8 +215,9 @@ def read_head(sock, d: Direction, kinds: tuple, max_payload: int, deadline: floa
     return Head(seq, kind, rest[:name_len], nbytes, checksum, counter, rest[name_len:], deadline)
 
 
-def read_body(sock, d: Direction, head: Head, parts: list[memoryview], scratch: Scratch | None = None,
-              with_xxh3: bool = False) -> int:
+def read_body(
+    sock, d: Direction, head: Head, parts: list[memoryview], scratch: Scratch | None = None, with_xxh3: bool = False
+) -> int:
     """Receive the payload of ``head`` into ``parts`` and check its tag (FrameError if it
     fails); return the xxh3-64 of the payload with ``with_xxh3`` (else 0). ``mac`` mode: a
     payload landing in one view is tagged ``SLICE`` bytes at a time as each lands, read from
@@ -216,7 +236,7 @@ def read_body(sock, d: Direction, head: Head, parts: list[memoryview], scratch: 
     elif len(parts) == 1:
         view, slice_tags = parts[0], []
         for at in range(0, len(view), SLICE):
-            piece = view[at:at + SLICE]
+            piece = view[at : at + SLICE]
             recv_into(sock, piece, head.deadline)
             slice_tags.append(mac_pieces(d, head.counter, [piece], at // MAC_PIECE, x))
         check_body(d, head.seq, head.tag, b"".join(slice_tags), recv_exact(sock, TAG, head.deadline))
@@ -240,7 +260,7 @@ def _open(d: Direction, seq: bytes, head_tag: bytes, sealed: memoryview, parts, 
     if len(parts) > 1:
         at = 0
         for p in parts:
-            p[:] = out[at:at + len(p)]
+            p[:] = out[at : at + len(p)]
             at += len(p)
 
 

@@ -9,6 +9,7 @@ process that crashes while holding the mapping.
   partial <handle-json>                  scribble over the first half of the buffer, print "wrote"
   restore <handle-json> <manifest-file>  restore a fresh state from the buffer, print its digest
 """
+
 from __future__ import annotations
 
 import json

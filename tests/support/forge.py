@@ -1,4 +1,5 @@
 """Forging a durable checkpoint the way an attacker with write access could. (No tests here.)"""
+
 from __future__ import annotations
 
 import json

@@ -3,6 +3,7 @@
 
 Used by the elastic restore tests and ``bench/recovery.py``. (No tests here.)
 """
+
 from __future__ import annotations
 
 import time
@@ -12,8 +13,11 @@ import torch
 
 from memsnap.localcluster import free_port
 
-SMALL = {"l1.weight": ((24, 16), "shard"), "l1.bias": ((16,), "replicate"),
-         "l2.weight": ((10, 16), "shard")}  # 10 rows: uneven over 3 and 4 ranks
+SMALL = {
+    "l1.weight": ((24, 16), "shard"),
+    "l1.bias": ((16,), "replicate"),
+    "l2.weight": ((10, 16), "shard"),
+}  # 10 rows: uneven over 3 and 4 ranks
 
 
 @ray.remote(num_cpus=0)
@@ -44,7 +48,8 @@ class Rank:
             mod, attr = path.split(".")
             place = Shard(0) if kind == "shard" else Replicate()
             getattr(model, mod).register_parameter(
-                attr, torch.nn.Parameter(distribute_tensor(torch.randn(shape), self.mesh, [place])))
+                attr, torch.nn.Parameter(distribute_tensor(torch.randn(shape), self.mesh, [place]))
+            )
         optim = torch.optim.AdamW(model.parameters(), lr=0.05)
         state = {"model": model, "optim": optim}
         self._step(state, seed + 1000)  # the moments exist (a resharded load needs every sharded tensor)
@@ -111,7 +116,9 @@ class Rank:
 def start(job: str, opts: dict, nodes: list[int], layout: dict | None = None, timeout: float = 240) -> list:
     """Rank i on node index ``nodes[i]``, created together (they meet in one gloo group)."""
     port, world = free_port(), len(nodes)
-    ranks = [Rank.options(resources={f"memsnap_node_{n}": 0.01}).remote(job, r, world, port, opts, layout)
-             for r, n in enumerate(nodes)]
+    ranks = [
+        Rank.options(resources={f"memsnap_node_{n}": 0.01}).remote(job, r, world, port, opts, layout)
+        for r, n in enumerate(nodes)
+    ]
     ray.get([r.node.remote() for r in ranks], timeout=timeout)
     return ranks

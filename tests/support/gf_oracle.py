@@ -1,5 +1,6 @@
 """An independent pure-Python GF(2^8) oracle for the codec tests (no memsnap code involved).
 (No tests here: ``tests/test_codec_oracle.py`` checks that the oracle itself is a field.)"""
+
 from __future__ import annotations
 
 import functools

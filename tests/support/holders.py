@@ -1,4 +1,5 @@
 """k+m chunk holders served over real loopback TCP, and a client to reach them."""
+
 from __future__ import annotations
 
 import contextlib

@@ -3,6 +3,7 @@ is not a parameter, every RNG. A step's data is a function of (rank, step), and 
 records the digest of its whole state after every step in the rendezvous store: a step
 trained again after a rollback must give the digest it gave the first time (bitwise equal to
 a run that never failed)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -49,14 +50,19 @@ def digest(state) -> str:
 def make_train(steps: int, step_s: float = 0.0, slow: tuple[int, int, float] | None = None):
     """``slow``: (rank, step, seconds) — that rank spends that long in that step, once (a slow
     rank, which must not be taken for a lost one)."""
+
     def train(ctx, state):
         import torch
 
         store = ctx.store
         forward = state.get("ddp")
         state = snapshot_of(state)
-        if ctx.generation and ctx.recoveries == 0 and store.check(["test/die_on_takeover"]) \
-                and store.add("test/takeovers", 1) == 1:
+        if (
+            ctx.generation
+            and ctx.recoveries == 0
+            and store.check(["test/die_on_takeover"])
+            and store.add("test/takeovers", 1) == 1
+        ):
             os.kill(os.getpid(), signal.SIGKILL)  # the first standby dies as it takes over
         start = ctx.restore(state)
         model, opt = state["model"], state["optim"]

@@ -7,6 +7,7 @@ into the arena its agent hands out; everything after it (checksums, stripes, par
 ``node_ready``/``node_failed``, the commit broadcast, re-protection) is the library's own code.
 A lost node stops serving and says nothing more, as a dead process would.
 """
+
 from __future__ import annotations
 
 import logging
@@ -175,15 +176,21 @@ class Job:
 
     def resolved(self, step: int, timeout: float = 60) -> None:
         """Until the coordinator and every live agent have settled ``step`` (committed or dropped)."""
-        wait_for(lambda: self.coord.resolved(step) and all(c.resolved(step) for c in self.live().values()),
-                 timeout=timeout, what=f"step {step} to be committed or dropped everywhere")
+        wait_for(
+            lambda: self.coord.resolved(step) and all(c.resolved(step) for c in self.live().values()),
+            timeout=timeout,
+            what=f"step {step} to be committed or dropped everywhere",
+        )
 
     def layouts_current(self, timeout: float = 60) -> None:
         """Until every live agent has dropped a cached layout older than the placement (the
         ``layout_changed`` broadcast arrived)."""
         epoch = self.coord.membership.epoch
-        wait_for(lambda: all(c.sender.layout is None or c.sender.layout.get("epoch") == epoch
-                             for c in self.live().values()), timeout=timeout, what="the new layout to reach every agent")
+        wait_for(
+            lambda: all(c.sender.layout is None or c.sender.layout.get("epoch") == epoch for c in self.live().values()),
+            timeout=timeout,
+            what="the new layout to reach every agent",
+        )
 
     # --- reading back ----------------------------------------------------------------------------------
     def read_from_holders(self, step: int, rank: int) -> tuple[bytes, dict]:

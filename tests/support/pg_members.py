@@ -18,6 +18,7 @@ started when it is closed. The processes are forked by multiprocessing's fork se
 fresh interpreter (no state of the test's process) that imported torch once, so a spare is
 started in milliseconds instead of one torch import each.
 """
+
 from __future__ import annotations
 
 import json
@@ -51,9 +52,17 @@ def _form(group, store, name: str, cmd: dict) -> None:
             if sums == SUMS_BEFORE_READY:
                 _put(store, f"test/{name}/ready/{gen}", group.counts())
     except Exception as exc:
-        _put(store, f"test/{name}/left/{gen}", {
-            "kind": type(exc).__name__, "message": str(exc), "gen": getattr(exc, "gen", None),
-            "failure": group.failure(), "counts": group.counts()})
+        _put(
+            store,
+            f"test/{name}/left/{gen}",
+            {
+                "kind": type(exc).__name__,
+                "message": str(exc),
+                "gen": getattr(exc, "gen", None),
+                "failure": group.failure(),
+                "counts": group.counts(),
+            },
+        )
         return
     _put(store, f"test/{name}/done/{gen}", group.counts())
 
@@ -66,8 +75,7 @@ def serve(port: int, name: str, backend_timeout_s: float) -> None:
     from memsnap.inplace.group import RecoverableGroup
 
     torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
-                          timeout=timedelta(seconds=300))
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=300))
     group = RecoverableGroup(JOB, ("127.0.0.1", port), timeout_s=backend_timeout_s)
     _put(store, f"test/{name}/up", {"pid": os.getpid()})
     i = 0
@@ -80,9 +88,15 @@ def serve(port: int, name: str, backend_timeout_s: float) -> None:
             _form(group, store, name, cmd)
         elif cmd["op"] == "close":
             group.close()
-            _put(store, f"test/{name}/closed", {
-                "watcher_alive": group._watcher.is_alive(), "failed": {str(g): w for g, w in group._failed.items()},
-                "threads": sorted(t.name for t in threading.enumerate())})
+            _put(
+                store,
+                f"test/{name}/closed",
+                {
+                    "watcher_alive": group._watcher.is_alive(),
+                    "failed": {str(g): w for g, w in group._failed.items()},
+                    "threads": sorted(t.name for t in threading.enumerate()),
+                },
+            )
             return
 
 
@@ -92,8 +106,9 @@ class Members:
     def __init__(self, names: list[str], backend_timeout_s: float = 120.0):
         import torch.distributed as dist
 
-        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                   timeout=timedelta(seconds=60))
+        self.store = dist.TCPStore(
+            "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+        )
         self.job = JOB
         self.backend_timeout_s = backend_timeout_s
         self.procs: dict[str, multiprocessing.Process] = {}
@@ -104,8 +119,9 @@ class Members:
             self.start(name)
 
     def start(self, name: str) -> None:
-        proc = self._ctx.Process(target=serve, args=(self.store.port, name, self.backend_timeout_s),
-                                 name=f"member-{name}", daemon=True)
+        proc = self._ctx.Process(
+            target=serve, args=(self.store.port, name, self.backend_timeout_s), name=f"member-{name}", daemon=True
+        )
         proc.start()
         self.procs[name] = proc
         self._sent[name] = 0

@@ -4,6 +4,7 @@
 thread with its own small state (a linear layer + AdamW) and its own ``Snapshotter``, all
 saving and restoring at once as the ranks of a real node do.
 """
+
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
@@ -56,9 +57,11 @@ class NodeRanks:
 
     def train_and_save(self, s: int) -> dict:
         """Every rank trains step ``s`` and saves it at once: ``{rank: (saved, digest)}``."""
+
         def one(r):
             step(self.states[r], 1000 * s + r)
             return self.snaps[r].save(s, self.states[r]), digest(self.states[r], rng=False)
+
         return self._all(one)
 
     def wait(self, s: int, timeout: float = 120.0):
@@ -66,9 +69,11 @@ class NodeRanks:
 
     def restore(self) -> dict:
         """Every rank restores at once: ``{rank: (step, tier, digest)}``."""
+
         def one(r):
             got = self.snaps[r].restore(self.states[r])
             return got, self.snaps[r].last_restore["tier"], digest(self.states[r], rng=False)
+
         return self._all(one)
 
     def status(self) -> dict:
@@ -84,8 +89,10 @@ class NodeRanks:
 
 def _create(job: str, layout: dict[int, list[int]], opts: dict) -> list:
     world = sum(len(r) for r in layout.values())
-    return [NodeRanks.options(resources={f"memsnap_node_{i}": 0.01}).remote(job, ranks, world, opts)
-            for i, ranks in layout.items()]
+    return [
+        NodeRanks.options(resources={f"memsnap_node_{i}": 0.01}).remote(job, ranks, world, opts)
+        for i, ranks in layout.items()
+    ]
 
 
 def start_node_ranks(job: str, layout: dict[int, list[int]], opts: dict) -> list:

@@ -2,6 +2,7 @@
 ``memsnap.integrations.ray_train_inplace.run``, recording in a store of the test's own (it
 outlives the run's rendezvous store, which lives in Ray Train's controller) each process's
 pid, each restore's tier and step, the first step after each restore, and the final digests."""
+
 from __future__ import annotations
 
 import json
@@ -28,10 +29,17 @@ class Recorded:
         import psutil
 
         times = {k: v for k, v in self._ctx._m._report.items() if k in ("assigned", "formed", "registered")}
-        self.store.set(f"test/restored/{self._ctx.generation}/{self._ctx.rank}",
-                       json.dumps({"pid": os.getpid(), "tier": last.get("tier"), "start": start,
-                                   "times": {**times, "process": psutil.Process().create_time(),
-                                             "restored": time.time()}}))
+        self.store.set(
+            f"test/restored/{self._ctx.generation}/{self._ctx.rank}",
+            json.dumps(
+                {
+                    "pid": os.getpid(),
+                    "tier": last.get("tier"),
+                    "start": start,
+                    "times": {**times, "process": psutil.Process().create_time(), "restored": time.time()},
+                }
+            ),
+        )
         return start
 
     def save(self, step: int, state, **kwargs):

@@ -1,6 +1,7 @@
 """One process of the 4 -> 2 -> 4 resharding test (``tests/test_reshard.py``): DTensor state
 saved and loaded by gloo ranks on CPU. Run as ``python -m support.reshard_worker`` with
 ``RANK``, ``ROOT`` and ``PORT_A``/``PORT_B``/``PORT_C`` set. (No tests here.)"""
+
 from __future__ import annotations
 
 import os
@@ -8,9 +9,12 @@ import os
 import torch
 
 LAYOUT = {  # parameter -> (full shape, placement)
-    "l1.weight": ((12, 6), "shard0"), "l1.bias": ((12,), "shard0"),
-    "l2.weight": ((7, 12), "shard1"), "l2.bias": ((7,), "replicate"),
-    "l3.weight": ((7, 7), "shard0"), "l3.bias": ((7,), "replicate"),  # 7 rows over 4 ranks: 2,2,2,1
+    "l1.weight": ((12, 6), "shard0"),
+    "l1.bias": ((12,), "shard0"),
+    "l2.weight": ((7, 12), "shard1"),
+    "l2.bias": ((7,), "replicate"),
+    "l3.weight": ((7, 7), "shard0"),
+    "l3.bias": ((7,), "replicate"),  # 7 rows over 4 ranks: 2,2,2,1
 }
 
 
@@ -64,8 +68,9 @@ def _phase(phase: str, rank: int, world: int) -> None:
 
     import memsnap
 
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            init_method=f"tcp://127.0.0.1:{os.environ['PORT_' + phase]}")
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{os.environ['PORT_' + phase]}"
+    )
     try:
         mesh = init_device_mesh("cpu", (world,))
         root = os.environ["ROOT"]

@@ -2,6 +2,7 @@
 
 (No tests here: the ``test_runtime_*`` modules import it.)
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -106,7 +107,8 @@ class Trainer:
 
 def start_trainer(job: str, rank: int, world: int, node_index: int, opts: dict, seed: int | None = None):
     trainer = Trainer.options(resources={f"memsnap_node_{node_index}": 0.01}).remote(
-        job, rank, world, rank if seed is None else seed, opts)
+        job, rank, world, rank if seed is None else seed, opts
+    )
     ray.get(trainer.node.remote(), timeout=120)
     return trainer
 
@@ -114,8 +116,10 @@ def start_trainer(job: str, rank: int, world: int, node_index: int, opts: dict, 
 def start_all(job: str, nodes: list[int], opts: dict, seed_offset: int = 0) -> list:
     """One trainer per node index (rank i on ``nodes[i]``), created together so they register together."""
     world = len(nodes)
-    trainers = [Trainer.options(resources={f"memsnap_node_{n}": 0.01}).remote(job, r, world, r + seed_offset, opts)
-                for r, n in enumerate(nodes)]
+    trainers = [
+        Trainer.options(resources={f"memsnap_node_{n}": 0.01}).remote(job, r, world, r + seed_offset, opts)
+        for r, n in enumerate(nodes)
+    ]
     ray.get([t.node.remote() for t in trainers], timeout=180)
     return trainers
 
@@ -137,8 +141,11 @@ def lose_nodes(c, node_ids: list[str]) -> None:
     """Kill the nodes ``node_ids`` of cluster ``c`` abruptly; return once Ray declared them dead."""
     for n in [n for n in c.nodes if n.node_id in node_ids]:
         c.kill_node(n)
-    wait_for(lambda: all(node_dead(n) for n in node_ids), timeout=60,
-             what=f"{len(node_ids)} killed node(s) to be declared dead")
+    wait_for(
+        lambda: all(node_dead(n) for n in node_ids),
+        timeout=60,
+        what=f"{len(node_ids)} killed node(s) to be declared dead",
+    )
 
 
 def remove_arenas(job: str) -> None:
@@ -200,8 +207,15 @@ def running_job(spec: JobSpec, tmp_path_factory):
     try:
         with cluster(spec.name, spec.nodes, system_config=spec.system_config) as c:
             trainers = start_all(spec.name, ranks, opts) if ranks else []
-            yield {"cluster": c, "trainers": trainers, "opts": opts, "spill": spill, "digests": {},
-                   "node_index": ranks, "nodes": ray.get([t.node.remote() for t in trainers], timeout=60)}
+            yield {
+                "cluster": c,
+                "trainers": trainers,
+                "opts": opts,
+                "spill": spill,
+                "digests": {},
+                "node_index": ranks,
+                "nodes": ray.get([t.node.remote() for t in trainers], timeout=60),
+            }
     finally:
         for k, v in old.items():
             if v is None:
@@ -210,5 +224,17 @@ def running_job(spec: JobSpec, tmp_path_factory):
                 os.environ[k] = v
 
 
-__all__ = ["JobSpec", "running_job", "cluster", "remove_arenas", "start_all", "start_trainer", "restore_all",
-           "kill", "node_dead", "lose_nodes", "wait_for", "shutil"]
+__all__ = [
+    "JobSpec",
+    "running_job",
+    "cluster",
+    "remove_arenas",
+    "start_all",
+    "start_trainer",
+    "restore_all",
+    "kill",
+    "node_dead",
+    "lose_nodes",
+    "wait_for",
+    "shutil",
+]

@@ -1,4 +1,5 @@
 """A real S3-compatible server for tests: moto's server mode on 127.0.0.1, a free port."""
+
 from __future__ import annotations
 
 import contextlib
@@ -37,8 +38,12 @@ def moto_s3(bucket: str = "memsnap-test") -> Iterator[str]:
     import boto3
     from moto.server import ThreadedMotoServer
 
-    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-           "AWS_REGION": "us-east-1", "AWS_DEFAULT_REGION": "us-east-1"}
+    env = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_REGION": "us-east-1",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     _fix_complete_multipart_root()

@@ -1,5 +1,6 @@
 """Small durable snapshots for the storage tests: a manifest and its buffer, and a committed
 step of them. (No tests here.)"""
+
 from __future__ import annotations
 
 import numpy as np
@@ -16,7 +17,7 @@ def make_snapshot(seed: int, n: int = 1000) -> tuple[Manifest, bytearray]:
     off_b = align_up(a.nbytes)
     buf = bytearray(align_up(off_b + b.nbytes))
     buf[: a.nbytes] = a.tobytes()
-    buf[off_b: off_b + b.nbytes] = b.tobytes()
+    buf[off_b : off_b + b.nbytes] = b.tobytes()
     tensors = [
         TensorEntry("w", "float32", (n,), 0, a.nbytes, checksum(a)),
         TensorEntry("b", "int64", (7,), off_b, b.nbytes, checksum(b)),

@@ -1,4 +1,5 @@
 """Socket stand-ins for the transport tests."""
+
 from __future__ import annotations
 
 
@@ -24,7 +25,7 @@ class Replay:
 
     def recv_into(self, view, nbytes: int = 0, flags: int = 0) -> int:
         n = min(nbytes or len(view), len(self.data) - self.at)
-        view[:n] = self.data[self.at:self.at + n]
+        view[:n] = self.data[self.at : self.at + n]
         self.at += n
         return n
 

@@ -1,6 +1,7 @@
 """The training states the tests snapshot, from one factory: a seeded MLP, its AdamW and,
 optionally, an LR schedule. Each test module names the shape it needs (a ``functools.partial``
 of ``make_state``). (No tests here.)"""
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -8,9 +9,17 @@ from collections.abc import Sequence
 import torch
 
 
-def make_state(seed: int = 0, widths: Sequence[int] = (256, 1024, 256), *, relu: bool = True,
-               lr: float = 1e-3, warm: int = 0, sched: bool = False, epoch: bool = False,
-               device: str = "cpu") -> dict:
+def make_state(
+    seed: int = 0,
+    widths: Sequence[int] = (256, 1024, 256),
+    *,
+    relu: bool = True,
+    lr: float = 1e-3,
+    warm: int = 0,
+    sched: bool = False,
+    epoch: bool = False,
+    device: str = "cpu",
+) -> dict:
     """``{"model", "optim"}`` determined by ``seed``: linear layers through ``widths`` (a ReLU
     between two when ``relu``; one layer is the ``Linear`` itself, not a ``Sequential``) on
     ``device``, and their AdamW at ``lr``. ``warm``: one backward pass and optimizer step on a

@@ -8,6 +8,7 @@ Run as a script it resumes from a snapshot in a fresh process (used by the bitwi
     python tests/toytrain.py DIR N    # reads DIR/state.json + DIR/state.bin, trains N steps,
                                       # writes DIR/losses.json and DIR/params.json + DIR/params.bin
 """
+
 from __future__ import annotations
 
 import atexit
@@ -55,8 +56,9 @@ def make(seed: int) -> dict[str, Any]:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(FEATURES, 16), torch.nn.ReLU(), torch.nn.Dropout(0.3),
-                                torch.nn.Linear(16, 1))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(FEATURES, 16), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(16, 1)
+    )
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.StepLR(optim, step_size=4, gamma=0.5)
     data = ToyData()
