@@ -274,3 +274,49 @@ def test_a_handover_moves_a_rank_to_the_standby_with_nothing_rolled_back(cluster
     finally:
         runner.join(timeout=60)
         memsnap.shutdown(job, timeout=30)
+
+
+def test_a_node_lost_after_the_coordinator_was_lost_recovers_through_its_rebuild(cluster):
+    """The coordinator's process dies (Ray restarts it beside the controller; it rebuilds its
+    state from the agents), then a rank's node is killed: the recovery goes through the rebuilt
+    coordinator, the survivors roll back in place, and the replayed steps are bitwise equal."""
+    import memsnap
+    from memsnap.inplace import InplaceJob
+
+    lc = cluster
+    while len(lc.nodes) < 5:
+        lc.add_node()
+    ranks, spare = lc.nodes[-4:-1], lc.nodes[-1]
+    job = f"inplace-{uuid.uuid4().hex[:6]}"
+    steps = 40
+    j = InplaceJob(
+        job,
+        inplace_job.setup,
+        inplace_job.make_train(steps, step_s=0.05),
+        rank_nodes=[n.node_id for n in ranks],
+        standby_nodes=[spare.node_id],
+        options=OPTIONS,
+    )
+    out: dict = {}
+    runner = run_in_thread(j, out)
+    try:
+        wait_for(lambda: progress(j, 1, 6), timeout=300, what="rank 1 to train 6 steps")
+        pids = j.members()
+        coord = ray.get_actor(naming.coordinator(job), namespace=naming.NAMESPACE)
+        ray.kill(coord, no_restart=False)  # its process dies; Ray starts it again
+        at = int(j.store.get("test/progress/1"))
+        wait_for(lambda: progress(j, 1, at + 3), timeout=300, what="training to go on past the coordinator's loss")
+        kill_hard(lc, ranks[1])
+        runner.join(timeout=600)
+        assert not runner.is_alive() and sorted(out["results"]) == [0, 1, 2]
+        (rec,) = j.collect()
+        assert rec["lost"] == {1: "r1"} and rec["takeover"] == {1: "s0"}
+        assert rec["tiers"][0] == "local" and rec["tiers"][2] == "local" and rec["tiers"][1] == "peer"
+        assert rec["pids"][0] == pids[0]["pid"] and rec["pids"][2] == pids[2]["pid"]
+        assert not any(j.store.check([f"test/mismatch/{r}/{s}"]) for r in range(3) for s in range(steps))
+        assert len({v["digest"] for v in out["results"].values()}) == 1
+        status = ray.get(coord.status.remote(), timeout=60)  # the rebuilt coordinator knows the loss
+        assert ranks[1].node_id in status["fenced"]
+    finally:
+        runner.join(timeout=60)
+        memsnap.shutdown(job, timeout=30)
