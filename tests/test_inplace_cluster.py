@@ -320,3 +320,51 @@ def test_a_node_lost_after_the_coordinator_was_lost_recovers_through_its_rebuild
     finally:
         runner.join(timeout=60)
         memsnap.shutdown(job, timeout=30)
+
+
+def test_with_no_standby_and_no_free_node_the_job_waits_for_a_node_and_recovers_on_it(cluster, caplog):
+    """``on_no_standby="wait"`` with no standby at all and every node in use: a rank's node is
+    lost, the controller says it waits for a node, and once one joins the cluster a standby is
+    warmed there and takes the rank; the survivors stay in place."""
+    import logging
+
+    import memsnap
+    from memsnap.inplace import InplaceJob
+
+    lc = cluster
+    while len(lc.nodes) < 4:
+        lc.add_node()
+    ranks = lc.nodes[-3:]
+    job = f"inplace-{uuid.uuid4().hex[:6]}"
+    steps = 40
+    j = InplaceJob(
+        job,
+        inplace_job.setup,
+        inplace_job.make_train(steps, step_s=0.05),
+        rank_nodes=[n.node_id for n in ranks],
+        options=OPTIONS,
+        on_no_standby="wait",
+        wait_for_node_s=300,
+    )
+    j._used_nodes.update(n["NodeID"] for n in ray.nodes() if n.get("Alive"))  # no free node anywhere
+    out: dict = {}
+    runner = run_in_thread(j, out)
+    try:
+        wait_for(lambda: progress(j, 1, 6), timeout=300, what="rank 1 to train 6 steps")
+        pids = j.members()
+        with caplog.at_level(logging.WARNING, logger="memsnap.inplace"):
+            kill_hard(lc, ranks[1])
+            wait_for(
+                lambda: "no standby is warm: waiting" in caplog.text, timeout=120, what="the controller to say it waits"
+            )
+            lc.add_node()
+            runner.join(timeout=600)
+        assert not runner.is_alive() and sorted(out["results"]) == [0, 1, 2]
+        (rec,) = j.collect()
+        assert rec["lost"] == {1: "r1"} and rec["tiers"][1] == "peer"
+        assert rec["pids"][0] == pids[0]["pid"] and rec["pids"][2] == pids[2]["pid"]
+        assert not any(j.store.check([f"test/mismatch/{r}/{s}"]) for r in range(3) for s in range(steps))
+        assert len({v["digest"] for v in out["results"].values()}) == 1
+    finally:
+        runner.join(timeout=60)
+        memsnap.shutdown(job, timeout=30)

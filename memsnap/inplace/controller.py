@@ -449,6 +449,12 @@ class InplaceJob:
                 f"job {self.job!r}: a rank was lost and no standby is left: give more "
                 "standby_nodes, or on_no_standby='wait' to wait for a free node"
             )
+        log.warning(
+            "job %r: a rank was lost and no standby is warm: waiting up to %.0f s for the one warming or "
+            "a free node (add a node to the cluster, or give more standby_nodes)",
+            self.job,
+            self.wait_for_node_s,
+        )
         for t in list(self._warming):
             t.join(timeout=max(0.0, self.wait_for_node_s))
         deadline = time.monotonic() + self.wait_for_node_s
