@@ -204,3 +204,11 @@ def resolve(groups: dict[str, Any], flat: dict[str, Any]) -> dict[str, Any]:
         base = given if given is not None else cls()
         out[group] = cls(**{**{f.name: getattr(base, f.name) for f in fields(cls)}, **fields_of[group]})
     return out
+
+
+def resolve_options(options: dict[str, Any]) -> dict[str, Any]:
+    """``resolve`` for options given as one mapping (a Snapshotter's keyword arguments: groups
+    by their names beside shorthand keywords), as ``start_spare`` and the in-place controller
+    take them."""
+    groups = {name: value for name, value in options.items() if name in GROUPS}
+    return resolve(groups, {name: value for name, value in options.items() if name not in GROUPS})

@@ -33,7 +33,7 @@ from memsnap.arena import Arena
 from memsnap.config import SnapshotConfig, tcp_options, tunable
 from memsnap.errors import ChecksumError, ConfigError, MemsnapError
 from memsnap.manifest import Manifest
-from memsnap.options import Device, Failures, Memory, Protection, Spill, When, Wire, resolve
+from memsnap.options import Device, Failures, Memory, Protection, Spill, When, Wire, resolve, resolve_options
 from memsnap.policy import Policy, Scheduler, StalenessGuard
 from memsnap.records import RankPlan
 from memsnap.secret import job_secret
@@ -687,8 +687,7 @@ def start_spare(job: str, node_id: str, **options: Any):
     it before the ranks start, e.g. from the driver. Returns the agent's actor handle."""
     if not ray.is_initialized():
         raise ConfigError("start_spare needs Ray: call it after ray.init()")
-    groups = {g: options.pop(g) for g in list(options) if g in ("protection", "memory", "spill", "wire", "device")}
-    cfg = job_config(job, resolve(groups, options))
+    cfg = job_config(job, resolve_options(options))
     job_secret(job)  # made now if no rank made it yet: the agent reads it from Ray's key-value store
     handle = actors.agent_for(cfg, node_id)
     address = _get(handle.address.remote())

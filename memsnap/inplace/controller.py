@@ -103,16 +103,10 @@ def pin_coordinator(job: str, options: dict, world: int, node: str) -> None:
     import ray
 
     from memsnap import actors
-    from memsnap.options import resolve
+    from memsnap.options import resolve_options
     from memsnap.snapshotter import job_config
 
-    opts = {k: v for k, v in options.items() if k != "run"}
-    groups = {
-        g: opts.pop(g)
-        for g in list(opts)
-        if g in ("protection", "memory", "spill", "when", "failures", "wire", "device")
-    }
-    cfg = job_config(job, resolve(groups, opts))
+    cfg = job_config(job, resolve_options({k: v for k, v in options.items() if k != "run"}))
     ray.get(actors.coordinator_for(cfg, world, node=node).config.remote(), timeout=120)
 
 
