@@ -78,8 +78,7 @@ class Slots:
             arena = ready
         else:
             if ready is not None:
-                ready.close(unlink=True)
-                self.budget.release(ready.nbytes)
+                self._discard(ready)
             self.budget.charge(nbytes, f"the arena of rank {rank} (slot {slot})")
             try:
                 arena = Arena.create(path, nbytes, prefault)
@@ -163,8 +162,7 @@ class Slots:
             raise
         with self.lock:
             if (rank, slot) in self.arenas:  # a save made it meanwhile: keep that one
-                arena.close(unlink=True)
-                self.budget.release(nbytes)
+                self._discard(arena)
                 return 0
             arena.rename(naming.arena_path(self.cfg.job, self.node, rank, slot, 0))
             self.arenas[(rank, slot)] = arena
@@ -196,25 +194,25 @@ class Slots:
         old = self.arenas.pop((rank, slot), None)
         if old is None:
             return 0
-        old.close(unlink=True)
-        self.budget.release(old.nbytes)
+        self._discard(old)
         return naming.arena_gen(old.path)[1] + 1
 
     def forget_rank(self, rank: int) -> tuple[int, int]:
         """``rank`` left this node: drop its arenas (unlinked, uncharged), its restore arena
         made ahead, and its bytes in every version here. Returns (arenas, bytes) freed."""
-        count = nbytes = 0
-        for r, slot in [key for key in self.arenas if key[0] == rank]:
-            nbytes += self.arenas[(r, slot)].nbytes
-            self.drop_arena(r, slot)
-            count += 1
+        gone = [self.arenas.pop(key) for key in [key for key in self.arenas if key[0] == rank]]
         ready = self.prepared.pop(rank, None)
         if ready is not None:
-            ready.close(unlink=True)
-            self.budget.release(ready.nbytes)
-            count, nbytes = count + 1, nbytes + ready.nbytes
+            gone.append(ready)
+        for arena in gone:
+            self._discard(arena)
         self.versions.forget_rank(rank)
-        return count, nbytes
+        return len(gone), sum(a.nbytes for a in gone)
+
+    def _discard(self, arena: Arena) -> None:
+        """Unlink ``arena`` and give its charge back to the memory budget."""
+        arena.close(unlink=True)
+        self.budget.release(arena.nbytes)
 
     def release(self, v: Version) -> None:
         """Lean mode: ``v``'s bytes are held by its peers (and spilled if that was due), so its
