@@ -107,6 +107,13 @@ def run_in_thread(j, out):
     return t
 
 
+def assert_replayed_bitwise(j, out: dict, steps: int) -> None:
+    """Every step trained again after a rollback gave the digest it gave the first time, and
+    the three ranks (data parallel) end identical."""
+    assert not any(j.store.check([f"test/mismatch/{r}/{s}"]) for r in range(3) for s in range(steps))
+    assert len({v["digest"] for v in out["results"].values()}) == 1
+
+
 def progress(j, rank: int, at_least: int) -> bool:
     key = f"test/progress/{rank}"
     return j.store is not None and j.store.check([key]) and int(j.store.get(key)) >= at_least
@@ -147,8 +154,7 @@ def test_a_hung_rank_is_noticed_by_its_heartbeat_fenced_and_replaced(cluster):
         # the standby reads the rank's whole copy from it (one read, no decode)
         assert rec["fenced_nodes"] == []
         assert rec["tiers"] == {0: "local", 1: "local", 2: "copy"}
-        assert not any(j.store.check([f"test/mismatch/{r}/{s}"]) for r in range(3) for s in range(steps))
-        assert len({v["digest"] for v in out["results"].values()}) == 1
+        assert_replayed_bitwise(j, out, steps)
         # fenced: the frozen process was killed, so it cannot wake up into the job
         wait_for(
             lambda: not stopped.is_running() or stopped.status() == psutil.STATUS_ZOMBIE,
@@ -228,8 +234,7 @@ def test_a_standby_that_dies_as_it_takes_over_is_replaced_by_the_next(cluster):
         assert second["lost"] == {1: "s0"} and second["takeover"] == {1: "s1"}
         assert second["fenced_nodes"] == []  # the standby's node and agent were fine
         assert second["tiers"] == {0: "local", 1: "peer", 2: "local"}
-        assert not any(j.store.check([f"test/mismatch/{r}/{s}"]) for r in range(3) for s in range(steps))
-        assert len({v["digest"] for v in out["results"].values()}) == 1
+        assert_replayed_bitwise(j, out, steps)
     finally:
         runner.join(timeout=60)
         memsnap.shutdown(job, timeout=30)
@@ -313,8 +318,7 @@ def test_a_node_lost_after_the_coordinator_was_lost_recovers_through_its_rebuild
         assert rec["lost"] == {1: "r1"} and rec["takeover"] == {1: "s0"}
         assert rec["tiers"][0] == "local" and rec["tiers"][2] == "local" and rec["tiers"][1] == "peer"
         assert rec["pids"][0] == pids[0]["pid"] and rec["pids"][2] == pids[2]["pid"]
-        assert not any(j.store.check([f"test/mismatch/{r}/{s}"]) for r in range(3) for s in range(steps))
-        assert len({v["digest"] for v in out["results"].values()}) == 1
+        assert_replayed_bitwise(j, out, steps)
         status = ray.get(coord.status.remote(), timeout=60)  # the rebuilt coordinator knows the loss
         assert ranks[1].node_id in status["fenced"]
     finally:
@@ -363,8 +367,7 @@ def test_with_no_standby_and_no_free_node_the_job_waits_for_a_node_and_recovers_
         (rec,) = j.collect()
         assert rec["lost"] == {1: "r1"} and rec["tiers"][1] == "peer"
         assert rec["pids"][0] == pids[0]["pid"] and rec["pids"][2] == pids[2]["pid"]
-        assert not any(j.store.check([f"test/mismatch/{r}/{s}"]) for r in range(3) for s in range(steps))
-        assert len({v["digest"] for v in out["results"].values()}) == 1
+        assert_replayed_bitwise(j, out, steps)
     finally:
         runner.join(timeout=60)
         memsnap.shutdown(job, timeout=30)
