@@ -198,7 +198,7 @@ def memsnap(c: Cluster, x: Measured) -> Projection:
     net_s = s * (c.k + c.m) / c.k / c.nic_gibps
     lag = max(cpu_s, net_s)
     period = _period(stall, c.mtbf_s, max(stall, lag), c.step_s)
-    recovery = x.detect_s + x.restart_s + s / x.peer_restore_gibps
+    recovery = restart_recovery(c, x)
     ram = agent_ram(s, c.k, c.m, c.keep)
     use = {
         "agent CPU": cpu_s / period,
@@ -211,11 +211,16 @@ def memsnap(c: Cluster, x: Measured) -> Projection:
     )
 
 
+def restart_recovery(c: Cluster, x: Measured) -> float:
+    """memsnap's recovery by a whole-job restart: detect, restart, the lost node's state from its peers."""
+    return x.detect_s + x.restart_s + c.state_gib_per_node / x.peer_restore_gibps
+
+
 def inplace_recovery(c: Cluster, x: Measured) -> tuple[float, float, float]:
     """``(R, R_inplace, p_no_standby)`` of a failure in place (module docstring)."""
     s = c.state_gib_per_node
     fast = x.inplace_detect_s + x.reform_s + max(s / x.peer_restore_gibps, s / x.local_restore_gibps)
-    slow = x.detect_s + x.restart_s + s / x.peer_restore_gibps
+    slow = restart_recovery(c, x)
     p = (1.0 - math.exp(-x.standby_warm_s / c.mtbf_s)) ** c.spares
     return (1.0 - p) * fast + p * slow, fast, p
 
