@@ -10,7 +10,8 @@ its generation at once through a ``failed`` key, so nobody waits out the backend
      in flight blocks the dropping thread until that work times out), and the new group is
      formed on the generation's prefix. The new group is the default group (``dist.*`` calls
      and DDP built after this use it).
-  2. [every member]  ``all_reduce(tensor)`` / ``average_gradients(params)``: the collective is
+  2. [every member]  ``all_reduce(tensor)`` / ``average_gradients(params)`` (and, for FSDP2,
+     ``all_gather_single`` / ``reduce_scatter_single``): the collective is
      started asynchronously and waited for together with the generation's ``failed`` key.
      A failure on this rank publishes the key and raises ``PeerLost``; a failure published by
      another rank (or by the controller, which watches heartbeats) abandons the collective
@@ -225,14 +226,49 @@ class RecoverableGroup:
         """``dist.all_reduce`` that ends in ``PeerLost`` (never a hang past a published failure)."""
         import torch.distributed as dist
 
+        self._collective(lambda: dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM, async_op=True))
+        return tensor
+
+    def all_gather_single(self, output, input) -> None:
+        """``dist.all_gather_single`` (every member's ``input`` laid end to end in ``output``),
+        ending in ``PeerLost`` like ``all_reduce``."""
+        import torch.distributed as dist
+
+        self._collective(lambda: dist.all_gather_single(output, input, async_op=True))
+
+    def reduce_scatter_single(self, output, input, op=None) -> None:
+        """``dist.reduce_scatter_single`` (``input`` reduced across members, this member's
+        slice in ``output``; ``op`` SUM or AVG), ending in ``PeerLost`` like ``all_reduce``.
+
+        gloo's own reduce-scatter runs inside its ``wait()``, which nothing can interrupt: on
+        gloo it is an all-reduce of a copy, this member's slice taken (bitwise what gloo's
+        gives: it sums the same way and divides by the world for AVG)."""
+        import torch.distributed as dist
+
+        op = dist.ReduceOp.SUM if op is None else op
+        if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+            raise ValueError(f"op={op!r}: the re-formable reduce-scatter takes SUM or AVG")
+        if self.backend == "nccl":
+            self._collective(lambda: dist.reduce_scatter_single(output, input, op=op, async_op=True))
+            return
+        full = input.clone()
+        self._collective(lambda: dist.all_reduce(full, op=dist.ReduceOp.SUM, async_op=True))
+        n = output.numel()
+        assert self.rank is not None and self.world is not None  # _collective checked the group
+        output.copy_(full.view(-1)[self.rank * n : (self.rank + 1) * n].view_as(output))
+        if op == dist.ReduceOp.AVG:
+            output.div_(self.world)
+
+    def _collective(self, start) -> None:
+        """Start a collective of the current generation (``start()`` returns its work) and wait
+        for it or for the generation's failure."""
         gen = self._current()
         try:
-            work = dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM, async_op=True)
+            work = start()
         except Exception as exc:  # a group that is already broken
             self.fail(f"{type(exc).__name__}: {exc}")
             raise PeerLost(f"generation {gen}: {exc}", gen) from None
         self._wait(work, gen)
-        return tensor
 
     def average_gradients(self, params) -> None:
         """Average the gradients of ``params`` across the generation's members, in one flat

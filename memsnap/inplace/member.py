@@ -107,6 +107,11 @@ class Context:
 
     def restore(self, state) -> int:
         """(collective) Roll ``state`` back to the newest committed step: the step to train next."""
+        if self._m.recoveries:
+            from memsnap.inplace.fsdp import reshard
+
+            for model in self._m.sharded:  # a step cut short may have left parameters gathered
+                reshard(model)
         try:
             step = self._m.snapshotter.restore(state)
         except Exception as exc:
@@ -148,6 +153,23 @@ class Context:
         from memsnap.inplace.ddp import replicate
 
         return replicate(model, self._m.group, **ddp_options)
+
+    def on_rank(self, fn: Callable) -> None:
+        """Run ``fn(ctx, state)`` once in this process, when it first becomes a rank: after its
+        group is formed, before ``train``. Call it in ``setup`` for work that needs the rank or
+        the group, which a standby does not have in ``setup``: ``ctx.fully_shard`` and the
+        optimizer over the sharded parameters."""
+        self._m.on_rank_fns.append(fn)
+
+    def fully_shard(self, model, *, modules=(), **options):
+        """FSDP2's ``fully_shard`` of each of ``modules`` and then ``model``, its all-gathers
+        and reduce-scatters through the re-formable group (``memsnap.inplace.fsdp``): call it
+        once, in a function given to ``on_rank``; it is never redone."""
+        from memsnap.inplace.fsdp import shard
+
+        sharded = shard(model, self._m.group, modules=modules, **options)
+        self._m.sharded.append(sharded)
+        return sharded
 
 
 class Member:
@@ -192,6 +214,8 @@ class Member:
         self.snap: Snapshotter | None = None
         self.state = None
         self.recoveries = 0
+        self.on_rank_fns: list[Callable] = []  # ctx.on_rank: run once, when this process first has a rank
+        self.sharded: list = []  # the models ctx.fully_shard sharded
         self._report: dict = {}
         self._lock = threading.Lock()
         self._leaving = threading.Event()  # a preemption notice: hand over at the next step boundary
@@ -334,6 +358,9 @@ class Member:
         }
         self.group.configure(gen, rank, world)
         self._report["formed"] = time.time()
+        while self.on_rank_fns:  # once per process (a standby's at its takeover)
+            self.on_rank_fns.pop(0)(Context(self), self.state)
+            self._report["on_rank"] = time.time()
         if self.snap is None:
             import memsnap
 

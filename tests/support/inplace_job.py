@@ -31,17 +31,40 @@ def setup_ddp(ctx):
     return setup(ctx, ddp=True)
 
 
+def setup_fsdp(ctx):
+    """The same model sharded with FSDP2 (each linear layer, then the whole): no rank holds a
+    replica of another's shards. Sharding and the optimizer need the rank: ``on_rank``."""
+    import torch
+
+    state = setup(ctx)
+    del state["optim"]  # built over the sharded parameters, below
+
+    def shard(ctx, state):
+        model = state["model"]
+        ctx.fully_shard(model, modules=[m for m in model if isinstance(m, torch.nn.Linear)])
+        state["optim"] = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    ctx.on_rank(shard)
+    state["fsdp"] = True  # a marker the training loop drops (like "ddp")
+    return state
+
+
 def snapshot_of(state) -> dict:
-    return {k: v for k, v in state.items() if k != "ddp"}
+    return {k: v for k, v in state.items() if k not in ("ddp", "fsdp")}
+
+
+def local(t):
+    """A tensor's bytes on this rank (a DTensor's own shard)."""
+    return (t.to_local() if hasattr(t, "to_local") else t).detach().numpy().tobytes()
 
 
 def digest(state) -> str:
     h = hashlib.blake2b(digest_size=16)
     for p in state["model"].parameters():
-        h.update(p.detach().numpy().tobytes())
+        h.update(local(p))
     for st in state["optim"].state.values():
         for k in sorted(st):
-            h.update(st[k].detach().numpy().tobytes())
+            h.update(local(st[k]))
     h.update(state["extra"]["bulk"].numpy().tobytes())
     h.update(str(state["extra"]["seen"]).encode())
     return h.hexdigest()
@@ -56,6 +79,7 @@ def make_train(steps: int, step_s: float = 0.0, slow: tuple[int, int, float] | N
 
         store = ctx.store
         forward = state.get("ddp")
+        sharded = state.get("fsdp", False)  # FSDP2 averages the gradients in its backward
         state = snapshot_of(state)
         if (
             ctx.generation
@@ -65,6 +89,12 @@ def make_train(steps: int, step_s: float = 0.0, slow: tuple[int, int, float] | N
         ):
             os.kill(os.getpid(), signal.SIGKILL)  # the first standby dies as it takes over
         start = ctx.restore(state)
+        # the rolled-back state is bitwise the state the first run had after that step
+        key = f"test/d/{ctx.rank}/{start - 1}"
+        if start and store.check([key]):
+            if store.get(key).decode() != digest(state):
+                store.set(f"test/mismatch/{ctx.rank}/{start - 1}", "restored")
+            store.add(f"test/restore_checked/{ctx.rank}", 1)
         model, opt = state["model"], state["optim"]
         for step in range(start, steps):
             g = torch.Generator().manual_seed(1_000_003 * (ctx.rank + 1) + step)
@@ -75,7 +105,7 @@ def make_train(steps: int, step_s: float = 0.0, slow: tuple[int, int, float] | N
             if slow is not None and (ctx.rank, step) == slow[:2] and not store.check(["test/slow"]):
                 store.set("test/slow", str(ctx.rank))
                 time.sleep(slow[2])  # a long step (compute stand-in); its heartbeat thread runs on
-            if forward is None:
+            if forward is None and not sharded:
                 ctx.average_gradients(model.parameters())
             opt.step()
             state["extra"]["bulk"][step % 4096] += 1.0

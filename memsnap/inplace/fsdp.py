@@ -1,0 +1,106 @@
+"""FSDP2 (``fully_shard``) whose all-gathers and reduce-scatters go through the re-formable
+group, so the sharded model and its optimizer are built once per process and never rebuilt
+when members change.
+
+No rank holds a replica of another's shards here: a lost rank's parameters and optimizer
+moments exist only in memsnap's snapshot, which the standby restores from its peers while
+the survivors roll back from their own node's RAM.
+
+``fully_shard`` needs the rank and a formed group, which a standby does not have in
+``setup``: call ``ctx.fully_shard`` (and build the optimizer over the sharded parameters) in
+a function given to ``ctx.on_rank`` in ``setup``; it runs once per process, when it first
+becomes a rank, after its group is formed.
+
+FSDP2 is given its own communication objects (``set_custom_all_gather`` and
+``set_custom_reduce_scatter``), which ignore the group FSDP2 holds (the generation it was
+sharded on, left when the group is re-formed) and use the current generation. A member keeps
+its rank across generations and the world its size, so every shard keeps its shape. As with
+``ddp``, a lost peer never raises inside FSDP2's hooks (that would leave its parameters
+unsharded mid-step): the collective leaves zeros, the generation is marked over, the step's
+``ctx.save`` ends it in ``PeerLost`` and the rollback undoes it. Each collective runs on
+buffers of its own (an abandoned one may still write into them until the backend's timeout).
+
+Collectives over the parameters' device mesh (``clip_grad_norm_`` on DTensors, ``full_tensor``)
+go to the generation the model was sharded on: use ``ctx.all_reduce`` instead.
+"""
+
+from __future__ import annotations
+
+from memsnap.inplace.group import PeerLost, RecoverableGroup
+
+
+def _comm_classes():
+    import torch
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+    class RecoverableAllGather(AllGather):
+        def __init__(self, group: RecoverableGroup):
+            self.group = group
+
+        def allocate(self, size, *, dtype, device):
+            return torch.empty(*size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            out = torch.empty_like(output_tensor)
+            try:
+                self.group.all_gather_single(out, input_tensor.clone())
+                output_tensor.copy_(out)
+            except PeerLost:
+                output_tensor.zero_()  # the generation is over; the step's save ends it
+            return None
+
+    class RecoverableReduceScatter(ReduceScatter):
+        def __init__(self, group: RecoverableGroup):
+            self.group = group
+
+        def allocate(self, size, *, dtype, device):
+            return torch.empty(*size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            out = torch.empty_like(output_tensor)
+            try:
+                self.group.reduce_scatter_single(out, input_tensor.clone(), op)
+                output_tensor.copy_(out)
+            except PeerLost:
+                output_tensor.zero_()
+            return None
+
+    return RecoverableAllGather, RecoverableReduceScatter
+
+
+def shard(model, group: RecoverableGroup, *, modules=(), **options):
+    """``fully_shard`` each of ``modules`` (for example the transformer blocks) and then
+    ``model``, on a 1-D mesh over the current generation, with the re-formable collectives.
+    ``options``: those of ``torch.distributed.fsdp.fully_shard`` (``mesh`` is memsnap's)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    if group.gen is None or group.world is None:
+        raise RuntimeError(
+            "fully_shard needs this process's rank and a formed group, which setup does not "
+            "have (a standby runs it before it has a rank): call ctx.fully_shard in a function "
+            "given to ctx.on_rank(fn) in setup"
+        )
+    if "mesh" in options:
+        raise ValueError("mesh=...: memsnap shards over its own re-formable group; leave mesh out")
+    mesh = init_device_mesh("cuda" if group.backend == "nccl" else "cpu", (group.world,))
+    for module in modules:
+        fully_shard(module, mesh=mesh, **options)
+    fully_shard(model, mesh=mesh, **options)
+    gather_cls, scatter_cls = _comm_classes()
+    gather, scatter = gather_cls(group), scatter_cls(group)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_custom_all_gather(gather)
+            module.set_custom_reduce_scatter(scatter)
+    return model
+
+
+def reshard(model) -> None:
+    """Every FSDP2 module of ``model`` back to its sharded parameters (a step cut short by a
+    lost peer may have left some gathered) before the rollback writes into them."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
