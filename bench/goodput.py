@@ -2,15 +2,16 @@
 torch.save, DCP async_save and Ray Train checkpoints, one data-parallel job, one seeded fault
 schedule, each system in turn.
 
-    python bench/goodput.py [--state-mb 256] [--compute sleep|model] [--step-s 1.0]
+    python bench/goodput.py [--workload ddp|fsdp] [--state-mb 256] [--compute sleep|model] [--step-s 1.0]
         [--horizon-s 120] [--baseline-s 15] [--mtbf-s 50] [--seed 21] [--common-n 10]
         [--systems memsnap memsnap-inplace torch.save dcp ray.train] [--append]
-        -> bench/results/goodput.md, goodput.png and goodput.json
+        -> bench/results/goodput.md, goodput.png and goodput.json (goodput_fsdp.* for fsdp)
     python bench/goodput.py --render   # rewrite the .md and .png from goodput.json
 
 The job: one rank per simulated node of a 4-node loopback Ray cluster (every address
 127.0.0.1), each with ``--state-mb`` of state (a small MLP + AdamW beside a frozen buffer;
-bench/goodput_job.py). Every run trains for ``--horizon-s`` wall seconds from its first
+bench/goodput_job.py); ``--workload fsdp`` shards the MLP with FSDP2 (no rank holds a replica
+of another's parameters or moments). Every run trains for ``--horizon-s`` wall seconds from its first
 step. Faults come from one seeded Poisson schedule (job MTBF ``--mtbf-s``): at each time a
 node that runs a rank (never the head) is killed abruptly and a replacement node is added;
 a fault that falls while the job is still recovering lands once it trains again. After a
@@ -627,6 +628,13 @@ def run_inplace(spec: RunSpec, cfg: dict, nodes: Nodes, schedule: list[dict], ho
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--state-mb", type=int, default=256, help="state per rank, MiB")
+    ap.add_argument(
+        "--workload",
+        choices=("ddp", "fsdp"),
+        default="ddp",
+        help="ddp: the model replicated, gradients all-reduced; fsdp: FSDP2 fully_shard, no replica "
+        "(results in goodput_fsdp.md unless --out)",
+    )
     ap.add_argument("--compute", choices=("sleep", "model"), default="sleep")
     ap.add_argument("--step-s", type=float, default=1.0, help="simulated compute per step (--compute sleep)")
     ap.add_argument("--model-passes", type=int, default=40, help="forward/backward passes per step (--compute model)")
@@ -656,7 +664,7 @@ def main() -> None:
         help="memsnap-inplace: the same once a collective failed (InplaceJob's default)",
     )
     ap.add_argument("--storage", default=None, help="the directory standing in for NFS (default: a temp dir)")
-    ap.add_argument("--out", default=str(RESULTS / "goodput.md"))
+    ap.add_argument("--out", default=None, help="the results file (default bench/results/goodput[_fsdp].md)")
     ap.add_argument("--render", action="store_true", help="only rewrite the .md/.png from the .json")
     ap.add_argument(
         "--note",
@@ -668,7 +676,7 @@ def main() -> None:
         "--append", action="store_true", help="run only --systems again and keep the other systems' runs from the .json"
     )
     args = ap.parse_args()
-    out = Path(args.out)
+    out = Path(args.out or RESULTS / ("goodput.md" if args.workload == "ddp" else f"goodput_{args.workload}.md"))
     if args.render:
         data = json.loads(out.with_suffix(".json").read_text())
         if args.note:  # what the person who ran it has to say about this run, kept with the data
@@ -733,6 +741,7 @@ def measure(
     scratch = tempfile.mkdtemp(prefix="memsnap-goodput-scratch-")
     base_cfg = {
         "state_mb": args.state_mb,
+        "workload": args.workload,
         "compute": args.compute,
         "step_s": args.step_s,
         "model_passes": args.model_passes,

@@ -1,7 +1,8 @@
 """The training job of ``bench/goodput.py`` and the four ways of protecting it.
 
 One rank of a data-parallel job: a small MLP trained with AdamW (gradients averaged with a
-gloo all-reduce) beside a frozen buffer that brings the rank's state up to ``state_mb``.
+gloo all-reduce; or, ``workload="fsdp"``, sharded with FSDP2) beside a frozen buffer that
+brings the rank's state up to ``state_mb``.
 A step's compute is the real model on the CPU (``compute="model"``) or a sleep of
 ``step_s`` seconds standing in for GPU time that leaves the CPU to the agents
 (``compute="sleep"``; the model still does its all-reduce and optimizer step).
@@ -25,32 +26,61 @@ import torch.distributed as dist
 from memsnap.demo.worker import event, read_events  # noqa: F401 (the demo's JSON-lines event log; bench/goodput.py reads it through here)
 
 MIB = 1 << 20
-WIDTH = 256  # the MLP: 4 layers of WIDTH x WIDTH (about 1 MiB of weights, 3 MiB with AdamW)
+# the MLP: 4 layers of WIDTH x WIDTH. ddp: 256 (about 1 MiB of weights, 3 MiB with AdamW, the
+# same on every rank); fsdp: 1024 (16 MiB of weights, sharded: 12 MiB with AdamW per rank of 4)
+WIDTH = {"ddp": 256, "fsdp": 1024}
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's own part of a tensor (a DTensor's shard)."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 class Job:
-    """One rank's state and step; ``cfg`` is the run's JSON-ready configuration."""
+    """One rank's state and step; ``cfg`` is the run's JSON-ready configuration.
 
-    def __init__(self, rank: int, world: int, cfg: dict):
+    ``cfg["workload"]``: ``ddp`` (the model replicated, its gradients all-reduced) or ``fsdp``
+    (FSDP2 ``fully_shard`` per layer: no rank holds another's parameters or moments). An fsdp
+    job is sharded on the default group at once, or, with ``shard_later``, when ``shard`` is
+    called (an in-place member has no rank until then)."""
+
+    def __init__(self, rank: int, world: int, cfg: dict, shard_later: bool = False):
         torch.set_num_threads(1)
         torch.manual_seed(cfg["seed"])
         self.rank, self.world, self.cfg = rank, world, cfg
+        self.sharded = cfg.get("workload", "ddp") == "fsdp"
+        width = WIDTH["fsdp" if self.sharded else "ddp"]
+        self.width = width
         layers = []
         for _ in range(4):
-            layers += [torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU()]
+            layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
         self.model = torch.nn.Sequential(*layers[:-1])
+        self.gen = torch.Generator().manual_seed(cfg["seed"] * 1000 + rank)
+        # the frozen buffer brings the rank's state to state_mb (its model part as sharded)
+        full = sum(p.numel() * 4 * 3 for p in self.model.parameters())
+        model_bytes = full // world if self.sharded else full
+        n = max(1, (cfg["state_mb"] * MIB - model_bytes) // 4)
+        self.bulk = torch.empty(n, dtype=torch.float32).fill_(float(rank + 1))  # every page touched
+        if not self.sharded:
+            self._optimizer()
+        elif not shard_later:
+            self.shard(lambda model, modules: _fully_shard(model, modules))
+
+    def shard(self, fully_shard) -> None:
+        """FSDP2: ``fully_shard(model, modules)`` (each linear layer, then the whole), then the
+        optimizer over the sharded parameters."""
+        fully_shard(self.model, [m for m in self.model if isinstance(m, torch.nn.Linear)])
+        self._optimizer()
+
+    def _optimizer(self) -> None:
         self.optim = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
         for p in self.model.parameters():  # the AdamW moments exist from the start
             p.grad = torch.zeros_like(p)
         self.optim.step()
-        model_bytes = sum(p.numel() * 4 * 3 for p in self.model.parameters())
-        n = max(1, (cfg["state_mb"] * MIB - model_bytes) // 4)
-        self.bulk = torch.empty(n, dtype=torch.float32).fill_(float(rank + 1))  # every page touched
-        self.gen = torch.Generator().manual_seed(cfg["seed"] * 1000 + rank)
 
     @property
     def nbytes(self) -> int:
-        return self.bulk.numel() * 4 + sum(p.numel() * 4 * 3 for p in self.model.parameters())
+        return self.bulk.numel() * 4 + sum(local(p).numel() * 4 * 3 for p in self.model.parameters())
 
     def state(self) -> dict:
         return {"model": self.model, "optim": self.optim, "bulk": {"frozen": self.bulk}}
@@ -68,7 +98,7 @@ class Job:
     def step(self, step: int, average=None) -> None:
         """One step; ``average(params)`` averages the gradients (default: a ``dist.all_reduce``
         per parameter)."""
-        x = torch.randn(64, WIDTH, generator=self.gen)
+        x = torch.randn(64, self.width, generator=self.gen)
         if self.cfg["compute"] == "model":
             for _ in range(self.cfg["model_passes"]):
                 loss = self.model(x).square().mean()
@@ -79,7 +109,9 @@ class Job:
             self.optim.zero_grad(set_to_none=True)
             loss.backward()
             time.sleep(self.cfg["step_s"])
-        if average is not None:
+        if self.sharded:
+            pass  # FSDP2 reduce-scattered the gradients in the backward
+        elif average is not None:
             average(self.model.parameters())
         elif self.world > 1:
             for p in self.model.parameters():
@@ -90,6 +122,10 @@ class Job:
 
     # --- torch.save / torch.load (also the files of a Ray Train checkpoint) ----------------------
     def torch_state(self, step: int) -> dict:
+        if self.sharded:  # this rank's shards, as plain tensors (the same world size restores them)
+            params = [local(p).detach() for p in self.model.parameters()]
+            moments = [{k: local(v) for k, v in self.optim.state[p].items()} for p in self.model.parameters()]
+            return {"params": params, "moments": moments, "bulk": self.bulk, "step": step}
         return {"model": self.model.state_dict(), "optim": self.optim.state_dict(), "bulk": self.bulk, "step": step}
 
     def write_torch(self, path: str, step: int) -> int:
@@ -102,10 +138,26 @@ class Job:
 
     def read_torch(self, path: str) -> int:
         sd = torch.load(path, weights_only=True)
-        self.model.load_state_dict(sd["model"])
-        self.optim.load_state_dict(sd["optim"])
+        if self.sharded:
+            with torch.no_grad():
+                for p, saved, moments in zip(self.model.parameters(), sd["params"], sd["moments"]):
+                    local(p).copy_(saved)
+                    for k, v in moments.items():
+                        local(self.optim.state[p][k]).copy_(v)
+        else:
+            self.model.load_state_dict(sd["model"])
+            self.optim.load_state_dict(sd["optim"])
         self.bulk.copy_(sd["bulk"])
         return int(sd["step"])
+
+
+def _fully_shard(model, modules) -> None:
+    """FSDP2's own ``fully_shard`` on the default group (the jobs that restart)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for m in modules:
+        fully_shard(m)
+    fully_shard(model)
 
 
 def _timed(fn):
@@ -208,8 +260,9 @@ class TorchSaveProtection:
 
 class DcpProtection:
     """``torch.distributed.checkpoint.async_save`` every N steps into ``storage`` through its
-    own gloo group (the training all-reduces keep the default one); the model and optimizer
-    are replicated across ranks, so DCP writes them once; each rank's buffer is its own."""
+    own gloo group (the training all-reduces keep the default one). ddp: the model and
+    optimizer are replicated across ranks, so DCP writes them once; fsdp: each rank writes its
+    own shards. Each rank's buffer is its own."""
 
     def __init__(self, job: Job, cfg: dict):
         self.root, self.every, self.events = cfg["storage"], int(cfg["interval"]), cfg["events"]
@@ -302,8 +355,12 @@ DEADLINE_KEY = "goodput/deadline"  # in the in-place job's rendezvous store: the
 
 def setup_inplace(ctx, cfg: dict, world: int) -> Job:
     """``InplaceJob``'s ``setup``: a member has no rank yet (a standby may take any), so every
-    member builds rank 0's state; ``train_inplace`` makes it the rank's after its restore."""
-    return Job(0, world, cfg)
+    member builds rank 0's state; ``train_inplace`` makes it the rank's after its restore. An
+    fsdp job is sharded when the member first has a rank (``ctx.on_rank``)."""
+    job = Job(0, world, cfg, shard_later=True)
+    if job.sharded:
+        ctx.on_rank(lambda ctx, job: job.shard(lambda model, modules: ctx.fully_shard(model, modules=modules)))
+    return job
 
 
 def train_inplace(ctx, job: Job, cfg: dict) -> int:

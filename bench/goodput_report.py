@@ -284,7 +284,8 @@ def write_report(data: dict, out: Path) -> None:
     lines = [
         "# Goodput under node failures (`bench/goodput.py`)",
         "",
-        f"`python bench/goodput.py --state-mb {a['state_mb']} --compute {a['compute']} --step-s {a['step_s']} "
+        f"`python bench/goodput.py{' --workload fsdp' if a.get('workload') == 'fsdp' else ''} "
+        f"--state-mb {a['state_mb']} --compute {a['compute']} --step-s {a['step_s']} "
         f"--horizon-s {a['horizon_s']:g} --baseline-s {a['baseline_s']:g} --mtbf-s {a['mtbf_s']:g} --seed {a['seed']} "
         f"--common-n {a['common_n']}`; {mach['date']}; {mach['cpus']} CPUs, {mach['mem_total_gib']:.0f} GiB RAM; "
         f"the whole run took {mach['seconds'] / 60:.1f} min. Machine load (1-min load average after each run): "
@@ -295,8 +296,16 @@ def write_report(data: dict, out: Path) -> None:
         "## How it was measured",
         "",
         f"One data-parallel job, one rank on each of 4 simulated Ray nodes on this machine (loopback; every address "
-        f"127.0.0.1), each rank with {state_mib:.0f} MiB of state: a small MLP with AdamW whose gradients are "
-        "averaged by a gloo all-reduce, beside a frozen buffer (bench/goodput_job.py). "
+        f"127.0.0.1), each rank with {state_mib:.0f} MiB of state: "
+        + (
+            "an MLP of 4 layers of 1024 x 1024 sharded with FSDP2 (`fully_shard` per layer, on gloo: each "
+            "rank holds a quarter of the parameters and of the AdamW moments, and no rank a replica of "
+            "another's), beside a frozen buffer (bench/goodput_job.py; in place, through "
+            "`ctx.fully_shard`). "
+            if a.get("workload") == "fsdp"
+            else "a small MLP with AdamW whose gradients are averaged by a gloo all-reduce, beside a frozen "
+            "buffer (bench/goodput_job.py). "
+        )
         + (
             "Each step's compute is a sleep of "
             f"{a['step_s']} s standing in for GPU time (the CPU is left to the agents, as on a GPU node), plus the "
