@@ -412,3 +412,52 @@ def test_with_no_standby_and_no_free_node_the_job_waits_for_a_node_and_recovers_
     finally:
         runner.join(timeout=60)
         memsnap.shutdown(job, timeout=30)
+
+
+def six_nodes(lc: LocalCluster) -> list:
+    """The head, three rank nodes and two standby nodes."""
+    while len(lc.nodes) < 6:
+        lc.add_node()
+    return lc.nodes[-5:]
+
+
+def test_a_second_node_lost_while_the_job_re_forms_is_recovered_too(cluster):
+    """A second rank's node is killed the moment the controller has decided the first loss,
+    while the survivors re-form and restore. With two replicas of each rank (m=2) both lost
+    ranks come back from the one node left; that node's rank keeps its process throughout."""
+    import memsnap
+    from memsnap.inplace import InplaceJob
+
+    lc = cluster
+    nodes = six_nodes(lc)
+    ranks, spares = nodes[:3], nodes[3:]
+    job = f"inplace-{uuid.uuid4().hex[:6]}"
+    steps = 40
+    j = InplaceJob(
+        job,
+        inplace_job.setup,
+        inplace_job.make_train(steps, step_s=0.05),
+        rank_nodes=[n.node_id for n in ranks],
+        standby_nodes=[n.node_id for n in spares],
+        options={**OPTIONS, "m": 2},
+    )
+    out: dict = {}
+    runner = run_in_thread(j, out)
+    try:
+        wait_for(lambda: progress(j, 2, 8), timeout=300, what="rank 2 to train 8 steps")
+        pids = j.members()
+        kill_hard(lc, ranks[0])
+        wait_for(lambda: len(j.recoveries) >= 1, timeout=120, what="the controller to decide the first loss")
+        kill_hard(lc, ranks[1])  # the job is re-forming: nobody has stepped in the new generation
+        runner.join(timeout=600)
+        assert not runner.is_alive() and sorted(out["results"]) == [0, 1, 2]
+        recs = j.collect()
+        lost = {rank: member for rec in recs for rank, member in rec["lost"].items()}
+        assert lost == {0: "r0", 1: "r1"}, recs
+        last = recs[-1]
+        assert last["tiers"][2] == "local" and last["tiers"][0] != "fresh" and last["tiers"][1] != "fresh"
+        assert all(rec["pids"][2] == pids[2]["pid"] for rec in recs if 2 in rec["pids"])
+        assert_replayed_bitwise(j, out, steps)
+    finally:
+        runner.join(timeout=60)
+        memsnap.shutdown(job, timeout=30)

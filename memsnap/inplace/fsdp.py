@@ -104,3 +104,33 @@ def reshard(model) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
+
+
+def warm_up() -> float:
+    """Pay FSDP2's first-call costs now (its imports and lazy set-up: 1-2.5 s here, against
+    0.2 s for the next ``fully_shard``), on a throwaway model over a one-rank group of this
+    process alone, formed and left again: a member does it in ``prepare``, before it has a
+    rank (off a standby's takeover path). Seconds taken (0 where a group is already formed)."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if dist.is_initialized():
+        return 0.0
+    t = time.perf_counter()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        optim = torch.optim.AdamW(model.parameters())
+        model(torch.ones(2, 8)).sum().backward()
+        optim.step()
+    finally:
+        dist.destroy_process_group()
+    return time.perf_counter() - t

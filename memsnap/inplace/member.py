@@ -316,7 +316,15 @@ class Member:
         import memsnap.snapshotter  # noqa: F401
         import memsnap.transport  # noqa: F401
 
-        return {**self.info(), "setup_s": time.time() - t}
+        warm_s = 0.0
+        if self.on_rank_fns:  # it shards when it has a rank: FSDP2's first-call costs, paid now
+            from memsnap.inplace.fsdp import warm_up
+
+            try:
+                warm_s = warm_up()
+            except Exception as exc:  # a warm-up is an optimisation: never stop a member for it
+                log.warning("member %s: FSDP2 warm-up skipped: %s", self.name, exc)
+        return {**self.info(), "setup_s": time.time() - t, "fsdp_warm_s": warm_s}
 
     def run(self, first_gen: int = 0) -> dict:
         """Be a member until the job is done or this member is fenced (left out of a generation
