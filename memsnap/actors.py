@@ -297,6 +297,11 @@ class SnapshotAgent:
         another run takes over one of theirs)."""
         return self.core.running(tokens)
 
+    async def working(self, tokens: list[str]) -> list[str]:
+        """Which of these processes run here and are not stopped (the in-place controller asks
+        before it calls a silent member lost: a slow process is waited for)."""
+        return self.core.working(tokens)
+
     async def members(self, timeout: float) -> dict:
         answer = await self.relay.answer(timeout)
         return {k: answer[k] for k in ("ranks", "peers", "why")}

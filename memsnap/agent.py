@@ -438,6 +438,13 @@ class AgentCore:
 
         return running(tokens)
 
+    @staticmethod
+    def working(tokens: list[str]) -> list[str]:
+        """The process tokens whose process runs here and is not stopped (``identity.working``)."""
+        from memsnap.identity import working
+
+        return working(tokens)
+
     def placed(self, answer: dict) -> None:
         """The coordinator's placement answer: cache this node's layout for its sends."""
         with self.lock:

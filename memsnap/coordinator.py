@@ -481,6 +481,10 @@ class CoordinatorCore:
                 "skipped_snapshots": len(log_.skipped),
                 "failed_steps": {str(s): why for s, why in sorted(log_.failed.items())[-10:]},
                 "protection": self._protection(newest, inventories),
+                # who holds each owner node's pieces of the newest committed step
+                "holders": {}
+                if newest is None
+                else {o: list(log_.records[newest].holders(o)) for o in log_.records[newest].nodes},
                 "peers": mem.peered,
                 "members": {str(r): n for r, n in mem.members.items()},
                 "epoch": mem.epoch,

@@ -107,6 +107,18 @@ def running(tokens) -> list[str]:
     return out
 
 
+def working(tokens) -> list[str]:
+    """The ``tokens`` whose process runs on this machine and is not stopped (SIGSTOP, a
+    tracer's stop): a process that may beat again, however slow it is now."""
+    out = []
+    for token in running(tokens):
+        pid = int(str(token).split("-", 1)[0])
+        stat = _stat(pid)
+        if stat is None or stat[0] not in ("T", "t"):
+            out.append(token)
+    return out
+
+
 def _stat(pid: int) -> tuple[str, int] | None:
     """(state, start time in clock ticks) of ``pid`` from /proc, or None."""
     try:

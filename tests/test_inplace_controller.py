@@ -39,6 +39,8 @@ def test_the_defaults_make_a_job_of_one_rank_per_node():
         ({"backend_timeout_s": 0}, r"backend_timeout_s=0: must be a finite number of seconds > 0"),
         ({"backend_timeout_s": float("inf")}, r"backend_timeout_s=inf"),
         ({"wait_for_node_s": -1}, r"wait_for_node_s=-1: must be a finite number of seconds >= 0"),
+        ({"slow_limit_s": 0.5}, r"slow_limit_s=0.5: must be >= lost_after_s=1.0"),
+        ({"slow_limit_s": float("inf")}, r"slow_limit_s=inf: must be a finite number"),
     ],
 )
 def test_a_bad_setting_is_refused_naming_the_value(kwargs, named):

@@ -82,6 +82,26 @@ def test_a_hung_member_ends_the_survivors_collective_once_the_controller_publish
         assert after[name]["graveyard"] == 1, after[name]  # generation 0's group, kept once
 
 
+def test_a_member_that_never_comes_ends_the_others_rendezvous_once_the_failure_is_published(members):
+    """A generation's member dies before forming it (a standby on a node lost with the
+    ranks'): the backend's rendezvous would wait out its whole timeout for it. The
+    controller's word ends the wait; the next generation forms without it."""
+    m = members(["a", "b"])
+    formed(m, 0, ["a", "b"])
+    publish_failure(m.store, m.job, 0, "controller: a standby takes a rank")
+    for name in ("a", "b"):
+        assert m.answer(f"{name}/left/0", WAIT_S)["kind"] == "PeerLost"
+    for rank, name in enumerate(["a", "b"]):  # a third member never starts
+        m.send(name, op="form", gen=1, rank=rank, world=3, sums=None)
+    assert not m.has("a/left/1") and not m.has("b/left/1")
+    publish_failure(m.store, m.job, 1, "controller: rank 2 never beat")
+    for name in ("a", "b"):
+        left = m.answer(f"{name}/left/1", WAIT_S)
+        assert left["kind"] == "PeerLost" and left["gen"] == 1, left
+        assert "rank 2 never beat" in left["message"], left
+    formed(m, 2, ["a", "b"])
+
+
 def test_reforming_ten_times_with_a_spare_for_each_killed_member_keeps_threads_and_fds_flat(members):
     """Rank 0 stays in one process through ten generations; each generation a member is killed
     and a fresh spare takes its rank. What the survivor holds beyond its live group is the old

@@ -536,6 +536,31 @@ def test_a_process_token_runs_until_its_process_is_gone_and_a_zombie_or_reused_p
     assert running([token]) == []
 
 
+def test_a_stopped_process_runs_but_is_not_working_until_it_is_continued():
+    """What the in-place controller asks a silent member's node: a stopped process (SIGSTOP)
+    will not beat again by itself; a running one, however slow, may."""
+    import signal
+    import subprocess
+    import sys
+
+    from memsnap.identity import process_token, running, working
+    from memsnap.localcluster import wait_for
+
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        token = process_token(child.pid)
+        assert working([token]) == [token]
+        os.kill(child.pid, signal.SIGSTOP)
+        wait_for(lambda: working([token]) == [], timeout=30, what="the child to be stopped")
+        assert running([token]) == [token]
+        os.kill(child.pid, signal.SIGCONT)
+        wait_for(lambda: working([token]) == [token], timeout=30, what="the child to run again")
+    finally:
+        child.kill()
+        child.wait()
+    assert working([token]) == []
+
+
 def test_a_refused_rank_leaves_the_agent_as_the_live_run_left_it(core):
     import asyncio
 

@@ -7,7 +7,10 @@ and on a loss:
 
   1. decides who is lost: a member whose task ended with an error (its actor died) or whose
      beats stopped (``lost_after_s``; ``suspect_after_s`` once a collective failure was
-     published, so a killed peer is named in a fraction of a second);
+     published, so a killed peer is named in a fraction of a second). A member silent with
+     no failed collective is first asked after on its node: a process that runs there and is
+     not stopped (holding the GIL, in a swap storm) is waited for up to ``slow_limit_s``; a
+     stopped or gone process, or a node whose agent does not answer, is lost at once;
   2. fences it: kills its actor, and tells the memsnap coordinator that a node all of whose
      ranks were lost is lost (``Coordinator.node_lost``), so the restore plan and the placement
      never wait on its agent or on Ray's verdict about it;
@@ -153,6 +156,7 @@ class _Slot:
     node: str
     actor: Any
     ref: Any = None  # its run() task
+    token: str | None = None  # its process, as its node's agent knows it (from prepare)
 
 
 class InplaceJob:
@@ -181,6 +185,7 @@ class InplaceJob:
         beat_s: float = 0.1,
         lost_after_s: float = 1.0,
         suspect_after_s: float = 0.3,
+        slow_limit_s: float = 30.0,
         backend: str = "gloo",
         backend_timeout_s: float = 60.0,
         on_no_standby: str = "wait",
@@ -197,10 +202,11 @@ class InplaceJob:
                 f"backend={backend!r}: must be 'gloo' (CPU tensors) or 'nccl' (CUDA tensors; "
                 "its groups are aborted, never destroyed, when a peer is lost)"
             )
-        beat_s, suspect_after_s, lost_after_s = (
+        beat_s, suspect_after_s, lost_after_s, slow_limit_s = (
             _seconds("beat_s", beat_s),
             _seconds("suspect_after_s", suspect_after_s),
             _seconds("lost_after_s", lost_after_s),
+            _seconds("slow_limit_s", slow_limit_s),
         )
         backend_timeout_s, wait_for_node_s = (
             _seconds("backend_timeout_s", backend_timeout_s),
@@ -211,12 +217,19 @@ class InplaceJob:
                 f"beat_s={beat_s}, suspect_after_s={suspect_after_s}, lost_after_s={lost_after_s}: "
                 "need 0 < beat_s < suspect_after_s <= lost_after_s (a few beats each)"
             )
+        if slow_limit_s < lost_after_s:
+            raise ConfigError(
+                f"slow_limit_s={slow_limit_s}: must be >= lost_after_s={lost_after_s} (how long a silent "
+                "member whose process still runs is waited for; equal to lost_after_s: never waited for)"
+            )
         self.job, self.setup, self.train = job, setup, train
         self.rank_nodes, self.standby_nodes = list(rank_nodes), list(standby_nodes)
         self.world = len(self.rank_nodes)
         self.run_id = uuid.uuid4().hex[:16]
         self.options = {**(options or {}), "run": self.run_id}
         self.beat_s, self.lost_after_s, self.suspect_after_s = beat_s, lost_after_s, suspect_after_s
+        self.slow_limit_s = slow_limit_s
+        self._working: dict[str, float] = {}  # member -> when its node last said its process works
         self.backend, self.backend_timeout_s = backend, backend_timeout_s
         self.on_no_standby, self.wait_for_node_s = on_no_standby, wait_for_node_s
         self.events = events
@@ -249,7 +262,9 @@ class InplaceJob:
             for rank, node in enumerate(self.rank_nodes):
                 self._ranks[rank] = self._start(f"r{rank}", node)
             self._standbys = [self._start(f"s{i}", node) for i, node in enumerate(self.standby_nodes)]
-            ray.get([s.actor.prepare.remote() for s in [*self._ranks.values(), *self._standbys]], timeout=600)
+            slots = [*self._ranks.values(), *self._standbys]
+            for slot, info in zip(slots, ray.get([s.actor.prepare.remote() for s in slots], timeout=600)):
+                slot.token = info.get("token")
             self._assign(0, {s.name: rank for rank, s in self._ranks.items()})
             for slot in [*self._ranks.values(), *self._standbys]:
                 slot.ref = slot.actor.run.remote()
@@ -352,8 +367,14 @@ class InplaceJob:
                 reported_at = time.time()
             ages = self.monitor.poll()
             limit = self.suspect_after_s if reported_at is not None else self.lost_after_s
-            for rank, slot in self._ranks.items():
-                if rank not in results and rank not in lost and ages.get(slot.name, 0.0) > limit:
+            silent = {
+                rank: slot
+                for rank, slot in self._ranks.items()
+                if rank not in results and rank not in lost and ages.get(slot.name, 0.0) > limit
+            }
+            slow = self._still_working(silent, ages) if silent and reported_at is None else set()
+            for rank, slot in silent.items():
+                if slot.name not in slow:
                     lost[rank] = f"no heartbeat for {ages[slot.name]:.1f} s"
             if lost:
                 noticed = reported_at or time.time()
@@ -365,6 +386,56 @@ class InplaceJob:
                 self._recover({}, reported_at)
                 reported_at = None
                 results = {}
+
+    def _still_working(self, silent: dict[int, _Slot], ages: dict[str, float]) -> set[str]:
+        """Those of the ``silent`` members (beats stopped, no collective failed) to wait for:
+        their node's agent says their process runs and is not stopped, and they have been
+        silent for less than ``slow_limit_s``. Asked again once per ``lost_after_s``."""
+        import ray
+
+        from memsnap.directory import find_agent
+
+        now = time.monotonic()
+        wait = {s.name for s in silent.values() if ages[s.name] <= self.slow_limit_s and s.token is not None}
+        ask = [
+            s for s in silent.values() if s.name in wait and now - self._working.get(s.name, -1e9) > self.lost_after_s
+        ]
+        by_node: dict[str, list[_Slot]] = {}
+        for slot in ask:
+            by_node.setdefault(slot.node, []).append(slot)
+        refs = {}
+        for node, slots in by_node.items():
+            agent = find_agent(self.job, node)
+            if agent is not None:
+                refs[agent.working.remote([s.token for s in slots])] = slots
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=self.agent_ping_s) if refs else ([], [])
+        confirmed = set()
+        for ref in ready:
+            try:
+                tokens = set(ray.get(ref))
+            except Exception:
+                continue
+            confirmed |= {s.name for s in refs[ref] if s.token in tokens}
+        for slot in ask:
+            if slot.name in confirmed:
+                if slot.name not in self._working:
+                    log.warning(
+                        "job %r: %s (rank %s) has not beaten for %.1f s but its process runs: waiting up to "
+                        "slow_limit_s=%.0f s",
+                        self.job,
+                        slot.name,
+                        next(r for r, s in silent.items() if s is slot),
+                        ages[slot.name],
+                        self.slow_limit_s,
+                    )
+                self._working[slot.name] = now
+            else:
+                self._working.pop(slot.name, None)
+                wait.discard(slot.name)
+        for name in list(self._working):  # a member that beats again starts afresh
+            if name not in {s.name for s in silent.values()}:
+                del self._working[name]
+        return wait
 
     def hand_over(self, rank: int) -> None:
         """Move ``rank`` to a standby at its next step boundary, with nothing rolled back (what
@@ -435,6 +506,7 @@ class InplaceJob:
         self._coordinator_call("cancel_restore", why)
 
     def _next_standby(self) -> _Slot:
+        self._drop_dead_standbys()
         with self._lock:
             if self._standbys:
                 return self._standbys.pop(0)
@@ -465,6 +537,33 @@ class InplaceJob:
             "add a node to the cluster or give standby_nodes"
         )
 
+    def _drop_dead_standbys(self) -> None:
+        """Leave out the standbys that are gone (their task ended, or their beats stopped for
+        ``suspect_after_s``: a standby on a node lost with the ranks' must not take a rank, or
+        the generation it joins waits for it until its heartbeat times out)."""
+        import ray
+
+        ages = self.monitor.poll()
+        with self._lock:
+            slots = list(self._standbys)
+        ended = set()
+        refs = [s.ref for s in slots if s.ref is not None]
+        if refs:
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            ended = set(ready)
+        dead = [s for s in slots if s.ref in ended or ages.get(s.name, 0.0) > self.suspect_after_s]
+        if not dead:
+            return
+        with self._lock:
+            self._standbys = [s for s in self._standbys if s not in dead]
+        for slot in dead:
+            log.warning("job %r: standby %s is gone: it takes no rank", self.job, slot.name)
+            self.monitor.forget(slot.name)
+            try:
+                ray.kill(slot.actor, no_restart=True)
+            except Exception:
+                pass
+
     def _free_node(self) -> str | None:
         import ray
 
@@ -487,7 +586,7 @@ class InplaceJob:
             try:
                 memsnap.start_spare(self.job, node, **{k: v for k, v in self.options.items() if k != "run"})
                 slot = self._start(f"s{uuid.uuid4().hex[:6]}", node)
-                ray.get(slot.actor.prepare.remote(), timeout=600)
+                slot.token = ray.get(slot.actor.prepare.remote(), timeout=600).get("token")
                 slot.ref = slot.actor.run.remote()
                 with self._lock:
                     self._standbys.append(slot)

@@ -45,6 +45,8 @@ from datetime import timedelta
 
 log = logging.getLogger("memsnap.inplace")
 
+_ARRIVE_POLL_S = 0.05  # how soon a member waiting for the others to form a group sees a failure
+
 
 class PeerLost(Exception):
     """A member of this generation was lost (or a collective failed): the generation is over.
@@ -174,19 +176,51 @@ class RecoverableGroup:
         with self._wake:
             self.gen, self.rank, self.world = gen, rank, world
             self._wake.notify_all()
+        self._arrive(gen, world)
         extra = {}
         if self.backend == "nccl":
             import torch
 
             extra = {"pg_options": nccl_options(), "device_id": torch.device("cuda", torch.cuda.current_device())}
-        dist.init_process_group(
-            self.backend,
-            store=dist.PrefixStore(prefix(self.job, gen), self.store),
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=self.timeout_s),
-            **extra,
-        )
+        try:
+            dist.init_process_group(
+                self.backend,
+                store=dist.PrefixStore(prefix(self.job, gen), self.store),
+                rank=rank,
+                world_size=world,
+                timeout=timedelta(seconds=self.timeout_s),
+                **extra,
+            )
+        except Exception as exc:  # a member lost between its arrival and the backend's rendezvous
+            why = self.wait_failure(2.0)
+            if why is None:
+                self.fail(f"forming the group: {type(exc).__name__}: {str(exc)[:300]}")
+                why = self.failure()
+            raise PeerLost(f"generation {gen} was not formed: {why}", gen) from None
+
+    def _arrive(self, gen: int, world: int) -> None:
+        """Wait for every member of ``gen`` to come, or end in ``PeerLost`` as soon as the
+        generation is failed (a member that died before forming it, named by the controller):
+        the backend's own rendezvous would wait out its whole timeout, and nothing interrupts
+        it. The wait is in short store waits, a failure checked between them."""
+        import torch.distributed as dist
+
+        arrived, everyone = f"{prefix(self.job, gen)}/arrived", f"{prefix(self.job, gen)}/everyone"
+        if self.store.add(arrived, 1) >= world:
+            self.store.set(everyone, "1")
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                self.store.wait([everyone], timedelta(seconds=_ARRIVE_POLL_S))
+                return
+            except dist.DistStoreError:
+                pass  # not everyone yet (a wait that times out raises)
+            why = self.failure()
+            if why is None and time.monotonic() > deadline:
+                self.fail(f"not every member came to form the group within {self.timeout_s:.0f} s")
+                why = self.failure()
+            if why is not None:
+                raise PeerLost(f"generation {gen} was not formed: {why}", gen)
 
     def reap(self) -> int:
         """Let go of abandoned groups whose work has completed; how many are still kept."""

@@ -35,6 +35,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+from memsnap.identity import process_token
 from memsnap.inplace.group import PeerLost, RecoverableGroup, connect, os_threads
 from memsnap.inplace.heartbeat import Beater
 
@@ -295,6 +296,7 @@ class Member:
         return {
             "member": self.name,
             "pid": os.getpid(),
+            "token": process_token(),  # what its node's agent knows the process by
             "rank": self.rank,
             "gen": self.gen,
             "threads": os_threads(),
@@ -364,17 +366,17 @@ class Member:
             "takeover": takeover,
             "assigned": t_assigned,
         }
-        self.group.configure(gen, rank, world)
-        self._report["formed"] = time.time()
-        while self.on_rank_fns:  # once per process (a standby's at its takeover)
-            self.on_rank_fns.pop(0)(Context(self), self.state)
-            self._report["on_rank"] = time.time()
-        if self.snap is None:
-            import memsnap
-
-            self.snap = memsnap.Snapshotter(job=self.job, rank=rank, world_size=world, **self.options)
-            self._report["registered"] = time.time()
         try:
+            self.group.configure(gen, rank, world)
+            self._report["formed"] = time.time()
+            while self.on_rank_fns:  # once per process (a standby's at its takeover)
+                self.on_rank_fns.pop(0)(Context(self), self.state)
+                self._report["on_rank"] = time.time()
+            if self.snap is None:
+                import memsnap
+
+                self.snap = memsnap.Snapshotter(job=self.job, rank=rank, world_size=world, **self.options)
+                self._report["registered"] = time.time()
             result = self.train_fn(Context(self), self.state)
         except HandedOver as exc:
             log.warning("%s", exc)

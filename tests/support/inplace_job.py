@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
+import sys
 import time
 
 WIDTH = 64
@@ -70,9 +71,28 @@ def digest(state) -> str:
     return h.hexdigest()
 
 
-def make_train(steps: int, step_s: float = 0.0, slow: tuple[int, int, float] | None = None):
+def hold_gil(seconds: float) -> None:
+    """Keep this thread on the GIL for ``seconds`` (a long pure-Python loop with the switch
+    interval raised past it): no other thread of the process runs, its heartbeat's neither."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(seconds + 5.0)
+    try:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+    finally:
+        sys.setswitchinterval(old)
+
+
+def make_train(
+    steps: int,
+    step_s: float = 0.0,
+    slow: tuple[int, int, float] | None = None,
+    gil: tuple[int, int, float] | None = None,
+):
     """``slow``: (rank, step, seconds) — that rank spends that long in that step, once (a slow
-    rank, which must not be taken for a lost one)."""
+    rank, which must not be taken for a lost one); ``gil``: the same, holding the GIL all along
+    (its heartbeat stops: only its node's word keeps it in the job)."""
 
     def train(ctx, state):
         import torch
@@ -105,6 +125,9 @@ def make_train(steps: int, step_s: float = 0.0, slow: tuple[int, int, float] | N
             if slow is not None and (ctx.rank, step) == slow[:2] and not store.check(["test/slow"]):
                 store.set("test/slow", str(ctx.rank))
                 time.sleep(slow[2])  # a long step (compute stand-in); its heartbeat thread runs on
+            if gil is not None and (ctx.rank, step) == gil[:2] and not store.check(["test/gil"]):
+                store.set("test/gil", str(ctx.rank))
+                hold_gil(gil[2])
             if forward is None and not sharded:
                 ctx.average_gradients(model.parameters())
             opt.step()

@@ -40,9 +40,9 @@ def _form(group, store, name: str, cmd: dict) -> None:
     import torch
 
     gen, world, limit = cmd["gen"], cmd["world"], cmd.get("sums")
-    group.configure(gen, cmd["rank"], world)
     sums = 0
     try:
+        group.configure(gen, cmd["rank"], world)
         while limit is None or sums < limit:
             x = torch.ones(1024)
             group.all_reduce(x)
