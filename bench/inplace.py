@@ -79,12 +79,11 @@ def make_train(cfg: dict):
 
     def train(ctx, job):
         import torch
-        from goodput_job import WIDTH
 
         store, rank, gen = ctx.store, ctx.rank, ctx.generation
         step = ctx.restore(job.state())
         while True:
-            x = torch.randn(64, WIDTH, generator=job.gen)
+            x = torch.randn(64, job.width, generator=job.gen)
             loss = job.model(x).square().mean()
             job.optim.zero_grad(set_to_none=False)
             loss.backward()
@@ -355,10 +354,11 @@ def render(data: dict, out: Path) -> None:
         "standby there in the background) and waits for a warm standby and "
         f"{a['settle_steps']} steps of the new generation. *kill -> first sign*: the controller's `noticed` "
         "(a survivor's failed all-reduce published, or a dead actor/heartbeat); *detect*: -> the next "
-        "generation written (survivors fenced in, the standby named, the node fenced at the coordinator); "
-        "*re-form*: -> every member formed the new gloo group; *restore*: -> every rank restored (the standby's "
-        "includes creating its `Snapshotter`); *first step*: -> every rank completed a step; the last row "
-        "is kill -> every rank's first completed step.",
+        "generation written (survivors kept, the standby named); *re-form*: -> every member formed the new "
+        "gloo group; *restore*: -> every rank restored (it includes the wait for the lost node to be fenced at "
+        "the coordinator, which the controller does meanwhile: its ping of the silent agent takes "
+        "`agent_ping_s`, 0.5 s; the standby's also includes creating its `Snapshotter`); *first step*: -> every "
+        "rank completed a step; the last row is kill -> every rank's first completed step.",
         "* **steps lost**: steps trained twice (the newest step completed before the kill minus the step restored).",
         "",
         "## Results",

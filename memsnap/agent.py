@@ -475,7 +475,7 @@ class AgentCore:
             self.versions.abandoned(step, why, failed)
             if step not in self.committed:
                 self._forget_meta(lambda s: s != step)
-        self.store.drop(lambda key: key.step != step)
+        self.store.give_up(step)
         self.changed()
 
     def resume(self, step: int | None, gen: int) -> None:
@@ -495,6 +495,7 @@ class AgentCore:
             self.newest = max(self.committed, default=None)
             records = set(self.committed)
             self._forget_meta(lambda s: s <= last or s in records)
+        self.store.reopen(last)
         self.store.drop(lambda key: key.step <= last or key.step in records)
 
     # --- restore ---------------------------------------------------------------------------------

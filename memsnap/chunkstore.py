@@ -6,7 +6,7 @@ reused after a version is freed, so receiving a snapshot never allocates fresh p
 Two bounds keep a peer from pinning the budget: a push for a step more than
 ``store_step_window`` (a tunable) above the newest step the store knows is refused, and a
 second reservation of a chunk still being received is refused (the two never share a
-buffer). A discarded reservation (a chunk that did not arrive) goes back to the budget.
+buffer), and so is a push for a step the job gave up. A discarded reservation (a chunk that did not arrive) goes back to the budget.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from memsnap.config import tunable
 from memsnap.errors import MemoryBudgetError
 from memsnap.transport.base import ChunkKey
 
+_GIVEN_UP_KEPT = 256  # abandoned steps remembered (a sender is never that many steps behind)
+
 
 class ChunkRefused(ValueError):
     """A reservation the store will not make (a far-future step, a chunk already in flight)."""
@@ -34,6 +36,7 @@ class HeldChunks:
         self._budget = budget
         self._window = int(tunable("store_step_window")) if step_window is None else step_window
         self._newest: int | None = None  # the newest step seen (held, reserved or announced)
+        self._given_up: set[int] = set()  # steps the job abandoned: pushes for them are refused
         self._lock = threading.Lock()
         self._free: dict[int, list[mmap.mmap]] = {}
         self._pending: dict[ChunkKey, mmap.mmap] = {}
@@ -60,6 +63,8 @@ class HeldChunks:
             raise ChunkRefused(
                 f"chunk {key} is already being received (on another connection); retry once that transfer ends"
             )
+        if key.step in self._given_up:
+            raise ChunkRefused(f"chunk {key} is for step {key.step}, which the job gave up: it will never commit")
         if self._newest is not None and key.step > self._newest + self._window:
             raise ChunkRefused(
                 f"chunk {key} is for step {key.step}, more than store_step_window="
@@ -106,6 +111,21 @@ class HeldChunks:
         dst = self.reserve(key, len(src))
         dst[:] = src
         self.complete(key, xxhash.xxh3_64_intdigest(src))
+
+    def give_up(self, step: int) -> int:
+        """The job abandoned ``step``: its chunks are freed, and pushes for it refused from now
+        on (a sender still sending it would otherwise fill the budget with a step that never
+        commits, and nothing would free it). How many chunks were freed."""
+        with self._lock:
+            self._given_up.add(step)
+            for s in sorted(self._given_up)[:-_GIVEN_UP_KEPT]:
+                self._given_up.discard(s)
+        return self.drop(lambda key: key.step != step)
+
+    def reopen(self, after: int) -> None:
+        """The job resumed from step ``after``: the steps above it may be taken again."""
+        with self._lock:
+            self._given_up = {s for s in self._given_up if s <= after}
 
     def drop(self, keep: Callable[[ChunkKey], bool]) -> int:
         """Free every held chunk for which ``keep(key)`` is false; return how many."""

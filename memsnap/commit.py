@@ -87,8 +87,8 @@ class CommitLog:
 
     def fail(self, step: int, why: str) -> bool:
         """``step`` cannot commit; True if this is news (the agents must drop it)."""
-        if step in self.records or step in self.failed:
-            return False
+        if step in self.records or step in self.failed or step in self.skipped:
+            return False  # (a push for a skipped step refused later is no news)
         self._remember(self.failed, step, why)
         self.pending.pop(step, None)
         return True

@@ -120,3 +120,20 @@ def test_the_step_window_is_a_tunable(monkeypatch):
     store.put(key(step=1), b"x")
     with pytest.raises(ChunkRefused):
         store.reserve(key(step=5), 1)
+
+
+def test_a_step_given_up_is_freed_and_its_late_pushes_refused_until_the_job_resumes_below_it():
+    """A sender still sending a step the job abandoned must not refill the budget with it:
+    nothing would ever free those chunks (no commit of that step is coming)."""
+    budget = MemoryBudget(1 << 20)
+    store = HeldChunks(budget)
+    store.put(key(step=5, stripe=0), b"a" * 4096)
+    store.put(key(step=6, stripe=0), b"b" * 4096)
+    assert store.give_up(5) == 1
+    assert store.keys() == [key(step=6, stripe=0)]
+    with pytest.raises(ChunkRefused, match="step 5, which the job gave up"):
+        store.reserve(key(step=5, stripe=1), 4096)
+    store.put(key(step=7), b"c" * 4096)  # other steps come in as before
+    store.reopen(4)  # the job resumed from step 4: step 5 may be taken again
+    store.put(key(step=5, stripe=1), b"d" * 4096)
+    assert store.lookup(key(step=5, stripe=1))[1] == xxhash.xxh3_64_intdigest(b"d" * 4096)

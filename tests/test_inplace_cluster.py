@@ -252,6 +252,34 @@ def test_a_slow_rank_is_not_taken_for_a_lost_one(cluster, caplog, how):
         memsnap.shutdown(job, timeout=30)
 
 
+def test_a_training_function_that_raises_ends_the_job_naming_the_rank_and_the_error(cluster):
+    """A bug is not a lost node: every process would raise again, so no standby is spent on
+    it and no generation is formed again; run() ends with the rank's error."""
+    import memsnap
+    from memsnap.inplace import InplaceJob
+    from memsnap.inplace.controller import RecoveryError
+
+    lc = cluster
+    ranks, spare = lc.nodes[-3:-1], lc.nodes[-1]
+    job = f"inplace-{uuid.uuid4().hex[:6]}"
+    j = InplaceJob(
+        job,
+        inplace_job.setup,
+        inplace_job.make_train(20, bug=(1, 3)),
+        rank_nodes=[n.node_id for n in ranks],
+        standby_nodes=[spare.node_id],
+        options=OPTIONS,
+    )
+    try:
+        with pytest.raises(
+            RecoveryError, match=r"rank 1 \(r1\) failed: .*ValueError: a bug in the training function at step 3"
+        ):
+            j.run(timeout_s=600)
+        assert j.recoveries == []
+    finally:
+        memsnap.shutdown(job, timeout=30)
+
+
 def test_a_standby_that_dies_as_it_takes_over_is_replaced_by_the_next(cluster):
     """The survivors wait in the restore round for the first standby, which dies: the round
     is cancelled (no 300 s wait), and the second standby takes the rank."""

@@ -340,6 +340,24 @@ def test_a_step_that_failed_elsewhere_is_still_attempted_here_but_a_skipped_one_
     assert core.counters["failed_snapshots"] == 0
 
 
+def test_a_step_the_job_gave_up_refuses_the_pushes_still_coming_for_it_until_a_resume_below_it(core):
+    """A peer still sending an abandoned step would refill the budget with it, and with no
+    commit of it to come nothing would free it: the agent's chunk store refuses them."""
+    from memsnap.chunkstore import ChunkRefused
+    from memsnap.transport.base import ChunkKey
+
+    core.pool = _Inline()
+    late = ChunkKey(7, "peer-node", 0, 1)
+    core.store.put(late, b"x" * 4096)
+    core.abandon(7, "node x: skipped, every arena slot is busy", failed=False)
+    assert core.store.keys() == []
+    with pytest.raises(ChunkRefused, match="gave up"):
+        core.store.reserve(ChunkKey(7, "peer-node", 1, 1), 4096)
+    core.resume(5, gen=1)  # the job rolled back to 5: step 7 is taken again
+    core.store.put(ChunkKey(7, "peer-node", 1, 1), b"y" * 4096)
+    assert core.store.keys() == [ChunkKey(7, "peer-node", 1, 1)]
+
+
 def test_every_slot_of_a_rank_is_made_and_backed_ahead_of_its_first_saves(core):
     """The first keep+1 saves then find their arenas ready instead of touching fresh pages."""
     assert core.ready_slots(0, 4096) == 3 and core.budget.used == 3 * 4096  # keep=2: three slots

@@ -11,12 +11,14 @@ and on a loss:
      no failed collective is first asked after on its node: a process that runs there and is
      not stopped (holding the GIL, in a swap storm) is waited for up to ``slow_limit_s``; a
      stopped or gone process, or a node whose agent does not answer, is lost at once;
-  2. fences it: kills its actor, and tells the memsnap coordinator that a node all of whose
-     ranks were lost is lost (``Coordinator.node_lost``), so the restore plan and the placement
-     never wait on its agent or on Ray's verdict about it;
-  3. writes the next generation: the survivors keep their ranks, a standby takes each lost
-     rank. Every member forms the group again in the same process and rolls back (survivors
-     from their own node's RAM, the standby from its peers);
+  2. kills its actor, and writes the next generation: the survivors keep their ranks, a
+     standby takes each lost rank. Every member forms the group again in the same process and
+     rolls back (survivors from their own node's RAM, the standby from its peers);
+  3. meanwhile fences the lost nodes: a node all of whose ranks were lost and whose agent is
+     silent is declared lost to the memsnap coordinator (``Coordinator.node_lost``), so the
+     restore plan and the placement never wait on its agent or on Ray's verdict about it. The
+     members' restores wait for it (``gen/<g>/fenced``), not their re-forming or a standby's
+     registration;
   4. starts a new standby on a free node in the background, if there is one.
 
 Without a standby, ``on_no_standby="wait"`` waits (bounded) for Ray to offer a free node and
@@ -39,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 from memsnap.errors import ConfigError, MemsnapError
 from memsnap.inplace.group import failed_key, publish_failure
 from memsnap.inplace.heartbeat import Monitor
-from memsnap.inplace.member import Member, gen_key, report_key
+from memsnap.inplace.member import Member, fenced_key, gen_key, report_key
 
 if TYPE_CHECKING:
     from torch.distributed import TCPStore
@@ -64,6 +66,7 @@ class Recovery:
     why: str
     noticed: float  # the controller saw the first sign
     decided: float  # the next generation was written
+    fenced: float | None = None  # the lost nodes were fenced: the restores could start
     reports: dict[int, dict] = dataclasses.field(default_factory=dict)
     sent: bool = False  # reported to the coordinator and the event log
 
@@ -93,6 +96,7 @@ class Recovery:
             "why": self.why,
             "noticed": self.noticed,
             "decided": self.decided,
+            "fenced": self.fenced,
             "split": self.split(),
             "tiers": {r: rep.get("tier") for r, rep in sorted(self.reports.items())},
             "steps": {r: rep.get("step") for r, rep in sorted(self.reports.items())},
@@ -330,10 +334,14 @@ class InplaceJob:
         self._used_nodes.add(node)
         return _Slot(name, node, actor)
 
-    def _assign(self, gen: int, members: dict[str, int], done: bool = False) -> None:
+    def _assign(self, gen: int, members: dict[str, int], done: bool = False, fenced: bool = True) -> None:
+        """Write generation ``gen``; ``fenced``: its restore may start at once (else once
+        ``_fenced_for(gen)`` is written)."""
         self.gen = gen
         assert self.store is not None
         self.store.set(gen_key(self.job, gen), json.dumps({"world": self.world, "members": members, "done": done}))
+        if fenced:
+            self.store.set(fenced_key(self.job, gen), "1")
 
     def _watch(self, deadline: float) -> dict[int, Any]:
         import ray
@@ -356,6 +364,13 @@ class InplaceJob:
                 rank, slot = by_ref[ref]
                 try:
                     out = ray.get(ref)
+                except ray.exceptions.RayTaskError as exc:
+                    # the member raised: its training function (or what it called) failed. Every
+                    # process would fail the same way again: that ends the job, it is no loss
+                    raise RecoveryError(
+                        f"job {self.job!r}: rank {rank} ({slot.name}) failed: {_why(exc)}. A training "
+                        "function that raises ends the job (it is not a lost node): fix it and start again"
+                    ) from exc
                 except Exception as exc:
                     lost[rank] = f"its process ended ({_why(exc)})"
                     continue
@@ -459,12 +474,8 @@ class InplaceJob:
                 ray.kill(slot.actor, no_restart=True)
             except Exception:
                 pass
-        fenced = self._fence_nodes(lost_slots, why)
         self._cancel_restore(why)
-        busy = {s.node for r, s in self._ranks.items() if r not in lost} | {s.node for s in self._standbys}
-        for slot in lost_slots.values():  # a healthy node a lost process leaves free can warm a standby
-            if slot.node not in fenced and slot.node not in busy:
-                self._used_nodes.discard(slot.node)
+        survivors = {r: s for r, s in self._ranks.items() if r not in lost}
         takeover = {}
         for rank in sorted(lost_slots):
             standby = self._next_standby()
@@ -472,7 +483,19 @@ class InplaceJob:
             self._ranks[rank] = standby
         members = {s.name: rank for rank, s in self._ranks.items()}
         gen = self.gen + 1
-        self._assign(gen, members)
+        # the generation first: the members re-form and a standby registers while the lost
+        # nodes are fenced (a silent agent takes agent_ping_s to tell); restores wait for it
+        self._assign(gen, members, fenced=False)
+        decided = time.time()
+        try:
+            fenced = self._fence_nodes(lost_slots, survivors, why)
+        finally:
+            assert self.store is not None
+            self.store.set(fenced_key(self.job, gen), "1")
+        busy = {s.node for s in self._ranks.values()} | {s.node for s in self._standbys}
+        for slot in lost_slots.values():  # a healthy node a lost process leaves free can warm a standby
+            if slot.node not in fenced and slot.node not in busy:
+                self._used_nodes.discard(slot.node)
         rec = Recovery(
             gen=gen,
             lost={r: s.name for r, s in lost_slots.items()},
@@ -480,17 +503,18 @@ class InplaceJob:
             fenced_nodes=fenced,
             why=why,
             noticed=noticed,
-            decided=time.time(),
+            decided=decided,
+            fenced=time.time(),
         )
         self.recoveries.append(rec)
         self._event({"event": "recovery", **rec.to_dict()})
         for _ in lost_slots:
             self._warm_a_standby()
 
-    def _fence_nodes(self, lost: dict[int, _Slot], why: str) -> list[str]:
+    def _fence_nodes(self, lost: dict[int, _Slot], survivors: dict[int, _Slot], why: str) -> list[str]:
         """Nodes all of whose ranks were lost and whose agent is silent: memsnap's coordinator
         fences them."""
-        live_ranks = {s.node for r, s in self._ranks.items() if r not in lost}
+        live_ranks = {s.node for s in survivors.values()}
         candidates = sorted({s.node for s in lost.values()} - live_ranks)
         nodes = silent_nodes(self.job, candidates, self.agent_ping_s)
         if not nodes:
@@ -653,6 +677,10 @@ class InplaceJob:
             t.join(timeout=60)
         try:
             self._assign(self.gen + 1, {}, done=True)  # standbys waiting for a generation return
+        except Exception:
+            pass
+        try:
+            self._drop_dead_standbys()  # (one lost with a node: nothing to close there)
         except Exception:
             pass
         slots = [*self._ranks.values(), *self._standbys]

@@ -11,6 +11,10 @@ again, whose ``ctx.restore(state)`` rolls the live objects back to the newest co
 Store keys (the controller writes the first, members the rest):
 
   ``memsnap/<job>/gen/<g>``            JSON ``{"world": W, "members": {member: rank}, "done": false}``
+  ``memsnap/<job>/gen/<g>/fenced``     the nodes lost before generation g are fenced at the
+                                       coordinator: its restore may start (the controller
+                                       writes the generation first, so a standby registers
+                                       while the lost nodes are fenced)
   ``memsnap/<job>/gen/<g>/report/<r>`` JSON: what rank r's member did in generation g
   ``memsnap/<job>/done/<r>``           JSON: rank r finished training (the result's summary)
   ``memsnap/<job>/leave/<member>``     set by ``InplaceJob.hand_over``: that member is to leave
@@ -51,6 +55,10 @@ def gen_key(job: str, gen: int) -> str:
 
 def report_key(job: str, gen: int, rank: int) -> str:
     return f"memsnap/{job}/gen/{gen}/report/{rank}"
+
+
+def fenced_key(job: str, gen: int) -> str:
+    return f"memsnap/{job}/gen/{gen}/fenced"
 
 
 def done_key(job: str, rank: int) -> str:
@@ -113,6 +121,7 @@ class Context:
 
             for model in self._m.sharded:  # a step cut short may have left parameters gathered
                 reshard(model)
+        self._m.await_fenced()
         try:
             step = self._m.snapshotter.restore(state)
         except Exception as exc:
@@ -386,7 +395,9 @@ class Member:
         except Exception as exc:
             # a lost peer ends a generation in PeerLost; anything else raised while the
             # generation was failing (a collective inside a library, a cancelled restore) too
-            if not isinstance(exc, PeerLost) and self.group.wait_failure(2.0) is None:
+            # (a failure named by the controller after a silent peer's heartbeat stops: within
+            # lost_after_s and an agent ping, well inside the wait below)
+            if not isinstance(exc, PeerLost) and self.group.wait_failure(5.0) is None:
                 raise
             log.warning(
                 "member %s (rank %d): generation %d is over (%s): waiting for the next", self.name, rank, gen, exc
@@ -398,6 +409,19 @@ class Member:
         self._publish()
         self.store.set(done_key(self.job, rank), json.dumps({"member": self.name, "gen": gen}))
         return result
+
+    def await_fenced(self) -> None:
+        """Wait until the nodes lost before this generation are fenced at the coordinator (its
+        restore plan must not wait on their agents), or the generation fails meanwhile."""
+        key = fenced_key(self.job, self.current_gen)
+        deadline = time.monotonic() + self.assign_timeout_s
+        while not self.store.check([key]):
+            why = self.group.wait_failure(0.05)
+            if why is not None:
+                raise PeerLost(f"generation {self.gen} is over before its restore: {why}", self.current_gen)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"member {self.name}: generation {self.gen} was never fenced")
+        self._report["fenced"] = time.time()
 
     def _await(self, gen: int) -> dict:
         key = gen_key(self.job, gen)

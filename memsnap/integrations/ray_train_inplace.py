@@ -129,7 +129,7 @@ class _InplaceBackend(_TorchBackend):
         import ray
         from ray.train.v2._internal.execution.worker_group import ReplicaGroup
 
-        from memsnap.inplace.member import gen_key
+        from memsnap.inplace.member import fenced_key, gen_key
 
         if not hasattr(worker_group, "get_workers"):
             raise RuntimeError(
@@ -175,6 +175,7 @@ class _InplaceBackend(_TorchBackend):
         self.store.set(
             gen_key(self.job, self.gen), json.dumps({"world": self.world, "members": members, "done": False})
         )
+        self.store.set(fenced_key(self.job, self.gen), "1")  # (the lost nodes were fenced above)
         (log.warning if self.gen else log.info)("memsnap job %r: generation %d: %s", self.job, self.gen, members)
 
     def on_shutdown(self, worker_group, backend_config):

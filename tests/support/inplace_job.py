@@ -89,10 +89,12 @@ def make_train(
     step_s: float = 0.0,
     slow: tuple[int, int, float] | None = None,
     gil: tuple[int, int, float] | None = None,
+    bug: tuple[int, int] | None = None,
 ):
     """``slow``: (rank, step, seconds) — that rank spends that long in that step, once (a slow
     rank, which must not be taken for a lost one); ``gil``: the same, holding the GIL all along
-    (its heartbeat stops: only its node's word keeps it in the job)."""
+    (its heartbeat stops: only its node's word keeps it in the job); ``bug``: (rank, step) —
+    that rank raises there (a bug in the training function)."""
 
     def train(ctx, state):
         import torch
@@ -125,6 +127,8 @@ def make_train(
             if slow is not None and (ctx.rank, step) == slow[:2] and not store.check(["test/slow"]):
                 store.set("test/slow", str(ctx.rank))
                 time.sleep(slow[2])  # a long step (compute stand-in); its heartbeat thread runs on
+            if bug is not None and (ctx.rank, step) == bug:
+                raise ValueError(f"a bug in the training function at step {step}")
             if gil is not None and (ctx.rank, step) == gil[:2] and not store.check(["test/gil"]):
                 store.set("test/gil", str(ctx.rank))
                 hold_gil(gil[2])
