@@ -452,6 +452,55 @@ def test_with_no_standby_and_no_free_node_the_job_waits_for_a_node_and_recovers_
         memsnap.shutdown(job, timeout=30)
 
 
+def test_with_no_standby_and_shrink_allowed_the_survivors_go_on_as_a_smaller_job_in_place(cluster):
+    """``on_no_standby="shrink"``: a rank's node is killed and no standby is left; the two
+    survivors go on at once as ranks 0 and 1 of 2 in the processes they had, and load the
+    newest committed step of the 3-rank job (rank 1 the lost rank's state, from its peers)."""
+    import memsnap
+    from memsnap.inplace import InplaceJob
+
+    lc = cluster
+    ranks = lc.nodes[-3:]
+    job = f"inplace-{uuid.uuid4().hex[:6]}"
+    steps = 40
+    j = InplaceJob(
+        job,
+        inplace_job.setup_ddp,
+        inplace_job.make_train(steps, step_s=0.05),
+        rank_nodes=[n.node_id for n in ranks],
+        options=OPTIONS,
+        on_no_standby="shrink",
+    )
+    out: dict = {}
+    runner = run_in_thread(j, out)
+    try:
+        wait_for(lambda: progress(j, 2, 10), timeout=300, what="rank 2 to train 10 steps")
+        pids = j.members()
+        kill_hard(lc, ranks[1])
+        runner.join(timeout=600)
+        assert not runner.is_alive() and sorted(out["results"]) == [0, 1]
+        recs = j.collect()
+        assert len(recs) == 1, recs
+        rec = recs[0]
+        assert rec["lost"] == {1: "r1"} and rec["takeover"] == {} and rec["shrunk"] == (3, 2), rec
+        assert rec["pids"] == {0: pids[0]["pid"], 1: pids[2]["pid"]}  # old rank 2 is rank 1 now
+        assert len(set(rec["steps"].values())) == 1 and rec["steps"][0] >= 5, rec
+        assert set(rec["tiers"].values()) == {"elastic"}, rec  # the 3-rank step into 2 ranks
+        # each rank's state right after the restore is the committed state of the rank it now is
+        assert int(j.store.get("test/restore_checked/0")) >= 1 and int(j.store.get("test/restore_checked/1")) >= 1
+        restored_wrong = [
+            (r, st)
+            for r in range(3)
+            for st in range(steps)
+            if j.store.check([f"test/mismatch/{r}/{st}"]) and j.store.get(f"test/mismatch/{r}/{st}") == b"restored"
+        ]
+        assert restored_wrong == []
+        assert len({v["digest"] for v in out["results"].values()}) == 1  # two replicas again
+    finally:
+        runner.join(timeout=60)
+        memsnap.shutdown(job, timeout=30)
+
+
 def six_nodes(lc: LocalCluster) -> list:
     """The head, three rank nodes and two standby nodes."""
     while len(lc.nodes) < 6:

@@ -25,7 +25,7 @@ def test_the_defaults_make_a_job_of_one_rank_per_node():
     "kwargs, named",
     [
         ({"rank_nodes": []}, r"rank_nodes=\[\]"),
-        ({"on_no_standby": "retry"}, r"on_no_standby='retry': must be 'wait' or 'fail'"),
+        ({"on_no_standby": "retry"}, r"on_no_standby='retry': must be 'wait', 'shrink' or 'fail'"),
         ({"backend": "mpi"}, r"backend='mpi': must be 'gloo' \(CPU tensors\) or 'nccl'"),
         (
             {"beat_s": 0.5, "suspect_after_s": 0.3},
@@ -91,3 +91,22 @@ def test_split_leaves_a_phase_unmeasured_until_every_member_reported_it():
 
 def test_split_of_a_recovery_with_no_report_yet_has_only_the_detection():
     assert recovery({}).split() == {"detect": 0.25, "reform": None, "restore": None, "first_step": None, "total": None}
+
+
+def test_a_sharded_member_refuses_to_shrink_naming_the_fix():
+    """FSDP2 parameters live on a mesh of the world they were sharded on: a member holding a
+    sharded model cannot become a rank of a smaller job in place."""
+    import types
+
+    from memsnap.inplace.member import Member
+
+    closed = []
+    member = types.SimpleNamespace(
+        name="r2", rank=2, world=3, sharded=[object()], snap=types.SimpleNamespace(close=lambda: closed.append(1))
+    )
+    with pytest.raises(RuntimeError, match=r"shrinks from 3 to 2 ranks.*sharded.*standby_nodes"):
+        Member._resize(member, 1, 2)
+    assert closed == [] and member.snap is not None
+    member.sharded = []
+    Member._resize(member, 1, 2)  # data parallel: a Snapshotter of the new shape comes next
+    assert closed == [1] and member.snap is None

@@ -22,7 +22,9 @@ and on a loss:
   4. starts a new standby on a free node in the background, if there is one.
 
 Without a standby, ``on_no_standby="wait"`` waits (bounded) for Ray to offer a free node and
-warms a standby there; ``"fail"`` ends the job with an error naming the fix.
+warms a standby there; ``"shrink"`` goes on at once with fewer ranks (the survivors numbered
+0..W'-1 in their old order, the newest committed step loaded into the smaller world: data
+parallel jobs only); ``"fail"`` ends the job with an error naming the fix.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ class Recovery:
     noticed: float  # the controller saw the first sign
     decided: float  # the next generation was written
     fenced: float | None = None  # the lost nodes were fenced: the restores could start
+    shrunk: tuple[int, int] | None = None  # (world before, world after) when no standby was left
     reports: dict[int, dict] = dataclasses.field(default_factory=dict)
     sent: bool = False  # reported to the coordinator and the event log
 
@@ -97,6 +100,7 @@ class Recovery:
             "noticed": self.noticed,
             "decided": self.decided,
             "fenced": self.fenced,
+            "shrunk": self.shrunk,
             "split": self.split(),
             "tiers": {r: rep.get("tier") for r, rep in sorted(self.reports.items())},
             "steps": {r: rep.get("step") for r, rep in sorted(self.reports.items())},
@@ -199,8 +203,8 @@ class InplaceJob:
     ):
         if not rank_nodes:
             raise ConfigError("rank_nodes=[]: give the Ray node id of every rank")
-        if on_no_standby not in ("wait", "fail"):
-            raise ConfigError(f"on_no_standby={on_no_standby!r}: must be 'wait' or 'fail'")
+        if on_no_standby not in ("wait", "shrink", "fail"):
+            raise ConfigError(f"on_no_standby={on_no_standby!r}: must be 'wait', 'shrink' or 'fail'")
         if backend not in ("gloo", "nccl"):
             raise ConfigError(
                 f"backend={backend!r}: must be 'gloo' (CPU tensors) or 'nccl' (CUDA tensors; "
@@ -396,6 +400,8 @@ class InplaceJob:
                 self._recover(lost, noticed)
                 reported_at = None
                 results = {r: v for r, v in results.items() if r not in lost}
+                if self.recoveries[-1].shrunk:  # the ranks were numbered again
+                    results = {}
             elif reported_at is not None and time.time() - reported_at > 2 * self.lost_after_s:
                 # a collective failed but every member still beats: re-form with the same members
                 self._recover({}, reported_at)
@@ -477,10 +483,27 @@ class InplaceJob:
         self._cancel_restore(why)
         survivors = {r: s for r, s in self._ranks.items() if r not in lost}
         takeover = {}
+        dropped = []
         for rank in sorted(lost_slots):
-            standby = self._next_standby()
+            standby = self._next_standby(may_shrink=len(survivors) > 0)
+            if standby is None:
+                dropped.append(rank)
+                del self._ranks[rank]
+                continue
             takeover[rank] = standby.name
             self._ranks[rank] = standby
+        shrunk = None
+        if dropped:  # fewer ranks: the rest keep their order, numbered from 0
+            shrunk = (self.world, len(self._ranks))
+            self._ranks = dict(enumerate(slot for _, slot in sorted(self._ranks.items())))
+            self.world = len(self._ranks)
+            log.warning(
+                "job %r: no standby for rank(s) %s: the job goes on with %d ranks (was %d)",
+                self.job,
+                dropped,
+                self.world,
+                shrunk[0],
+            )
         members = {s.name: rank for rank, s in self._ranks.items()}
         gen = self.gen + 1
         # the generation first: the members re-form and a standby registers while the lost
@@ -505,6 +528,7 @@ class InplaceJob:
             noticed=noticed,
             decided=decided,
             fenced=time.time(),
+            shrunk=shrunk,
         )
         self.recoveries.append(rec)
         self._event({"event": "recovery", **rec.to_dict()})
@@ -529,15 +553,20 @@ class InplaceJob:
         next generation, whose restore starts a new round)."""
         self._coordinator_call("cancel_restore", why)
 
-    def _next_standby(self) -> _Slot:
+    def _next_standby(self, may_shrink: bool = False) -> _Slot | None:
+        """A warm standby to take a lost rank; None to go on without the rank (``"shrink"``,
+        with ``may_shrink``: some rank survives to go on)."""
         self._drop_dead_standbys()
         with self._lock:
             if self._standbys:
                 return self._standbys.pop(0)
-        if self.on_no_standby == "fail":
+        if self.on_no_standby == "shrink" and may_shrink:
+            return None
+        if self.on_no_standby in ("fail", "shrink"):
             raise RecoveryError(
-                f"job {self.job!r}: a rank was lost and no standby is left: give more "
-                "standby_nodes, or on_no_standby='wait' to wait for a free node"
+                f"job {self.job!r}: a rank was lost and no standby is left"
+                + (" (and no rank survived to go on with)" if self.on_no_standby == "shrink" else "")
+                + ": give more standby_nodes, or on_no_standby='wait' to wait for a free node"
             )
         log.warning(
             "job %r: a rank was lost and no standby is warm: waiting up to %.0f s for the one warming or "

@@ -353,9 +353,10 @@ class Member:
                     return {**self.info(), "outcome": "fenced", "result": None}
                 gen += 1  # still a standby
                 continue
-            if self.rank is not None and rank != self.rank:
+            world = int(assignment["world"])
+            if self.rank is not None and rank != self.rank and world == self.world:
                 raise RuntimeError(f"member {self.name}: rank {self.rank} cannot become rank {rank} in place")
-            outcome = self._generation(gen, rank, int(assignment["world"]))
+            outcome = self._generation(gen, rank, world)
             if outcome is HandedOver:
                 return {**self.info(), "outcome": "handed_over", "result": None}
             if outcome is not PeerLost:
@@ -366,6 +367,8 @@ class Member:
     def _generation(self, gen: int, rank: int, world: int):
         t_assigned = time.time()
         takeover = self.rank is None and gen > 0
+        if self.snap is not None and world != self.world:
+            self._resize(rank, world)
         self.rank, self.world, self.gen = rank, world, gen
         self._report = {
             "member": self.name,
@@ -422,6 +425,21 @@ class Member:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"member {self.name}: generation {self.gen} was never fenced")
         self._report["fenced"] = time.time()
+
+    def _resize(self, rank: int, world: int) -> None:
+        """The job goes on with ``world`` ranks, this one as ``rank``: a Snapshotter of the new
+        shape (its first restore loads the newest step into the smaller world). A sharded
+        model cannot follow: its parameters are laid out on a mesh of the old world."""
+        if self.sharded:
+            raise RuntimeError(
+                f"member {self.name}: the job shrinks from {self.world} to {world} ranks, but this rank's "
+                "model is sharded (ctx.fully_shard) on a mesh of the old world: a sharded job cannot go on "
+                "with fewer ranks in place; give standby_nodes, or on_no_standby='wait'"
+            )
+        log.warning("member %s: rank %s of %s becomes rank %d of %d", self.name, self.rank, self.world, rank, world)
+        assert self.snap is not None
+        self.snap.close()
+        self.snap = None
 
     def _await(self, gen: int) -> dict:
         key = gen_key(self.job, gen)
