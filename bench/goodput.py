@@ -4,7 +4,7 @@ schedule, each system in turn.
 
     python bench/goodput.py [--workload ddp|fsdp] [--state-mb 256] [--compute sleep|model] [--step-s 1.0]
         [--horizon-s 120] [--baseline-s 15] [--mtbf-s 50] [--seed 21] [--common-n 10]
-        [--systems memsnap memsnap-inplace torch.save dcp ray.train] [--append]
+        [--systems memsnap memsnap-inplace torch.save dcp ray.train torchft] [--append]
         -> bench/results/goodput.md, goodput.png and goodput.json (goodput_fsdp.* for fsdp)
     python bench/goodput.py --render   # rewrite the .md and .png from goodput.json
 
@@ -21,7 +21,9 @@ schedule and events under ``memsnap.inplace.InplaceJob`` with one warm standby o
 node instead: the surviving ranks keep their processes and roll back from their own node's
 RAM, the standby takes the lost rank (restoring from its peers), and the next standby warms
 on the replacement node; its *detect* ends at memsnap's own decision, not Ray's verdict.
-Each system also runs ``--baseline-s`` without faults, for its failure-free rate. See the
+``torchft`` (``--systems ... torchft``; ddp only) runs the job under Ray Train v2's
+``TorchftConfig``, each worker its own replica group: after a kill the other workers go on,
+and Ray Train starts one new worker, which torchft sends a live peer's state. Each system also runs ``--baseline-s`` without faults, for its failure-free rate. See the
 results file for what is measured.
 """
 
@@ -280,7 +282,7 @@ def agent_cpu_seconds(cluster: LocalCluster) -> float:
 # --- one run ----------------------------------------------------------------------------------------
 @dataclass
 class RunSpec:
-    system: str  # none | memsnap | memsnap-inplace | torch.save | dcp | ray.train
+    system: str  # none | memsnap | memsnap-inplace | torch.save | dcp | ray.train | torchft
     interval: str  # steps between saves, or "auto"
     faults: bool
     label: str = ""
@@ -498,6 +500,70 @@ def run_ray_train(spec: RunSpec, cfg: dict, nodes: Nodes, schedule: list[dict], 
             f"{len(inj.faults)} node(s) killed, the last event from a worker {last - t0:.0f} s after the first step "
             f"({sum(e['ev'] == 'built' for e in ev)} worker starts, {sum(e['ev'] == 'step' for e in ev)} steps)"
         )
+    if "error" in box:
+        raise box["error"]
+    events = read_events(cfg["events"])
+    return RunResult(vars(spec), t0, horizon, events, inj.faults, meter.total(), cfg["state_mb"] << 20)
+
+
+def run_torchft(spec: RunSpec, cfg: dict, nodes: Nodes, schedule: list[dict], horizon: float) -> RunResult:
+    """torchft under Ray Train v2 (``TorchftConfig``, every worker its own replica group, as
+    Ray's ``torchft_linear_example`` runs it): a lost worker's group leaves the quorum, the
+    others go on, and Ray Train starts a new worker alone, which torchft sends a live peer's
+    state. Its lighthouse and managers bind to loopback; the lighthouse forms a quorum as soon
+    as it can (``join_timeout_ms``) and drops a silent manager after ``heartbeat_timeout_ms``
+    (1 s each: the best setting here, as fast as memsnap's own detection)."""
+    from goodput_job import read_events, torchft_loop
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.v2.torch.torch_trainer import TorchTrainer
+    from ray.train.v2.torch.torchft_config import TorchftConfig
+
+    os.environ["RAY_TRAIN_V2_ENABLED"] = "1"
+    meter = StorageMeter(cfg["storage"])
+    meter.start()
+    box: dict = {}
+    lighthouse = {"bind": "127.0.0.1:0", "min_replicas": 1, "join_timeout_ms": 1000, "heartbeat_timeout_ms": 1000}
+
+    def fit() -> None:
+        try:
+            trainer = TorchTrainer(
+                torchft_loop,
+                train_loop_config={**cfg, "deadline_file": cfg["events"] + ".deadline"},
+                torch_config=TorchftConfig(lighthouse_kwargs=lighthouse, backend="gloo"),
+                scaling_config=ScalingConfig(num_workers=NODES, placement_strategy="STRICT_SPREAD"),
+                run_config=RunConfig(
+                    storage_path=cfg["storage"], name="goodput", failure_config=FailureConfig(max_failures=-1)
+                ),
+            )
+            box["result"] = trainer.fit()
+        except BaseException as exc:
+            box["error"] = exc
+
+    th = threading.Thread(target=fit, daemon=True)
+    th.start()
+    try:
+        wait_for(
+            lambda: sum(e["ev"] == "restored" for e in read_events(cfg["events"])) >= NODES or not th.is_alive(),
+            timeout=600,
+            what="the torchft workers to take their first step",
+        )
+        if "error" in box:
+            raise box["error"]
+        t0 = time.time()
+        deadline = t0 + horizon
+        Path(cfg["events"] + ".deadline.tmp").write_text(repr(deadline))
+        os.replace(cfg["events"] + ".deadline.tmp", cfg["events"] + ".deadline")
+        inj = Injector(nodes, schedule if spec.faults else [], t0, deadline, cfg["events"])
+        inj.start()
+        th.join(timeout=horizon + 240)
+        inj.stop.set()
+        inj.join(timeout=150)
+    finally:
+        meter.stop.set()
+        meter.join(timeout=10)
+        os.environ.pop("RAY_TRAIN_V2_ENABLED", None)
+    if th.is_alive():
+        raise TimeoutError(f"{spec.name}: TorchTrainer.fit did not return within {horizon + 240:.0f} s")
     if "error" in box:
         raise box["error"]
     events = read_events(cfg["events"])
@@ -776,6 +842,8 @@ def measure(
         try:
             if spec.system == "ray.train":
                 res = run_ray_train(spec, cfg, cluster_nodes, schedule, horizon)
+            elif spec.system == "torchft":
+                res = run_torchft(spec, cfg, cluster_nodes, schedule, horizon)
             elif spec.system == "memsnap-inplace":
                 res = run_inplace(spec, cfg, cluster_nodes, schedule, horizon)
             else:
@@ -848,6 +916,15 @@ def measure(
         if system == "memsnap-inplace":  # a snapshot every step, as memsnap/1
             one(nodes, RunSpec("memsnap-inplace", "1", False), args.baseline_s)
             one(nodes, RunSpec("memsnap-inplace", "1", True), args.horizon_s)
+            return
+        if system == "torchft":  # no saves: a new worker is sent a live replica's state
+            if args.workload != "ddp":
+                raise ValueError(
+                    f"--workload {args.workload}: torchft shards only inside a replica group (HSDP); with "
+                    f"{NODES} ranks that is two groups of two, whose FSDP2 this bench does not build"
+                )
+            one(nodes, RunSpec("torchft", "0", False), args.baseline_s)
+            one(nodes, RunSpec("torchft", "0", True), args.horizon_s)
             return
         base = one(nodes, RunSpec(system, str(args.common_n), False), args.baseline_s)
         cost = base["stall_steady"] or base["stall_first"] or 0.0

@@ -439,3 +439,96 @@ def ray_train_loop(cfg: dict) -> None:
                 ray.train.report({"step": step}, checkpoint=ray.train.Checkpoint.from_directory(d))
             event(cfg["events"], ev="save", rank=rank, step=step, stall=time.perf_counter() - t, bytes=0)
         step += 1
+
+
+# --- torchft (the torchft system) ----------------------------------------------------------------
+def loopback_torchft() -> None:
+    """torchft's Manager binds its server to every interface (``[::]``): bind it to loopback,
+    where this bench keeps all of its traffic, and gloo to ``lo``."""
+    import torchft.manager as manager
+
+    if getattr(manager, "_bench_loopback", False):
+        return
+    real = manager.ManagerServer
+
+    def server(**kw):
+        kw["bind"] = str(kw["bind"]).replace("[::]", "127.0.0.1")
+        return real(**kw)
+
+    manager.ManagerServer = server  # type: ignore[assignment]
+    manager._bench_loopback = True  # type: ignore[attr-defined]
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+
+def torchft_loop(cfg: dict) -> None:
+    """``train_loop_per_worker`` of the torchft run (Ray Train v2's ``TorchftConfig``), as Ray's
+    ``torchft_linear_example`` runs it: every worker is its own replica group; torchft's DDP
+    averages the gradients across the groups through its Manager. When a worker is lost the
+    others go on with the groups left (``min_replicas=1``); Ray Train starts a new worker alone,
+    which is sent a live peer's state (model, AdamW, buffer) over torchft's PGTransport.
+    Nothing goes to disk. Only the quorum's rank 0 logs steps (one event per step)."""
+    from datetime import timedelta
+
+    import ray
+    import ray.train
+    from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
+    from torchft.checkpointing.pg_transport import PGTransport
+
+    if cfg.get("workload", "ddp") != "ddp":
+        raise ValueError("the torchft system runs the ddp workload (its FSDP needs HSDP replica groups)")
+    loopback_torchft()
+    ctx = ray.train.get_context()
+    rank = ctx.get_world_rank()
+    node = ray.get_runtime_context().get_node_id()
+    job = Job(rank, 1, cfg)  # one rank in its replica group: torchft averages across the groups
+    event(cfg["events"], ev="built", rank=rank, node=node)
+    pg = ProcessGroupGloo(timeout=timedelta(seconds=30))
+    transport = PGTransport(pg, timeout=timedelta(seconds=30), device=torch.device("cpu"))
+    restored: dict = {}
+
+    def state_dict():
+        return {"model": job.model.state_dict(), "optim": job.optim.state_dict(), "bulk": job.bulk}
+
+    def load_state_dict(sd):
+        t = time.perf_counter()
+        job.model.load_state_dict(sd["model"])
+        job.optim.load_state_dict(sd["optim"])
+        job.bulk.copy_(sd["bulk"])
+        restored["wall"] = time.perf_counter() - t
+
+    manager = Manager(
+        pg=pg,
+        min_replica_size=1,
+        load_state_dict=load_state_dict,
+        state_dict=state_dict,
+        world_size=1,
+        rank=0,
+        replica_id=f"goodput_{rank}",
+        timeout=timedelta(seconds=60),
+        checkpoint_transport=transport,
+    )
+    model = DistributedDataParallel(manager, job.model)
+    optim = Optimizer(manager, job.optim)
+    path = cfg["deadline_file"]  # the bench writes the run's deadline once every worker is up
+    first = True
+    try:
+        while True:
+            if os.path.exists(path) and time.time() >= float(open(path).read()):
+                break
+            x = torch.randn(64, job.width, generator=job.gen)
+            optim.zero_grad(set_to_none=True)  # (starts the step's quorum)
+            loss = model(x).square().mean()
+            loss.backward()
+            time.sleep(cfg["step_s"])
+            before = manager.current_step()
+            optim.step()  # the averaged gradients applied, if every group's all-reduce held
+            step = manager.current_step() - 1
+            if first:  # the first step joined the quorum: a new worker has received a peer's state by now
+                first = False
+                event(cfg["events"], ev="restored", rank=rank, step=step - 1, wall=restored.get("wall", 0.0))
+            if step >= before:  # committed
+                job.bulk[step % job.bulk.numel()] += 1.0
+                if manager.participating_rank() == 0:  # (a step of fewer groups averages fewer samples)
+                    event(cfg["events"], ev="step", step=step, attempt=0, participants=manager.num_participants())
+    finally:
+        manager.shutdown()

@@ -336,7 +336,18 @@ def write_report(data: dict, out: Path) -> None:
             if a.get("lost_after_s") or a.get("suspect_after_s")
             else ""
         )
-        + ".",
+        + "."
+        + (
+            " **torchft** runs the job under Ray Train v2's `TorchftConfig` as Ray's `torchft_linear_example` "
+            "does: every worker its own replica group, torchft's DDP averaging across the groups, its "
+            "PGTransport sending a live peer's state to a new worker; nothing is saved. After a kill the "
+            "other groups go on (the lighthouse binds to loopback, forms a quorum as soon as it can and drops "
+            "a silent manager after 1 s: `join_timeout_ms` and `heartbeat_timeout_ms` 1000) and Ray Train "
+            "starts one new worker, which joins at a later step. A step of fewer groups averages fewer "
+            "samples: torchft's useful steps count each step as the share of the 4 groups that took it."
+            if any(r["spec"]["system"] == "torchft" for r in runs)
+            else ""
+        ),
         "",
         "* **useful steps**: the job's progress when the horizon ends (steps redone after a rollback count once).",
         "* **goodput**: useful steps per wall second over the same system's failure-free rate (same interval).",
@@ -362,15 +373,17 @@ def write_report(data: dict, out: Path) -> None:
     none = next((r for r in runs if r["spec"]["system"] == "none"), None)
     for run, base in pairs(data):
         f = [x for x in run["failures"] if "rto" in x]
-        rto = (
-            (
+        rejoin = [x["rejoin"] for x in f if x.get("rejoin") is not None]
+        if f and all("restart" in x for x in f):
+            rto = (
                 f"{_mean([x['rto'] for x in f]):.1f} ({_mean([x['detect'] for x in f]):.1f} + "
                 f"{_mean([x['restart'] for x in f]):.1f} + {_mean([x['restore'] for x in f]):.1f} + "
                 f"{_mean([x['first_step'] for x in f]):.1f})"
             )
-            if f
-            else "-"
-        )
+        elif f:  # torchft: the others go on; the new worker joins later
+            rto = f"{_mean([x['rto'] for x in f]):.1f} (the others go on; the new worker in at {_f(_mean(rejoin), '.1f')})"
+        else:
+            rto = "-"
         lost = [x["lost_steps"] for x in f]
         lines.append(
             f"| {_name(run)} | {run['spec']['interval']} | {_faults(run)} | {run['useful_steps']} | "

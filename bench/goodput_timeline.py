@@ -103,6 +103,8 @@ def analyse(r: RunResult) -> dict:
     timed = [e for e in steps if e["t"] >= r.t0]
     useful = timed[-1]["step"] + 1 if timed else 0
     first = min((e["step"] for e in timed), default=0)
+    if any("participants" in e for e in timed):  # torchft: a step of fewer replica groups is part of one
+        first, useful = 0, sum(e.get("participants", NODES) for e in timed) / NODES
     saves = [e for e in r.events if e["ev"] == "save"]
     rank_saves: dict[int, list[dict]] = {}
     for e in saves:
@@ -127,7 +129,19 @@ def analyse(r: RunResult) -> dict:
         progress = before[-1]["step"] + 1 if before else 0
         t_rest = max(e["t"] for e in restored[:NODES]) if len(restored) >= NODES else nxt
         after = [e for e in steps if t_rest < e["t"] < nxt]  # the new ranks' steps
-        if len(built) >= NODES and len(restored) >= NODES and after:
+        if r.spec.get("system") == "torchft":  # the others go on: the first step they commit after the kill
+            at_kill = [e for e in steps if e["t"] < f["t_kill"]]
+            done = at_kill[-1]["step"] + 1 if at_kill else 0
+            went_on = [e for e in steps if f["t_kill"] < e["t"] < nxt and e["step"] >= done]
+            if went_on:
+                back = [e for e in restored if e["t"] > f["t_kill"]]  # the new worker joined the quorum
+                rec.update(
+                    rto=went_on[0]["t"] - f["t_kill"],
+                    lost_steps=max(0, done - went_on[0]["step"]),
+                    first_step=went_on[0]["t"] - f["t_kill"],
+                    rejoin=(back[0]["t"] - f["t_kill"]) if back else None,
+                )
+        elif len(built) >= NODES and len(restored) >= NODES and after:
             t_built = max(built[:NODES])
             step = restored[0]["step"]
             resumed = 0 if step is None else step + 1

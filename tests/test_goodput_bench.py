@@ -88,6 +88,37 @@ def test_a_failure_the_job_never_recovered_from_has_no_rto():
     assert a["useful_steps"] == 10
 
 
+def test_torchft_goes_on_after_a_kill_its_rto_is_the_first_step_the_others_commit():
+    """torchft's surviving replica groups go on (no rollback, no restart): the failure's RTO is
+    the first step committed after the kill, and the new worker's rejoin is its first step."""
+    t0 = 100.0
+    ev = [{"ev": "built", "rank": r, "t": t0 - 2} for r in range(NODES)]
+    ev += [{"ev": "restored", "rank": r, "step": -1, "wall": 0.0, "t": t0 - 1} for r in range(NODES)]
+    ev += [{"ev": "step", "step": s, "attempt": 0, "participants": NODES, "t": t0 + 1 + s} for s in range(10)]
+    # killed at t0+10.2; the quorum drops the lost group, step 10 commits at t0+13.0 with the
+    # others, and the new worker is in from step 18 on
+    ev += [
+        {"ev": "step", "step": s, "attempt": 0, "participants": NODES - (s < 18), "t": t0 + 13.0 + (s - 10)}
+        for s in range(10, 30)
+    ]
+    ev += [
+        {"ev": "built", "rank": 2, "t": t0 + 18.0},
+        {"ev": "restored", "rank": 2, "step": 14, "wall": 0.3, "t": t0 + 21.0},
+    ]
+    faults = [{"at_s": 10.0, "t_kill": t0 + 10.2, "t_dead": t0 + 14.0, "killed": 2, "replacement": 4}]
+    a = analyse(
+        RunResult({"system": "torchft", "interval": "0", "faults": True, "label": ""}, t0, 35.0, ev, faults, 0, 1)
+    )
+    (f,) = a["failures"]
+    assert f["rto"] == pytest.approx(13.0 - 10.2) and f["lost_steps"] == 0
+    assert f["rejoin"] == pytest.approx(21.0 - 10.2)
+    assert "restart" not in f
+    # the work done by the horizon (t0+35): steps 0-9 whole, 10-17 by three of four groups, 18-31 whole
+    in_horizon = [s for s in range(10, 30) if t0 + 13.0 + (s - 10) <= t0 + 35.0]
+    whole = 10 + sum(1 if s >= 18 else (NODES - 1) / NODES for s in in_horizon)
+    assert a["useful_steps"] == pytest.approx(whole) and a["rate"] == pytest.approx(whole / 35.0)
+
+
 def test_a_step_the_old_ranks_log_just_after_the_kill_is_progress_not_recovery():
     """Rank 0 may log a step whose all-reduce ended before the kill a moment after it: that step
     was done before the node died (it counts in the lost steps), and the RTO runs to the first

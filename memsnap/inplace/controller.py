@@ -636,16 +636,26 @@ class InplaceJob:
 
             import memsnap
 
+            slot = None
             try:
-                memsnap.start_spare(self.job, node, **{k: v for k, v in self.options.items() if k != "run"})
+                # the member's process starts and runs the user's setup while the node's
+                # spare agent starts (each takes seconds on a busy host: side by side, not in turn)
                 slot = self._start(f"s{uuid.uuid4().hex[:6]}", node)
-                slot.token = ray.get(slot.actor.prepare.remote(), timeout=600).get("token")
+                prepared = slot.actor.prepare.remote()
+                memsnap.start_spare(self.job, node, **{k: v for k, v in self.options.items() if k != "run"})
+                slot.token = ray.get(prepared, timeout=600).get("token")
                 slot.ref = slot.actor.run.remote()
                 with self._lock:
                     self._standbys.append(slot)
                 self._event({"event": "standby", "member": slot.name, "node": node})
             except Exception as exc:
                 log.warning("job %r: no new standby on node %s: %s", self.job, node[:12], exc)
+                if slot is not None:
+                    self.monitor.forget(slot.name)
+                    try:
+                        ray.kill(slot.actor, no_restart=True)
+                    except Exception:
+                        pass
 
         t = threading.Thread(target=warm, name="memsnap-warm-standby", daemon=True)
         self._warming.append(t)

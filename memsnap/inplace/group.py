@@ -45,7 +45,7 @@ from datetime import timedelta
 
 log = logging.getLogger("memsnap.inplace")
 
-_ARRIVE_POLL_S = 0.05  # how soon a member waiting for the others to form a group sees a failure
+_ARRIVE_POLL_S = 0.02  # how often a member waiting for the others to form a group looks again
 
 
 class PeerLost(Exception):
@@ -202,20 +202,15 @@ class RecoverableGroup:
         """Wait for every member of ``gen`` to come, or end in ``PeerLost`` as soon as the
         generation is failed (a member that died before forming it, named by the controller):
         the backend's own rendezvous would wait out its whole timeout, and nothing interrupts
-        it. The wait is in short store waits, a failure checked between them."""
-        import torch.distributed as dist
-
+        it. The key is checked every ``_ARRIVE_POLL_S``; a failure wakes the wait at once (a
+        store wait with a timeout would do as well, but torch logs a warning for each one that
+        times out)."""
         arrived, everyone = f"{prefix(self.job, gen)}/arrived", f"{prefix(self.job, gen)}/everyone"
         if self.store.add(arrived, 1) >= world:
             self.store.set(everyone, "1")
         deadline = time.monotonic() + self.timeout_s
-        while True:
-            try:
-                self.store.wait([everyone], timedelta(seconds=_ARRIVE_POLL_S))
-                return
-            except dist.DistStoreError:
-                pass  # not everyone yet (a wait that times out raises)
-            why = self.failure()
+        while not self.store.check([everyone]):
+            why = self.wait_failure(_ARRIVE_POLL_S)
             if why is None and time.monotonic() > deadline:
                 self.fail(f"not every member came to form the group within {self.timeout_s:.0f} s")
                 why = self.failure()
