@@ -452,58 +452,10 @@ def run_own(
 def run_ray_train(spec: RunSpec, cfg: dict, nodes: Nodes, schedule: list[dict], horizon: float) -> RunResult:
     """A Ray Train ``TorchTrainer`` run: Ray Train restarts the worker group after a failure
     and hands it the newest reported checkpoint."""
-    from goodput_job import ray_train_loop, read_events
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from goodput_job import ray_train_loop
     from ray.train.torch import TorchTrainer
 
-    meter = StorageMeter(cfg["storage"])
-    meter.start()
-    box: dict = {}
-
-    def fit() -> None:
-        try:
-            trainer = TorchTrainer(
-                ray_train_loop,
-                train_loop_config={**cfg, "deadline_file": cfg["events"] + ".deadline"},
-                scaling_config=ScalingConfig(num_workers=NODES, placement_strategy="STRICT_SPREAD"),
-                run_config=RunConfig(
-                    storage_path=cfg["storage"], name="goodput", failure_config=FailureConfig(max_failures=-1)
-                ),
-            )
-            box["result"] = trainer.fit()
-        except BaseException as exc:
-            box["error"] = exc
-
-    th = threading.Thread(target=fit, daemon=True)
-    th.start()
-    wait_for(
-        lambda: sum(e["ev"] == "restored" for e in read_events(cfg["events"])) >= NODES or not th.is_alive(),
-        timeout=600,
-        what="the Ray Train workers to start",
-    )
-    t0 = time.time()
-    deadline = t0 + horizon
-    Path(cfg["events"] + ".deadline.tmp").write_text(repr(deadline))
-    os.replace(cfg["events"] + ".deadline.tmp", cfg["events"] + ".deadline")
-    inj = Injector(nodes, schedule if spec.faults else [], t0, deadline, cfg["events"])
-    inj.start()
-    th.join(timeout=horizon + 240)
-    inj.stop.set()
-    inj.join(timeout=150)
-    meter.stop.set()
-    meter.join(timeout=10)
-    if th.is_alive():
-        ev = read_events(cfg["events"])
-        last = max((e["t"] for e in ev), default=t0)
-        raise TimeoutError(
-            f"{spec.name}: TorchTrainer.fit did not return within {horizon + 240:.0f} s of the first step; "
-            f"{len(inj.faults)} node(s) killed, the last event from a worker {last - t0:.0f} s after the first step "
-            f"({sum(e['ev'] == 'built' for e in ev)} worker starts, {sum(e['ev'] == 'step' for e in ev)} steps)"
-        )
-    if "error" in box:
-        raise box["error"]
-    events = read_events(cfg["events"])
-    return RunResult(vars(spec), t0, horizon, events, inj.faults, meter.total(), cfg["state_mb"] << 20)
+    return _run_trainer(spec, cfg, nodes, schedule, horizon, TorchTrainer, ray_train_loop, {})
 
 
 def run_torchft(spec: RunSpec, cfg: dict, nodes: Nodes, schedule: list[dict], horizon: float) -> RunResult:
@@ -513,27 +465,41 @@ def run_torchft(spec: RunSpec, cfg: dict, nodes: Nodes, schedule: list[dict], ho
     state. Its lighthouse and managers bind to loopback; the lighthouse forms a quorum as soon
     as it can (``join_timeout_ms``) and drops a silent manager after ``heartbeat_timeout_ms``
     (1 s each: the best setting here, as fast as memsnap's own detection)."""
-    from goodput_job import read_events, torchft_loop
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from goodput_job import torchft_loop
     from ray.train.v2.torch.torch_trainer import TorchTrainer
     from ray.train.v2.torch.torchft_config import TorchftConfig
 
+    lighthouse = {"bind": "127.0.0.1:0", "min_replicas": 1, "join_timeout_ms": 1000, "heartbeat_timeout_ms": 1000}
     os.environ["RAY_TRAIN_V2_ENABLED"] = "1"
+    try:
+        config = {"torch_config": TorchftConfig(lighthouse_kwargs=lighthouse, backend="gloo")}
+        return _run_trainer(spec, cfg, nodes, schedule, horizon, TorchTrainer, torchft_loop, config)
+    finally:
+        os.environ.pop("RAY_TRAIN_V2_ENABLED", None)
+
+
+def _run_trainer(
+    spec: RunSpec, cfg: dict, nodes: Nodes, schedule: list[dict], horizon: float, trainer_cls, loop, extra: dict
+) -> RunResult:
+    """``trainer_cls(loop, **extra)`` over the 4 nodes, its workers told the run's deadline once
+    every one of them has restored (the timed part starts then), the faults injected until it."""
+    from goodput_job import read_events
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+
     meter = StorageMeter(cfg["storage"])
     meter.start()
     box: dict = {}
-    lighthouse = {"bind": "127.0.0.1:0", "min_replicas": 1, "join_timeout_ms": 1000, "heartbeat_timeout_ms": 1000}
 
     def fit() -> None:
         try:
-            trainer = TorchTrainer(
-                torchft_loop,
+            trainer = trainer_cls(
+                loop,
                 train_loop_config={**cfg, "deadline_file": cfg["events"] + ".deadline"},
-                torch_config=TorchftConfig(lighthouse_kwargs=lighthouse, backend="gloo"),
                 scaling_config=ScalingConfig(num_workers=NODES, placement_strategy="STRICT_SPREAD"),
                 run_config=RunConfig(
                     storage_path=cfg["storage"], name="goodput", failure_config=FailureConfig(max_failures=-1)
                 ),
+                **extra,
             )
             box["result"] = trainer.fit()
         except BaseException as exc:
@@ -541,11 +507,12 @@ def run_torchft(spec: RunSpec, cfg: dict, nodes: Nodes, schedule: list[dict], ho
 
     th = threading.Thread(target=fit, daemon=True)
     th.start()
+    inj = None
     try:
         wait_for(
             lambda: sum(e["ev"] == "restored" for e in read_events(cfg["events"])) >= NODES or not th.is_alive(),
             timeout=600,
-            what="the torchft workers to take their first step",
+            what=f"the {spec.system} workers to start",
         )
         if "error" in box:
             raise box["error"]
@@ -556,14 +523,20 @@ def run_torchft(spec: RunSpec, cfg: dict, nodes: Nodes, schedule: list[dict], ho
         inj = Injector(nodes, schedule if spec.faults else [], t0, deadline, cfg["events"])
         inj.start()
         th.join(timeout=horizon + 240)
-        inj.stop.set()
-        inj.join(timeout=150)
     finally:
+        if inj is not None:
+            inj.stop.set()
+            inj.join(timeout=150)
         meter.stop.set()
         meter.join(timeout=10)
-        os.environ.pop("RAY_TRAIN_V2_ENABLED", None)
     if th.is_alive():
-        raise TimeoutError(f"{spec.name}: TorchTrainer.fit did not return within {horizon + 240:.0f} s")
+        ev = read_events(cfg["events"])
+        last = max((e["t"] for e in ev), default=t0)
+        raise TimeoutError(
+            f"{spec.name}: TorchTrainer.fit did not return within {horizon + 240:.0f} s of the first step; "
+            f"{len(inj.faults)} node(s) killed, the last event from a worker {last - t0:.0f} s after the first step "
+            f"({sum(e['ev'] == 'built' for e in ev)} worker starts, {sum(e['ev'] == 'step' for e in ev)} steps)"
+        )
     if "error" in box:
         raise box["error"]
     events = read_events(cfg["events"])
