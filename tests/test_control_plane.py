@@ -97,7 +97,7 @@ def test_a_burst_of_back_to_back_saves_commits_its_last_step_with_nothing_failed
     assert ray.get(actors[0].wait.remote(29), timeout=180) == 29
     st = ray.get(actors[0].status.remote(), timeout=60)
     counters = merged(ray.get([a.counters.remote() for a in actors], timeout=60))
-    assert st["failed_snapshots"] == 0 and all(c["failed_saves"] == 0 for c in counters.values())
+    assert st["failed_snapshots"] == 0 and all(c["failed_saves"] == 0 for c in counters.values()), st["failed_steps"]
     assert st["committed_step"] == 29
     finish("cp-burst", actors)
 
