@@ -19,7 +19,7 @@ import xxhash
 
 from memsnap.arena import MemoryBudget, touch
 from memsnap.config import tunable
-from memsnap.errors import MemoryBudgetError
+from memsnap.errors import MemoryBudgetError, StepGivenUp
 from memsnap.transport.base import ChunkKey
 
 _GIVEN_UP_KEPT = 256  # abandoned steps remembered (a sender is never that many steps behind)
@@ -64,7 +64,7 @@ class HeldChunks:
                 f"chunk {key} is already being received (on another connection); retry once that transfer ends"
             )
         if key.step in self._given_up:
-            raise ChunkRefused(f"chunk {key} is for step {key.step}, which the job gave up: it will never commit")
+            raise StepGivenUp(f"chunk {key} is for step {key.step}, which the job gave up: it will never commit")
         if self._newest is not None and key.step > self._newest + self._window:
             raise ChunkRefused(
                 f"chunk {key} is for step {key.step}, more than store_step_window="

@@ -74,6 +74,12 @@ class TransportError(MemsnapError):
     """A chunk could not be moved between agents."""
 
 
+class StepGivenUp(TransportError):
+    """A holder refused a push because the job gave up its step (a node skipped or replaced
+    it, or it failed elsewhere): the step will never commit, and nothing failed here. A
+    store's ``reserve`` raises it; the transport carries it to the sender as itself."""
+
+
 class AuthenticationError(TransportError):
     """A peer failed the data-plane handshake."""
 

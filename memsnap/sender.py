@@ -21,7 +21,7 @@ from memsnap import encode, metrics
 from memsnap.arena import OwnedBuffer
 from memsnap.checksum import fill_checksums
 from memsnap.config import tunable
-from memsnap.errors import CommitError
+from memsnap.errors import CommitError, StepGivenUp
 from memsnap.manifest import Manifest
 from memsnap.records import NodeReady, Region
 from memsnap.versions import Version
@@ -98,11 +98,18 @@ class Sender:
                 info = self._encode_and_push(v, local_ranks)
                 self.throughput.add(sum(v.sizes[r] for r in local_ranks), time.monotonic() - t)
                 metrics.sent(self.cfg.job, self.node, time.monotonic() - t)
-        except Exception as exc:  # reported, never raised into the pool
-            log.warning("node %s: step %d not sent: %s", self.node[:12], v.step, exc)
+        except StepGivenUp as exc:  # the job gave the step up before this node heard so
+            log.info("node %s: step %d not sent: %s", self.node[:12], v.step, exc)
             with self.agent_lock:
-                self.versions.failed(v, f"{type(exc).__name__}: {exc}")
+                self.versions.given_up(v, str(exc))
+            return
+        except Exception as exc:  # reported, never raised into the pool
+            with self.agent_lock:
                 self.layout = None  # a holder may be gone: ask for the layout again
+                if not self.versions.held(v):
+                    return  # the job gave it up (or resumed below it) while it was sent: no news
+                log.warning("node %s: step %d not sent: %s", self.node[:12], v.step, exc)
+                self.versions.failed(v, f"{type(exc).__name__}: {exc}")
             self.tell("node_failed", v.step, self.node, v.error)
             return
         with self.agent_lock:

@@ -256,13 +256,22 @@ class Versions(Mapping):
         self._move(v, READY)
         return True
 
-    def failed(self, v: Version, why: str) -> None:
-        """``v`` is given up and counted (not a committed, failed or replaced one)."""
-        if v.state in (FAILED, COMMITTED, SUPERSEDED):
+    def failed(self, v: Version, why: str, counted: bool = True) -> None:
+        """``v`` is given up and counted (``counted=False``: given up, but nothing failed).
+        A version no longer in the table is left alone: the job's decision that freed it
+        (a commit, an abandon, a resume) counted it, or chose not to."""
+        if v.state in (FAILED, COMMITTED, SUPERSEDED) or not self.held(v):
             return
         self._move(v, FAILED)
         v.error = why
-        self.counters["failed_snapshots"] += 1
+        if counted:
+            self.counters["failed_snapshots"] += 1
+
+    def given_up(self, v: Version, why: str) -> None:
+        """A holder refused ``v``'s chunks: the job gave its step up (a node skipped or replaced
+        it) before this node heard so. Freed, not counted: nothing failed."""
+        self.failed(v, why, counted=False)
+        self._free(v)
 
     # --- which slot -------------------------------------------------------------------------------
     def free_slot(self, step: int, pinned: Callable[[int], bool]) -> int | None:
@@ -322,7 +331,8 @@ class Versions(Mapping):
         self, step: int, keep, spill_due: bool, pinned: Callable[[int], bool], release: Callable[[Version], None]
     ) -> None:
         """Every node is ready with ``step``: it is committed here; the steps older than it
-        and not in ``keep`` are freed (failed if they had not committed). ``release(v)``: the
+        and not in ``keep`` are freed (given up, not counted failed, if they had not committed:
+        a newer step overtook them, as the coordinator's log records it). ``release(v)``: the
         arenas of a freed version give their pages back (the policy decides when)."""
         v = self._table.get(step)
         if self.policy.holds_for_spill(spill_due):  # an older step held for a spill gives way,
@@ -334,7 +344,7 @@ class Versions(Mapping):
                 self._free(v)
                 release(v)
         for old in [o for s, o in self._table.items() if s < step and s not in keep and not pinned(s)]:
-            self.failed(old, f"step {step} committed first")
+            self.failed(old, f"step {step} committed first", counted=False)  # overtaken: newest wins
             self._free(old)
 
     def abandoned(self, step: int, why: str, failed: bool = True) -> None:

@@ -9,7 +9,7 @@ import xxhash
 
 from memsnap.arena import MemoryBudget
 from memsnap.chunkstore import ChunkRefused, HeldChunks
-from memsnap.errors import MemoryBudgetError
+from memsnap.errors import MemoryBudgetError, StepGivenUp
 from memsnap.transport.base import ChunkKey
 
 
@@ -131,7 +131,7 @@ def test_a_step_given_up_is_freed_and_its_late_pushes_refused_until_the_job_resu
     store.put(key(step=6, stripe=0), b"b" * 4096)
     assert store.give_up(5) == 1
     assert store.keys() == [key(step=6, stripe=0)]
-    with pytest.raises(ChunkRefused, match="step 5, which the job gave up"):
+    with pytest.raises(StepGivenUp, match="step 5, which the job gave up"):
         store.reserve(key(step=5, stripe=1), 4096)
     store.put(key(step=7), b"c" * 4096)  # other steps come in as before
     store.reopen(4)  # the job resumed from step 4: step 5 may be taken again

@@ -92,14 +92,17 @@ def test_a_spare_node_lets_three_rank_nodes_run_with_peers_and_holds_chunks(c):
 def test_a_burst_of_back_to_back_saves_commits_its_last_step_with_nothing_failed(c):
     layout = {1: [0, 1], 2: [2, 3], 3: [4, 5], 4: [6, 7]}
     actors = start_node_ranks("cp-burst", layout, dict(OPTS, k=2, m=1))
-    for s in range(30):  # no wait between saves: the pipeline coalesces, newest wins
-        ray.get([a.train_and_save.remote(s) for a in actors], timeout=240)
-    assert ray.get(actors[0].wait.remote(29), timeout=180) == 29
-    st = ray.get(actors[0].status.remote(), timeout=60)
-    counters = merged(ray.get([a.counters.remote() for a in actors], timeout=60))
-    assert st["failed_snapshots"] == 0 and all(c["failed_saves"] == 0 for c in counters.values()), st["failed_steps"]
-    assert st["committed_step"] == 29
-    finish("cp-burst", actors)
+    try:
+        for s in range(30):  # no wait between saves: the pipeline coalesces, newest wins
+            ray.get([a.train_and_save.remote(s) for a in actors], timeout=240)
+        assert ray.get(actors[0].wait.remote(29), timeout=180) == 29
+        st = ray.get(actors[0].status.remote(), timeout=60)
+        counters = merged(ray.get([a.counters.remote() for a in actors], timeout=60))
+        assert st["failed_snapshots"] == 0, st["failed_steps"]
+        assert all(c["failed_saves"] == 0 for c in counters.values()), counters
+        assert st["committed_step"] == 29
+    finally:
+        finish("cp-burst", actors)
 
 
 def test_ranks_that_moved_between_live_nodes_read_their_old_nodes_copy(c):

@@ -583,7 +583,8 @@ def test_more_losses_than_the_code_survives_roll_everyone_back_to_the_durable_st
         victim = next(r for r in (0, 1) if ranks[1 - r].node_id not in holders[ranks[r].node_id])
         doomed = {ranks[victim].node_id, *holders[ranks[victim].node_id]}
         assert len(doomed) == 3, holders
-        killed = [n for n in nodes if n.node_id in doomed]
+        # the holders' nodes first: a standby there is gone before the rank's loss is decided
+        killed = sorted((n for n in nodes if n.node_id in doomed), key=lambda n: n.node_id == ranks[victim].node_id)
         lost_ranks, survivors = [victim], [1 - victim]
         pids = j.members()
         for node in killed:
@@ -591,7 +592,10 @@ def test_more_losses_than_the_code_survives_roll_everyone_back_to_the_durable_st
         runner.join(timeout=600)
         assert not runner.is_alive() and sorted(out["results"]) == [0, 1]
         recs = j.collect()
-        assert sorted(rank for rec in recs for rank in rec["lost"]) == lost_ranks, recs
+        # the nodes die one after another: a standby on a holder's node may take the rank over
+        # before its own node is killed, and the rank is lost once more; no one else is
+        assert {rank for rec in recs for rank in rec["lost"]} == set(lost_ranks), recs
+        assert {n for rec in recs for n in rec["fenced_nodes"]} <= doomed, (recs, doomed)
         last = recs[-1]
         assert set(last["tiers"].values()) == {"durable"}, last
         assert len(set(last["steps"].values())) == 1, last

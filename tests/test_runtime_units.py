@@ -340,10 +340,38 @@ def test_a_step_that_failed_elsewhere_is_still_attempted_here_but_a_skipped_one_
     assert core.counters["failed_snapshots"] == 0
 
 
+@pytest.mark.parametrize("how", ["refused as given up", "abandoned while sent", "a holder failed"])
+def test_a_send_in_vain_for_a_step_the_job_gave_up_is_not_a_failure(core, how):
+    """Under load the job gives a step up (a node replaced it) while this node still sends it:
+    a holder that heard first refuses the push (``StepGivenUp``), or the send fails after this
+    node freed the version. Neither is a failed snapshot, nor news for the coordinator; a
+    holder that fails a push of a live step is both."""
+    from memsnap.errors import StepGivenUp, TransportError
+
+    told = []
+    core.tell, core.pool = lambda *args: told.append(args), _Inline()
+    v_step = 3
+
+    def push(v, ranks):
+        if how == "refused as given up":
+            raise StepGivenUp(f"push to 127.0.0.1:1: the peer refused chunk of step {v.step}: the job gave up")
+        if how == "abandoned while sent":
+            core.abandon(v.step, "node x: replaced by step 4", failed=False)
+        raise TransportError("push to 127.0.0.1:1: connection reset")
+
+    core.sender._encode_and_push = push
+    core.begin(v_step, 0, 4096)
+    core.captured(v_step, 0, "{}", [0])
+    failed = how == "a holder failed"
+    assert core.counters["failed_snapshots"] == int(failed)
+    assert [t[:2] for t in told if t[0] == "node_failed"] == ([("node_failed", v_step)] if failed else [])
+    assert (v_step in core.versions) is failed and (not failed or core.versions[v_step].state == "failed")
+
+
 def test_a_step_the_job_gave_up_refuses_the_pushes_still_coming_for_it_until_a_resume_below_it(core):
     """A peer still sending an abandoned step would refill the budget with it, and with no
     commit of it to come nothing would free it: the agent's chunk store refuses them."""
-    from memsnap.chunkstore import ChunkRefused
+    from memsnap.errors import StepGivenUp
     from memsnap.transport.base import ChunkKey
 
     core.pool = _Inline()
@@ -351,7 +379,7 @@ def test_a_step_the_job_gave_up_refuses_the_pushes_still_coming_for_it_until_a_r
     core.store.put(late, b"x" * 4096)
     core.abandon(7, "node x: skipped, every arena slot is busy", failed=False)
     assert core.store.keys() == []
-    with pytest.raises(ChunkRefused, match="gave up"):
+    with pytest.raises(StepGivenUp, match="gave up"):
         core.store.reserve(ChunkKey(7, "peer-node", 1, 1), 4096)
     core.resume(5, gen=1)  # the job rolled back to 5: step 7 is taken again
     core.store.put(ChunkKey(7, "peer-node", 1, 1), b"y" * 4096)

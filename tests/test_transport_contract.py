@@ -12,7 +12,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memsnap.errors import MemoryBudgetError, TransportError
+from memsnap.errors import MemoryBudgetError, StepGivenUp, TransportError
 from memsnap.transport import ChunkKey, make_transport
 from memsnap.transport.base import Scatter
 
@@ -21,7 +21,8 @@ SIZES = [0, 1, 63, 64, 65, 1000, 4097, (1 << 20) + 3, 3 << 20]
 
 
 class DictStore:
-    """An in-memory ChunkStore; refuses any chunk whose owner is "no-room"."""
+    """An in-memory ChunkStore; refuses any chunk whose owner is "no-room", and any of a step
+    given up (owner "given-up")."""
 
     def __init__(self):
         self.held, self.reserved, self.lock = {}, {}, threading.Lock()
@@ -29,6 +30,8 @@ class DictStore:
     def reserve(self, key, nbytes):
         if key.owner == "no-room":
             raise MemoryBudgetError(f"no room for {nbytes} bytes of {key}")
+        if key.owner == "given-up":
+            raise StepGivenUp(f"chunk {key} is for step {key.step}, which the job gave up")
         buf = bytearray(nbytes)
         with self.lock:
             self.reserved[key] = buf
@@ -336,6 +339,19 @@ def test_refused_chunk_raises_naming_the_key(harness):
         with pytest.raises(TransportError, match=r"no-room.*MemoryBudgetError|MemoryBudgetError.*no-room"):
             client.push(harness.addr, items, timeout=30)
         assert items[0][0] not in harness.held()
+    finally:
+        client.close()
+
+
+def test_a_chunk_of_a_step_given_up_is_refused_as_such_not_as_a_failure(harness):
+    """The sender tells a push in vain (the job gave the step up) from a failed one."""
+    client = harness.client()
+    try:
+        with pytest.raises(StepGivenUp, match="given-up.*gave up"):
+            client.push(harness.addr, _chunks("given-up", sizes=[10, 10]), timeout=30)
+        with pytest.raises(TransportError) as failed:
+            client.push(harness.addr, _chunks("no-room", sizes=[10]), timeout=30)
+        assert not isinstance(failed.value, StepGivenUp)
     finally:
         client.close()
 

@@ -103,7 +103,8 @@ class ChunkStore(Protocol):
     and ``lookup(key)`` when a peer fetches a chunk. A client may push the same key again
     (a retry on a fresh connection), so ``reserve`` of a key already held must replace it;
     ``reserve`` may raise to refuse a chunk (the pusher is told why), e.g. one still being
-    received on another connection. Calls come from several server threads at once.
+    received on another connection; ``StepGivenUp`` reaches the pusher as itself (the job gave
+    the step up: not a failure). Calls come from several server threads at once.
     """
 
     def reserve(self, key: ChunkKey, nbytes: int) -> memoryview:

@@ -19,7 +19,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import xxhash
 
-from memsnap.errors import TransportError
+from memsnap.errors import StepGivenUp, TransportError
 from memsnap.transport.base import ChunkKey, ChunkStore, Scatter, Transport, byte_view
 
 log = logging.getLogger("memsnap.transport")
@@ -47,7 +47,7 @@ class ObjStoreServer:
         try:
             dest = byte_view(self.store.reserve(key, len(src)))
         except Exception as exc:
-            return f"{type(exc).__name__}: {exc}"
+            return f"{type(exc).__name__}: {exc}"  # (the class name tells the sender a given-up step)
         if len(dest) != len(src):
             self.store.discard(key)
             return f"the store reserved {len(dest)} bytes for a {len(src)}-byte chunk"
@@ -131,7 +131,8 @@ class ObjStoreTransport(Transport):
         for batch, errors in self._pipelined(peer, "objstore_push", items, self._push_args, deadline, timeout):
             for (key, _), err in zip(batch, errors):
                 if err is not None:
-                    raise TransportError(f"push to {self._describe(peer)}: the peer refused chunk {key}: {err}")
+                    error = StepGivenUp if err.startswith(f"{StepGivenUp.__name__}:") else TransportError
+                    raise error(f"push to {self._describe(peer)}: the peer refused chunk {key}: {err}")
 
     def fetch(self, peer: dict, items: Sequence[tuple[ChunkKey, memoryview]], *, timeout: float) -> list[bool]:
         deadline = time.monotonic() + timeout

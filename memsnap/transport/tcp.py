@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from memsnap.config import tunable
-from memsnap.errors import AuthenticationError, TransportError
+from memsnap.errors import AuthenticationError, StepGivenUp, TransportError
 from memsnap.transport import auth, wire
 from memsnap.transport.base import (
     ChunkKey,
@@ -205,7 +205,8 @@ class TcpTransport(Transport):
         head = wire.read_head(conn.sock, conn.session.recv, wire.RESPONSES, 0, deadline)
         if head.kind != wire.OK:
             conn.close()
-            raise TransportError(
+            error = StepGivenUp if head.kind == wire.GIVEN_UP else TransportError
+            raise error(
                 f"push to {addr[0]}:{addr[1]}: the peer refused chunk {key}: {head.name.decode(errors='replace')}"
             )
 

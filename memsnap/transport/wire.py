@@ -13,7 +13,8 @@ the header; over the payload, GMAC per 256 KiB piece bound into one keyed BLAKE3
 nonce's first half, unique per payload and direction (0 when there is no payload, and in
 ``encrypt`` mode, whose nonce is the sequence number). ``PUSH`` carries a chunk and 0 in the
 checksum field (the holder computes the xxh3-64 it stores over the bytes it authenticated) and
-is answered ``OK`` or ``FAILED`` (with a message); ``FETCH`` has no payload and is answered
+is answered ``OK``, ``FAILED`` (with a message) or ``GIVEN_UP`` (with a message: the job gave
+the chunk's step up, so the push is in vain but nothing failed); ``FETCH`` has no payload and is answered
 ``OK`` with the chunk and the checksum stored with it, or ``MISSING``. In ``mac`` mode a
 payload is tagged a ``SLICE`` at a time next to the socket copy of that slice, on both ends. Every receive and send is bounded by a deadline for the whole frame,
 not per system call; a trickling peer cannot stretch it.
@@ -44,8 +45,8 @@ HEAD = struct.Struct("<BHQQQ")  # kind (op or status), name length, payload leng
 REQUEST = RESPONSE = HEAD
 
 PUSH, FETCH = 1, 2
-OK, MISSING, FAILED = 0, 1, 2
-REQUESTS, RESPONSES = (PUSH, FETCH), (OK, MISSING, FAILED)
+OK, MISSING, FAILED, GIVEN_UP = 0, 1, 2, 3
+REQUESTS, RESPONSES = (PUSH, FETCH), (OK, MISSING, FAILED, GIVEN_UP)
 
 PIECE = 4 << 20  # recv_into / send in pieces this large (>= 1 MiB keeps the syscall count low)
 SLICE = 1 << 20  # mac mode: a payload is tagged and moved this much at a time (a multiple of MAC_PIECE, fits L2)
