@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -22,7 +23,7 @@ import ray
 from memsnap import metrics, naming
 from memsnap.agent import AgentCore
 from memsnap.config import SnapshotConfig, tunable
-from memsnap.coordinator import CoordinatorCore, rebuild_state
+from memsnap.coordinator import CoordinatorCore, adopt_late, rebuild_state
 from memsnap.directory import find_agent
 from memsnap.errors import CommitError
 from memsnap.identity import Claim
@@ -76,7 +77,9 @@ class Coordinator:
         self.core.changed = self.signal.notify
         self.pool = _Pool(8, "memsnap-coordinator")
         self.planning: dict[int, asyncio.Lock] = {}
-        rebuild_state(self.core)
+        missing = rebuild_state(self.core)
+        if missing:  # agents too busy to answer: asked again beside the coordinator's work
+            threading.Thread(target=adopt_late, args=(self.core, missing), name="memsnap-adopt", daemon=True).start()
         metrics.refresh_every(tunable("metrics_interval_s"), self.core.cfg.job, self.core.status)
 
     async def config(self) -> dict:

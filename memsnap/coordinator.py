@@ -540,32 +540,26 @@ def spill_metadata(cfg: SnapshotConfig, step: int, run: str | None = None) -> di
     }
 
 
-def rebuild_state(core: CoordinatorCore) -> None:
+def rebuild_state(core: CoordinatorCore) -> list[str]:
     """Fill a fresh coordinator from the live agents: ranks and who holds them (the job's run
     id is the one most agents served), addresses, committed records (each committed step's
-    NodeReady from its owner, or from a holder when the owner is gone)."""
-    answers = core.dir.call_all(sorted(core._alive()), "committed_infos", timeout=tunable("call_timeout_s"))
+    NodeReady from its owner, or from a holder when the owner is gone). Returns the nodes
+    whose agent did not answer in time (busy: its threads may all be waiting on the
+    coordinator that is being rebuilt): ``adopt_late`` asks them again."""
+    nodes = sorted(core._alive())
+    answers = core.dir.call_all(nodes, "committed_infos", timeout=tunable("call_timeout_s"))
     infos: dict[int, dict[str, NodeReady]] = {}
     committed: set[int] = set()
     runs: list[str | None] = []
     for node, ans in answers.items():
-        core.membership.addrs[node] = ans["address"]
-        # the restore generation goes on from the agents': restarting it at 0 would let the next
-        # restore hand a new node's agent a generation below the survivors', and every step
-        # that node sends afterwards would be ignored as taken before the restore
-        core.log.gen = max(core.log.gen, int(ans["gen"]))
-        for rank in ans["ranks"]:
-            core.membership.members.setdefault(rank, node)
-        for rank, held in ans.get("holders", {}).items():
-            core.membership.holders.setdefault(int(rank), Holder(held["run"], held["process"], node))
+        _adopt(core, node, ans)
         runs.append(ans.get("run"))
         committed.update(ans["committed"])
         for wire in ans["infos"]:
             info = NodeReady.from_wire(wire)
             infos.setdefault(info.step, {})[info.node] = info
     for step in sorted(committed)[-core.cfg.keep :]:
-        nodes = infos.get(step, {})
-        record = CommitRecord(step, core.cfg.k, core.cfg.m, nodes)
+        record = CommitRecord(step, core.cfg.k, core.cfg.m, infos.get(step, {}))
         if record.complete():
             core.log.records[step] = record
     known = [r for r in runs if r is not None]
@@ -579,3 +573,42 @@ def rebuild_state(core: CoordinatorCore) -> None:
             sorted(core.log.records),
             core.log.gen,
         )
+    return [n for n in nodes if n not in answers and core.dir.agent(n) is not None]
+
+
+def _adopt(core: CoordinatorCore, node: str, ans: dict) -> None:
+    """One agent's answer to ``committed_infos``: its address, ranks, holders, generation."""
+    core.membership.addrs[node] = ans["address"]
+    # the restore generation goes on from the agents': restarting it at 0 would let the next
+    # restore hand a new node's agent a generation below the survivors', and every step
+    # that node sends afterwards would be ignored as taken before the restore
+    core.log.gen = max(core.log.gen, int(ans["gen"]))
+    for rank in ans["ranks"]:
+        core.membership.members.setdefault(rank, node)
+    for rank, held in ans.get("holders", {}).items():
+        core.membership.holders.setdefault(int(rank), Holder(held["run"], held["process"], node))
+
+
+def adopt_late(core: CoordinatorCore, nodes: list[str], within_s: float | None = None) -> list[str]:
+    """Ask the agents the rebuild missed again until they answer (or ``within_s``, default
+    four call timeouts, runs out). Left out, such a node would get no commit notice and no
+    restore plan: its ranks would never commit a step locally again. Their ranks, address and
+    generation join the rebuilt state (the records stand: newer commits follow at once).
+    Returns the nodes still missing."""
+    deadline = time.monotonic() + (4 * tunable("call_timeout_s") if within_s is None else within_s)
+    missing = list(nodes)
+    while missing and time.monotonic() < deadline:
+        answers = core.dir.call_all(missing, "committed_infos", timeout=tunable("call_timeout_s"))
+        with core.lock:
+            for node, ans in answers.items():
+                if node in core._alive():
+                    _adopt(core, node, ans)
+            if answers:
+                core.membership.maybe_place()
+                core.changed()
+        for node in answers:
+            log.warning("coordinator rebuilt: the agent of %s answered late and joins", node[:12])
+        missing = [n for n in missing if n not in answers and n in core._alive() and core.dir.agent(n) is not None]
+        if missing:
+            time.sleep(0.2)  # (a busy agent: ask again shortly)
+    return missing

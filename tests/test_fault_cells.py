@@ -16,7 +16,7 @@ from support.inproc import EncodeGate, Job, model_state
 
 from memsnap.agent import AgentCore
 from memsnap.config import SnapshotConfig
-from memsnap.coordinator import CoordinatorCore, rebuild_state
+from memsnap.coordinator import CoordinatorCore, adopt_late, rebuild_state
 from memsnap.localcluster import wait_for
 from memsnap.records import NodeReady, Region
 from memsnap.storage import Store
@@ -92,6 +92,44 @@ def test_a_coordinator_lost_before_phase_two_leaves_the_step_uncommitted_and_the
     for rep in sent(cores, 6):  # the job goes on: the next step commits on the new coordinator
         second.node_ready(rep)
     assert second.newest() == 6 and second.resolved(5)  # wait(5) returns (6 is newer)
+
+
+class BusyAtFirst(Agents):
+    """One agent is too busy to answer the rebuild's first call (its threads all wait on the
+    coordinator being rebuilt), then answers."""
+
+    def __init__(self, cores, busy: str):
+        super().__init__(cores)
+        self.busy, self.calls = busy, 0
+
+    def call_all(self, nodes, method, *args, timeout):
+        self.calls += 1
+        return super().call_all([n for n in nodes if n != self.busy or self.calls > 1], method, *args, timeout=timeout)
+
+    def agent(self, node):
+        return self.cores[node]
+
+
+def test_an_agent_the_rebuild_missed_joins_when_it_answers_and_hears_the_next_commit(agents):
+    """Left out, a busy node would get no commit notice again: its ranks would never commit a
+    step locally, and a later restore would read them from peers (or not at all)."""
+    cfg, cores = agents
+    first = coordinator(cfg, cores)
+    for i, node in enumerate(NODES):
+        first.join(node, {"port": i}, [i])
+    for rep in sent(cores, 5):
+        first.node_ready(rep)
+    second = CoordinatorCore(cfg.to_dict(), len(NODES), directory=BusyAtFirst(cores, NODES[2]))
+    told = []
+    second.broadcast = lambda *args: told.append((args, second.membership.live_nodes()))
+    missing = rebuild_state(second)
+    assert missing == [NODES[2]] and 2 not in second.membership.members
+    assert adopt_late(second, missing, within_s=30) == []
+    assert second.membership.members[2] == NODES[2] and NODES[2] in second.membership.live_nodes()
+    for rep in sent(cores, 6):
+        second.node_ready(rep)
+    (((method, _), nodes),) = [t for t in told if t[0][0] == "commit"]
+    assert second.newest() == 6 and NODES[2] in nodes
 
 
 def test_a_coordinator_lost_during_phase_two_keeps_the_commit_some_agents_heard(agents):
