@@ -564,6 +564,7 @@ def rebuild_state(core: CoordinatorCore) -> list[str]:
             core.log.records[step] = record
     known = [r for r in runs if r is not None]
     core.run = max(set(known), key=known.count) if known else core.run  # the run most agents served
+    _finish_phase_two(core, answers)
     if answers:
         core.membership.maybe_place()
         log.warning(
@@ -574,6 +575,21 @@ def rebuild_state(core: CoordinatorCore) -> list[str]:
             core.log.gen,
         )
     return [n for n in nodes if n not in answers and core.dir.agent(n) is not None]
+
+
+def _finish_phase_two(core: CoordinatorCore, answers: dict[str, dict]) -> None:
+    """The old coordinator may have died during phase two of its newest commit: the agents
+    that did not hear it are told now. Otherwise their version of that step stays ready, not
+    committed, and a restore of it (no newer step commits after a node loss) reads their
+    ranks from peers instead of their own RAM."""
+    newest = max(core.log.records, default=None)
+    if newest is None:
+        return
+    behind = sorted(node for node, ans in answers.items() if newest not in ans["committed"])
+    if behind:
+        notice = core.log.notice(core.log.records[newest])
+        log.warning("coordinator rebuilt: the commit of step %d reaches %d more agents", newest, len(behind))
+        core.dir.call_all(behind, "commit", notice.to_wire(), timeout=tunable("commit_notify_timeout_s"))
 
 
 def _adopt(core: CoordinatorCore, node: str, ans: dict) -> None:
@@ -606,6 +622,7 @@ def adopt_late(core: CoordinatorCore, nodes: list[str], within_s: float | None =
             if answers:
                 core.membership.maybe_place()
                 core.changed()
+        _finish_phase_two(core, answers)
         for node in answers:
             log.warning("coordinator rebuilt: the agent of %s answered late and joins", node[:12])
         missing = [n for n in missing if n not in answers and n in core._alive() and core.dir.agent(n) is not None]
