@@ -64,6 +64,14 @@ def coordinator(cfg, cores) -> CoordinatorCore:
     return core
 
 
+def joined(cfg, cores) -> CoordinatorCore:
+    """A coordinator every node joined with its one rank (rank i on node i)."""
+    core = coordinator(cfg, cores)
+    for i, node in enumerate(NODES):
+        core.join(node, {"port": i}, [i])
+    return core
+
+
 def sent(cores, step: int) -> list[dict]:
     """Every agent has sent ``step`` (phase one done on its side): its NodeReady, for the coordinator."""
     reports = []
@@ -81,9 +89,7 @@ def sent(cores, step: int) -> list[dict]:
 
 def test_a_coordinator_lost_before_phase_two_leaves_the_step_uncommitted_and_the_next_commits(agents):
     cfg, cores = agents
-    first = coordinator(cfg, cores)
-    for i, node in enumerate(NODES):
-        first.join(node, {"port": i}, [i])
+    first = joined(cfg, cores)
     reports = sent(cores, 5)
     for rep in reports[:3]:  # three of four nodes ready: then the coordinator dies
         first.node_ready(rep)
@@ -116,9 +122,7 @@ def test_an_agent_the_rebuild_missed_joins_when_it_answers_and_hears_the_next_co
     """Left out, a busy node would get no commit notice again: its ranks would never commit a
     step locally, and a later restore would read them from peers (or not at all)."""
     cfg, cores = agents
-    first = coordinator(cfg, cores)
-    for i, node in enumerate(NODES):
-        first.join(node, {"port": i}, [i])
+    first = joined(cfg, cores)
     for rep in sent(cores, 5):
         first.node_ready(rep)
     second = CoordinatorCore(cfg.to_dict(), len(NODES), directory=BusyAtFirst(cores, NODES[2]))
@@ -136,9 +140,7 @@ def test_an_agent_the_rebuild_missed_joins_when_it_answers_and_hears_the_next_co
 
 def test_a_coordinator_lost_during_phase_two_keeps_the_commit_some_agents_heard(agents):
     cfg, cores = agents
-    first = coordinator(cfg, cores)
-    for i, node in enumerate(NODES):
-        first.join(node, {"port": i}, [i])
+    first = joined(cfg, cores)
     for rep in sent(cores, 7):
         first.node_ready(rep)
     record = first.log.records[7]
