@@ -615,9 +615,10 @@ def adopt_late(core: CoordinatorCore, nodes: list[str], within_s: float | None =
     missing = list(nodes)
     while missing and time.monotonic() < deadline:
         answers = core.dir.call_all(missing, "committed_infos", timeout=tunable("call_timeout_s"))
+        alive = core._alive()  # (Ray's node table: read once a round)
         with core.lock:
             for node, ans in answers.items():
-                if node in core._alive():
+                if node in alive:
                     _adopt(core, node, ans)
             if answers:
                 core.membership.maybe_place()
@@ -625,7 +626,7 @@ def adopt_late(core: CoordinatorCore, nodes: list[str], within_s: float | None =
         _finish_phase_two(core, answers)
         for node in answers:
             log.warning("coordinator rebuilt: the agent of %s answered late and joins", node[:12])
-        missing = [n for n in missing if n not in answers and n in core._alive() and core.dir.agent(n) is not None]
+        missing = [n for n in missing if n not in answers and n in alive and core.dir.agent(n) is not None]
         if missing:
             time.sleep(0.2)  # (a busy agent: ask again shortly)
     return missing

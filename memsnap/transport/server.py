@@ -311,7 +311,8 @@ class Stream:
             dest = self._reserve(key, head.nbytes)
         except Exception as exc:
             wire.drain(self.sock, head.nbytes, head.deadline)
-            return ("given_up" if isinstance(exc, StepGivenUp) else "fail", f"{type(exc).__name__}: {exc}")
+            status = wire.GIVEN_UP if isinstance(exc, StepGivenUp) else wire.FAILED
+            return ("fail", status, f"{type(exc).__name__}: {exc}")
         try:
             checksum = wire.read_body(self.sock, self.session.recv, head, [dest], self.rscratch, True)
         except BaseException:
@@ -360,8 +361,8 @@ class Stream:
 
     def _answer(self, job: tuple) -> tuple:
         """``(status, message, payload, checksum)`` for one job, storing a pushed chunk."""
-        if job[0] in ("fail", "given_up"):
-            return (wire.FAILED if job[0] == "fail" else wire.GIVEN_UP), job[1], None, 0
+        if job[0] == "fail":
+            return job[1], job[2], None, 0
         if job[0] == "fetch":
             held = self.store.lookup(job[1])
             return (wire.MISSING, "", None, 0) if held is None else (wire.OK, "", byte_view(held[0]), held[1])
