@@ -60,11 +60,16 @@ class Job:
         full = sum(p.numel() * 4 * 3 for p in self.model.parameters())
         model_bytes = full // world if self.sharded else full
         n = max(1, (cfg["state_mb"] * MIB - model_bytes) // 4)
-        self.bulk = torch.empty(n, dtype=torch.float32).fill_(float(rank + 1))  # every page touched
+        self.bulk = torch.empty(n, dtype=torch.float32).fill_(self._fill(rank))  # every page touched
         if not self.sharded:
             self._optimizer()
         elif not shard_later:
             self.shard(lambda model, modules: _fully_shard(model, modules))
+
+    def _fill(self, rank: int) -> float:
+        """The buffer's first value: a replicated (ddp) state is the same on every rank; a
+        sharded one's buffer is each rank's own."""
+        return float(rank + 1) if self.sharded else 1.0
 
     def shard(self, fully_shard) -> None:
         """FSDP2: ``fully_shard(model, modules)`` (each linear layer, then the whole), then the
@@ -93,7 +98,7 @@ class Job:
         self.rank, self.world = rank, world
         self.gen = torch.Generator().manual_seed(self.cfg["seed"] * 1000 + rank)
         if fresh:
-            self.bulk.fill_(float(rank + 1))
+            self.bulk.fill_(self._fill(rank))
 
     def step(self, step: int, average=None) -> None:
         """One step; ``average(params)`` averages the gradients (default: a ``dist.all_reduce``

@@ -472,3 +472,17 @@ def apply_plan(state: Mapping[str, Any], pl: Plan, buf: Any) -> None:
 def apply_received(state: Mapping[str, Any], pl: Plan, received: dict[int, torch.Tensor], live: set[int]) -> None:
     """Finish ``pl`` from tensors received one by one (see ``memsnap.receive``)."""
     finish(pl, _Received(pl.manifest, received, live, pl.meshes), state)
+
+
+def rng_of(manifest: Manifest, buf: Any) -> dict[str, Any] | None:
+    """The RNG states a snapshot holds (what ``rng.set_state`` takes), or None."""
+    saved = _top_level(manifest).get(RNG_KEY)
+    if saved is None:
+        return None
+    src = _Source(manifest, byte_view(buf, manifest.nbytes, writable=False), [])
+    value = tree.decode(saved, lambda i, p: src.new_tensor(i), tree.segment(RNG_KEY))
+    try:
+        rng_state.check_generator_bytes(value)
+    except ValueError as exc:
+        raise _damaged_rng(exc, "snapshot") from None
+    return value

@@ -90,9 +90,10 @@ def _run_losing_a_worker(tmp_path, monkeypatch, lose) -> dict:
         print(
             "lost rank", lost, "restored in generation 1:", restored, "at the loss rank", lost, "had trained", at_kill
         )
-        assert all(restored[r]["tier"] == "local" for r in survivors), restored  # from their own node's RAM
+        # replicas (data parallel): the survivors kept their live state, nothing was rolled back
+        assert all(restored[r]["tier"] == "kept" for r in survivors), restored
         assert len({r["start"] for r in restored.values()}) == 1
-        assert restored[lost]["start"] >= at_kill - 3  # a step or two in flight is trained again, never more
+        assert restored[lost]["start"] >= at_kill  # only the step in flight is trained again
         # every step trained again after the rollback gave the digest it gave the first time
         mismatched = [(r, s) for r in range(3) for s in range(STEPS) if store.check([f"test/mismatch/{r}/{s}"])]
         assert mismatched == []
@@ -109,7 +110,7 @@ def _run_losing_a_worker(tmp_path, monkeypatch, lose) -> dict:
 
 
 @pytest.mark.extended  # beside the node kill below, beyond CI's time: run with `pytest -m extended`
-def test_a_killed_worker_process_is_replaced_alone_and_the_survivors_roll_back_in_place(cluster, tmp_path, monkeypatch):
+def test_a_killed_worker_process_is_replaced_alone_and_the_survivors_go_on_in_place(cluster, tmp_path, monkeypatch):
     def lose(store):
         pid, at = int(store.get("test/pid/1")), _progress(store, 1)
         t = time.time()
@@ -117,12 +118,11 @@ def test_a_killed_worker_process_is_replaced_alone_and_the_survivors_roll_back_i
         return 1, t, at
 
     out = _run_losing_a_worker(tmp_path, monkeypatch, lose)
-    # the replacement starts in the lost worker's placement-group slot, on the same node, whose
-    # agent still holds the rank's state in RAM
-    assert out["restored"][1]["tier"] in ("local", "copy"), out
+    # the replacement took a survivor's live state (nothing rolled back)
+    assert out["restored"][1]["tier"] == "live", out
 
 
-def test_a_lost_node_is_replaced_by_a_worker_on_the_free_node_and_the_survivors_roll_back_in_place(
+def test_a_lost_node_is_replaced_by_a_worker_on_the_free_node_and_the_survivors_go_on_in_place(
     cluster, tmp_path, monkeypatch
 ):
     lc = cluster
@@ -136,4 +136,4 @@ def test_a_lost_node_is_replaced_by_a_worker_on_the_free_node_and_the_survivors_
         return rank, lc.kill_node_hard(node), at
 
     out = _run_losing_a_worker(tmp_path, monkeypatch, lose)
-    assert out["restored"][out["lost"]]["tier"] == "peer", out  # rebuilt from the others' RAM
+    assert out["restored"][out["lost"]]["tier"] == "live", out  # the survivors' live state, sent to it

@@ -105,6 +105,8 @@ class Recovery:
             "tiers": {r: rep.get("tier") for r, rep in sorted(self.reports.items())},
             "steps": {r: rep.get("step") for r, rep in sorted(self.reports.items())},
             "pids": {r: rep.get("pid") for r, rep in sorted(self.reports.items())},
+            # why the ranks rolled back instead of going on from their live state (None: they did not)
+            "live_refused": next((rep["live_refused"] for rep in self.reports.values() if "live_refused" in rep), None),
         }
 
 
@@ -179,7 +181,13 @@ class InplaceJob:
 
     ``rank_nodes``: the Ray node id of each rank (several ranks may share a node);
     ``standby_nodes``: the node of each warm standby (each also runs a memsnap spare agent).
-    ``options``: the ``memsnap.Snapshotter`` options of every rank."""
+    ``options``: the ``memsnap.Snapshotter`` options of every rank.
+
+    ``live_takeover``: where the ranks hold replicas of one state (data parallel), a recovery
+    rolls nobody back: the survivors keep their live state and the standby takes it from them
+    (``memsnap.inplace.live``). ``"verified"`` (default) does so when two survivors show the
+    same state; ``"trusted"`` when one does; ``"off"`` always rolls back to the newest
+    committed step. Sharded state (``ctx.fully_shard``) always rolls back."""
 
     def __init__(
         self,
@@ -200,9 +208,18 @@ class InplaceJob:
         wait_for_node_s: float = 120.0,
         agent_ping_s: float = 0.5,
         events: str | None = None,
+        live_takeover: str = "verified",
     ):
         if not rank_nodes:
             raise ConfigError("rank_nodes=[]: give the Ray node id of every rank")
+        from memsnap.inplace.live import MODES
+
+        if live_takeover not in MODES:
+            raise ConfigError(
+                f"live_takeover={live_takeover!r}: must be 'verified' (the default: go on from the survivors' "
+                "live state where two of them show they are replicas), 'trusted' (one is enough) or 'off' "
+                "(always roll back to the newest committed step)"
+            )
         if on_no_standby not in ("wait", "shrink", "fail"):
             raise ConfigError(f"on_no_standby={on_no_standby!r}: must be 'wait', 'shrink' or 'fail'")
         if backend not in ("gloo", "nccl"):
@@ -241,6 +258,7 @@ class InplaceJob:
         self.backend, self.backend_timeout_s = backend, backend_timeout_s
         self.on_no_standby, self.wait_for_node_s = on_no_standby, wait_for_node_s
         self.events = events
+        self.live_takeover = live_takeover
         self.agent_ping_s = float(agent_ping_s)
         self.recoveries: list[Recovery] = []
         self.gen = 0
@@ -333,6 +351,7 @@ class InplaceJob:
                 beat_s=self.beat_s,
                 backend=self.backend,
                 backend_timeout_s=self.backend_timeout_s,
+                live_takeover=self.live_takeover,
             )
         )
         self._used_nodes.add(node)

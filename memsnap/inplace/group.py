@@ -11,7 +11,8 @@ its generation at once through a ``failed`` key, so nobody waits out the backend
      formed on the generation's prefix. The new group is the default group (``dist.*`` calls
      and DDP built after this use it).
   2. [every member]  ``all_reduce(tensor)`` / ``average_gradients(params)`` (and, for FSDP2,
-     ``all_gather_single`` / ``reduce_scatter_single``): the collective is
+     ``all_gather_single`` / ``reduce_scatter_single``; ``send`` / ``recv`` / ``exchange``
+     for a live takeover's state): the collective is
      started asynchronously and waited for together with the generation's ``failed`` key.
      A failure on this rank publishes the key and raises ``PeerLost``; a failure published by
      another rank (or by the controller, which watches heartbeats) abandons the collective
@@ -316,6 +317,34 @@ class RecoverableGroup:
             g.copy_(flat[off : off + g.numel()].view_as(g))
             off += g.numel()
 
+    def send(self, tensor, dst: int) -> None:
+        """``dist.isend`` of ``tensor`` to rank ``dst``, ending in ``PeerLost`` like ``all_reduce``."""
+        import torch.distributed as dist
+
+        self._collective(lambda: dist.isend(tensor, dst))
+
+    def recv(self, tensor, src: int) -> None:
+        """``dist.irecv`` into ``tensor`` from rank ``src``, ending in ``PeerLost`` like ``all_reduce``."""
+        import torch.distributed as dist
+
+        self._collective(lambda: dist.irecv(tensor, src))
+
+    def exchange(self, sends: list, recvs: list) -> None:
+        """Every ``(tensor, dst)`` of ``sends`` and ``(tensor, src)`` of ``recvs`` at once (one
+        peer's slice need not wait for another's), ending in ``PeerLost`` like ``all_reduce``."""
+        import torch.distributed as dist
+
+        gen = self._current()
+        works = []
+        try:
+            works += [dist.isend(t, dst) for t, dst in sends]
+            works += [dist.irecv(t, src) for t, src in recvs]
+        except Exception as exc:
+            self.fail(f"{type(exc).__name__}: {exc}")
+            raise PeerLost(f"generation {gen}: {exc}", gen) from None
+        for work in works:
+            self._wait(work, gen)
+
     def barrier(self) -> None:
         import torch
 
@@ -332,24 +361,33 @@ class RecoverableGroup:
     def _wait(self, work, gen: int) -> None:
         import torch.distributed as dist
 
-        fut = work.get_future()
-        fut.add_done_callback(lambda _f: self._poke())
+        waiter = None
+        try:
+            fut = work.get_future()
+            fut.add_done_callback(lambda _f: self._poke())
+            done = fut.done
+        except (RuntimeError, NotImplementedError):  # gloo's point-to-point work has no future
+            waiter = _Waiter(work, self._poke)
+            done = waiter.ended.is_set
         deadline = time.monotonic() + self.timeout_s  # the timer: a collective nobody reported
         with self._wake:
-            while not fut.done() and self._failed.get(gen) is None:
+            while not done() and self._failed.get(gen) is None:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 self._wake.wait(min(1.0, left))
             why = self._failed.get(gen)
-        if not fut.done() and why is None:
+        if not done() and why is None:
             self.fail(f"a collective outlived the backend's timeout ({self.timeout_s:.0f} s)")
             why = self.failure()
-        if not fut.done():  # abandoned: the group and the work stay alive until the work ends
-            self._graveyard.append((dist.group.WORLD, work))
+        if not done():  # abandoned: the group and the work stay alive until the work ends
+            self._graveyard.append((dist.group.WORLD, work if waiter is None else waiter))
             raise PeerLost(f"generation {gen} is over: {why}", gen)
         try:
-            work.wait()
+            if waiter is None:
+                work.wait()
+            elif waiter.error is not None:  # (waited for once: a second wait would block)
+                raise waiter.error
         except Exception as exc:
             text = f"{type(exc).__name__}: {str(exc)[:300]}"
             self.fail(text)
@@ -417,6 +455,29 @@ class RecoverableGroup:
             "fds": len(os.listdir("/proc/self/fd")),
             "graveyard": len({id(group) for group, _ in self._graveyard}),
         }
+
+
+class _Waiter:
+    """A thread that waits for ``work`` once (gloo's point-to-point work has no future and is
+    complete only once waited for); ``ended`` is set, and ``poke()`` called, when it returns,
+    ``error`` holding what its wait raised."""
+
+    def __init__(self, work, poke) -> None:
+        self.ended = threading.Event()
+        self.error: BaseException | None = None
+
+        def wait() -> None:
+            try:
+                work.wait()
+            except Exception as exc:
+                self.error = exc
+            self.ended.set()
+            poke()
+
+        threading.Thread(target=wait, name="memsnap-p2p-wait", daemon=True).start()
+
+    def is_completed(self) -> bool:  # (what the graveyard asks of an abandoned work)
+        return self.ended.is_set()
 
 
 def os_threads() -> int:

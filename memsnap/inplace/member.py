@@ -115,30 +115,44 @@ class Context:
         return self._m.recoveries
 
     def restore(self, state) -> int:
-        """(collective) Roll ``state`` back to the newest committed step: the step to train next."""
-        if self._m.recoveries:
+        """(collective) The step to train next, with ``state`` at the step before it. In a
+        recovery, where the ranks are replicas (``memsnap.inplace.live``), the survivors keep
+        their live state and the others take it from them: nothing is rolled back; otherwise
+        every rank rolls ``state`` back to the newest committed step (a survivor from its own
+        node's RAM, a standby from its peers)."""
+        m = self._m
+        if m.recoveries:
             from memsnap.inplace.fsdp import reshard
 
-            for model in self._m.sharded:  # a step cut short may have left parameters gathered
+            for model in m.sharded:  # a step cut short may have left parameters gathered
                 reshard(model)
-        self._m.await_fenced()
+        if m.current_gen > 0 and m.live.mode != "off" and not m.sharded:
+            from memsnap.inplace.live import take_over
+
+            done, refused = take_over(m.live, state, m.current_rank, m.world or 0, resized=m.resized)
+            if done is not None:
+                m.took_over(done)
+                return done["step"] + 1
+            m.live_refused(refused)
+        m.await_fenced()
         try:
-            step = self._m.snapshotter.restore(state)
+            step = m.snapshotter.restore(state)
         except Exception as exc:
-            why = self._m.group.wait_failure(5.0)
+            why = m.group.wait_failure(5.0)
             if why is None:
                 raise
             # a member was lost while the others restored: the round was cancelled
-            raise PeerLost(
-                f"generation {self._m.gen} is over during the restore: {why} ({exc})", self._m.current_gen
-            ) from None
-        self._m.restored(step)
+            raise PeerLost(f"generation {m.gen} is over during the restore: {why} ({exc})", m.current_gen) from None
+        m.restored(step)
+        if step is not None:
+            m.live.mark(step, state)
         return 0 if step is None else step + 1
 
     def save(self, step: int, state, **kwargs: Any):
         """Snapshot ``state`` after ``step`` (the Snapshotter's ``save``). A step whose
         gradients were not averaged because a peer was lost (``ddp``) is not saved: it ends
         in ``PeerLost`` here, and the rollback undoes it."""
+        self._m.live.mark(step, state)  # the end of ``step``, whatever becomes of its snapshot
         why = self._m.group.failure()
         if why is not None:
             raise PeerLost(f"generation {self._m.gen} is over: {why}", self._m.current_gen)
@@ -201,8 +215,11 @@ class Member:
         preemption_poll_s: float | None = 1.0,
         handover_commit_s: float = 120.0,
         watch_preemption: bool = True,
+        live_takeover: str = "verified",
     ):
         import torch.distributed as dist
+
+        from memsnap.inplace.live import Live
 
         self.job, self.name = job, name
         self.setup_fn, self.train_fn = setup, train
@@ -212,6 +229,8 @@ class Member:
         self.assign_timeout_s = float(assign_timeout_s)
         host, port = store_addr
         self.group = RecoverableGroup(job, store_addr, backend=backend, timeout_s=backend_timeout_s)
+        self.live = Live(self.group, live_takeover)  # step boundaries, for a takeover with no rollback
+        self.resized = False  # the current generation has another world size than the last
         self.store = dist.TCPStore(
             host, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=self.assign_timeout_s)
         )
@@ -367,6 +386,7 @@ class Member:
     def _generation(self, gen: int, rank: int, world: int):
         t_assigned = time.time()
         takeover = self.rank is None and gen > 0
+        self.resized = self.world is not None and world != self.world
         if self.snap is not None and world != self.world:
             self._resize(rank, world)
         self.rank, self.world, self.gen = rank, world, gen
@@ -452,6 +472,30 @@ class Member:
         self._report.update(
             restored=time.time(), step=step, tier=lr.get("tier"), restore_s=(lr.get("seconds") or {}).get("total")
         )
+
+    def took_over(self, done: dict) -> None:
+        """A recovery with nothing rolled back: this rank kept its live state ("kept") or
+        took a replica's ("live")."""
+        self._report.update(
+            restored=time.time(),
+            step=done["step"],
+            tier=done["role"],
+            restore_s=done["seconds"],
+            live_holders=done["holders"],
+        )
+        log.info(
+            "member %s (rank %s): %s step %d (%.3f s)",
+            self.name,
+            self.rank,
+            "kept its live state at" if done["role"] == "kept" else "took a replica's live state of",
+            done["step"],
+            done["seconds"],
+        )
+
+    def live_refused(self, why: str) -> None:
+        self._report["live_refused"] = why
+        if self.rank == 0:
+            log.warning("no live takeover in generation %s (%s): every rank rolls back", self.gen, why)
 
     def stepped(self, step: int) -> None:
         if "first_step" not in self._report and "restored" in self._report:

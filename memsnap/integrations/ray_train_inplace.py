@@ -220,11 +220,12 @@ class _InplaceBackend(_TorchBackend):
         ray.get(coord.cancel_restore.remote(why), timeout=60)
 
 
-def run(setup: Callable, train: Callable, **snapshot_options: Any):
+def run(setup: Callable, train: Callable, *, live_takeover: str = "verified", **snapshot_options: Any):
     """This worker's part of an in-place job (call it in ``train_loop_per_worker``, under a
     ``TorchTrainer`` with ``torch_config=InplaceTorchConfig()``): ``setup(ctx)`` once, then
     ``train(ctx, state)`` for each generation this process is a member of. What ``train``
-    returned, or None where this process was left out of the job (replaced)."""
+    returned, or None where this process was left out of the job (replaced).
+    ``live_takeover``: as ``InplaceJob``'s (replicas go on from the survivors' live state)."""
     import ray.train
 
     from memsnap.inplace.controller import pin_coordinator
@@ -255,6 +256,7 @@ def run(setup: Callable, train: Callable, **snapshot_options: Any):
         backend=os.environ.get(BACKEND_ENV, "gloo"),
         backend_timeout_s=float(os.environ.get(TIMEOUT_ENV, "60")),
         watch_preemption=False,
+        live_takeover=live_takeover,
     )
     try:
         member.prepare()

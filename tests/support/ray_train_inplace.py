@@ -25,7 +25,6 @@ class Recorded:
 
     def restore(self, state) -> int:
         start = self._ctx.restore(state)
-        last = getattr(self._ctx.snapshotter, "last_restore", {}) or {}
         import psutil
 
         times = {k: v for k, v in self._ctx._m._report.items() if k in ("assigned", "formed", "registered")}
@@ -34,7 +33,7 @@ class Recorded:
             json.dumps(
                 {
                     "pid": os.getpid(),
-                    "tier": last.get("tier"),
+                    "tier": self._ctx._m._report.get("tier"),  # "kept"/"live": nothing rolled back
                     "start": start,
                     "times": {**times, "process": psutil.Process().create_time(), "restored": time.time()},
                 }

@@ -1,0 +1,433 @@
+"""Live takeover: where every rank holds the same state (data parallel), nobody rolls back.
+
+A rollback to the newest committed step costs every step trained since that commit. Where
+the ranks are replicas of each other, the survivors' own live state is newer and just as
+good, and a replacement can take it from them (as torchft does), losing only the step in
+flight. Three parts make that exact:
+
+1. **The step boundary** (``Live.mark``, at every ``ctx.save(S)``): the state's layout and
+   skeleton (step counts, a sampler's position, Python's RNG: the non-tensor values) and the
+   bytes of its small tensors (RNG states, norm statistics, counters: under ``SMALL_BYTES``
+   each). Large tensors are not copied: between two boundaries only ``optimizer.step()``
+   changes them (parameters, moments).
+2. **The guard** (``Live.guard``): each optimizer of the state gets a step pre-hook that ends
+   a step whose collective failed in ``PeerLost`` before the optimizer touches anything, and
+   otherwise notes that the state has moved past its boundary. A member whose optimizer has
+   not stepped since its boundary can rebuild the state at that boundary exactly
+   (``Live.rebuild``): its large tensors as they are, its small ones and skeleton as recorded
+   (the partial step's RNG draws and data-loader advance are undone).
+3. **The exchange** (``take_over``, the first thing ``ctx.restore`` does in a recovery): one
+   all-reduce tells every member each one's boundary step and the digest (xxh3-64) of its
+   rebuilt state. ``decide`` (pure: every member reaches the same verdict from the same
+   table) goes on from the newest boundary if at least two members hold it with one digest
+   (``trust=True``: one is enough); they keep their state, and every other member (the
+   standby, a survivor a step behind, one whose optimizer stepped after its boundary)
+   receives it, a slice from each holder at once, and checks it against the digest before
+   applying it. Anything else (ranks whose states differ: sharded, per-rank RNG or buffers;
+   nobody clean; the world size changed; a member that refuses) rolls everyone back to the
+   newest committed step, as before, and the verdict says why.
+
+Nothing here is pickled: the manifest travels as its JSON, the bytes as a uint8 tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import xxhash
+
+from memsnap.inplace.group import PeerLost, RecoverableGroup
+
+log = logging.getLogger("memsnap.inplace")
+
+SMALL_BYTES = 1 << 20  # tensors below this are copied at every step boundary
+MODES = ("verified", "trusted", "off")
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """The state at a step boundary, less its large tensors (unchanged until the optimizer's
+    next step): the manifest (layout and skeleton) and the small tensors' bytes by entry."""
+
+    step: int
+    manifest: Any  # memsnap.manifest.Manifest
+    small: dict[int, bytes]
+    rng: dict[str, int]  # RNG stream (python, numpy, torch, cuda) -> the digest of its state
+    rng_static: frozenset[str] = frozenset()  # the streams no draw moved since the boundary before
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What a recovery's members agreed: go on from ``step`` (None: roll back, ``why``)."""
+
+    step: int | None
+    holders: tuple[int, ...] = ()  # the ranks that hold it (they send it)
+    receivers: tuple[int, ...] = ()  # the ranks that take it
+    digest: int = 0  # of the whole state the receivers are sent, as sent
+    nbytes: int = 0
+    own_rng: tuple[str, ...] = ()  # RNG streams that differ across ranks, unused: each keeps its own
+    why: str = ""
+
+
+def optimizers(state: Mapping[str, Any]) -> list:
+    """The ``torch.optim.Optimizer`` values of ``state`` (top level)."""
+    import torch
+
+    return [v for v in state.values() if isinstance(v, torch.optim.Optimizer)]
+
+
+class Live:
+    """One member's step boundary and guard (``Member`` holds one for its whole life)."""
+
+    def __init__(self, group: RecoverableGroup, mode: str = "verified"):
+        if mode not in MODES:
+            from memsnap.errors import ConfigError
+
+            raise ConfigError(f"live_takeover={mode!r}: must be one of {list(MODES)}")
+        from memsnap.capture import PlanCache
+
+        self.group, self.mode = group, mode
+        self.cache = PlanCache()
+        self.boundary: Boundary | None = None
+        self.moved = False  # the optimizer stepped since the boundary
+        self.unguarded = "no optimizer in the state"  # why the state cannot be trusted (or "")
+        self._hooked: set[int] = set()
+        self.refuse: str | None = None  # set when a takeover's bytes arrived damaged: roll back
+
+    # --- the guard ------------------------------------------------------------------------------
+    def guard(self, state: Mapping[str, Any]) -> None:
+        """A step pre-hook on each optimizer of ``state`` (once per optimizer)."""
+        opts = optimizers(state)
+        for opt in opts:
+            if id(opt) not in self._hooked:
+                self._hooked.add(id(opt))
+                opt.register_step_pre_hook(self._pre_step)
+        if opts:
+            self.unguarded = ""
+
+    def _pre_step(self, optimizer, args, kwargs):
+        why = self.group.failure()
+        if why is not None:  # its gradients were not averaged: the step never happens
+            gen = self.group.gen
+            raise PeerLost(f"generation {gen} is over: {why}", -1 if gen is None else gen)
+        self.moved = True
+        return None
+
+    # --- the boundary -------------------------------------------------------------------------
+    def mark(self, step: int, state: Mapping[str, Any]) -> None:
+        """``ctx.save(step)`` (or a restore of ``step``): the state is at the end of ``step``.
+        Never raises: a state it cannot record only leaves this member out of the next
+        takeover (the snapshot of the same state reports its own error)."""
+        if self.mode == "off":
+            return
+        try:
+            self._mark(step, state)
+        except Exception as exc:
+            self.boundary = None
+            if not getattr(self, "_warned", False):
+                self._warned = True
+                log.warning(
+                    "step %d: no step boundary recorded (%s: %s): no live takeover from here",
+                    step,
+                    type(exc).__name__,
+                    exc,
+                )
+
+    def _mark(self, step: int, state: Mapping[str, Any]) -> None:
+        from memsnap.capture import tensor_bytes
+
+        self.guard(state)
+        manifest, sources = self.cache.plan(state)
+        small = {}
+        for i, (e, src) in enumerate(zip(manifest.tensors, sources)):
+            if e.alias_of is None and 0 < e.nbytes < SMALL_BYTES:
+                t = src.detach().cpu().contiguous()
+                small[i] = bytes(tensor_bytes(t, e.nbytes))
+        streams = rng_digests(manifest, small)
+        last = self.boundary.rng if self.boundary is not None else {}
+        static = frozenset(k for k, d in streams.items() if last.get(k) == d)
+        self.boundary = Boundary(step, manifest, small, streams, static)
+        self.moved = False
+
+    def clean_step(self) -> int | None:
+        """The boundary this member can rebuild, or None (none yet, or moved past it)."""
+        if self.boundary is None or self.moved or self.unguarded:
+            return None
+        return self.boundary.step
+
+    def rebuild(self, state: Mapping[str, Any]):
+        """``(manifest, uint8 tensor)``: the state at the boundary (``clean_step`` not None)."""
+        import torch
+
+        from memsnap.capture import copy_into
+
+        b = self.boundary
+        assert b is not None
+        now, sources = self.cache.plan(state)
+        if [(e.path, e.nbytes) for e in now.tensors] != [(e.path, e.nbytes) for e in b.manifest.tensors]:
+            return None  # the layout changed since the boundary: nothing to rebuild from
+        buf = torch.empty(max(b.manifest.nbytes, 1), dtype=torch.uint8)
+        mv = memoryview(buf.numpy())[: b.manifest.nbytes]  # type: ignore[arg-type]  # numpy declares __buffer__ only from 3.12
+        copy_into(b.manifest, sources, mv)
+        for i, raw in b.small.items():
+            e = b.manifest.tensors[i]
+            mv[e.offset : e.offset + e.nbytes] = raw
+        return b.manifest, buf
+
+
+STREAMS = ("python", "numpy", "torch", "cuda")
+
+
+def _is_rng(path: str) -> bool:
+    from memsnap.capture import RNG_KEY
+
+    return path == RNG_KEY or path.startswith(RNG_KEY + "/")
+
+
+def rng_digests(manifest, small: dict[int, bytes]) -> dict[str, int]:
+    """Each RNG stream's digest: its values in the skeleton and its tensors' bytes."""
+    from memsnap.capture import RNG_KEY
+
+    saved = manifest.tree.get(RNG_KEY, {}) if isinstance(manifest.tree, dict) else {}
+    out = {}
+    for k in STREAMS:
+        h = xxhash.xxh3_64(json.dumps(saved.get(k), sort_keys=True, default=str).encode())
+        for i, e in enumerate(manifest.tensors):
+            if e.path == f"{RNG_KEY}/{k}" or e.path.startswith(f"{RNG_KEY}/{k}/"):
+                h.update(small.get(i, b""))
+        out[k] = h.intdigest()
+    return out
+
+
+def state_digest(manifest, buf) -> int:
+    """The digest of the state less its RNG streams (compared across ranks on their own)."""
+    from memsnap.capture import RNG_KEY
+
+    tree_ = manifest.tree
+    rest = {k: v for k, v in tree_.items() if k != RNG_KEY} if isinstance(tree_, dict) else tree_
+    h = xxhash.xxh3_64(json.dumps(rest, sort_keys=True, default=str).encode())
+    mv = memoryview(buf.numpy())
+    for e in manifest.tensors:
+        if _is_rng(e.path):
+            continue
+        h.update(f"{e.path}:{e.dtype}:{list(e.shape)}:{e.alias_of};".encode())
+        if e.nbytes:
+            h.update(mv[e.offset : e.offset + e.nbytes])
+    return h.intdigest()
+
+
+def digest_of(manifest_json: bytes, buf, nbytes: int) -> int:
+    """The digest of a takeover's bytes as sent: the manifest's JSON and the buffer."""
+    h = xxhash.xxh3_64()
+    h.update(manifest_json)
+    h.update(memoryview(buf.numpy())[:nbytes])
+    return h.intdigest()
+
+
+def _signed(u: int) -> int:
+    return u - (1 << 64) if u >= 1 << 63 else u
+
+
+def _unsigned(s: int) -> int:
+    return s + (1 << 64) if s < 0 else s
+
+
+# why a member takes no part (its row's refusal column): the same text on every member
+REFUSALS = {
+    1: "the state of its last live takeover arrived damaged",
+    2: "the world size changed",
+}
+
+
+ROW_WIDTH = 5 + len(STREAMS)  # the columns of a ``Row``
+
+
+@dataclass(frozen=True)
+class Row:
+    """What one member offers: its boundary step (None: none it can rebuild), the digest of
+    its state less RNG, its size, why it takes no part (0: it does), each RNG stream's digest
+    and which streams stood still over its last step."""
+
+    step: int | None
+    digest: int = 0
+    nbytes: int = 0
+    refusal: int = 0
+    rng: tuple[int, ...] = (0,) * len(STREAMS)
+    static: frozenset[str] = frozenset()
+
+    def encode(self) -> list[int]:
+        mask = sum(1 << i for i, k in enumerate(STREAMS) if k in self.static)
+        step = 0 if self.step is None else self.step + 1
+        return [step, _signed(self.digest), self.nbytes, self.refusal, *map(_signed, self.rng), mask]
+
+    @classmethod
+    def decode(cls, v: list[int]) -> Row:
+        n = len(STREAMS)
+        static = frozenset(k for i, k in enumerate(STREAMS) if v[4 + n] >> i & 1)
+        step = None if v[0] <= 0 else v[0] - 1
+        return cls(step, _unsigned(v[1]), v[2], v[3], tuple(_unsigned(d) for d in v[4 : 4 + n]), static)
+
+
+def decide(rows: list[Row], trust: bool) -> Verdict:
+    """The verdict from every rank's row (the same on every rank: a pure function of them)."""
+    refusing = [r for r, row in enumerate(rows) if row.refusal]
+    if refusing:
+        r = refusing[0]
+        return Verdict(None, why=f"rank {r} takes no part: {REFUSALS.get(rows[r].refusal, 'unknown reason')}")
+    steps = [row.step for row in rows if row.step is not None]
+    if not steps:
+        return Verdict(None, why="no rank holds a step boundary it can rebuild")
+    step = max(steps)
+    holders = tuple(r for r, row in enumerate(rows) if row.step == step)
+    first = rows[holders[0]]
+    other = next((r for r in holders if rows[r].digest != first.digest or rows[r].nbytes != first.nbytes), None)
+    if other is not None:
+        return Verdict(
+            None, why=f"ranks {holders[0]} and {other} hold different states at step {step}: they are not replicas"
+        )
+    own = []
+    for i, k in enumerate(STREAMS):
+        other = next((r for r in holders if rows[r].rng[i] != first.rng[i]), None)
+        if other is None:
+            continue
+        if all(k in rows[r].static for r in holders):
+            own.append(k)  # per-rank and never drawn from: each rank keeps its own
+            continue
+        return Verdict(
+            None,
+            why=f"ranks {holders[0]} and {other} hold different {k} RNG states at step {step}, drawn from "
+            "during the step: each rank's stream is its own, and the lost rank's cannot be rebuilt",
+        )
+    if len(holders) < 2 and not trust:
+        return Verdict(
+            None,
+            why=f"only rank {holders[0]} holds step {step}: one state cannot show that the ranks are replicas "
+            "(live_takeover='trusted' takes it on trust)",
+        )
+    receivers = tuple(r for r in range(len(rows)) if r not in holders)
+    return Verdict(step, holders, receivers, 0, first.nbytes, tuple(own))
+
+
+def _slices(nbytes: int, n: int) -> list[tuple[int, int]]:
+    per = -(-nbytes // n)
+    return [(i * per, min(nbytes, (i + 1) * per)) for i in range(n) if i * per < nbytes]
+
+
+def take_over(
+    live: Live, state: Mapping[str, Any], rank: int, world: int, resized: bool = False
+) -> tuple[dict | None, str]:
+    """(collective: every member of the generation) Go on from the newest step boundary the
+    members agree on. Returns ``(what this rank did, "")``, ``what`` being ``{"step", "role":
+    "kept" | "live", "seconds", "nbytes", "holders", "own_rng"}``, or ``(None, why)`` to roll
+    back. ``resized``: this member knows the world size changed (then nobody goes on live)."""
+    import torch
+
+    from memsnap import apply as apply_mod
+
+    t0 = time.perf_counter()
+    group = live.group
+    live.guard(state)
+    step = None if resized else live.clean_step()
+    rebuilt = live.rebuild(state) if step is not None else None
+    mine = Row(None, refusal=1 if live.refuse is not None else 2 if resized else 0)
+    if rebuilt is not None:
+        b = live.boundary
+        assert b is not None
+        manifest, buf = rebuilt
+        digests = tuple(b.rng[k] for k in STREAMS)
+        mine = Row(b.step, state_digest(manifest, buf), manifest.nbytes, mine.refusal, digests, b.rng_static)
+    table = torch.zeros((world, ROW_WIDTH), dtype=torch.int64)
+    table[rank] = torch.tensor(mine.encode(), dtype=torch.int64)
+    group.all_reduce(table)
+    verdict = decide([Row.decode(v) for v in table.tolist()], trust=live.mode == "trusted")
+    if verdict.step is None:
+        return None, verdict.why
+    if rank in verdict.holders:
+        assert rebuilt is not None
+        manifest, buf = rebuilt
+        apply_mod.apply(state, manifest, buf.numpy(), verify=False)  # its own RNG, as at the boundary
+        _send(group, verdict, rank, manifest, buf)
+        role = "kept"
+    else:
+        manifest, buf = _receive(live, verdict)
+        apply_mod.apply(state, manifest, buf.numpy(), rng=False, verify=False)
+        _take_rng(manifest, buf, verdict.own_rng)
+        live.refuse = None
+        live.mark(verdict.step, state)  # its state is the boundary now: it may hold it next time
+        role = "live"
+    return {
+        "step": verdict.step,
+        "role": role,
+        "seconds": time.perf_counter() - t0,
+        "nbytes": verdict.nbytes,
+        "holders": list(verdict.holders),
+        "own_rng": list(verdict.own_rng),
+    }, ""
+
+
+def _send(group: RecoverableGroup, verdict: Verdict, rank: int, manifest, buf) -> None:
+    """A holder's part: the first sends the manifest and the digest of what is sent, each
+    holder its slice of the bytes, to every receiver. Streams each rank keeps its own of are
+    sent as zeros (so every holder's bytes are the same)."""
+    import torch
+
+    if not verdict.receivers:
+        return
+    mv = memoryview(buf.numpy())
+    for e in manifest.tensors:
+        if e.nbytes and any(e.path == f"__rng__/{k}" or e.path.startswith(f"__rng__/{k}/") for k in verdict.own_rng):
+            mv[e.offset : e.offset + e.nbytes] = bytes(e.nbytes)
+    j = verdict.holders.index(rank)
+    if j == 0:
+        mjson = manifest.to_json()
+        head = torch.tensor([len(mjson), _signed(digest_of(mjson, buf, manifest.nbytes))], dtype=torch.int64)
+        body = torch.frombuffer(bytearray(mjson), dtype=torch.uint8)
+        group.exchange([(t, r) for r in verdict.receivers for t in (head, body)], [])
+    cuts = _slices(verdict.nbytes, len(verdict.holders))
+    if j < len(cuts):
+        lo, hi = cuts[j]
+        group.exchange([(buf[lo:hi], r) for r in verdict.receivers], [])
+
+
+def _receive(live: Live, verdict: Verdict):
+    """A receiver's part: the manifest from the first holder, a slice from each, checked."""
+    import torch
+
+    from memsnap.manifest import Manifest
+
+    group, first = live.group, verdict.holders[0]
+    head = torch.zeros(2, dtype=torch.int64)
+    group.recv(head, first)
+    body = torch.empty(int(head[0]), dtype=torch.uint8)
+    group.recv(body, first)
+    mjson = bytes(body.numpy())
+    manifest = Manifest.from_json(mjson, what="live takeover manifest")
+    buf = torch.empty(max(verdict.nbytes, 1), dtype=torch.uint8)
+    cuts = _slices(verdict.nbytes, len(verdict.holders))
+    group.exchange([], [(buf[lo:hi], verdict.holders[j]) for j, (lo, hi) in enumerate(cuts)])
+    want, got = _unsigned(int(head[1])), digest_of(mjson, buf, verdict.nbytes)
+    if got != want or manifest.nbytes != verdict.nbytes:
+        live.refuse = f"step {verdict.step} arrived with digest {got:016x}, not {want:016x}"
+        group.fail(f"a live takeover's state arrived damaged: {live.refuse}")
+        raise PeerLost(f"generation {group.gen}: {live.refuse}", -1 if group.gen is None else group.gen)
+    return manifest, buf
+
+
+def _take_rng(manifest, buf, own: tuple[str, ...]) -> None:
+    """The holders' RNG streams, but those each rank keeps its own of."""
+    from memsnap import rng as rng_state
+    from memsnap.apply import rng_of
+
+    saved = rng_of(manifest, buf.numpy())
+    if saved is None:
+        return
+    merged = rng_state.get_state()
+    for k in STREAMS:
+        if k not in own and k in saved:
+            merged[k] = saved[k]
+    rng_state.set_state(merged)
