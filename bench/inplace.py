@@ -16,9 +16,11 @@ every step. The same cluster runs, one after the other (in place first):
 * **in place** (``memsnap.inplace.InplaceJob``, one warm standby on the spare node): the
    node of a rank is killed hard (its raylet and every process under it), ``--kills`` times
    in a row; before each kill the bench adds a fresh node, which the controller warms the
-   next standby on. Per recovery: kill -> the controller's first sign, detect, re-form,
-   restore (each rank's tier), first step, kill -> every rank's first step, the survivors'
-   pids before and after, the steps trained twice.
+   next standby on. The ranks are replicas, so the survivors keep their live state and the
+   standby takes theirs (``live_takeover``); nothing is rolled back. Per recovery: kill ->
+   the controller's first sign, detect, re-form, restore (each rank's tier), first step,
+   kill -> every rank's first step, the survivors' pids before and after, the steps trained
+   twice.
 """
 
 from __future__ import annotations
@@ -254,6 +256,7 @@ def summarise_inplace(rec: dict) -> dict:
         "kill_to_all_stepped": stepped - rec["t_kill"],
         "tiers": {int(r): reps[r].get("tier") for r in reps},
         "restore_s": {int(r): reps[r].get("restore_s") for r in reps},
+        "live_phases": {int(r): reps[r].get("live_phases") for r in reps if reps[r].get("live_phases")},
         "steps_lost": rec["last_step_before"] - next(iter(reps.values()))["step"],
         "restored_step": {int(r): reps[r]["step"] for r in reps},
         "coordinator_lost": rec.get("coordinator_on_killed_node"),
@@ -332,7 +335,8 @@ def render(data: dict, out: Path) -> None:
         f"dead after 5 missed). Each rank holds {data['state_mib']:.0f} MiB of state (bench/goodput_job.py's "
         f"workload: a 4-layer MLP with AdamW beside a bulk buffer). A step: forward/backward, a sleep of "
         f"{a['step_s']} s standing in for GPU time, the gradient average (gloo), the optimizer step, then "
-        f"`save` every step (the pipeline skips a step while the previous snapshot is still in flight). "
+        f"`save` every step (the pipeline skips or replaces a step while the previous snapshot is still in "
+        "flight: here the commits lag several steps behind the training, which a rollback would train again). "
         f"Snapshot options, the same for both: RS(k={a['k']}, m={a['m']}), keep=2, a spill to local disk every "
         f"{a['spill_every']} steps. RS({a['k']},{a['m']}) because the whole-job restart has only its "
         f"{RANKS} rank nodes' agents to place each rank's pieces on (the other {RANKS - 1} nodes: k+m <= "
@@ -355,10 +359,14 @@ def render(data: dict, out: Path) -> None:
         f"{a['settle_steps']} steps of the new generation. *kill -> first sign*: the controller's `noticed` "
         "(a survivor's failed all-reduce published, or a dead actor/heartbeat); *detect*: -> the next "
         "generation written (survivors kept, the standby named); *re-form*: -> every member formed the new "
-        "gloo group; *restore*: -> every rank restored (it includes the wait for the lost node to be fenced at "
-        "the coordinator, which the controller does meanwhile: its ping of the silent agent takes "
-        "`agent_ping_s`, 0.5 s; the standby's also includes creating its `Snapshotter`); *first step*: -> every "
-        "rank completed a step; the last row is kill -> every rank's first completed step.",
+        "gloo group; *restore*: -> every rank restored. The ranks are replicas (data parallel, the same buffer on "
+        "every rank), so the default `live_takeover='verified'` applies: the survivors show with one all-reduce "
+        "that they hold the same state at their last step boundary and keep it (tier `kept`), and the standby "
+        "receives it from them over the re-formed group, a slice from each (tier `live`); nothing is rolled "
+        "back. Where they could not show it, every rank would roll back to the newest committed step instead, "
+        "survivors from their own node's RAM (`local`), the standby from its peers (`peer`), after the lost "
+        "node is fenced at the coordinator. The standby's *restore* includes creating its `Snapshotter`. "
+        "*first step*: -> every rank completed a step; the last row is kill -> every rank's first completed step.",
         "* **steps lost**: steps trained twice (the newest step completed before the kill minus the step restored).",
         "",
         "## Results",
@@ -429,6 +437,24 @@ def render(data: dict, out: Path) -> None:
             f"| {rec['kill']} | {rec['victim']} | {min(s['restored_step'].values())} | {tiers} | {rs} | "
             f"{pids} ({'unchanged' if s['pids_same'] else 'CHANGED'}) |"
         )
+    phased = [(rec, s) for rec, s in zip(data["inplace"]["recoveries"], inp) if s.get("live_phases")]
+    if phased:
+        lines += [
+            "",
+            "Where each live takeover's *restore* went, per rank (s): *rebuild* (the state at the step boundary "
+            "into one buffer, and its digest), *agree* (the all-reduce of every rank's boundary and digests: it "
+            "waits for the slowest member, the standby creating its `Snapshotter` included), *move* (the "
+            "holders send their slices; the standby receives and checks them), *apply* (into the live objects).",
+            "",
+            "| kill | " + " | ".join(f"rank {r}" for r in range(RANKS)) + " |",
+            "| ---: |" + " --- |" * RANKS,
+        ]
+        for rec, s in phased:
+            cells = []
+            for r in range(RANKS):
+                ph = s["live_phases"].get(r) or s["live_phases"].get(str(r)) or {}
+                cells.append(" / ".join(f"{k} {ph[k]:.2f}" for k in ("rebuild", "agree", "move", "apply") if k in ph))
+            lines.append(f"| {rec['kill']} | " + " | ".join(cells) + " |")
     warm = [e for e in data["inplace"]["standby_events"]]
     if warm:
         gaps = [e["t"] - rec["decided"] for e, rec in zip(warm, data["inplace"]["recoveries"])]

@@ -323,13 +323,14 @@ def take_over(
 ) -> tuple[dict | None, str]:
     """(collective: every member of the generation) Go on from the newest step boundary the
     members agree on. Returns ``(what this rank did, "")``, ``what`` being ``{"step", "role":
-    "kept" | "live", "seconds", "nbytes", "holders", "own_rng"}``, or ``(None, why)`` to roll
+    "kept" | "live", "seconds", "nbytes", "holders", "own_rng", "phases"}``, or ``(None, why)`` to roll
     back. ``resized``: this member knows the world size changed (then nobody goes on live)."""
     import torch
 
     from memsnap import apply as apply_mod
 
     t0 = time.perf_counter()
+    clock = {}  # where the seconds went: rebuild, agree (the all-reduce: waits for the slowest), move, apply
     group = live.group
     live.guard(state)
     step = None if resized else live.clean_step()
@@ -343,22 +344,29 @@ def take_over(
         mine = Row(b.step, state_digest(manifest, buf), manifest.nbytes, mine.refusal, digests, b.rng_static)
     table = torch.zeros((world, ROW_WIDTH), dtype=torch.int64)
     table[rank] = torch.tensor(mine.encode(), dtype=torch.int64)
+    t = clock["rebuild"] = time.perf_counter() - t0
     group.all_reduce(table)
     verdict = decide([Row.decode(v) for v in table.tolist()], trust=live.mode == "trusted")
+    clock["agree"] = time.perf_counter() - t0 - t
     if verdict.step is None:
         return None, verdict.why
+    t = time.perf_counter()
     if rank in verdict.holders:
         assert rebuilt is not None
         manifest, buf = rebuilt
         apply_mod.apply(state, manifest, buf.numpy(), verify=False)  # its own RNG, as at the boundary
+        clock["apply"] = time.perf_counter() - t
         _send(group, verdict, rank, manifest, buf)
+        clock["move"] = time.perf_counter() - t - clock["apply"]
         role = "kept"
     else:
         manifest, buf = _receive(live, verdict)
+        clock["move"] = time.perf_counter() - t
         apply_mod.apply(state, manifest, buf.numpy(), rng=False, verify=False)
         _take_rng(manifest, buf, verdict.own_rng)
         live.refuse = None
         live.mark(verdict.step, state)  # its state is the boundary now: it may hold it next time
+        clock["apply"] = time.perf_counter() - t - clock["move"]
         role = "live"
     return {
         "step": verdict.step,
@@ -367,6 +375,7 @@ def take_over(
         "nbytes": verdict.nbytes,
         "holders": list(verdict.holders),
         "own_rng": list(verdict.own_rng),
+        "phases": {k: round(v, 4) for k, v in clock.items()},
     }, ""
 
 

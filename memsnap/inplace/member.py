@@ -482,6 +482,7 @@ class Member:
             tier=done["role"],
             restore_s=done["seconds"],
             live_holders=done["holders"],
+            live_phases=done["phases"],
         )
         log.info(
             "member %s (rank %s): %s step %d (%.3f s)",
