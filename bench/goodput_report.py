@@ -59,6 +59,13 @@ def lag_s(run: dict, data: dict) -> float:
     return run.get("write_lag") or 0.0
 
 
+def _went_live(fails: list[dict]) -> bool:
+    """Whether every in-place recovery of a run rolled nothing back (the standby took the
+    survivors' live state: replicas)."""
+    tiers = [(f.get("inplace") or {}).get("tiers") or {} for f in fails]
+    return bool(tiers) and all("live" in t.values() for t in tiers)
+
+
 def model_check(data: dict) -> list[dict]:
     """The model's goodput for every faulted run against the measured one. Inputs: the run's
     fault count, its system's failure-free step time, its interval, the snapshot lag, and the
@@ -83,6 +90,7 @@ def model_check(data: dict) -> list[dict]:
             detect_s=_med([f["detect"] for f in fails]),
             restart_s=_med([f["restart"] for f in fails]) + warm,
             restore_s=_med([f["restore"] for f in fails]),
+            live=_went_live(fails),
         )
         meas = goodput(run, base)
         out.append(
@@ -171,6 +179,14 @@ def measured_figures(data: dict) -> gm.Measured | None:
         return None
     if not store:  # no disk run recovered here: the model's illustrative default, said in the text
         store = c["gib"] / gm.Measured().storage_restore_gibps
+    live = [
+        x["restore"]
+        for r in data["runs"]
+        if r["spec"]["system"] == "memsnap-inplace" and r["spec"]["faults"]
+        for f in r["failures"]
+        if (x := f.get("inplace")) and "live" in (x.get("tiers") or {}).values() and x.get("restore")
+    ]
+    extra = {"live_move_gibps": c["gib"] / _med(live)} if live else {}
     return gm.Measured(
         stall_s_per_gib=c["steady"]["stall"] / c["gib"],
         agent_cpu_s_per_gib=c["steady"]["cpu_per_gib"],
@@ -178,6 +194,7 @@ def measured_figures(data: dict) -> gm.Measured | None:
         storage_restore_gibps=c["gib"] / store,
         detect_s=_med([f["detect"] for f in fails]),
         restart_s=_med([f["restart"] for f in fails]),
+        **extra,
     )
 
 
@@ -233,8 +250,10 @@ def inplace_rows(data: dict) -> list[str]:
         "published, or a member's beats or actor gone), *detect* (-> the next generation written: the lost "
         "rank named, its node fenced, the standby given the rank; the table above's *detect* is kill -> "
         "this decision), *re-form* (-> every member formed the new gloo group), *restore* (-> every rank "
-        "restored: the survivors from their own node's RAM, the standby from its peers, its `Snapshotter` "
-        "created first), *first step* (-> every rank completed a step), and the whole: kill -> every "
+        "restored: where the ranks are replicas, as here, the survivors keep their live state (`kept`) and "
+        "the standby receives it from them (`live`), nothing rolled back; otherwise the survivors roll back "
+        "from their own node's RAM (`local`), the standby from its peers (`peer`); the standby's "
+        "`Snapshotter` is created first), *first step* (-> every rank completed a step), and the whole: kill -> every "
         "rank's first completed step. *Ray's verdict*: kill -> Ray's GCS declares the node dead (the other "
         "systems' detect; the in-place job does not wait for it). *Survivors' pids*: the pid each surviving "
         "rank reported at the start of the generation before and of the one the recovery formed.",
@@ -328,8 +347,10 @@ def write_report(data: dict, out: Path) -> None:
         "same job, schedule and events under `memsnap.inplace.InplaceJob` (a snapshot every step, as "
         "memsnap/1) with one warm standby on a spare node: after a kill nothing restarts: the controller "
         "notices the loss from the survivors' failed all-reduce or the lost member's missing heartbeats, the "
-        "survivors keep their processes and roll back from their own node's RAM, the standby takes the lost "
-        "rank and restores from its peers, and the next standby warms on the replacement node"
+        "survivors keep their processes, the standby takes the lost rank, and the next standby warms on the "
+        "replacement node; the ranks are replicas (data parallel), so nothing is rolled back: the survivors "
+        "keep their live state and the standby receives it from them (`live_takeover`; a sharded job rolls "
+        "back from RAM instead)"
         + (
             f" (a member is lost after {a.get('lost_after_s') or 1.0:g} s without heartbeats, "
             f"{a.get('suspect_after_s') or 0.3:g} s once a collective failed)"
@@ -431,7 +452,8 @@ def write_report(data: dict, out: Path) -> None:
             "kill times, its system's failure-free step time, its interval, the lag until a snapshot completes, "
             "and the median detect / restart (plus how much slower the first step back was) / restore seconds "
             "measured in the run; the model supplies the work lost per failure ((N-1)/2 steps + lag/step + half "
-            "a step in progress, never more than the time the run had left) instead of what the run lost.",
+            "a step in progress, never more than the time the run had left; an in-place run whose recoveries "
+            "rolled nothing back, only the half step in progress) instead of what the run lost.",
             "",
             "| run | N | faults | measured goodput | model | error |",
             "| --- | --- | --- | --- | --- | --- |",
@@ -456,10 +478,10 @@ def write_report(data: dict, out: Path) -> None:
             "per-node MTBF from the Llama 3 report's 419 unexpected interruptions in 54 days on 16,384 GPUs, "
             "100 GiB/s of shared storage, 2 GiB/s per node to it, 10 GiB/s NIC, 4 agent cores, 10 s steps):",
             "",
-            "| GPUs | job MTBF | memsnap in place goodput (period) | memsnap restarting goodput (period) "
-            "| sync disk goodput (period) | async disk goodput (period) "
+            "| GPUs | job MTBF | memsnap in place, replicas goodput (period) | memsnap in place goodput (period) "
+            "| memsnap restarting goodput (period) | sync disk goodput (period) | async disk goodput (period) "
             "| closest to running out |",
-            "| --- | --- | --- | --- | --- | --- | --- |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for gpus in (1024, 2048, 4096, 8192, 16384):
             c = gm.Cluster(gpus=gpus)

@@ -23,6 +23,17 @@ instead of waiting for the cluster manager::
 
       R_inplace = detect_inplace + reform + max(S / peer restore, S / local restore)
 
+Where the ranks are replicas (data parallel), an in-place recovery rolls nothing back
+(``memsnap.inplace.live``): the survivors keep their live state and the standby receives it
+from them, so a failure loses only the step in flight (half a step on average), not half a
+period plus the lag, and the recovery moves a node's state from the replicas::
+
+      R_live = detect_inplace + reform + S / live_move
+      G_live = tau / (tau + C) * max(0, 1 - (R + W) / M),  W = step / 2
+
+(the snapshots still run: they are what the job falls back to when no standby is left, and
+for losses the replicas do not cover).
+
 A used standby is replaced in the background within ``standby_warm_s``; a second failure
 before then finds no standby and the job restarts as a whole (the ``R`` above). With a
 Poisson failure process that happens with probability ``p = 1 - exp(-standby_warm_s / M)``
@@ -59,6 +70,12 @@ def young_daly(cost_s: float, mtbf_s: float) -> float:
     return math.sqrt(2.0 * cost_s * mtbf_s)
 
 
+def goodput_losing(period_s: float, stall_s: float, mtbf_s: float, recovery_s: float, lost_s: float) -> float:
+    """``tau / (tau + C) * max(0, 1 - (R + W) / M)``: ``W`` the work a failure throws away."""
+    cycle = period_s + stall_s
+    return period_s / cycle * max(0.0, 1.0 - (recovery_s + lost_s) / mtbf_s)
+
+
 def periodic_goodput(period_s: float, stall_s: float, mtbf_s: float, recovery_s: float, lag_s: float = 0.0) -> float:
     """``tau / (tau + C) * max(0, 1 - (R + (tau + C) / 2 + lag) / M)`` (module docstring)."""
     cycle = period_s + stall_s
@@ -81,12 +98,15 @@ def run_goodput(
     detect_s: float,
     restart_s: float,
     restore_s: float,
+    live: bool = False,
 ) -> float:
     """Goodput of a finite run against the same system's failure-free run: failures at
     ``fault_times_s`` (seconds into a run of ``horizon_s``), each costing the recovery, the lost
     steps and (on average) half a step in progress, but never more than the time the run had
-    left. ``step_s`` is the failure-free wall time per step (stalls included)."""
-    per_failure = detect_s + restart_s + restore_s + (lost_steps_per_failure(every_steps, lag_s, step_s) + 0.5) * step_s
+    left. ``step_s`` is the failure-free wall time per step (stalls included). ``live``: the
+    recoveries roll nothing back (replicas in place): no steps are lost but the one in flight."""
+    lost_steps = 0.0 if live else lost_steps_per_failure(every_steps, lag_s, step_s)
+    per_failure = detect_s + restart_s + restore_s + (lost_steps + 0.5) * step_s
     lost = sum(min(per_failure, max(0.0, horizon_s - t)) for t in fault_times_s)
     return max(0.0, 1.0 - lost / horizon_s)
 
@@ -107,6 +127,7 @@ class Measured:
     inplace_detect_s: float = 1.0  # a loss -> memsnap's own verdict (failed collective, heartbeat)
     reform_s: float = 0.05  # the surviving ranks and the standby form the new group
     local_restore_gibps: float = 2.0  # a survivor rolls back from its own node's RAM
+    live_move_gibps: float = 0.5  # replicas: a lost node's state sent by the survivors (live takeover)
     standby_warm_s: float = 30.0  # a used standby replaced: start, the user's setup, warm
 
     def __post_init__(self) -> None:
@@ -225,6 +246,26 @@ def inplace_recovery(c: Cluster, x: Measured) -> tuple[float, float, float]:
     return (1.0 - p) * fast + p * slow, fast, p
 
 
+def live_recovery(c: Cluster, x: Measured) -> tuple[float, float, float]:
+    """``(R, R_live, p_no_standby)`` of a failure in place where the ranks are replicas."""
+    fast = x.inplace_detect_s + x.reform_s + c.state_gib_per_node / x.live_move_gibps
+    _, _, p = inplace_recovery(c, x)
+    return (1.0 - p) * fast + p * restart_recovery(c, x), fast, p
+
+
+def memsnap_live(c: Cluster, x: Measured) -> Projection:
+    """memsnap in place where the ranks are replicas (data parallel): the same snapshots; a
+    failure with a standby at hand loses only the step in flight; without one the job restarts
+    and rolls back (``inplace_recovery``'s ``p``)."""
+    base = memsnap(c, x)
+    recovery, _, p = live_recovery(c, x)
+    rollback = (base.period_s + base.stall_s) / 2.0 + base.lag_s
+    lost = (1.0 - p) * c.step_s / 2.0 + p * rollback
+    goodput = goodput_losing(base.period_s, base.stall_s, c.mtbf_s, recovery, lost)
+    use = dict(base.use, **{"no standby left": p})
+    return Projection("memsnap in place, replicas", base.period_s, base.stall_s, recovery, base.lag_s, goodput, use)
+
+
 def memsnap_inplace(c: Cluster, x: Measured) -> Projection:
     """memsnap with in-place recovery: the same snapshots, the recovery of ``inplace_recovery``.
     Both memsnap rows assume a node to replace the lost one is at hand (a warm standby here, a
@@ -260,9 +301,9 @@ def disk(c: Cluster, x: Measured, *, asynchronous: bool = False) -> Projection:
 
 
 def project(c: Cluster, x: Measured) -> list[Projection]:
-    """memsnap in place and restarting the job, synchronous and asynchronous disk checkpointing
-    for cluster ``c``."""
-    return [memsnap_inplace(c, x), memsnap(c, x), disk(c, x), disk(c, x, asynchronous=True)]
+    """memsnap in place (replicas: nothing rolled back; else a rollback in place), memsnap
+    restarting the job, synchronous and asynchronous disk checkpointing, for cluster ``c``."""
+    return [memsnap_live(c, x), memsnap_inplace(c, x), memsnap(c, x), disk(c, x), disk(c, x, asynchronous=True)]
 
 
 def _positive(name: str, value) -> None:

@@ -126,6 +126,29 @@ def test_memsnap_in_place_by_hand():
     assert gm.inplace_recovery(small_cluster(spares=0), x)[0] == pytest.approx(restart.recovery_s)
 
 
+def test_replicas_in_place_lose_only_the_step_in_flight_by_hand():
+    x = gm.Measured(
+        **{**vars(MEASURED), "inplace_detect_s": 0.5, "reform_s": 0.1, "live_move_gibps": 2.0, "standby_warm_s": 40.0}
+    )
+    c = small_cluster()
+    recovery, fast, p = gm.live_recovery(c, x)
+    # memsnap's own verdict, the new group, and the lost node's 8 GiB sent by the survivors at 2 GiB/s
+    assert fast == pytest.approx(0.5 + 0.1 + 4.0)
+    assert p == pytest.approx(1 - math.exp(-40 / 400))
+    assert recovery == pytest.approx((1 - p) * fast + p * (1 + 1 + 4))
+    live, rollback = gm.memsnap_live(c, x), gm.memsnap_inplace(c, x)
+    assert (live.period_s, live.stall_s) == (rollback.period_s, rollback.stall_s)
+    # a failure loses half of a 1 s step, or (no standby left) half a period plus the lag
+    lost = (1 - p) * 0.5 + p * (7.625 + 2)
+    assert live.goodput == pytest.approx(15 / 15.25 * (1 - (recovery + lost) / 400))
+    assert live.goodput > rollback.goodput
+    # a finite run: no steps lost but the one in flight
+    kw = dict(fault_times_s=[10.0], horizon_s=100.0, step_s=1.0, every_steps=4, lag_s=2.0)
+    kw.update(detect_s=1.0, restart_s=0.0, restore_s=0.5)
+    assert gm.run_goodput(**kw, live=True) == pytest.approx(1 - 2.0 / 100)
+    assert gm.run_goodput(**kw) == pytest.approx(1 - (1.5 + (1.5 + 2.0 + 0.5)) / 100)
+
+
 def test_a_pipeline_that_cannot_keep_up_sets_the_period():
     slow = gm.memsnap(small_cluster(agent_cores=0.1), MEASURED)  # 80 core-s per snapshot on 0.1 core
     assert slow.period_s == pytest.approx(80.0)
@@ -140,14 +163,20 @@ def test_a_pipeline_that_cannot_keep_up_sets_the_period():
 def test_more_gpus_shrink_the_mtbf_and_slow_shared_storage():
     m = gm.Measured()
     rows = [gm.project(gm.Cluster(gpus=g), m) for g in (1024, 4096, 16384)]
-    disk = [r[2] for r in rows]
+    disk = [r[3] for r in rows]
     assert disk[0].stall_s < disk[1].stall_s < disk[2].stall_s  # the same storage for more nodes
     assert disk[0].goodput > disk[1].goodput > disk[2].goodput
-    mem = [r[1] for r in rows]
+    mem = [r[2] for r in rows]
     assert mem[0].stall_s == mem[2].stall_s  # each node captures its own state
-    assert all(r[1].goodput > r[2].goodput for r in rows)
-    assert [p.system for p in rows[0]] == ["memsnap in place", "memsnap", "disk (sync)", "disk (async)"]
-    assert all(r[0].goodput >= r[1].goodput for r in rows)
+    assert all(r[2].goodput > r[3].goodput for r in rows)
+    assert [p.system for p in rows[0]] == [
+        "memsnap in place, replicas",
+        "memsnap in place",
+        "memsnap",
+        "disk (sync)",
+        "disk (async)",
+    ]
+    assert all(r[0].goodput >= r[1].goodput >= r[2].goodput for r in rows)
 
 
 @pytest.mark.parametrize(

@@ -240,7 +240,8 @@ def test_goodput_table_has_every_size_and_system(capsys):
     assert "node MTBF 6335 h" in lines[0]  # the Llama 3 report's rate
     for gpus in ("1024", "2048", "4096", "8192", "16384"):
         assert any(line.startswith(gpus + " ") for line in lines)
-    assert sum("memsnap in place" in line for line in lines) == 5
+    assert sum("memsnap in place, replicas" in line for line in lines) == 5
+    assert sum("memsnap in place" in line for line in lines) == 10
     assert sum(line.split()[-6:-5] == ["memsnap"] or " memsnap   " in line for line in lines) == 5
     assert sum("disk (sync)" in line for line in lines) == 5
     assert "closest to running out" in out

@@ -22,6 +22,7 @@ MEASURED_HELP = {
     "reform_s": "in place: seconds to form the new process group",
     "local_restore_gibps": "in place: a survivor's rollback from its own node's RAM, GiB/s",
     "standby_warm_s": "in place: seconds to warm a new standby after one is used",
+    "live_move_gibps": "in place, replicas: a lost node's state sent by the survivors, GiB/s",
 }
 CLUSTER_HELP = {
     "gpus_per_node": "GPUs per node",
@@ -120,7 +121,8 @@ def report(measured: gm.Measured, clusters: list[gm.Cluster], as_json: bool) -> 
         f"{measured.storage_restore_gibps:g} GiB/s storage, detect {measured.detect_s:g} s, "
         f"restart {measured.restart_s:g} s; in place: detect {measured.inplace_detect_s:g} s, re-form "
         f"{measured.reform_s:g} s, local restore {measured.local_restore_gibps:g} GiB/s, a new standby in "
-        f"{measured.standby_warm_s:g} s, {c0.spares} spare(s)",
+        f"{measured.standby_warm_s:g} s, {c0.spares} spare(s); replicas: the survivors' live state sent "
+        f"at {measured.live_move_gibps:g} GiB/s",
         "",
     ]
     head = ("GPUs", "job MTBF", "system", "period", "stall", "recovery", "goodput", "closest to running out")
