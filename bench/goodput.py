@@ -18,9 +18,11 @@ a fault that falls while the job is still recovering lands once it trains again.
 kill the whole job restarts (as Ray Train restarts its worker group): the ranks are killed,
 started again on the live nodes, restore and go on. ``memsnap-inplace`` runs the same job,
 schedule and events under ``memsnap.inplace.InplaceJob`` with one warm standby on a spare
-node instead: the surviving ranks keep their processes and roll back from their own node's
-RAM, the standby takes the lost rank (restoring from its peers), and the next standby warms
-on the replacement node; its *detect* ends at memsnap's own decision, not Ray's verdict.
+node instead: the surviving ranks keep their processes, the standby takes the lost rank, and
+the next standby warms on the replacement node; with the ddp workload (replicas) nothing is
+rolled back (the standby takes the survivors' live state), with fsdp every rank rolls back
+in place (survivors from their own node's RAM, the standby from its peers); its *detect*
+ends at memsnap's own decision, not Ray's verdict.
 ``torchft`` (``--systems ... torchft``; ddp only) runs the job under Ray Train v2's
 ``TorchftConfig``, each worker its own replica group: after a kill the other workers go on,
 and Ray Train starts one new worker, which torchft sends a live peer's state. Each system also runs ``--baseline-s`` without faults, for its failure-free rate. See the

@@ -17,7 +17,7 @@ Daly optimise):
   one training step.
 
 In place (``memsnap.inplace``), a failure costs no restart: the surviving ranks keep their
-processes and roll back from their own node's RAM, a warm standby takes the lost node's ranks
+processes and (where they are not replicas) roll back from their own node's RAM, a warm standby takes the lost node's ranks
 from its peers, and memsnap notices the loss itself (a failed collective, a missed heartbeat)
 instead of waiting for the cluster manager::
 

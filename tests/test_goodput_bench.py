@@ -246,3 +246,32 @@ def test_the_report_shows_the_in_place_split_and_ranks_goodput():
     assert "2: peers" in cells[10] and cells[11] == "unchanged"
     assert any("3.0 s" in r for r in rows)  # the new standby warm 3 s after the decision
     assert ranking(data) == f"Goodput, best first: memsnap-inplace/1 {run['rate']:.2f}, dcp/5 0.50."
+
+
+def test_the_model_charges_an_in_place_run_that_went_live_only_the_step_in_flight():
+    from goodput_report import model_check
+
+    from memsnap import goodput_model as gm
+
+    t0 = 1000.0
+    ev, faults, recoveries = _inplace(t0)
+    spec = {"system": "memsnap-inplace", "interval": "1", "faults": True, "label": ""}
+
+    def check(tiers: dict) -> dict:
+        recs = [dict(recoveries[0], tiers=tiers)]
+        run = {"spec": spec, **analyse(RunResult(spec, t0, 35.0, ev, inplace_faults(faults, recs), 0, 1)), "extra": {}}
+        run["failures"][0]["first_step"] = 1.0  # (no slower first step: the figures below are by hand)
+        run["write_lag"] = 2.0  # a snapshot completes 2 s after its stall (no calibration run here)
+        base = {"spec": dict(spec, faults=False), "rate": 1.0, "extra": {}}
+        (c,) = model_check({"runs": [run, base], "young_daly": {}})
+        return c, run
+
+    from goodput_timeline import inplace_faults
+
+    live, run = check({"0": "kept", "1": "kept", "2": "live", "3": "kept"})
+    f = run["failures"][0]
+    kw = dict(fault_times_s=[f["t_kill_s"]], horizon_s=run["horizon_s"], step_s=1.0, every_steps=1, lag_s=2.0)
+    kw.update(detect_s=f["detect"], restart_s=f["restart"], restore_s=f["restore"])
+    assert live["predicted"] == pytest.approx(gm.run_goodput(**kw, live=True))
+    rolled, _ = check({"0": "local", "1": "local", "2": "peer", "3": "local"})
+    assert rolled["predicted"] < live["predicted"]  # a rollback is charged the snapshot's lag as well

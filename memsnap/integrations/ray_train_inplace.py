@@ -1,6 +1,8 @@
 """In-place recovery inside a Ray Train ``TorchTrainer``: Ray Train replaces only the lost
-worker; the surviving workers keep their processes, roll back from their own node's RAM and
-go on, bitwise as if nothing had been lost.
+worker; the surviving workers keep their processes and go on, bitwise as if nothing had been
+lost: where the workers are replicas (data parallel) the new worker takes the survivors' live
+state and nothing is rolled back, otherwise every worker rolls back in place (survivors from
+their own node's RAM, the new worker from its peers).
 
     from memsnap.integrations.ray_train_inplace import InplaceTorchConfig, run
 
@@ -23,8 +25,8 @@ rendezvous store there (no worker's loss takes it), writes each generation's mem
 the process group to the workers' ``RecoverableGroup``, which forms it again per generation.
 On a replacement it ends the current generation for the survivors (those blocked in a
 collective get out at once), fences the lost worker's node if its memsnap agent is silent,
-and writes the next generation with the same ranks: the new worker takes the lost rank and
-restores it from its peers. A restart of the whole group (every worker failed) is a new
+and writes the next generation with the same ranks: the new worker takes the lost rank (from
+the survivors' live state, or restored from its peers). A restart of the whole group (every worker failed) is a new
 generation of new processes, restored the same way.
 """
 
