@@ -441,10 +441,12 @@ def render(data: dict, out: Path) -> None:
     if phased:
         lines += [
             "",
-            "Where each live takeover's *restore* went, per rank (s): *rebuild* (the state at the step boundary "
-            "into one buffer, and its digest), *agree* (the all-reduce of every rank's boundary and digests: it "
-            "waits for the slowest member, the standby creating its `Snapshotter` included), *move* (the "
-            "holders send their slices; the standby receives and checks them), *apply* (into the live objects).",
+            "Where each live takeover's *restore* went, per rank (s): *digest* (a holder's digest of its state at "
+            "the step boundary, read in place), *agree* (the all-reduce of every rank's boundary and digests: it "
+            "waits for the slowest member, the standby creating its `Snapshotter` included), *move* (each holder "
+            "lays its slice out from its live tensors and sends it; the standby receives and checks them), "
+            "*apply* (a holder: its small state and RNGs put back to the boundary; the standby: the whole state "
+            "into its live objects).",
             "",
             "| kill | " + " | ".join(f"rank {r}" for r in range(RANKS)) + " |",
             "| ---: |" + " --- |" * RANKS,
@@ -453,7 +455,7 @@ def render(data: dict, out: Path) -> None:
             cells = []
             for r in range(RANKS):
                 ph = s["live_phases"].get(r) or s["live_phases"].get(str(r)) or {}
-                cells.append(" / ".join(f"{k} {ph[k]:.2f}" for k in ("rebuild", "agree", "move", "apply") if k in ph))
+                cells.append(" / ".join(f"{k} {ph[k]:.2f}" for k in ("digest", "agree", "move", "apply") if k in ph))
             lines.append(f"| {rec['kill']} | " + " | ".join(cells) + " |")
     warm = [e for e in data["inplace"]["standby_events"]]
     if warm:

@@ -13,19 +13,20 @@ flight. Three parts make that exact:
 2. **The guard** (``Live.guard``): each optimizer of the state gets a step pre-hook that ends
    a step whose collective failed in ``PeerLost`` before the optimizer touches anything, and
    otherwise notes that the state has moved past its boundary. A member whose optimizer has
-   not stepped since its boundary can rebuild the state at that boundary exactly
-   (``Live.rebuild``): its large tensors as they are, its small ones and skeleton as recorded
-   (the partial step's RNG draws and data-loader advance are undone).
+   not stepped since its boundary can put the state back to that boundary exactly
+   (``Live.roll_back``): its large tensors are as they were, its small ones, skeleton and
+   RNGs are put back as recorded (the partial step's draws and data-loader advance undone).
 3. **The exchange** (``take_over``, the first thing ``ctx.restore`` does in a recovery): one
    all-reduce tells every member each one's boundary step and the digest (xxh3-64) of its
-   rebuilt state. ``decide`` (pure: every member reaches the same verdict from the same
-   table) goes on from the newest boundary if at least two members hold it with one digest
-   (``trust=True``: one is enough); they keep their state, and every other member (the
-   standby, a survivor a step behind, one whose optimizer stepped after its boundary)
-   receives it, a slice from each holder at once, and checks it against the digest before
-   applying it. Anything else (ranks whose states differ: sharded, per-rank RNG or buffers;
-   nobody clean; the world size changed; a member that refuses) rolls everyone back to the
-   newest committed step, as before, and the verdict says why.
+   state at that boundary (read in place) and of each RNG stream. ``decide`` (pure: every
+   member reaches the same verdict from the same table) goes on from the newest boundary if
+   at least two members hold it with one digest (``trust=True``: one is enough); they keep
+   their state, and every other member (the standby, a survivor a step behind, one whose
+   optimizer stepped after its boundary) receives it, a slice from each holder at once (laid
+   out from the holder's live tensors), and checks it against the digests the holders agreed
+   on before applying it. Anything else (ranks whose states differ: sharded, per-rank RNG or
+   buffers; nobody clean; the world size changed; a member that refuses) rolls everyone back
+   to the newest committed step, as before, and the verdict says why.
 
 Nothing here is pickled: the manifest travels as its JSON, the bytes as a uint8 tensor.
 """
@@ -68,9 +69,10 @@ class Verdict:
     step: int | None
     holders: tuple[int, ...] = ()  # the ranks that hold it (they send it)
     receivers: tuple[int, ...] = ()  # the ranks that take it
-    digest: int = 0  # of the whole state the receivers are sent, as sent
+    digest: int = 0  # the holders' ``state_digest`` (the state less its RNG streams)
     nbytes: int = 0
     own_rng: tuple[str, ...] = ()  # RNG streams that differ across ranks, unused: each keeps its own
+    rng: tuple[int, ...] = ()  # the holders' digest of each RNG stream (``STREAMS``)
     why: str = ""
 
 
@@ -160,24 +162,49 @@ class Live:
             return None
         return self.boundary.step
 
-    def rebuild(self, state: Mapping[str, Any]):
-        """``(manifest, uint8 tensor)``: the state at the boundary (``clean_step`` not None)."""
-        import torch
-
-        from memsnap.capture import copy_into
-
+    def sources(self, state: Mapping[str, Any]) -> list | None:
+        """The live tensors in the boundary's layout (``clean_step`` not None), or None when
+        the layout changed since the boundary (nothing to go on from)."""
         b = self.boundary
         assert b is not None
         now, sources = self.cache.plan(state)
         if [(e.path, e.nbytes) for e in now.tensors] != [(e.path, e.nbytes) for e in b.manifest.tensors]:
-            return None  # the layout changed since the boundary: nothing to rebuild from
-        buf = torch.empty(max(b.manifest.nbytes, 1), dtype=torch.uint8)
-        mv = memoryview(buf.numpy())[: b.manifest.nbytes]  # type: ignore[arg-type]  # numpy declares __buffer__ only from 3.12
-        copy_into(b.manifest, sources, mv)
-        for i, raw in b.small.items():
-            e = b.manifest.tensors[i]
-            mv[e.offset : e.offset + e.nbytes] = raw
-        return b.manifest, buf
+            return None
+        return sources
+
+    def roll_back(self, state: Mapping[str, Any], sources: list) -> None:
+        """Put ``state`` back to the boundary: its small tensors, its skeleton values and its
+        RNGs as recorded; its large tensors are already what they were (nothing is copied)."""
+        import torch
+
+        from memsnap.apply import apply_received
+        from memsnap.apply import plan as plan_apply
+        from memsnap.dtypes import dtype_of
+
+        b = self.boundary
+        assert b is not None
+        received, live = {}, set()
+        for i, e in enumerate(b.manifest.tensors):
+            if e.alias_of is not None or not e.nbytes:
+                continue
+            if i in b.small:
+                raw = torch.frombuffer(bytearray(b.small[i]), dtype=torch.uint8)
+                received[i] = raw.view(dtype_of(e.dtype)).view(e.shape)
+            else:
+                received[i] = sources[i]
+                live.add(i)
+        apply_received(state, plan_apply(state, b.manifest), received, live)
+
+
+def entry_bytes(b: Boundary, sources: list, i: int):
+    """Entry ``i``'s bytes at the boundary: recorded (small) or the live tensor's (large)."""
+    from memsnap.capture import tensor_bytes
+
+    if i in b.small:
+        return b.small[i]
+    e = b.manifest.tensors[i]
+    t = sources[i].detach().cpu().contiguous()
+    return tensor_bytes(t, e.nbytes), t  # (the tensor keeps the view's memory alive)
 
 
 STREAMS = ("python", "numpy", "torch", "cuda")
@@ -198,7 +225,7 @@ def rng_digests(manifest, small: dict[int, bytes]) -> dict[str, int]:
     for k in STREAMS:
         h = xxhash.xxh3_64(json.dumps(saved.get(k), sort_keys=True, default=str).encode())
         for i, e in enumerate(manifest.tensors):
-            if e.path == f"{RNG_KEY}/{k}" or e.path.startswith(f"{RNG_KEY}/{k}/"):
+            if _in_stream(e.path, k):
                 h.update(small.get(i, b""))
         out[k] = h.intdigest()
     return out
@@ -221,12 +248,42 @@ def state_digest(manifest, buf) -> int:
     return h.intdigest()
 
 
-def digest_of(manifest_json: bytes, buf, nbytes: int) -> int:
-    """The digest of a takeover's bytes as sent: the manifest's JSON and the buffer."""
-    h = xxhash.xxh3_64()
-    h.update(manifest_json)
-    h.update(memoryview(buf.numpy())[:nbytes])
+def boundary_digest(b: Boundary, sources: list) -> int:
+    """``state_digest`` of the state at the boundary, read in place (no copy of it is made)."""
+    from memsnap.capture import RNG_KEY
+
+    tree_ = b.manifest.tree
+    rest = {k: v for k, v in tree_.items() if k != RNG_KEY} if isinstance(tree_, dict) else tree_
+    h = xxhash.xxh3_64(json.dumps(rest, sort_keys=True, default=str).encode())
+    for i, e in enumerate(b.manifest.tensors):
+        if _is_rng(e.path):
+            continue
+        h.update(f"{e.path}:{e.dtype}:{list(e.shape)}:{e.alias_of};".encode())
+        if e.nbytes:
+            got = entry_bytes(b, sources, i)
+            h.update(got if isinstance(got, bytes) else got[0])
     return h.intdigest()
+
+
+def _slice(b: Boundary, sources: list, lo: int, hi: int, own: tuple[str, ...]):
+    """Bytes ``[lo, hi)`` of the state at the boundary laid out as its manifest says (padding
+    and the RNG streams each rank keeps its own of: zeros)."""
+    import torch
+
+    out = torch.zeros(max(hi - lo, 1), dtype=torch.uint8)
+    mv = memoryview(out.numpy())  # type: ignore[arg-type]  # numpy declares __buffer__ only from 3.12
+    for i, e in enumerate(b.manifest.tensors):
+        a, z = max(lo, e.offset), min(hi, e.offset + e.nbytes)
+        if e.alias_of is not None or a >= z or any(_in_stream(e.path, k) for k in own):
+            continue
+        got = entry_bytes(b, sources, i)
+        raw = got if isinstance(got, bytes) else got[0]
+        mv[a - lo : z - lo] = raw[a - e.offset : z - e.offset]
+    return out[: hi - lo]
+
+
+def _in_stream(path: str, k: str) -> bool:
+    return path == f"__rng__/{k}" or path.startswith(f"__rng__/{k}/")
 
 
 def _signed(u: int) -> int:
@@ -310,7 +367,7 @@ def decide(rows: list[Row], trust: bool) -> Verdict:
             "(live_takeover='trusted' takes it on trust)",
         )
     receivers = tuple(r for r in range(len(rows)) if r not in holders)
-    return Verdict(step, holders, receivers, 0, first.nbytes, tuple(own))
+    return Verdict(step, holders, receivers, first.digest, first.nbytes, tuple(own), first.rng)
 
 
 def _slices(nbytes: int, n: int) -> list[tuple[int, int]]:
@@ -323,28 +380,25 @@ def take_over(
 ) -> tuple[dict | None, str]:
     """(collective: every member of the generation) Go on from the newest step boundary the
     members agree on. Returns ``(what this rank did, "")``, ``what`` being ``{"step", "role":
-    "kept" | "live", "seconds", "nbytes", "holders", "own_rng", "phases"}``, or ``(None, why)`` to roll
-    back. ``resized``: this member knows the world size changed (then nobody goes on live)."""
+    "kept" | "live", "seconds", "nbytes", "holders", "own_rng", "phases"}``, or ``(None, why)`` to
+    roll back. ``resized``: this member knows the world size changed (then nobody goes on live)."""
     import torch
 
-    from memsnap import apply as apply_mod
-
     t0 = time.perf_counter()
-    clock = {}  # where the seconds went: rebuild, agree (the all-reduce: waits for the slowest), move, apply
+    clock = {}  # where the seconds went: digest, agree (the all-reduce: waits for the slowest), move, apply
     group = live.group
     live.guard(state)
     step = None if resized else live.clean_step()
-    rebuilt = live.rebuild(state) if step is not None else None
+    sources = live.sources(state) if step is not None else None
     mine = Row(None, refusal=1 if live.refuse is not None else 2 if resized else 0)
-    if rebuilt is not None:
-        b = live.boundary
+    b = live.boundary
+    if sources is not None:
         assert b is not None
-        manifest, buf = rebuilt
         digests = tuple(b.rng[k] for k in STREAMS)
-        mine = Row(b.step, state_digest(manifest, buf), manifest.nbytes, mine.refusal, digests, b.rng_static)
+        mine = Row(b.step, boundary_digest(b, sources), b.manifest.nbytes, mine.refusal, digests, b.rng_static)
     table = torch.zeros((world, ROW_WIDTH), dtype=torch.int64)
     table[rank] = torch.tensor(mine.encode(), dtype=torch.int64)
-    t = clock["rebuild"] = time.perf_counter() - t0
+    t = clock["digest"] = time.perf_counter() - t0
     group.all_reduce(table)
     verdict = decide([Row.decode(v) for v in table.tolist()], trust=live.mode == "trusted")
     clock["agree"] = time.perf_counter() - t0 - t
@@ -352,14 +406,15 @@ def take_over(
         return None, verdict.why
     t = time.perf_counter()
     if rank in verdict.holders:
-        assert rebuilt is not None
-        manifest, buf = rebuilt
-        apply_mod.apply(state, manifest, buf.numpy(), verify=False)  # its own RNG, as at the boundary
+        assert b is not None and sources is not None
+        live.roll_back(state, sources)  # the small state and the RNGs, as at the boundary
         clock["apply"] = time.perf_counter() - t
-        _send(group, verdict, rank, manifest, buf)
+        _send(group, verdict, rank, b, sources)
         clock["move"] = time.perf_counter() - t - clock["apply"]
         role = "kept"
     else:
+        from memsnap import apply as apply_mod
+
         manifest, buf = _receive(live, verdict)
         clock["move"] = time.perf_counter() - t
         apply_mod.apply(state, manifest, buf.numpy(), rng=False, verify=False)
@@ -379,52 +434,63 @@ def take_over(
     }, ""
 
 
-def _send(group: RecoverableGroup, verdict: Verdict, rank: int, manifest, buf) -> None:
-    """A holder's part: the first sends the manifest and the digest of what is sent, each
-    holder its slice of the bytes, to every receiver. Streams each rank keeps its own of are
-    sent as zeros (so every holder's bytes are the same)."""
+def _send(group: RecoverableGroup, verdict: Verdict, rank: int, b: Boundary, sources: list) -> None:
+    """A holder's part: the first sends the manifest, each holder its slice of the bytes (laid
+    out from the live tensors and the recorded small ones), to every receiver."""
     import torch
 
     if not verdict.receivers:
         return
-    mv = memoryview(buf.numpy())
-    for e in manifest.tensors:
-        if e.nbytes and any(e.path == f"__rng__/{k}" or e.path.startswith(f"__rng__/{k}/") for k in verdict.own_rng):
-            mv[e.offset : e.offset + e.nbytes] = bytes(e.nbytes)
     j = verdict.holders.index(rank)
     if j == 0:
-        mjson = manifest.to_json()
-        head = torch.tensor([len(mjson), _signed(digest_of(mjson, buf, manifest.nbytes))], dtype=torch.int64)
+        mjson = b.manifest.to_json()
+        head = torch.tensor([len(mjson)], dtype=torch.int64)
         body = torch.frombuffer(bytearray(mjson), dtype=torch.uint8)
         group.exchange([(t, r) for r in verdict.receivers for t in (head, body)], [])
     cuts = _slices(verdict.nbytes, len(verdict.holders))
     if j < len(cuts):
-        lo, hi = cuts[j]
-        group.exchange([(buf[lo:hi], r) for r in verdict.receivers], [])
+        part = _slice(b, sources, *cuts[j], verdict.own_rng)
+        group.exchange([(part, r) for r in verdict.receivers], [])
 
 
 def _receive(live: Live, verdict: Verdict):
-    """A receiver's part: the manifest from the first holder, a slice from each, checked."""
+    """A receiver's part: the manifest from the first holder, a slice from each, checked
+    against what the holders agreed on (the state's digest and each RNG stream's taken)."""
     import torch
 
     from memsnap.manifest import Manifest
 
     group, first = live.group, verdict.holders[0]
-    head = torch.zeros(2, dtype=torch.int64)
+    head = torch.zeros(1, dtype=torch.int64)
     group.recv(head, first)
     body = torch.empty(int(head[0]), dtype=torch.uint8)
     group.recv(body, first)
-    mjson = bytes(body.numpy())
-    manifest = Manifest.from_json(mjson, what="live takeover manifest")
+    manifest = Manifest.from_json(bytes(body.numpy()), what="live takeover manifest")
     buf = torch.empty(max(verdict.nbytes, 1), dtype=torch.uint8)
     cuts = _slices(verdict.nbytes, len(verdict.holders))
     group.exchange([], [(buf[lo:hi], verdict.holders[j]) for j, (lo, hi) in enumerate(cuts)])
-    want, got = _unsigned(int(head[1])), digest_of(mjson, buf, verdict.nbytes)
-    if got != want or manifest.nbytes != verdict.nbytes:
-        live.refuse = f"step {verdict.step} arrived with digest {got:016x}, not {want:016x}"
-        group.fail(f"a live takeover's state arrived damaged: {live.refuse}")
-        raise PeerLost(f"generation {group.gen}: {live.refuse}", -1 if group.gen is None else group.gen)
+    why = _check(manifest, buf, verdict)
+    if why is not None:
+        live.refuse = why
+        group.fail(f"a live takeover's state arrived damaged: {why}")
+        raise PeerLost(f"generation {group.gen}: {why}", -1 if group.gen is None else group.gen)
     return manifest, buf
+
+
+def _check(manifest, buf, verdict: Verdict) -> str | None:
+    """Why the received state is not what the holders agreed on, or None."""
+    if manifest.nbytes != verdict.nbytes:
+        return f"step {verdict.step} arrived as {manifest.nbytes} bytes, not {verdict.nbytes}"
+    got = state_digest(manifest, buf)
+    if got != verdict.digest:
+        return f"step {verdict.step} arrived with digest {got:016x}, not {verdict.digest:016x}"
+    mv = memoryview(buf.numpy())
+    small = {i: bytes(mv[e.offset : e.offset + e.nbytes]) for i, e in enumerate(manifest.tensors) if _is_rng(e.path)}
+    streams = rng_digests(manifest, small)
+    for k, want in zip(STREAMS, verdict.rng):
+        if k not in verdict.own_rng and streams[k] != want:
+            return f"step {verdict.step} arrived with another {k} RNG state than its holders'"
+    return None
 
 
 def _take_rng(manifest, buf, own: tuple[str, ...]) -> None:
