@@ -53,11 +53,18 @@ def setup(ctx):
 
 def train(ctx, state):
     import torch
+    import torch.distributed
 
     store = ctx.store
     model, opt = state["model"], state["optim"]
     step = ctx.restore(state)
-    while not store.check(["soak/stop"]):
+
+    def go_on() -> bool:  # every rank stops at the same step (one that stopped alone would be a loss)
+        flag = torch.tensor([0.0 if store.check(["soak/stop"]) else 1.0])
+        ctx.all_reduce(flag, torch.distributed.ReduceOp.MIN)
+        return flag.item() > 0
+
+    while go_on():
         g = torch.Generator().manual_seed(7919 * (ctx.rank + 1) + step)
         loss = model(torch.randn(8, WIDTH, generator=g)).square().mean()
         opt.zero_grad(set_to_none=False)
