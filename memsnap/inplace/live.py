@@ -36,7 +36,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -231,38 +231,40 @@ def rng_digests(manifest, small: dict[int, bytes]) -> dict[str, int]:
     return out
 
 
-def state_digest(manifest, buf) -> int:
-    """The digest of the state less its RNG streams (compared across ranks on their own)."""
+def _digest(manifest, entry: Callable[[int], Any]) -> int:
+    """The state less its RNG streams: its skeleton, then each tensor's header and bytes
+    (``entry(i)``). One digest for both sides, so a holder's and a receiver's can agree."""
     from memsnap.capture import RNG_KEY
 
     tree_ = manifest.tree
     rest = {k: v for k, v in tree_.items() if k != RNG_KEY} if isinstance(tree_, dict) else tree_
     h = xxhash.xxh3_64(json.dumps(rest, sort_keys=True, default=str).encode())
-    mv = memoryview(buf.numpy())
-    for e in manifest.tensors:
+    for i, e in enumerate(manifest.tensors):
         if _is_rng(e.path):
             continue
         h.update(f"{e.path}:{e.dtype}:{list(e.shape)}:{e.alias_of};".encode())
         if e.nbytes:
-            h.update(mv[e.offset : e.offset + e.nbytes])
+            h.update(entry(i))
     return h.intdigest()
+
+
+def state_digest(manifest, buf) -> int:
+    """The digest of the state less its RNG streams (compared across ranks on their own)."""
+    mv = memoryview(buf.numpy())
+    es = manifest.tensors
+    return _digest(manifest, lambda i: mv[es[i].offset : es[i].offset + es[i].nbytes])
 
 
 def boundary_digest(b: Boundary, sources: list) -> int:
     """``state_digest`` of the state at the boundary, read in place (no copy of it is made)."""
-    from memsnap.capture import RNG_KEY
 
-    tree_ = b.manifest.tree
-    rest = {k: v for k, v in tree_.items() if k != RNG_KEY} if isinstance(tree_, dict) else tree_
-    h = xxhash.xxh3_64(json.dumps(rest, sort_keys=True, default=str).encode())
-    for i, e in enumerate(b.manifest.tensors):
-        if _is_rng(e.path):
-            continue
-        h.update(f"{e.path}:{e.dtype}:{list(e.shape)}:{e.alias_of};".encode())
-        if e.nbytes:
-            got = entry_bytes(b, sources, i)
-            h.update(got if isinstance(got, bytes) else got[0])
-    return h.intdigest()
+    held: list = [None]  # the tensor behind the bytes being hashed stays alive until the next
+
+    def entry(i: int):
+        got = held[0] = entry_bytes(b, sources, i)
+        return got if isinstance(got, bytes) else got[0]
+
+    return _digest(b.manifest, entry)
 
 
 def _slice(b: Boundary, sources: list, lo: int, hi: int, own: tuple[str, ...]):
