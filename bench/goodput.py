@@ -888,9 +888,12 @@ def measure(
             one(nodes, RunSpec("memsnap", "auto", False), args.baseline_s)
             one(nodes, RunSpec("memsnap", "auto", True), args.horizon_s)
             return
-        if system == "memsnap-inplace":  # a snapshot every step, as memsnap/1
+        if system == "memsnap-inplace":  # a snapshot every step, as memsnap/1, and at auto: with
+            # replicas a recovery takes the live state, so the snapshots are only the fallback
             one(nodes, RunSpec("memsnap-inplace", "1", False), args.baseline_s)
             one(nodes, RunSpec("memsnap-inplace", "1", True), args.horizon_s)
+            one(nodes, RunSpec("memsnap-inplace", "auto", False), args.baseline_s)
+            one(nodes, RunSpec("memsnap-inplace", "auto", True), args.horizon_s)
             return
         if system == "torchft":  # no saves: a new worker is sent a live replica's state
             if args.workload != "ddp":

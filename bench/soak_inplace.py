@@ -83,6 +83,20 @@ def shm_files(job: str) -> int:
     return len(shmdir.arena_files(job))
 
 
+def shm_layout(job: str) -> str:
+    """Which node's agent holds arenas of which ranks (and how many files each)."""
+    from collections import Counter
+
+    from memsnap import naming
+
+    held = Counter()
+    for path in shmdir.arena_files(job):
+        parts = naming.parse_arena(os.path.basename(path))
+        if parts is not None:
+            held[(parts["node"][:6], parts["rank"])] += 1
+    return ", ".join(f"node {n} rank {r}: {c}" for (n, r), c in sorted(held.items()))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--recoveries", type=int, default=100)
@@ -147,7 +161,7 @@ def soak(a, job: str, samples: list[dict], splits: list[dict]) -> None:
                     what=f"every rank to train on after recovery {i + 1}",
                 )
                 rec = j.collect()[i]
-                splits.append(rec["split"])
+                splits.append(dict(rec["split"], tiers=rec["tiers"]))
                 with survivor.oneshot():
                     samples.append(
                         {
@@ -158,6 +172,7 @@ def soak(a, job: str, samples: list[dict], splits: list[dict]) -> None:
                             "shm_files": shm_files(job),
                             "store_keys": j.store.num_keys(),
                             "pid": survivor.pid,
+                            "shm_layout": shm_layout(job),
                         }
                     )
                 s = samples[-1]
@@ -175,6 +190,15 @@ def soak(a, job: str, samples: list[dict], splits: list[dict]) -> None:
                 j.store.set("soak/stop", "1")
             runner.join(timeout=120)
             memsnap.shutdown(job, timeout=30)
+
+
+def tier_summary(splits: list[dict]) -> str:
+    """How many recoveries took the live state (every rank ``kept`` or ``live``) and how many
+    rolled back, from each recovery's tiers."""
+    live = sum(1 for s in splits if set((s.get("tiers") or {}).values()) <= {"kept", "live"})
+    return f"{live} of {len(splits)} recoveries took a survivor's live state (nothing rolled back)" + (
+        f", {len(splits) - live} rolled back to a committed step" if live < len(splits) else ""
+    )
 
 
 def report(a, samples, splits, wall_s, stopped: str | None = None) -> None:
@@ -201,7 +225,8 @@ def report(a, samples, splits, wall_s, stopped: str | None = None) -> None:
         "| after recovery | survivor RSS (MiB) | threads | fds | /dev/shm files | store keys |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
-    for s in [samples[0], first, *samples[9::10], last]:
+    rows = [samples[0], first, *samples[9::10], last]
+    for s in [s for i, s in enumerate(rows) if s not in rows[:i]]:
         lines.append(
             f"| {s['recovery']} | {s['rss_mb']:.1f} | {s['threads']} | {s['fds']} | {s['shm_files']} "
             f"| {s['store_keys']} |"
@@ -210,7 +235,18 @@ def report(a, samples, splits, wall_s, stopped: str | None = None) -> None:
         "",
         f"Growth from recovery {first['recovery']} to {last['recovery']}: RSS "
         f"{last['rss_mb'] - first['rss_mb']:+.1f} MiB, threads {last['threads'] - first['threads']:+d}, "
-        f"fds {last['fds'] - first['fds']:+d}, /dev/shm files {last['shm_files'] - first['shm_files']:+d}.",
+        f"fds {last['fds'] - first['fds']:+d}, /dev/shm files {last['shm_files'] - first['shm_files']:+d}"
+        + (
+            f"; over the second half (recovery {half['recovery']} to {last['recovery']}): RSS "
+            f"{last['rss_mb'] - half['rss_mb']:+.1f} MiB, /dev/shm files {last['shm_files'] - half['shm_files']:+d}."
+            if (half := samples[len(samples) // 2]) is not last
+            else "."
+        ),
+        "",
+        f"How the ranks came back: {tier_summary(splits)}.",
+        "",
+        f"The /dev/shm files after recovery {first['recovery']}: {first['shm_layout']}; after the last: "
+        f"{last['shm_layout']}.",
         "",
         "| phase | median (s) | min | max |",
         "| --- | --- | --- | --- |",

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -77,6 +78,7 @@ class Coordinator:
         self.core.changed = self.signal.notify
         self.pool = _Pool(8, "memsnap-coordinator")
         self.planning: dict[int, asyncio.Lock] = {}
+        self._watcher: asyncio.Future | None = None  # the heartbeat watch, started by the first beat
         missing = rebuild_state(self.core)
         if missing:  # agents too busy to answer: asked again beside the coordinator's work
             threading.Thread(target=adopt_late, args=(self.core, missing), name="memsnap-adopt", daemon=True).start()
@@ -145,12 +147,58 @@ class Coordinator:
 
     async def node_lost(self, node: str, why: str) -> bool:
         fenced = await self.pool.run(self.core.node_lost, node, why)
-        if fenced:  # the node's agent stops serving and committing, even if it was only paused
-            agent = find_agent(self.core.cfg.job, node)
-            if agent is not None:
-                with contextlib.suppress(Exception):
-                    ray.kill(agent, no_restart=True)
+        if fenced:
+            await self.pool.run(self._stop_agent, node)
         return fenced
+
+    def _stop_agent(self, node: str) -> None:
+        """A fenced node's agent stops serving and committing, even if it was only paused."""
+        agent = find_agent(self.core.cfg.job, node)
+        if agent is not None:
+            with contextlib.suppress(Exception):
+                ray.kill(agent, no_restart=True)
+
+    # --- heartbeats (liveness.py) ------------------------------------------------------------------
+    async def beat(self, node: str) -> bool:
+        """``node``'s agent is alive; False: it is fenced (and must stop)."""
+        if self._watcher is None and tunable("heartbeat_s") > 0:
+            self._watcher = asyncio.ensure_future(self._watch())
+        return self.core.beat(node)
+
+    async def suspect(self, node: str, why: str) -> bool:
+        """The data plane saw ``node`` refuse or reset a connection: it is asked at once."""
+        return self.core.suspect(node, why)
+
+    async def _watch(self) -> None:
+        """Every ``heartbeat_s``: ping each agent that fell silent (or was suspected)."""
+        period = tunable("heartbeat_s")
+        while True:
+            await asyncio.sleep(period)  # a clock: silence is the absence of an event
+            try:
+                for node, why in self.core.heartbeats_due().items():
+                    asyncio.ensure_future(self._probe(node, why))
+            except Exception:  # never let one bad tick end the watch
+                log.exception("heartbeat watch")
+
+    async def _probe(self, node: str, why: str) -> None:
+        ping_s = tunable("agent_ping_s")
+        outcome = "silent"
+        try:
+            agent = await self.pool.run(self.core.dir.agent, node)
+            if agent is None:
+                outcome = "died"
+            else:
+                await asyncio.wait_for(agent.ping.remote(), ping_s)
+                outcome = "answered"
+        except ray.exceptions.ActorDiedError:
+            outcome = "died"
+        except (asyncio.TimeoutError, ray.exceptions.RayActorError, ray.exceptions.RaySystemError):
+            outcome = "silent"  # unreachable (ActorUnavailableError) or no answer by the deadline
+        if outcome == "died" and node not in await self.pool.run(self.core.dir.alive):
+            outcome, why = "silent", f"{why}; Ray reports its node dead"
+        verdict = await self.pool.run(self.core.heartbeat_verdict, node, outcome, why, ping_s)
+        if verdict.lost:
+            await self.pool.run(self._stop_agent, node)
 
     async def wait_committed(self, step: int, timeout: float) -> int | None:
         await self.signal.wait_for(lambda: self.core.resolved(step), timeout)
@@ -250,6 +298,35 @@ class SnapshotAgent:
             from memsnap.spill import Spiller
 
             self.core.spiller = Spiller(self.core, report=self.core.spilled)
+        self._beating = threading.Event()
+        if tunable("heartbeat_s") > 0:
+            threading.Thread(target=self._beat, name="memsnap-heartbeat", daemon=True).start()
+
+    def _beat(self) -> None:
+        """Beat to the coordinator every ``heartbeat_s`` from a thread of its own (so a busy
+        agent still beats), until the coordinator answers that this node is fenced."""
+        period, job = tunable("heartbeat_s"), self.core.cfg.job
+        handle, last = None, None
+        while not self._beating.wait(period):
+            if last is not None:
+                ready, _ = ray.wait([last], timeout=0)
+                if ready:
+                    try:
+                        if not ray.get(ready[0]):
+                            self._fenced()
+                            return
+                    except Exception:  # the coordinator is gone or restarting: find it again
+                        handle = None
+                    last = None
+            if time.monotonic() < getattr(self.core, "heartbeats_held_until", 0.0):
+                continue  # a test's slow agent (``testing.hold_heartbeats``)
+            try:
+                if handle is None:
+                    handle = ray.get_actor(naming.coordinator(job), namespace=naming.NAMESPACE)
+                ref = handle.beat.remote(self.core.node)
+                last = last or ref  # one beat's answer is looked at a time
+            except Exception:  # no coordinator yet (or it is being replaced)
+                handle = None
 
     # --- the coordinator, found again (and this node re-joined) when it was lost -----------------
     def _coordinator(self):
@@ -279,6 +356,10 @@ class SnapshotAgent:
     # --- for the node's ranks ---------------------------------------------------------------------
     async def ping(self) -> str:
         return self.core.node
+
+    async def pid(self) -> int:
+        """This agent's process id (diagnostics; fault drills freeze it)."""
+        return os.getpid()
 
     async def address(self) -> dict:
         """This agent's data-plane address (the coordinator finds spare agents with it)."""
@@ -424,7 +505,17 @@ class SnapshotAgent:
 
         return await self.pool.run(testing.inject, self.core, what, *args)
 
+    def _fenced(self) -> None:
+        """This node was declared lost while it was paused or cut off, and came back: its agent
+        must not serve or commit anything again. It frees what it holds and its process ends
+        (its ranks' next call to it fails; a host that comes back joins as a new node)."""
+        log.error("node %s was declared lost and is fenced: this agent stops", self.core.node[:12])
+        with contextlib.suppress(Exception):
+            self.core.shutdown()
+        os._exit(1)
+
     async def shutdown(self) -> None:
+        self._beating.set()
         await self.pool.run(self.core.shutdown)
         ray.actor.exit_actor()
 

@@ -30,6 +30,10 @@ TUNABLES: dict[str, float] = {
     # 1.2-1.4x faster than 1 MiB over loopback: fewer frames)
     "parity_window": 4 << 20,  # parity bytes encoded per batch (the scratch is two batches)
     "agent_threads": 16,  # an agent's threads for blocking work (its calls are asyncio)
+    "heartbeat_s": 0.25,  # every agent beats to the coordinator this often (0: no heartbeats);
+    # at 1,000+ nodes raise it (each beat is one small call to one actor)
+    "agent_lost_after_s": 1.0,  # an agent silent this long is pinged (liveness.py) ...
+    "agent_ping_s": 0.5,  # ... and its node is declared lost (fenced) if the ping is not answered by then
     "preemption_poll_s": 5.0,  # how often a rank asks Ray whether its node is draining
     "reprotect_defer_s": 20.0,  # re-protection waits this long at most for a restore to go first
     "metrics_interval_s": 15.0,  # how often the coordinator records its job's gauges (memsnap.metrics)

@@ -43,6 +43,7 @@ from memsnap.config import SnapshotConfig, tunable
 from memsnap.directory import Directory
 from memsnap.errors import CommitError
 from memsnap.identity import Claim, new_run_id
+from memsnap.liveness import Liveness, Verdict
 from memsnap.membership import Holder, Membership, refusal, rivals
 from memsnap.records import CommitRecord, Inventory, NodeReady, RankPlan
 from memsnap.reprotect import Reprotector
@@ -63,6 +64,7 @@ class CoordinatorCore:
         self.changed = lambda: None  # the Ray face wakes its waiters with this
         self.dir = directory or Directory(self.cfg.job)
         self.fenced: set[str] = set()  # nodes memsnap declared lost (``node_lost``); never un-fenced
+        self.liveness = Liveness(tunable("agent_lost_after_s"))  # every agent's heartbeats (liveness.py)
         self.recoveries: list[dict] = []  # the newest in-place recoveries, as their controller reported them
         self.membership = Membership(self.cfg, world_size, self._alive, self.find_spares)
         self.log = CommitLog(self.cfg)
@@ -98,6 +100,7 @@ class CoordinatorCore:
             if node in self.fenced:
                 return False
             self.fenced.add(node)
+            self.liveness.fenced(node, why)
             self.dir.forget(node)
             replaced = self.membership.drop_lost_spares()
             self.changed()
@@ -107,6 +110,38 @@ class CoordinatorCore:
             if self.log.records:
                 self.reprotect.kick()
         return True
+
+    # --- memsnap's own verdict on a node: heartbeats (liveness.py) ------------------------------
+    def beat(self, node: str) -> bool:
+        """``node``'s agent is alive. False: the node was declared lost (fenced): its agent must
+        stop (it is killed when it can be reached)."""
+        with self.lock:
+            return node not in self.fenced and self.liveness.beat(node)
+
+    def suspect(self, node: str, why: str) -> bool:
+        """A push to ``node`` was refused or reset: ask its agent now, not after its silence."""
+        with self.lock:
+            return self.liveness.suspect(node, why)
+
+    def heartbeats_due(self) -> dict[str, str]:
+        """``{node: why}`` of the job's nodes whose agent to ping now (``Liveness.due``)."""
+        with self.lock:
+            nodes = set(self.membership.addrs) - self.fenced
+            return self.liveness.due(sorted(nodes))
+
+    def heartbeat_verdict(self, node: str, outcome: str, why: str, ping_s: float) -> Verdict:
+        """The ping of a silent or suspected ``node`` ended with ``outcome``; a ``silent`` one
+        fences the node (``node_lost``), a ``died`` agent is forgotten (its host is up)."""
+        with self.lock:
+            verdict = self.liveness.decide(node, outcome, why, ping_s)
+        if verdict.outcome == "answered":
+            log.info("job %r: node %s: %s", self.cfg.job, node[:12], verdict.why)
+        elif verdict.outcome == "died":
+            log.warning("job %r: node %s: %s", self.cfg.job, node[:12], verdict.why)
+            self.dir.forget(node)
+        else:
+            self.node_lost(node, verdict.why)
+        return verdict
 
     def spare_joined(self, node: str, address: dict) -> bool:
         """A spare agent started on ``node`` after the placement (``start_spare``): the job is
@@ -494,6 +529,7 @@ class CoordinatorCore:
                 "last_restore": dict(self.last_restore),
                 "recoveries": list(self.recoveries),
                 "fenced": sorted(self.fenced),
+                "liveness": self.liveness.status(),
                 "reprotect": self.reprotect.status(),
                 "agents": {
                     n: dict(inv.bytes) | {"counters": dict(inv.counters), "spill": inv.spill}

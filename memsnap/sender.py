@@ -21,7 +21,7 @@ from memsnap import encode, metrics
 from memsnap.arena import OwnedBuffer
 from memsnap.checksum import fill_checksums
 from memsnap.config import tunable
-from memsnap.errors import CommitError, StepGivenUp
+from memsnap.errors import CommitError, StepGivenUp, TransportError
 from memsnap.manifest import Manifest
 from memsnap.records import NodeReady, Region
 from memsnap.versions import Version
@@ -150,7 +150,7 @@ class Sender:
             self.world() or 0,
         )
         if layout["holders"]:  # without peers the local copy (and the spill) is all there is
-            self._push_all(v.step, encs, layout["addrs"], chunk)
+            self._push_all(v.step, encs, layout["addrs"], chunk, layout["holders"])
             self._hand_manifests(info, {r: v.manifests[r] for r in local_ranks})
         return info
 
@@ -170,7 +170,7 @@ class Sender:
         if missing:
             raise CommitError(f"step {info.step}: holders {[h[:12] for h in missing]} did not take the manifests")
 
-    def _push_all(self, step: int, encs: list, addrs: list[dict], chunk: int) -> None:
+    def _push_all(self, step: int, encs: list, addrs: list[dict], chunk: int, holders: list[str] | None = None) -> None:
         """Data shards stream to their holders straight from the arenas while parity is encoded
         a batch of stripes at a time into two halves of a small scratch buffer: a half is
         reused once the pushes of the batch it held are acknowledged."""
@@ -178,7 +178,13 @@ class Sender:
         timeout = tunable("push_timeout_s")
 
         def push(j: int, items: list) -> None:
-            self.transport.push(addrs[j], items, timeout=timeout)
+            try:
+                self.transport.push(addrs[j], items, timeout=timeout)
+            except TransportError as exc:
+                if holders is not None and isinstance(exc.__cause__, ConnectionError):
+                    # refused or reset: the holder's process is gone; its node is asked at once
+                    self.tell("suspect", holders[j], f"a push to it failed: {exc.__cause__!r}")
+                raise
             self.counters["pushed_bytes"] += sum(len(mv) for _, mv in items)
 
         total = sum(enc.lay.stripes for enc in encs)

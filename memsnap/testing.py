@@ -8,6 +8,7 @@ before it starts its loopback cluster). From a driver::
     testing.flip_chunk(agent_handle, step, owner, stripe, shard)   # corrupt one held byte
     testing.stall_receiving(agent_handle, step, after_chunks=3)    # stop acknowledging
     testing.stall_data_plane(agent_handle, seconds=5)              # hold chunks in and out
+    testing.hold_heartbeats(agent_handle, seconds=3)               # a slow agent: beats late
 
 ``memsnap.chaos`` uses ``stall_data_plane`` for its ``stall`` fault.
 """
@@ -53,10 +54,13 @@ def inject(core, what: str, *args):
         return DataPlaneStall.on(core).status()
     elif what == "end_data_plane_stall":
         return DataPlaneStall.on(core).end()
+    elif what == "hold_heartbeats":
+        (seconds,) = args
+        core.heartbeats_held_until = time.monotonic() + float(seconds)
     else:
         raise ConfigError(
             f"unknown fault {what!r}: use flip_chunk, stall_receiving, stalled, "
-            "stall_data_plane, data_plane_stall or end_data_plane_stall"
+            "stall_data_plane, data_plane_stall, end_data_plane_stall or hold_heartbeats"
         )
     return None
 
@@ -132,6 +136,12 @@ def stall_data_plane(agent, seconds: float, timeout: float = 60) -> dict:
     """Hold ``agent``'s data plane (chunks in and out) still for ``seconds``; returns
     ``{"remaining_s", "held_calls"}``."""
     return ray.get(agent.fault.remote("stall_data_plane", seconds), timeout=timeout)
+
+
+def hold_heartbeats(agent, seconds: float, timeout: float = 60) -> None:
+    """Stop ``agent``'s heartbeats for ``seconds`` while it goes on answering (a slow agent:
+    the coordinator must ping it and find it alive, not fence it)."""
+    ray.get(agent.fault.remote("hold_heartbeats", seconds), timeout=timeout)
 
 
 def data_plane_stall(agent, timeout: float = 60) -> dict:

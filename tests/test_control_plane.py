@@ -1,5 +1,7 @@
 """The control plane in the shapes real jobs run, on one loopback cluster of 5 nodes:
-many ranks per node, uneven ranks, one multi-GPU node alone, a spare node, a burst of saves.
+many ranks per node, uneven ranks, one multi-GPU node alone, a spare node, a burst of saves,
+memsnap's own verdict on a frozen agent (fenced while Ray still sees its node) and on a slow one
+(not fenced).
 
 Ranks are threads of one process per node (``support.ranks.NodeRanks``). Every wait below
 has a deadline; none is a measure of speed.
@@ -7,14 +9,18 @@ has a deadline; none is a measure of speed.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import signal
+import time
 
 import pytest
 import ray
 from support.ranks import kill_node_ranks, merged, refused_node_ranks, start_node_ranks
-from support.runtime import cluster
+from support.runtime import cluster, wait_for
 
-from memsnap import naming
+from memsnap import naming, testing
 from memsnap.snapshotter import shutdown, start_spare
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -87,6 +93,64 @@ def test_a_spare_node_lets_three_rank_nodes_run_with_peers_and_holds_chunks(c):
     held = ray.get(spare.inventory.remote(), timeout=60)["held"]
     assert held.get(1), f"the spare holds no chunk of step 1: {held}"
     finish("cp-spare", actors)
+
+
+def spare_nodes(*indexes: int) -> list[str]:
+    return [
+        next(n["NodeID"] for n in ray.nodes() if n["Alive"] and f"memsnap_node_{i}" in n["Resources"]) for i in indexes
+    ]
+
+
+def test_a_frozen_agent_is_declared_lost_and_fenced_while_ray_still_sees_its_node(c):
+    """A host that stops without closing its sockets, as a frozen agent process: Ray's raylet
+    there is healthy, so Ray never declares anything; memsnap's heartbeats do, and the job
+    goes on committing with the placement formed again without it."""
+    job = "cp-frozen"
+    frozen, other = spare_nodes(4, 0)
+    agents = [start_spare(job, n, k=2, m=1, memory_budget=64 << 20) for n in (frozen, other)]
+    pid = ray.get(agents[0].pid.remote(), timeout=60)
+    actors, _ = run_job(job, {1: [0], 2: [1], 3: [2]}, dict(OPTS, k=2, m=1))
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        t = time.monotonic()
+        st = wait_for(
+            lambda: (lambda s: s if frozen in s["fenced"] else None)(ray.get(actors[0].status.remote(), timeout=60)),
+            timeout=60,
+            what="the frozen agent's node to be declared lost",
+        )
+        print(f"frozen agent declared lost {time.monotonic() - t:.2f} s after it stopped")
+        assert any(n["NodeID"] == frozen and n["Alive"] for n in ray.nodes()), "Ray saw it first"
+        assert "did not answer a ping" in st["liveness"]["lost"][frozen]
+        ray.get([a.train_and_save.remote(2) for a in actors], timeout=240)
+        assert ray.get(actors[0].wait.remote(2), timeout=180) == 2  # committed without the fenced node
+        st = ray.get(actors[0].status.remote(), timeout=60)
+        assert st["committed_step"] == 2 and frozen not in {h for hs in st["holders"].values() for h in hs}
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+        finish(job, actors)
+
+
+def test_a_slow_agent_whose_heartbeats_stop_but_which_answers_is_not_fenced(c):
+    job = "cp-slow"
+    slow, other = spare_nodes(4, 0)
+    agents = [start_spare(job, n, k=2, m=1, memory_budget=64 << 20) for n in (slow, other)]
+    actors, _ = run_job(job, {1: [0], 2: [1], 3: [2]}, dict(OPTS, k=2, m=1))
+    try:
+        testing.hold_heartbeats(agents[0], 4.0)
+        st = wait_for(
+            lambda: (lambda s: s if s["liveness"]["slow"].get(slow) else None)(
+                ray.get(actors[0].status.remote(), timeout=60)
+            ),
+            timeout=60,
+            what="the coordinator to ping the silent agent and find it alive",
+        )
+        assert slow not in st["fenced"] and slow not in st["liveness"]["lost"]
+        ray.get([a.train_and_save.remote(2) for a in actors], timeout=240)
+        assert ray.get(actors[0].wait.remote(2), timeout=180) == 2
+        assert slow not in ray.get(actors[0].status.remote(), timeout=60)["fenced"]
+    finally:
+        finish(job, actors)
 
 
 def test_a_burst_of_back_to_back_saves_commits_its_last_step_with_nothing_failed(c):

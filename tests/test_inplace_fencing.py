@@ -6,40 +6,14 @@ makes the placement drop it, and a second verdict on it (Ray's, later) changes n
 from __future__ import annotations
 
 import pytest
+from support.directory import NODES, Nodes, address
 
 from memsnap.config import SnapshotConfig
 from memsnap.coordinator import CoordinatorCore
 from memsnap.errors import CommitError
 from memsnap.records import NodeReady, Region
 
-NODES = [c * 40 for c in "abcde"]
 A, B, C, D, E = NODES  # ranks 0, 1, 2 on A, B, C; D and E are spares
-
-
-class Nodes:
-    """The coordinator's directory: every node's agent answers until Ray stops seeing it."""
-
-    def __init__(self):
-        self.up = set(NODES)
-        self.forgotten: list[str] = []
-
-    def alive(self) -> set[str]:
-        return set(self.up)
-
-    def forget(self, node: str) -> None:
-        self.forgotten.append(node)
-
-    def agent(self, node: str):
-        return None
-
-    def call_all(self, nodes, method: str, *args, timeout: float) -> dict:
-        if method == "address":
-            return {n: address(n) for n in nodes if n in self.up}
-        return {}  # "running": no other run's process is alive
-
-
-def address(node: str) -> dict:
-    return {"host": "127.0.0.1", "port": NODES.index(node) + 1}
 
 
 @pytest.fixture

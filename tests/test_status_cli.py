@@ -83,6 +83,23 @@ def test_render_names_the_committed_step_lag_protection_restore_and_every_node()
     assert row_c.split()[:2] == [NODE_C[:12], "spare"]
 
 
+def test_render_names_the_fenced_nodes_with_why_and_the_slow_agents():
+    st = coordinator_status() | {
+        "fenced": [NODE_C],
+        "liveness": {"lost": {NODE_C: "no heartbeat for 1.2 s, and its agent did not answer"}, "slow": {NODE_B: 2}},
+    }
+    lines = status.render(status.summary("job-x", st), now=1012.0).splitlines()
+    line = next(line for line in lines if line.startswith("nodes declared lost"))
+    assert (
+        f"{NODE_C[:12]} (no heartbeat for 1.2 s" in line
+        and f"slow agents (answered when silent): {NODE_B[:12]} x2" in line
+    )
+    assert not any(
+        line.startswith("nodes declared lost")
+        for line in status.render(status.summary("j", coordinator_status()), now=1012.0).splitlines()
+    )
+
+
 def test_render_before_anything_committed():
     st = {"committed_step": None, "protection": {}, "agents": {}, "members": {}, "last_restore": {"tier": "none"}}
     text = status.render(status.summary("fresh", st), now=0.0)

@@ -56,6 +56,25 @@ def _recovery_line(recoveries: list) -> str | None:
     )
 
 
+def _liveness_line(fenced: list, liveness: dict) -> str | None:
+    """The nodes memsnap declared lost (fenced), and those whose agent was only slow."""
+    slow = liveness.get("slow") or {}
+    if not fenced and not slow:
+        return None
+    parts = []
+    if fenced:
+        lost = liveness.get("lost") or {}
+        parts.append(
+            "nodes declared lost (fenced): "
+            + "; ".join(f"{n[:12]}" + (f" ({lost[n]})" if n in lost else "") for n in sorted(fenced))
+        )
+    if slow:
+        parts.append(
+            "slow agents (answered when silent): " + ", ".join(f"{n[:12]} x{c}" for n, c in sorted(slow.items()))
+        )
+    return "; ".join(parts)
+
+
 def _reprotect_line(rp: dict) -> str:
     state = "running" if rp.get("running") else "idle"
     line = (
@@ -127,6 +146,7 @@ def render(s: dict, now: float | None = None) -> str:
             counts,
             _restore_line(s.get("last_restore") or {}),
             _recovery_line(s.get("recoveries") or []),
+            _liveness_line(s.get("fenced") or [], s.get("liveness") or {}),
             _reprotect_line(s.get("reprotect") or {}),
         )
         if line is not None

@@ -1,0 +1,147 @@
+"""memsnap's own verdict on a node: every agent beats to the coordinator, and a silent one is asked.
+
+Each node's agent sends ``beat(node)`` to the job's coordinator every ``heartbeat_s`` from
+its own thread (``actors.SnapshotAgent``). The coordinator keeps the clock here and, every
+tick, asks each node whose agent has been silent for ``agent_lost_after_s`` a ping with a
+deadline of ``agent_ping_s`` (``actors.Coordinator``). The ping's outcome decides:
+
+  ``answered``  the agent is slow, not lost (its beats were late: a loaded host, a starved
+                thread). Its clock starts again; the node counts one more ``slow`` verdict.
+  ``died``      Ray says the agent's actor is dead while its node is alive: the process is
+                gone, not the host (Ray answers at once; every call on it fails at once too).
+                The node is forgotten until an agent of it beats again; nothing is fenced.
+  ``silent``    no answer by the deadline, or Ray cannot reach the actor (its host vanished
+                without closing its sockets, or is frozen): the node is **lost** and the
+                coordinator fences it (``CoordinatorCore.node_lost``).
+
+A reset on the data plane (a push to a holder refused or reset: its process is gone) makes
+its node a *suspect*: it is asked at once instead of after ``agent_lost_after_s``.
+
+False positives, and how they are avoided: a node is never declared lost from its silence
+alone, only when a ping also goes unanswered; the beats come from a thread of the agent's
+own, so an agent busy with its work (its data plane runs on other threads, the codec
+releases the GIL) keeps beating; and a coordinator that was itself starved (its tick came
+``agent_lost_after_s / 2`` late) judges nobody on that tick and starts every clock again,
+since the silence it would see is its own.
+
+This module is the pure state (a clock passed in), tested without Ray; the Ray faces send
+the beats and pings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterable
+
+OUTCOMES = ("answered", "died", "silent")
+
+
+@dataclasses.dataclass
+class Verdict:
+    """What one probe decided about ``node``: ``lost`` (fence it), ``slow``, or ``gone``."""
+
+    node: str
+    outcome: str  # one of OUTCOMES
+    silent_s: float  # how long the node had not beaten when it was asked
+    why: str
+
+    @property
+    def lost(self) -> bool:
+        return self.outcome == "silent"
+
+
+class Liveness:
+    """The coordinator's clock of every agent's beats; ``due`` names the nodes to ask."""
+
+    def __init__(self, lost_after_s: float, clock: Callable[[], float] = time.monotonic):
+        if not lost_after_s > 0:
+            raise ValueError(f"lost_after_s={lost_after_s!r}: must be > 0 seconds")
+        self.lost_after_s = float(lost_after_s)
+        self.clock = clock
+        self.last: dict[str, float] = {}  # node -> when its agent last beat (or was last heard)
+        self.probing: set[str] = set()
+        self.suspects: dict[str, str] = {}  # node -> why the data plane suspects it
+        self.slow: dict[str, int] = {}  # node -> how many times a silent agent answered its ping
+        self.lost: dict[str, str] = {}  # node -> why it was declared lost (never watched again)
+        self._tick: float | None = None
+
+    def beat(self, node: str) -> bool:
+        """``node``'s agent beat. False when the node was declared lost (its agent is fenced)."""
+        if node in self.lost:
+            return False
+        self.last[node] = self.clock()
+        return True
+
+    def suspect(self, node: str, why: str) -> bool:
+        """The data plane saw ``node`` reset a connection: ask it at the next ``due``. False for
+        a node not watched (it never beat) or already lost."""
+        if node in self.lost or node not in self.last:
+            return False
+        self.suspects.setdefault(node, why)
+        return True
+
+    def due(self, nodes: Iterable[str]) -> dict[str, str]:
+        """``{node: why}`` of ``nodes`` to ask now: silent for ``lost_after_s``, or suspected.
+        Each is marked as being asked until ``decide`` (one probe at a time per node). Nodes
+        that never beat are not judged (an agent of an older version, or one still starting)."""
+        now = self.clock()
+        starved = self._tick is not None and now - self._tick > self.lost_after_s / 2
+        self._tick = now
+        if starved:  # the coordinator itself was not running: the silence would be its own
+            for node in self.last:
+                self.last[node] = now
+            return {}
+        out = {}
+        for node in nodes:
+            if node in self.probing or node in self.lost or node not in self.last:
+                continue
+            age = now - self.last[node]
+            if node in self.suspects:
+                out[node] = f"{self.suspects[node]}; last beat {age:.1f} s ago"
+            elif age >= self.lost_after_s:
+                out[node] = f"no heartbeat for {age:.1f} s"
+            else:
+                continue
+            self.probing.add(node)
+        return out
+
+    def decide(self, node: str, outcome: str, why: str, ping_s: float) -> Verdict:
+        """The probe of ``node`` ended with ``outcome`` (``OUTCOMES``); ``why`` said why it was
+        asked. Returns the verdict and updates the clock."""
+        if outcome not in OUTCOMES:
+            raise ValueError(f"outcome={outcome!r}: must be one of {OUTCOMES}")
+        now = self.clock()
+        silent_s = now - self.last.get(node, now)
+        self.probing.discard(node)
+        self.suspects.pop(node, None)
+        if outcome == "answered":
+            self.slow[node] = self.slow.get(node, 0) + 1
+            self.last[node] = now
+            return Verdict(node, outcome, silent_s, f"{why}, but its agent answered a ping: slow, not lost")
+        self.last.pop(node, None)
+        if outcome == "died":
+            return Verdict(node, outcome, silent_s, f"{why}: its agent's actor is dead (the host is up)")
+        verdict = Verdict(node, outcome, silent_s, f"{why}, and its agent did not answer a ping in {ping_s:g} s")
+        self.lost[node] = verdict.why
+        return verdict
+
+    def forget(self, node: str) -> None:
+        """``node`` left the job (or was fenced another way): its silence means nothing."""
+        self.last.pop(node, None)
+        self.probing.discard(node)
+        self.suspects.pop(node, None)
+
+    def fenced(self, node: str, why: str) -> None:
+        """``node`` was declared lost by another route (the in-place controller): never judged
+        again, and its agent's beats are answered "fenced"."""
+        self.forget(node)
+        self.lost.setdefault(node, why)
+
+    def status(self) -> dict:
+        now = self.clock()
+        return {
+            "beating": {n: round(now - t, 3) for n, t in sorted(self.last.items())},
+            "slow": dict(sorted(self.slow.items())),
+            "lost": dict(sorted(self.lost.items())),
+        }

@@ -1,0 +1,156 @@
+"""memsnap's own verdict on a node from its agent's heartbeats (no Ray): ``Liveness`` alone,
+then through ``CoordinatorCore`` (a silent agent that does not answer is fenced; one that
+answers is slow, not lost; a dead actor on a live host is forgotten, not fenced)."""
+
+from __future__ import annotations
+
+import pytest
+from support.directory import NODES, Nodes, address
+
+from memsnap.config import SnapshotConfig
+from memsnap.coordinator import CoordinatorCore
+from memsnap.liveness import Liveness
+
+A, B, C, D, E = NODES
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def tick(self, seconds: float, beats=(), live=None, period: float = 0.25) -> dict:
+        """Advance ``seconds`` in ticks of ``period``; ``beats`` beat at every tick; returns
+        the nodes ``live.due`` named on the way."""
+        due: dict = {}
+        for _ in range(round(seconds / period)):
+            self.now += period
+            for node in beats:
+                live.beat(node)
+            due.update(live.due(NODES))
+        return due
+
+
+@pytest.fixture
+def clock():
+    return Clock()
+
+
+@pytest.fixture
+def live(clock):
+    live = Liveness(1.0, clock)
+    for node in NODES:
+        live.beat(node)
+    live.due(NODES)  # the first tick
+    return live
+
+
+def test_only_a_node_silent_for_lost_after_s_is_due_and_only_once(clock, live):
+    others = [A, B, C, D]
+    assert clock.tick(0.75, others, live) == {}  # E silent 0.75 s: not yet
+    due = clock.tick(0.25, others, live)
+    assert list(due) == [E] and "no heartbeat for 1.0 s" in due[E]
+    assert clock.tick(1.0, others, live) == {}  # being asked: not named twice
+
+
+def test_a_node_that_never_beat_is_not_judged(clock):
+    live = Liveness(1.0, clock)
+    live.beat(A)
+    clock.tick(0.25, [], live)
+    assert clock.tick(5.0, [], live).keys() == {A}
+
+
+def test_an_agent_that_answers_its_ping_is_slow_and_its_clock_starts_again(clock, live):
+    due = clock.tick(1.0, [A, B, C, D], live)
+    verdict = live.decide(E, "answered", due[E], 1.0)
+    assert not verdict.lost and verdict.outcome == "answered" and "slow, not lost" in verdict.why
+    assert live.slow == {E: 1} and E not in live.lost
+    assert clock.tick(0.75, NODES, live) == {}  # beating again
+    assert live.beat(E)
+
+
+def test_an_agent_that_does_not_answer_is_lost_for_good(clock, live):
+    due = clock.tick(1.0, [A, B, C, D], live)
+    verdict = live.decide(E, "silent", due[E], 1.0)
+    assert verdict.lost and "did not answer a ping in 1 s" in verdict.why and verdict.silent_s >= 1.0
+    assert live.beat(E) is False  # a paused host that comes back is told it is fenced
+    assert clock.tick(5.0, NODES, live) == {}  # and is never asked again
+    assert live.status()["lost"] == {E: verdict.why}
+
+
+def test_a_dead_actor_on_a_live_host_is_forgotten_until_it_beats_again(clock, live):
+    due = clock.tick(1.0, [A, B, C, D], live)
+    verdict = live.decide(E, "died", due[E], 1.0)
+    assert not verdict.lost and "actor is dead" in verdict.why
+    assert clock.tick(5.0, [A, B, C, D], live) == {}  # not judged while it does not beat
+    assert live.beat(E)  # a new agent there
+    assert clock.tick(1.0, [A, B, C, D], live).keys() == {E}
+
+
+def test_a_suspect_is_asked_at_the_next_tick_without_waiting_for_its_silence(clock, live):
+    assert live.suspect(C, "a push to it failed: ConnectionRefusedError()")
+    due = clock.tick(0.25, NODES, live)
+    assert list(due) == [C] and "ConnectionRefusedError" in due[C]
+    live.decide(C, "answered", due[C], 1.0)
+    assert C not in live.suspects and clock.tick(0.25, NODES, live) == {}
+
+
+def test_a_starved_coordinator_judges_nobody_and_starts_every_clock_again(clock, live):
+    clock.now += 3.0  # the coordinator's own tick came 3 s late: every node looks silent
+    assert live.due(NODES) == {}
+    assert clock.tick(0.75, [], live) == {}  # the clocks started again at the late tick
+    assert clock.tick(0.25, [], live).keys() == set(NODES)
+
+
+def test_bad_values_are_refused_naming_them(clock):
+    with pytest.raises(ValueError, match="lost_after_s=0"):
+        Liveness(0, clock)
+    with pytest.raises(ValueError, match="outcome='maybe'"):
+        Liveness(1.0, clock).decide(A, "maybe", "", 1.0)
+
+
+@pytest.fixture
+def core(clock):
+    core = CoordinatorCore(SnapshotConfig("liveness", k=2, m=1).to_dict(), 3, directory=Nodes())
+    core.liveness = Liveness(1.0, clock)
+    core.sent = []
+    core.broadcast = lambda *args: core.sent.append(args[0])
+    for rank, node in enumerate([A, B, C]):
+        core.join(node, address(node), [rank], 3)
+    for node in NODES:
+        core.beat(node)
+    return core
+
+
+def test_a_silent_spare_that_does_not_answer_is_fenced_and_the_placement_drops_it(clock, core):
+    assert core.heartbeats_due() == {}
+    for _ in range(4):
+        clock.now += 0.25
+        for node in (A, B, C, E):
+            core.beat(node)
+        due = core.heartbeats_due()
+    assert list(due) == [D]
+    verdict = core.heartbeat_verdict(D, "silent", due[D], 1.0)
+    assert verdict.lost and D in core.fenced and D not in core._alive()
+    assert "layout_changed" in core.sent and D not in core.membership.placement.holders
+    assert core.beat(D) is False
+    assert core.status()["liveness"]["lost"][D] == verdict.why
+
+
+def test_a_slow_agent_is_not_fenced(clock, core):
+    clock.now += 1.0
+    for node in (A, B, C, E):
+        core.beat(node)
+    due = core.heartbeats_due()
+    assert list(due) == [D]
+    verdict = core.heartbeat_verdict(D, "answered", due[D], 1.0)
+    assert not verdict.lost and core.fenced == set() and core.beat(D)
+    assert core.status()["liveness"]["slow"] == {D: 1}
+
+
+def test_a_node_the_controller_fenced_is_never_pinged(clock, core):
+    core.node_lost(B, "its ranks' process group saw it go")
+    clock.now += 5.0
+    assert B not in core.heartbeats_due() and core.beat(B) is False
