@@ -110,6 +110,23 @@ def test_a_step_cut_short_is_undone_to_the_boundary_and_its_optimizer_never_step
     assert whole(state) == at_boundary
 
 
+def test_the_boundary_copies_only_the_small_tensors_no_optimizer_owns():
+    from memsnap.capture import RNG_KEY
+
+    state = toy_state()
+    one_step(state, torch.randn(16, 8)).step()
+    live = Live(FakeGroup())  # type: ignore[arg-type]
+    live.mark(1, state)
+    b = live.boundary
+    assert b is not None
+    copied = {b.manifest.tensors[i].path for i in b.small}
+    # the norm statistics (moved by the forward) and the RNG states are copied ...
+    assert any("running_mean" in p for p in copied) and any(p.startswith(RNG_KEY) for p in copied)
+    # ... the parameters and the optimizer's moments and step counts (changed only by its
+    # guarded step) are read live, however small they are
+    assert not any(p.endswith(("weight", "bias")) or "exp_avg" in p for p in copied), sorted(copied)
+
+
 def test_a_member_whose_optimizer_stepped_after_its_boundary_has_none_to_offer():
     state = toy_state()
     live = Live(FakeGroup())  # type: ignore[arg-type]
