@@ -96,6 +96,8 @@ class AgentCore:
         self.slots = Slots(self.cfg, node_id, self.budget, self.lock, self.versions, self._pinned)
         self.arenas = self.slots.arenas  # (the same table)
         self.infos: dict[int, NodeReady] = {}  # this node's own NodeReady, by step
+        from memsnap.codec import codec_for  # (the native kernels load with the first agent)
+
         self.codec = codec_for(self.cfg.k, self.cfg.m)
         self.store = HeldChunks(self.budget)
         self.transport = make_transport(self.cfg.transport, secret=secret, host=host, **self._transport_opts())
@@ -575,14 +577,6 @@ class AgentCore:
             self._device.close()
         with self.lock:
             self.slots.close_all()
-
-
-def codec_for(k: int, m: int):
-    if m == 0:
-        return None
-    from memsnap.codec import ReedSolomon
-
-    return ReedSolomon(k, m)
 
 
 def _call(ref, timeout: float | None = None):

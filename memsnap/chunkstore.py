@@ -20,7 +20,7 @@ import xxhash
 from memsnap.arena import MemoryBudget, touch
 from memsnap.config import tunable
 from memsnap.errors import MemoryBudgetError, StepGivenUp
-from memsnap.transport.base import ChunkKey
+from memsnap.stripes import ChunkKey
 
 _GIVEN_UP_KEPT = 256  # abandoned steps remembered (a sender is never that many steps behind)
 

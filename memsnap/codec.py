@@ -242,3 +242,8 @@ class ReedSolomon:
             raise CodecError(f"expected a list of {expected} {what}, got {type(items).__name__}") from None
         if count != expected:
             raise CodecError(f"expected {expected} {what}, got {count}")
+
+
+def codec_for(k: int, m: int) -> ReedSolomon | None:
+    """The codec of RS(``k``, ``m``); None without parity (``m=0``: nothing to encode)."""
+    return None if m == 0 else ReedSolomon(k, m)

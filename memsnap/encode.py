@@ -1,7 +1,7 @@
 """Stripe a node's bytes, encode their parity, and rebuild lost shards.
 
 A node's byte stream is its local ranks' arena regions back to back, each region starting
-on a stripe boundary (``Region.stripe_base``), so that no stripe straddles two ranks and a
+on a stripe boundary (``StripedRegion.stripe_base``), so that no stripe straddles two ranks and a
 rank's bytes can be rebuilt alone. Stripe ``s`` of a region has ``k`` data shards (views
 straight into the arena; the last stripe's are zero-padded copies) and ``m`` parity shards,
 computed a batch of stripes at a time into a small scratch buffer (``ParityBatch``).
@@ -12,13 +12,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from memsnap.stripes import StripeLayout
-from memsnap.transport.base import ChunkKey
+from memsnap.stripes import ChunkKey, StripeLayout
 
 
 @dataclass(frozen=True)
-class Region:
-    """Rank ``rank``'s ``nbytes`` in its node's stream, from stripe ``stripe_base`` on."""
+class StripedRegion:
+    """Rank ``rank``'s ``nbytes`` in its node's stream, from stripe ``stripe_base`` on, cut into
+    stripes of ``k`` shards of ``chunk`` bytes (the wire record ``records.Region`` plus ``k`` and
+    ``chunk``)."""
 
     rank: int
     nbytes: int
@@ -38,7 +39,7 @@ class Region:
         return dict(self.__dict__)
 
 
-def shard_of(region: Region, data: memoryview, stripe: int, j: int) -> memoryview:
+def shard_of(region: StripedRegion, data: memoryview, stripe: int, j: int) -> memoryview:
     """Data shard ``j < k`` of ``stripe`` of ``region`` (bytes ``data``): a view, or for a
     clipped last stripe a zero-padded copy."""
     a, b = region.layout.data_range(stripe, j)
@@ -49,11 +50,11 @@ def shard_of(region: Region, data: memoryview, stripe: int, j: int) -> memoryvie
     return memoryview(out)
 
 
-def regions(sizes: Mapping[int, int], k: int, chunk: int) -> list[Region]:
+def regions(sizes: Mapping[int, int], k: int, chunk: int) -> list[StripedRegion]:
     """The regions of a node's ranks (``{rank: nbytes}``), in rank order, stripe-aligned."""
     out, base = [], 0
     for rank in sorted(sizes):
-        region = Region(rank, sizes[rank], base, k, chunk)
+        region = StripedRegion(rank, sizes[rank], base, k, chunk)
         out.append(region)
         base += region.stripes
     return out
@@ -62,7 +63,7 @@ def regions(sizes: Mapping[int, int], k: int, chunk: int) -> list[Region]:
 class Encoded:
     """One region's data shards: views straight into ``data`` (the last stripe's padded)."""
 
-    def __init__(self, region: Region, data: memoryview):
+    def __init__(self, region: StripedRegion, data: memoryview):
         self.region = region
         self.lay = region.layout
         self._data = data

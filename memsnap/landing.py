@@ -13,7 +13,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 
-from memsnap.transport.base import Scatter, byte_view
+from memsnap.buffers import Scatter, byte_view
 
 
 class Flat:

@@ -30,7 +30,7 @@ class Region:
     stripe_base: int
 
     def stripes(self, k: int, chunk: int) -> int:
-        return encode.Region(self.rank, self.nbytes, self.stripe_base, k, chunk).stripes
+        return encode.StripedRegion(self.rank, self.nbytes, self.stripe_base, k, chunk).stripes
 
 
 @dataclass(frozen=True)
@@ -136,8 +136,8 @@ class RankSource:
     def nbytes(self) -> int:
         return self.region.nbytes
 
-    def layout(self) -> encode.Region:
-        return encode.Region(self.region.rank, self.region.nbytes, self.region.stripe_base, self.k, self.chunk)
+    def layout(self) -> encode.StripedRegion:
+        return encode.StripedRegion(self.region.rank, self.region.nbytes, self.region.stripe_base, self.k, self.chunk)
 
     def to_wire(self) -> dict:
         return {

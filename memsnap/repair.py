@@ -128,7 +128,7 @@ class Repair:
             if v is None or info is None:
                 return None
             for r in info.regions:
-                reg = encode.Region(r.rank, r.nbytes, r.stripe_base, self.cfg.k, info.chunk)
+                reg = encode.StripedRegion(r.rank, r.nbytes, r.stripe_base, self.cfg.k, info.chunk)
                 arena = self.slots.arenas.get((r.rank, v.slot))
                 if reg.stripe_base <= key.stripe < reg.stripe_base + reg.stripes and arena is not None:
                     view = encode.shard_of(reg, arena.view(0, r.nbytes), key.stripe - reg.stripe_base, key.shard)

@@ -14,11 +14,12 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 
 from memsnap import encode
+from memsnap.buffers import Scatter
 from memsnap.config import tunable
 from memsnap.errors import TooFewShardsError, TransportError
 from memsnap.landing import Flat
 from memsnap.records import NodeReady, RankSource
-from memsnap.transport.base import ChunkKey, Scatter
+from memsnap.stripes import ChunkKey
 
 log = logging.getLogger("memsnap.restore")
 
@@ -27,7 +28,7 @@ log = logging.getLogger("memsnap.restore")
 class _Stripes:
     """Per-stripe shard buffers of one region while it is gathered."""
 
-    def __init__(self, region: encode.Region, m: int, out):
+    def __init__(self, region: encode.StripedRegion, m: int, out):
         self.region, self.lay, self.out = region, region.layout, out
         self.n = region.stripes
         self.shards: list[list[memoryview | None]] = [[None] * (region.k + m) for _ in range(self.n)]

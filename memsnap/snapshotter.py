@@ -502,7 +502,7 @@ class Snapshotter:
         from memsnap import receive
 
         if self._receiver is None:
-            from memsnap.agent import codec_for
+            from memsnap.codec import codec_for
             from memsnap.transport import make_transport
 
             client = make_transport(

@@ -1,7 +1,9 @@
-"""The stripe layout: which bytes of a node's stream form shard j of stripe s."""
+"""The stripe layout: which bytes of a node's stream form shard j of stripe s, and the key
+(``ChunkKey``) that names one such shard wherever it is sent or held."""
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 
 LINE = 64  # bytes per cache line; chunks are whole lines
@@ -70,3 +72,47 @@ def choose_chunk(nbytes: int, k: int, target: int = 4 << 20) -> int:
     if lines % 2 == 0:
         lines += 1
     return lines * LINE
+
+
+# step (u64), stripe (u32), shard (u16), len(owner utf-8) (u16), then the owner bytes.
+_KEY_HEAD = struct.Struct("<QIHH")
+MAX_OWNER_BYTES = 0xFFFF
+
+
+@dataclass(frozen=True, order=True)
+class ChunkKey:
+    """One chunk: shard ``shard`` of stripe ``stripe`` of node ``owner``'s bytes at ``step``.
+
+    ``owner`` is the node id whose snapshot bytes the chunk comes from (not the holder).
+    """
+
+    step: int
+    owner: str
+    stripe: int
+    shard: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.owner, str) or not self.owner:
+            raise ValueError(f"ChunkKey owner={self.owner!r}: pass the owner's node id as a non-empty str")
+        for name, bound in (("step", 1 << 64), ("stripe", 1 << 32), ("shard", 1 << 16)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or not 0 <= value < bound:
+                raise ValueError(f"ChunkKey {name}={value!r}: must be an int in [0, {bound})")
+        if len(self.owner.encode()) > MAX_OWNER_BYTES:
+            raise ValueError(f"ChunkKey owner is {len(self.owner.encode())} bytes; at most {MAX_OWNER_BYTES}")
+
+    def pack(self) -> bytes:
+        """The key as bytes: a fixed little-endian header and the owner's utf-8."""
+        owner = self.owner.encode()
+        return _KEY_HEAD.pack(self.step, self.stripe, self.shard, len(owner)) + owner
+
+    @classmethod
+    def unpack(cls, raw: bytes) -> ChunkKey:
+        """The key ``pack`` wrote; ValueError for anything else."""
+        raw = bytes(raw)
+        if len(raw) < _KEY_HEAD.size:
+            raise ValueError(f"a packed ChunkKey is at least {_KEY_HEAD.size} bytes, got {len(raw)}")
+        step, stripe, shard, n = _KEY_HEAD.unpack_from(raw)
+        if len(raw) != _KEY_HEAD.size + n:
+            raise ValueError(f"packed ChunkKey says owner is {n} bytes but {len(raw) - _KEY_HEAD.size} follow")
+        return cls(step, raw[_KEY_HEAD.size :].decode(), stripe, shard)

@@ -23,7 +23,7 @@ import time
 import ray
 
 from memsnap.errors import ConfigError
-from memsnap.transport.base import ChunkKey
+from memsnap.stripes import ChunkKey
 
 ENV = "MEMSNAP_TESTING_HOOKS"
 

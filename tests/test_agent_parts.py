@@ -9,9 +9,9 @@ import uuid
 import pytest
 import torch
 
-from memsnap.agent import codec_for
 from memsnap.arena import MemoryBudget
 from memsnap.capture import capture
+from memsnap.codec import codec_for
 from memsnap.config import SnapshotConfig
 from memsnap.manifest import Manifest
 from memsnap.records import NodeReady, RankSource, Region

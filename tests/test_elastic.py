@@ -12,8 +12,8 @@ import torch
 from support.holders import tcp_holders
 
 from memsnap import coverage, elastic, encode, receive
-from memsnap.agent import codec_for
 from memsnap.capture import capture, plan
+from memsnap.codec import codec_for
 from memsnap.config import SnapshotConfig
 from memsnap.coordinator import CoordinatorCore
 from memsnap.errors import ChecksumError
@@ -233,7 +233,7 @@ def publish(holders, mans: list[Manifest], bufs: list, step: int) -> list[RankSo
     codec, out = codec_for(K, M), []
     for r, (man, buf) in enumerate(zip(mans, bufs)):
         chunk = choose_chunk(man.nbytes, K, 256)
-        region = encode.Region(r, man.nbytes, 0, K, chunk)
+        region = encode.StripedRegion(r, man.nbytes, 0, K, chunk)
         enc = encode.Encoded(region, buf)
         parity = memoryview(bytearray(region.stripes * M * chunk))
         encode.ParityBatch([(enc, s) for s in range(region.stripes)], M, chunk, parity).encode(codec)
@@ -316,7 +316,7 @@ def test_without_peers_every_saved_rank_is_read_from_its_old_nodes_copy(holders)
     sources = []
     for r, (man, buf) in enumerate(zip(mans, bufs)):
         chunk = choose_chunk(man.nbytes, K, 256)
-        enc = encode.Encoded(encode.Region(r, man.nbytes, 0, K, chunk), buf)
+        enc = encode.Encoded(encode.StripedRegion(r, man.nbytes, 0, K, chunk), buf)
         for j in range(K):  # the old node's whole copy, served from one place
             client.push(addrs[0], enc.items(30, f"alone{r}", j), timeout=60)
         sources.append(RankSource(30, K, M, f"alone{r}", chunk, Region(r, man.nbytes, 0), (), (), copy=addrs[0]))

@@ -14,10 +14,10 @@ from support.holders import tcp_holders
 from support.runtime import digest
 
 from memsnap import encode, receive
-from memsnap.agent import codec_for
 from memsnap.arena import MemoryBudget
 from memsnap.capture import capture
 from memsnap.chunkstore import HeldChunks
+from memsnap.codec import codec_for
 from memsnap.config import SnapshotConfig
 from memsnap.errors import StateMismatchError
 from memsnap.landing import Spans
@@ -45,7 +45,7 @@ def publish(holders, state: dict, step: int, chunk_target: int = 4096) -> tuple[
     stores, addrs, client = holders
     man, buf = capture(state, checksums=True)
     chunk = choose_chunk(man.nbytes, K, chunk_target)
-    region = encode.Region(0, man.nbytes, 0, K, chunk)
+    region = encode.StripedRegion(0, man.nbytes, 0, K, chunk)
     enc = encode.Encoded(region, buf)
     codec = codec_for(K, M)
     parity = memoryview(bytearray(region.stripes * M * chunk))

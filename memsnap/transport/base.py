@@ -1,96 +1,18 @@
-"""The data-plane interface: chunk keys, the agent's chunk store, and the transport contract."""
+"""The data-plane interface: the agent's chunk store and the transport contract.
+
+``ChunkKey`` (``memsnap.stripes``) and the buffer helpers ``byte_view``, ``Scatter`` and
+``dest_parts`` (``memsnap.buffers``) are re-exported here for the transports."""
 
 from __future__ import annotations
 
-import struct
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
-# step (u64), stripe (u32), shard (u16), len(owner utf-8) (u16), then the owner bytes.
-_KEY_HEAD = struct.Struct("<QIHH")
-MAX_OWNER_BYTES = 0xFFFF
+from memsnap.buffers import Scatter, byte_view, dest_parts
+from memsnap.stripes import MAX_OWNER_BYTES, ChunkKey
 
-
-def byte_view(buf) -> memoryview:
-    """``buf`` (anything with the buffer protocol) as a flat unsigned-byte memoryview, no copy."""
-    view = memoryview(buf)
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
-
-
-class Scatter:
-    """A fetch destination in pieces: the chunk's bytes land in ``parts`` in order.
-
-    A restoring rank fetches a data shard straight into the live tensors it covers; a shard
-    that spans several tensors (or the padding between them) is a scatter of their views.
-    """
-
-    __slots__ = ("parts", "nbytes")
-
-    def __init__(self, parts):
-        self.parts = [byte_view(p) for p in parts]
-        self.nbytes = sum(len(p) for p in self.parts)
-
-    def __len__(self) -> int:
-        return self.nbytes
-
-    def write(self, src) -> None:
-        """Copy ``src`` (exactly ``nbytes``) into the parts."""
-        src, at = byte_view(src), 0
-        if len(src) != self.nbytes:
-            raise ValueError(f"{len(src)} bytes written into a {self.nbytes}-byte scatter")
-        for p in self.parts:
-            p[:] = src[at : at + len(p)]
-            at += len(p)
-
-    def joined(self) -> bytes:
-        """The bytes as one contiguous copy (for the codec, which reads whole shards)."""
-        return b"".join(self.parts)
-
-
-def dest_parts(buf) -> list[memoryview]:
-    """A fetch destination (a buffer or a ``Scatter``) as its list of byte views."""
-    return buf.parts if isinstance(buf, Scatter) else [byte_view(buf)]
-
-
-@dataclass(frozen=True, order=True)
-class ChunkKey:
-    """One chunk: shard ``shard`` of stripe ``stripe`` of node ``owner``'s bytes at ``step``.
-
-    ``owner`` is the node id whose snapshot bytes the chunk comes from (not the holder).
-    """
-
-    step: int
-    owner: str
-    stripe: int
-    shard: int
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.owner, str) or not self.owner:
-            raise ValueError(f"ChunkKey owner={self.owner!r}: pass the owner's node id as a non-empty str")
-        for name, bound in (("step", 1 << 64), ("stripe", 1 << 32), ("shard", 1 << 16)):
-            value = getattr(self, name)
-            if not isinstance(value, int) or not 0 <= value < bound:
-                raise ValueError(f"ChunkKey {name}={value!r}: must be an int in [0, {bound})")
-        if len(self.owner.encode()) > MAX_OWNER_BYTES:
-            raise ValueError(f"ChunkKey owner is {len(self.owner.encode())} bytes; at most {MAX_OWNER_BYTES}")
-
-    def pack(self) -> bytes:
-        """The key as bytes: a fixed little-endian header and the owner's utf-8."""
-        owner = self.owner.encode()
-        return _KEY_HEAD.pack(self.step, self.stripe, self.shard, len(owner)) + owner
-
-    @classmethod
-    def unpack(cls, raw: bytes) -> ChunkKey:
-        """The key ``pack`` wrote; ValueError for anything else."""
-        raw = bytes(raw)
-        if len(raw) < _KEY_HEAD.size:
-            raise ValueError(f"a packed ChunkKey is at least {_KEY_HEAD.size} bytes, got {len(raw)}")
-        step, stripe, shard, n = _KEY_HEAD.unpack_from(raw)
-        if len(raw) != _KEY_HEAD.size + n:
-            raise ValueError(f"packed ChunkKey says owner is {n} bytes but {len(raw) - _KEY_HEAD.size} follow")
-        return cls(step, raw[_KEY_HEAD.size :].decode(), stripe, shard)
+__all__ = ["MAX_OWNER_BYTES", "ChunkKey", "ChunkStore", "Scatter", "Transport", "byte_view", "dest_parts"]
 
 
 class ChunkStore(Protocol):

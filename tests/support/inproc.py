@@ -16,8 +16,9 @@ import types
 
 import torch
 
-from memsnap.agent import AgentCore, codec_for
+from memsnap.agent import AgentCore
 from memsnap.capture import capture
+from memsnap.codec import codec_for
 from memsnap.config import SnapshotConfig
 from memsnap.coordinator import CoordinatorCore
 from memsnap.localcluster import wait_for
