@@ -25,7 +25,7 @@ import torch
 
 from memsnap import rng as rng_state
 from memsnap import tree, validate
-from memsnap.capture import RNG_KEY, byte_view, is_dtensor, is_stateful, local_tensor, tensor_view
+from memsnap.capture import RNG_KEY, is_dtensor, is_stateful, local_tensor, snapshot_view, tensor_view
 from memsnap.checksum import checksum
 from memsnap.dtypes import dtype_name, dtype_of
 from memsnap.errors import ChecksumError, FormatError, SnapshotBufferError, StateMismatchError
@@ -459,13 +459,13 @@ def apply(
     """Put the snapshot ``manifest`` + ``buf`` back into ``state``; validate everything first."""
     pl = plan(state, manifest, rng=rng, strict=strict)
     if verify:
-        verify_checksums(manifest, byte_view(buf, manifest.nbytes, writable=False))
+        verify_checksums(manifest, snapshot_view(buf, manifest.nbytes, writable=False))
     apply_plan(state, pl, buf)
 
 
 def apply_plan(state: Mapping[str, Any], pl: Plan, buf: Any) -> None:
     """Carry out ``pl`` (from ``plan``) with the snapshot bytes ``buf``."""
-    mv = byte_view(buf, pl.manifest.nbytes, writable=False)
+    mv = snapshot_view(buf, pl.manifest.nbytes, writable=False)
     finish(pl, _Source(pl.manifest, mv, pl.meshes), state)
 
 
@@ -479,7 +479,7 @@ def rng_of(manifest: Manifest, buf: Any) -> dict[str, Any] | None:
     saved = _top_level(manifest).get(RNG_KEY)
     if saved is None:
         return None
-    src = _Source(manifest, byte_view(buf, manifest.nbytes, writable=False), [])
+    src = _Source(manifest, snapshot_view(buf, manifest.nbytes, writable=False), [])
     value = tree.decode(saved, lambda i, p: src.new_tensor(i), tree.segment(RNG_KEY))
     try:
         rng_state.check_generator_bytes(value)

@@ -260,8 +260,10 @@ def _reuse(skeleton: Any, paths: list[str], locals_: list[torch.Tensor], old: Ma
 
 
 # --- copying ---------------------------------------------------------------------------------
-def byte_view(buf: Any, nbytes: int, *, writable: bool) -> memoryview:
-    """``buf`` as a flat memoryview of exactly ``nbytes`` bytes, checked for size and access."""
+def snapshot_view(buf: Any, nbytes: int, *, writable: bool) -> memoryview:
+    """A snapshot buffer ``buf`` as a flat memoryview of exactly ``nbytes`` bytes, checked for
+    size and access, with errors that name the buffer (``buffers.byte_view`` is the unchecked
+    view of the data plane)."""
     try:
         mv = memoryview(buf).cast("B")
     except (TypeError, ValueError) as exc:
@@ -336,6 +338,6 @@ def capture(
         m = Manifest(tensors=entries, tree=skeleton, nbytes=nbytes)
     else:
         m = _reuse(skeleton, paths, sources, manifest)
-    mv = _new_buffer(m.nbytes, sources) if out is None else byte_view(out, m.nbytes, writable=True)
+    mv = _new_buffer(m.nbytes, sources) if out is None else snapshot_view(out, m.nbytes, writable=True)
     copy_into(m, sources, mv)
     return (fill_checksums(m, mv) if checksums else m), mv

@@ -278,7 +278,7 @@ class Snapshotter:
         """Capture ``step`` into this node's agent; False when the agent skipped it (busy, and
         no slot freed within ``wait_s``)."""
         from memsnap import cuda_capture
-        from memsnap.capture import byte_view, copy_into
+        from memsnap.capture import copy_into, snapshot_view
 
         if not isinstance(step, int) or step < 0:
             raise ConfigError(f"step={step!r}: must be an int >= 0")
@@ -297,7 +297,7 @@ class Snapshotter:
         if cuda_capture.needs_async(sources):
             self._save_cuda(step, layout, sources, out, info["path"], local)
             return True
-        copy_into(layout, sources, byte_view(out, layout.nbytes, writable=True))
+        copy_into(layout, sources, snapshot_view(out, layout.nbytes, writable=True))
         _get(self._agent.captured.remote(step, self.rank, layout.to_json().decode(), local))
         return True
 
