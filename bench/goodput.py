@@ -572,7 +572,7 @@ def run_inplace(spec: RunSpec, cfg: dict, nodes: Nodes, schedule: list[dict], ho
     from goodput_timeline import inplace_faults
 
     from memsnap.inplace import InplaceJob
-    from memsnap.snapshotter import shutdown
+    from memsnap.rank import shutdown
 
     healed = nodes.heal()  # a node Ray declared dead during an earlier run: not this run's fault
     if healed:
@@ -774,7 +774,7 @@ def measure(
     args, json_path: Path, keep: list[dict], keep_yd: dict[str, int] | None = None, passes: list[dict] | None = None
 ) -> dict:
     from memsnap import shmdir
-    from memsnap.snapshotter import shutdown
+    from memsnap.rank import shutdown
 
     t_begin = time.time()
     schedule = poisson_schedule(args.mtbf_s, args.horizon_s, args.seed)

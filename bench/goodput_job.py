@@ -209,7 +209,7 @@ class MemsnapProtection:
     """``Snapshotter.save`` every step (or ``auto``), spill every ``spill_every`` steps."""
 
     def __init__(self, job: Job, cfg: dict):
-        from memsnap.snapshotter import Snapshotter
+        from memsnap.rank import Snapshotter
 
         self.snap = Snapshotter(job=cfg["job"], rank=job.rank, world_size=job.world, **memsnap_options(cfg))
 

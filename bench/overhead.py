@@ -61,7 +61,7 @@ class Rank:
         self.objs = None
 
     def snapshotter(self, every: int):
-        from memsnap.snapshotter import Snapshotter
+        from memsnap.rank import Snapshotter
 
         if every not in self.snaps:
             self.snaps[every] = Snapshotter(
@@ -292,7 +292,7 @@ def first_saves(cluster, ranks, n: int) -> dict:
 
 
 def measure(cluster, model: str, mib: float, args, load: list) -> dict:
-    from memsnap.snapshotter import shutdown
+    from memsnap.rank import shutdown
 
     configs = [c for c in CONFIGS if not (c == "memsnap/10" and mib >= LARGE_MIB)]
     name = f"{model}+{mib:g} MiB"

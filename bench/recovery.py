@@ -68,7 +68,7 @@ class Blob(torch.nn.Module):
 @ray.remote(num_cpus=0)
 class Rank:
     def __init__(self, rank: int, world: int, mib: int, seed: int, opts: dict, job: str):
-        from memsnap.snapshotter import Snapshotter
+        from memsnap.rank import Snapshotter
 
         self.state = {"model": Blob(mib, seed)}
         self.snap = Snapshotter(job=job, rank=rank, world_size=world, **opts)
@@ -101,20 +101,21 @@ class Rank:
 
         src = RankSource.from_wire(source)
         t = time.perf_counter()
-        self.snap._receive(src, self.snap._ask("manifest", src.step, src.rank, source), self.state)
+        self.snap.loader.receive(src, self.snap.client.manifest(src.step, src.rank, src), self.state)
         return time.perf_counter() - t
 
     def apply_local(self, step: int) -> float:
         """Load this rank's committed ``step`` from its node's agent again: the apply phase alone."""
-        info = ray.get(self.snap._agent.local.remote(step, self.snap.rank))
+        held = self.snap.client.local(step)
+        assert held is not None, f"the agent holds no copy of step {step}"
         seconds: dict = {}
-        self.snap._apply(info, self.state, seconds)
+        self.snap.loader.apply(held, self.state, seconds)
         return seconds["apply"]
 
 
 def free_job(job: str) -> None:
     """Shut the job's agents down and remove any arena they left, whatever state the run ended in."""
-    from memsnap.snapshotter import shutdown
+    from memsnap.rank import shutdown
 
     with contextlib.suppress(Exception):
         shutdown(job, timeout=30)

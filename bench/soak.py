@@ -48,7 +48,7 @@ KINDS = {"agent": "SnapshotAgent", "rank": "SoakRank", "coordinator": "Coordinat
 @ray.remote(num_cpus=0)
 class SoakRank:
     def __init__(self, rank: int, world: int, mib: int):
-        from memsnap.snapshotter import Snapshotter
+        from memsnap.rank import Snapshotter
 
         torch.manual_seed(rank)
         self.model = torch.nn.Linear(1024, mib * 256)  # mib MiB of float32 weights
@@ -167,7 +167,7 @@ def main() -> None:
                     if step % (args.sample_every * 10) == 0:
                         print(f"cycle {step}: {rows[-1]}", flush=True)
         finally:
-            from memsnap.snapshotter import shutdown
+            from memsnap.rank import shutdown
 
             shutdown(JOB, timeout=30)
     write(rows, restores, peer, args, time.time() - t0)

@@ -6,7 +6,8 @@ The data path, one module per stage:
     validate.py                         every manifest, skeleton, marker and frame header checked
     arena.py / shmdir.py                the agent's shared memory the ranks capture into
     codec.py (+ native/) / encode.py    bytes -> stripes -> Reed-Solomon chunks
-    stripes.py / placement.py           which bytes go to which node
+    stripes.py / placement.py           which bytes form which chunk (ChunkKey), which node holds it
+    buffers.py                          flat byte views, a destination in pieces (Scatter)
     transport/                          chunks between agents (authenticated TCP, Ray object store)
     chunkstore.py                       the chunks an agent holds for its peers
     versions.py / slots.py              an agent's version table (states, lean-mode policy), its arena slots
@@ -17,9 +18,12 @@ The data path, one module per stage:
 
 The control plane (ranks -> their node's agent -> the coordinator, once per node):
 
-    snapshotter.py / options.py         the user-facing save / restore / status, and its options
+    rank/ / options.py                  the user-facing save / restore / status (rank/snapshotter.py:
+                                        the API; save.py, load.py: the capture and the load tiers;
+                                        client.py: every call to the node's agent), and its options
     relay.py                            a node's ranks' calls toward the coordinator
     coordinator.py                      membership.py, commit.py, rounds.py, reprotect.py, coverage.py
+    liveness.py                         memsnap's own verdict on a node (the agents' heartbeats)
     records.py                          the typed records they exchange
     actors.py                           both Ray faces (asyncio actors)
 """
@@ -36,9 +40,9 @@ _LAZY = {
     "ReedSolomon": "memsnap.codec",
     "save": "memsnap.durable",
     "load": "memsnap.durable",
-    "Snapshotter": "memsnap.snapshotter",
-    "start_spare": "memsnap.snapshotter",
-    "shutdown": "memsnap.snapshotter",
+    "Snapshotter": "memsnap.rank.snapshotter",
+    "start_spare": "memsnap.rank.job",
+    "shutdown": "memsnap.rank.job",
     "ResumableSampler": "memsnap.sampler",
     "ResumableLoader": "memsnap.sampler",
 }

@@ -424,9 +424,6 @@ class SnapshotAgent:
     async def restore_done(self, rank: int, attempt: int, ok: bool, report: dict) -> dict:
         return await self.relay.restore_done(rank, attempt, ok, report)
 
-    async def resume(self, step: int | None, gen: int) -> None:
-        return await self.pool.run(self.core.resume, step, gen)
-
     async def local(self, step: int, rank: int) -> dict | None:
         return await self.pool.run(self.core.local, step, rank)
 

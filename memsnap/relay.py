@@ -151,6 +151,17 @@ class NodeRelay:
             )
         return plans[rank]
 
+    async def _result(self, rnd: _NodeRound, attempt: int) -> dict:
+        """The round's outcome; when it is ok, this node resumes from the round's step (its
+        uncommitted newer versions forgotten) before any of its ranks hears the outcome, so
+        none of them can save into the old generation."""
+        result = await self.call("restore_result", self.node, attempt, timeout=tunable("restore_timeout_s") + 30)
+        if result["ok"]:
+            assert rnd.plans is not None  # a rank reports only after its plan
+            step = next(iter((await rnd.plans).values()))["step"]  # (one step for every rank)
+            await asyncio.get_running_loop().run_in_executor(None, self.core.resume, step, result["gen"])
+        return result
+
     async def restore_done(self, rank: int, attempt: int, ok: bool, report: dict) -> dict:
         """Report ``rank``'s load; the round's outcome, the same for every rank (a barrier)."""
         rnd = self.rounds.get(attempt)
@@ -158,9 +169,7 @@ class NodeRelay:
             raise CommitError(f"restore_done(rank={rank}, attempt={attempt}) before its restore_plan")
         await rnd.reports.add((rank, (ok, report)))
         if rnd.result is None:
-            rnd.result = asyncio.ensure_future(
-                self.call("restore_result", self.node, attempt, timeout=tunable("restore_timeout_s") + 30)
-            )
+            rnd.result = asyncio.ensure_future(self._result(rnd, attempt))
         try:
             result = await asyncio.shield(rnd.result)
         finally:

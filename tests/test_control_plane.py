@@ -21,7 +21,7 @@ from support.ranks import kill_node_ranks, merged, refused_node_ranks, start_nod
 from support.runtime import cluster, wait_for
 
 from memsnap import naming, testing
-from memsnap.snapshotter import shutdown, start_spare
+from memsnap.rank import shutdown, start_spare
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

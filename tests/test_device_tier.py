@@ -272,7 +272,7 @@ def test_cpu_only_install_never_imports_cupy():
 def test_device_option_is_opt_in_and_validated():
     from memsnap.errors import ConfigError
     from memsnap.options import Device, resolve
-    from memsnap.snapshotter import job_config
+    from memsnap.rank import job_config
 
     assert resolve({}, {})["device"] == Device(buffer=False) and not Device().on
     opts = resolve({}, {"device_buffer": 8 << 30, "device_backend": "cuda"})

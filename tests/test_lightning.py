@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from memsnap.integrations.lightning import MemsnapCallback  # noqa: E402
 from memsnap.localcluster import LocalCluster  # noqa: E402
-from memsnap.snapshotter import shutdown  # noqa: E402
+from memsnap.rank import shutdown  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

@@ -118,7 +118,7 @@ def test_snapshot_config_takes_all_but_the_job_by_name():
 
 
 def test_valid_groups_build_the_same_config_as_before():
-    from memsnap.snapshotter import job_config
+    from memsnap.rank import job_config
 
     opts = resolve(
         {

@@ -21,8 +21,8 @@ from memsnap.codec import codec_for
 from memsnap.config import SnapshotConfig
 from memsnap.errors import StateMismatchError
 from memsnap.landing import Spans
-from memsnap.manifest import Manifest
-from memsnap.records import RankSource, Region
+from memsnap.rank.client import RoundResult
+from memsnap.records import RankPlan, RankSource, Region
 from memsnap.stripes import choose_chunk
 from memsnap.transport import ChunkKey, make_transport
 
@@ -140,31 +140,42 @@ def test_spans_cover_the_gaps_and_scatter_across_pieces():
         spans.view(25, 31)
 
 
-class _Agent:
-    """The restore calls a Snapshotter makes through its node's agent, answered from a
-    script of plans."""
+class _Client:
+    """The restore calls a Snapshotter makes through its node's agent (``rank.client``),
+    answered from a script of plans."""
+
+    rank = 0
 
     def __init__(self, plans: list[dict]):
         self.plans, self.done = list(plans), []
 
-    def __call__(self, method: str, *args, timeout=None):
-        if method == "restore_plan":
-            return self.plans[args[1]]
-        if method == "manifest":
-            return "{}"
-        assert method == "restore_done"
-        self.done.append(args[2])
-        return {"ok": args[2], "gen": 1, "failed": {}}
+    def restore_plan(self, attempt: int):
+        return RankPlan.from_wire(self.plans[attempt])
+
+    def manifest(self, step, rank, source) -> str:
+        return "{}"
+
+    def restore_done(self, attempt: int, ok: bool, report: dict):
+        self.done.append(ok)
+        return RoundResult(ok, {}, 1)
+
+    def ready_slots(self, nbytes: int) -> None:
+        pass
 
 
 def _snapshotter(plans: list[dict], fail_with: Exception, monkeypatch):
-    """A Snapshotter without Ray around it: a scripted coordinator, a receive that fails."""
-    from memsnap import snapshotter
+    """A Snapshotter without Ray around it: a scripted agent, a receive that fails."""
+    from memsnap.rank.load import Loader
+    from memsnap.rank.snapshotter import Snapshotter
 
-    snap = object.__new__(snapshotter.Snapshotter)
-    snap.rank, snap._direct, snap._dirty, snap._receiver = 0, True, False, object()
-    snap.config, snap.node = SnapshotConfig("stub-job"), "n" * 56
-    snap._ask = _Agent(plans)
+    snap = object.__new__(Snapshotter)
+    snap.rank, snap.config, snap.node = 0, SnapshotConfig("stub-job"), "n" * 56
+    snap.client = _Client(plans)
+    snap.loader = Loader(snap.client, None, snap.config, 1, b"", direct=True)
+    snap.loader._peers = object()
+    snap.capture = type("Capture", (), {"nbytes": lambda self, state: 0})()
+    snap._policy = type("P", (), {"resume": lambda self, s: None})()
+    snap._guard = None
 
     def failing(peers, source, manifest, state):
         raise fail_with
@@ -188,21 +199,12 @@ def test_a_restore_that_failed_mid_write_never_starts_fresh_on_mixed_state(monke
     snap = _snapshotter([PEER, NONE], TooFewShardsError("stripe 4: only 1 of k=2 shards"), monkeypatch)
     with pytest.raises(MemsnapError, match="begun writing into the live state"):
         snap.restore({})
-    assert snap._ask.done == [False, True]
+    assert snap.client.done == [False, True]
 
 
 def test_a_refused_restore_touched_nothing_and_may_start_fresh(monkeypatch):
     snap = _snapshotter([PEER, NONE], StateMismatchError("'model/w': snapshot has float32[4]"), monkeypatch)
-    snap._agent = type(
-        "Agent",
-        (),
-        {name: type("M", (), {"remote": staticmethod(lambda *a: None)}) for name in ("resume", "ready_slots")},
-    )()
-    snap._plan = type("Plan", (), {"plan": lambda self, state: (Manifest([], {}, 0), [])})()
-    monkeypatch.setattr("memsnap.snapshotter._get", lambda ref, timeout=None: None)
-    snap._policy = type("P", (), {"resume": lambda self, s: None})()
-    snap._guard = None
-    assert snap.restore({}) is None and not snap._dirty
+    assert snap.restore({}) is None and not snap.loader.dirty
     assert snap.last_restore["tier"] == "none"
 
 

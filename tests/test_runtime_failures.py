@@ -240,7 +240,7 @@ def test_objstore_transport_and_a_corrupt_local_copy_rebuilt_from_peers(job):
         assert [r[0] for r in results] == [1] * 4 and [r[1] for r in results] == digests
         assert results[1][2]["tier"] == "peer" and results[0][2]["tier"] == "local"
     finally:
-        from memsnap.snapshotter import shutdown
+        from memsnap.rank import shutdown
 
         for t in trainers:
             kill(t)
@@ -279,7 +279,7 @@ def test_m_node_losses_at_once_are_restored_from_ram(job):
         )
         assert not os.path.exists(path)
     finally:
-        from memsnap.snapshotter import shutdown
+        from memsnap.rank import shutdown
 
         for t in trainers:
             kill(t)

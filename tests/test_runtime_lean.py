@@ -23,7 +23,7 @@ from support.runtime import (
 )
 
 from memsnap import naming
-from memsnap.snapshotter import shutdown
+from memsnap.rank import shutdown
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

@@ -319,7 +319,7 @@ def test_options_come_in_groups_or_as_their_shorthand_and_bad_ones_say_what_to_f
 
 
 def test_a_job_name_reused_with_another_configuration_is_refused_naming_the_fields():
-    from memsnap.snapshotter import check_same_job
+    from memsnap.rank import check_same_job
 
     running = SnapshotConfig("reused", k=2, m=1).to_dict()
     check_same_job(SnapshotConfig("reused", k=2, m=1), running)  # the same: fine
@@ -543,20 +543,23 @@ def test_a_signal_wakes_the_next_waiter_or_lets_it_time_out():
 def test_a_forced_save_ignores_the_policy_and_lets_the_agent_wait_for_a_slot(monkeypatch):
     """``save(step, state, force=True)``: taken although the policy would skip the step, and
     the agent's ``begin`` may wait ``forced_save_wait_s`` for a busy pipeline."""
-    from memsnap import snapshotter
+    from memsnap.rank.client import AgentClient
+    from memsnap.rank.save import Capture
+    from memsnap.rank.snapshotter import Snapshotter
 
     monkeypatch.setenv("MEMSNAP_FORCED_SAVE_WAIT_S", "42")
-    snap = object.__new__(snapshotter.Snapshotter)
+    snap = object.__new__(Snapshotter)
     snap.rank, snap.node, snap.config = 0, "n" * 56, SnapshotConfig("stub-job")
     snap.counters = {"saves": 0, "failed_saves": 0, "skipped_saves": 0, "skipped_busy": 0}
     snap._watcher, snap._guard = None, None
     snap._policy = type("NeverDue", (), {"due": lambda self, s: False, "taken": lambda self, s, t: None})()
     begun = []
-    agent = type("Agent", (), {"begin": type("M", (), {"remote": staticmethod(lambda *a: begun.append(a))})})
-    snap._agent = agent()
+    client = AgentClient(None, 0)
+    client._call = lambda method, *a, timeout=None: begun.append(a) or {"skipped": "every arena slot is busy"}
+    snap.client = client
     snap._local_ranks = lambda: [0]
-    snap._plan = type("Plan", (), {"plan": lambda self, state: (type("L", (), {"nbytes": 64})(), [])})()
-    monkeypatch.setattr(snapshotter, "_get", lambda ref, timeout=None: {"skipped": "every arena slot is busy"})
+    plan = type("Plan", (), {"plan": lambda self, state: (type("L", (), {"nbytes": 64})(), [])})()
+    snap.capture = Capture(client, None, "stub-job", 1, None, plan=plan)
     assert snap.save(7, {}) is False and begun == [] and snap.counters["skipped_saves"] == 1  # not due
     assert snap.save(7, {}, force=True) is False  # taken to the agent, which skipped it all the same
     assert begun == [(7, 0, 64, 42.0)] and snap.counters["skipped_busy"] == 1
@@ -659,7 +662,7 @@ def test_ray_train_runs_and_tune_trials_get_a_job_name_and_run_id_of_their_own()
 def test_job_in_a_spill_uri_is_the_job_name_and_a_bad_run_id_is_refused():
     from memsnap.identity import check_run
     from memsnap.options import resolve
-    from memsnap.snapshotter import job_config
+    from memsnap.rank import job_config
 
     assert job_config("trial-3", resolve({"spill": "s3://bucket/ckpt/{job}"}, {})).spill == "s3://bucket/ckpt/trial-3"
     with pytest.raises(ConfigError, match=r"run='a b': use 1-128 characters"):

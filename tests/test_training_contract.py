@@ -29,7 +29,7 @@ from support.runtime import cluster, kill, remove_arenas
 from support.runtime import digest as helpers_digest
 
 import memsnap
-from memsnap.snapshotter import Snapshotter, shutdown
+from memsnap.rank import Snapshotter, shutdown
 from memsnap.storage import Store
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -246,7 +246,7 @@ SCRIPT = """
 import json, sys, time
 import memsnap.localcluster  # binds Ray to loopback before it is imported
 import ray, torch
-from memsnap.snapshotter import Snapshotter
+from memsnap.rank import Snapshotter
 from support.runtime import digest
 from support.states import make_state, train_step
 

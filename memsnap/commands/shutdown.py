@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.yes and not confirm(args.job, found[args.job]):
         print("not shut down")
         return 1
-    from memsnap.snapshotter import shutdown
+    from memsnap.rank import shutdown
 
     shutdown(args.job, timeout=args.timeout)
     try:  # the actors' names are released a moment after they exit

@@ -59,7 +59,7 @@ def train_loop_per_worker(config: dict) -> None:
     import ray
 
     from memsnap.capture import plan
-    from memsnap.snapshotter import Snapshotter
+    from memsnap.rank import Snapshotter
 
     cfg = TrainConfig.from_json(config["train"])
     ctx = ray.train.get_context()

@@ -117,7 +117,7 @@ def pin_coordinator(job: str, options: dict, world: int, node: str) -> None:
 
     from memsnap import actors
     from memsnap.options import resolve_options
-    from memsnap.snapshotter import job_config
+    from memsnap.rank.job import job_config
 
     cfg = job_config(job, resolve_options({k: v for k, v in options.items() if k != "run"}))
     ray.get(actors.coordinator_for(cfg, world, node=node).config.remote(), timeout=120)

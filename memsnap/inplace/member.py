@@ -44,7 +44,7 @@ from memsnap.inplace.group import PeerLost, RecoverableGroup, connect, os_thread
 from memsnap.inplace.heartbeat import Beater
 
 if TYPE_CHECKING:
-    from memsnap.snapshotter import Snapshotter
+    from memsnap.rank import Snapshotter
 
 log = logging.getLogger("memsnap.inplace")
 
@@ -341,9 +341,9 @@ class Member:
         # (the survivors' restore waits for it at the restore barrier)
         import memsnap.apply  # noqa: F401
         import memsnap.capture  # noqa: F401
+        import memsnap.rank  # noqa: F401
         import memsnap.receive  # noqa: F401
         import memsnap.restore  # noqa: F401
-        import memsnap.snapshotter  # noqa: F401
         import memsnap.transport  # noqa: F401
 
         warm_s = 0.0

@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from memsnap.snapshotter import Snapshotter
+    from memsnap.rank import Snapshotter
 
 try:
     from lightning.pytorch.callbacks import Callback
@@ -78,7 +78,7 @@ class MemsnapCallback(Callback):
     def setup(self, trainer, pl_module, stage: str) -> None:
         if stage != "fit" or self.snap is not None:
             return
-        from memsnap.snapshotter import Snapshotter, ensure_ray
+        from memsnap.rank import Snapshotter, ensure_ray
 
         ensure_ray()
         self.snap = Snapshotter(job=self.job, rank=trainer.global_rank, world_size=trainer.world_size, **self.kwargs)

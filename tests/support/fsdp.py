@@ -26,7 +26,7 @@ class Rank:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
-        from memsnap.snapshotter import Snapshotter
+        from memsnap.rank import Snapshotter
 
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         self.rank, self.world, self.opts = rank, world, opts

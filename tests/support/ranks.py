@@ -36,7 +36,7 @@ def step(state: dict, seed: int) -> None:
 @ray.remote(num_cpus=0)
 class NodeRanks:
     def __init__(self, job: str, ranks: list[int], world: int, opts: dict):
-        from memsnap.snapshotter import Snapshotter
+        from memsnap.rank import Snapshotter
 
         self.ranks = list(ranks)
         self.states = {r: small_state(r) for r in ranks}

@@ -52,7 +52,7 @@ class Trainer:
     """One rank: its own state and Snapshotter, on the node it was pinned to."""
 
     def __init__(self, job: str, rank: int, world: int, seed: int, opts: dict):
-        from memsnap.snapshotter import Snapshotter
+        from memsnap.rank import Snapshotter
 
         self.state = make_state(seed)
         self.snap = Snapshotter(job=job, rank=rank, world_size=world, **opts)
@@ -164,7 +164,7 @@ def cluster(job: str, nodes: int, system_config: dict | None = None):
         yield c
     finally:
         with contextlib.suppress(Exception):
-            from memsnap.snapshotter import shutdown
+            from memsnap.rank import shutdown
 
             shutdown(job, timeout=10)
         c.close()
