@@ -13,6 +13,7 @@ The data path, one module per stage:
     versions.py / slots.py              an agent's version table (states, lean-mode policy), its arena slots
     sender.py / repair.py               an agent's sends, its repairs (agent.py composes them all)
     durable.py / storage.py / spill.py  memsnap's on-disk / object-store format, and the spill
+    lineage.py / localfs.py             a root's commit history and retention; safe local file I/O
     restore.py / receive.py             bytes back from the peers, straight into the live tensors
     elastic.py / reshard.py             a step taken by another world size, resharded (RAM / disk)
 

@@ -28,38 +28,66 @@ or the new one, never a readable half.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import json
 import mmap
 import os
 import re
-import secrets
-import stat
-import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import numpy as np
 import pyarrow.fs as pafs
 import xxhash
 
-from memsnap import validate
+from memsnap import localfs, validate
 from memsnap.checksum import fill_checksums
 from memsnap.errors import ChecksumError, ConfigError, FormatError, MemsnapError, SnapshotNotFoundError, StorageError
+from memsnap.lineage import (
+    LEGACY,
+    Commit,
+    Lineage,
+    Retention,
+    descent,
+    head_of,
+    kept_steps,
+    next_lineage,
+    parent_map,
+)
+from memsnap.localfs import (
+    Progress,
+    Throttle,
+    allocate,
+    open_local,
+    read_upto,
+    readinto_full,
+    regular,
+    slices,
+    tmp_name,
+    write_local,
+    write_stream,
+)
 from memsnap.manifest import Manifest
 
+__all__ = [
+    "MARKER",
+    "Commit",
+    "Lineage",
+    "Progress",
+    "RankRecord",
+    "Retention",
+    "Store",
+    "rank_name",
+    "step_name",
+    "tmp_name",
+    "slices",
+]
+
 MARKER = "COMMITTED"
-IO_CHUNK = 16 << 20  # every read and write is one sequential call of this size
-WRITEBACK = 32 << 20  # a local data file's pages are handed to the disk every this many bytes (0: off)
 _STEP_RE = re.compile(r"^step_(\d{12})$")
 _TAG_RE = re.compile(r"^r[0-9a-f]{16}$")  # the name tag of a re-saved step's rank files
 _RANK_FILE_RE = re.compile(r"^rank_\d{5}(\.r[0-9a-f]{16})?\.(bin|json)$")
-_LINEAGE_RE = re.compile(r"^[0-9a-f]{16}$")
-
-Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 
 
 class RankStream(Protocol):
@@ -100,98 +128,9 @@ class RankRecord:
         return dict(self.__dict__)
 
 
-@dataclass(frozen=True)
-class Retention:
-    """Which committed steps to keep: the newest ``keep_last`` of the current lineage, the
-    step that lineage resumed from, and milestones.
-
-    The current lineage is the run of the newest commit (see ``Lineage``); steps of other
-    lineages (a run abandoned by a rollback) are kept until the current one holds
-    ``keep_last`` steps of its own. A milestone is every step divisible by
-    ``milestone_every`` (0: none) or a step saved with ``milestone=True`` in its metadata.
-    The newest committed step is never deleted.
-    """
-
-    keep_last: int = 3
-    milestone_every: int = 0
-
-    def __post_init__(self):
-        if self.keep_last < 1:
-            raise ValueError(f"keep_last={self.keep_last} must be >= 1 (the newest step is always kept)")
-        if self.milestone_every < 0:
-            raise ValueError(f"milestone_every={self.milestone_every} must be >= 0 (0 turns it off)")
-
-
-@dataclass(frozen=True)
-class Lineage:
-    """Where a commit sits in its root's history, recorded in its marker as ``lineage``.
-
-    ``id``: the run (lineage) the step belongs to; a run that resumes from a step other than
-    the newest of that step's lineage (a rollback) starts a new one. ``seq``: the commit's
-    place in the root's commit order (1 + the highest recorded). ``parent``: the step the
-    save continued from (the lineage's previous commit, or for its first commit the step it
-    resumed from). ``base``: the step the lineage resumed from (None: it started from
-    nothing or continues a run saved without lineage). A marker without the field is of the
-    one legacy lineage (``id == ""``, ``seq == 0``), ordered by step.
-    """
-
-    id: str
-    seq: int
-    parent: int | None
-    base: int | None
-
-    def to_dict(self) -> dict:
-        return dict(self.__dict__)
-
-    @classmethod
-    def parse(cls, doc: object) -> Lineage | None:
-        """The lineage recorded in a marker, or None if it has none (or a malformed one)."""
-        if not isinstance(doc, dict):
-            return None
-        lid, seq, parent, base = (doc.get(k) for k in ("id", "seq", "parent", "base"))
-        steps_ok = all(v is None or (type(v) is int and v >= 0) for v in (parent, base))
-        if isinstance(lid, str) and _LINEAGE_RE.fullmatch(lid) and type(seq) is int and seq >= 1 and steps_ok:
-            return cls(lid, seq, parent, base)
-        return None
-
-
-LEGACY = Lineage("", 0, None, None)
-
-
-@dataclass(frozen=True)
-class Commit:
-    """One committed step as the history sees it: its lineage and whether its marker is
-    intact (a malformed or unreadable one counts as legacy and may be saved over)."""
-
-    step: int
-    lineage: Lineage
-    intact: bool
-    milestone: bool = False
-
-    @property
-    def order(self) -> tuple[int, int]:
-        return self.lineage.seq, self.step
-
-
 _RESUMED: dict[str, int] = {}  # per root: the step this process's run continues from
 _WARNED: set[tuple[str, str]] = set()  # (root, lineage) warned about saving behind newer steps
 _HISTORY: dict[str, dict[int, tuple[tuple, Commit]]] = {}  # per root: marker stat -> parsed commit
-
-
-class _Throttle:
-    """Caps a stream at ``bps`` bytes/s by sleeping between chunks (None: no cap)."""
-
-    def __init__(self, bps: float | None):
-        if bps is not None and bps <= 0:
-            raise ValueError(f"throttle_bps={bps} must be > 0 bytes/s, or None for no cap")
-        self.bps, self.t0, self.done = bps, time.monotonic(), 0
-
-    def account(self, n: int) -> None:
-        self.done += n
-        if self.bps:
-            ahead = self.done / self.bps - (time.monotonic() - self.t0)
-            if ahead > 0:
-                time.sleep(ahead)
 
 
 def resolve(uri: str, endpoint: str | None = None) -> tuple[pafs.FileSystem, str]:
@@ -263,7 +202,7 @@ class Store:
         self.fs.create_dir(self.path(step), recursive=True)
         tag = self._write_tag(step)
         bin_path = self.path(step, rank_name(rank, "bin", tag))
-        digest = self._write(bin_path, slices(mv), mv.nbytes, _Throttle(throttle_bps), progress)
+        digest = self._write(bin_path, slices(mv), mv.nbytes, Throttle(throttle_bps), progress)
         return self._write_manifest(step, rank, manifest, digest, tag)
 
     def write_rank_stream(
@@ -281,7 +220,7 @@ class Store:
         self.fs.create_dir(self.path(step), recursive=True)
         tag = self._write_tag(step)
         bin_path = self.path(step, rank_name(rank, "bin", tag))
-        digest = self._write(bin_path, iter(stream), stream.nbytes, _Throttle(throttle_bps), progress)
+        digest = self._write(bin_path, iter(stream), stream.nbytes, Throttle(throttle_bps), progress)
         return self._write_manifest(step, rank, stream.manifest(), digest, tag)
 
     def _write_manifest(self, step: int, rank: int, manifest: Manifest, digest: str, tag: str | None) -> RankRecord:
@@ -294,7 +233,7 @@ class Store:
             )
         meta = dict(manifest.meta, data_file={"bytes": manifest.nbytes, "xxh3": digest})
         raw = Manifest(manifest.tensors, manifest.tree, manifest.nbytes, meta).to_json()
-        self._write(self.path(step, rank_name(rank, "json", tag)), [memoryview(raw)], len(raw), _Throttle(None), None)
+        self._write(self.path(step, rank_name(rank, "json", tag)), [memoryview(raw)], len(raw), Throttle(None), None)
         return RankRecord(rank, manifest.nbytes, digest, len(raw), xxhash.xxh3_64_hexdigest(raw))
 
     def _write_tag(self, step: int) -> str | None:
@@ -317,7 +256,7 @@ class Store:
         tag = self._write_tag(step)
         ranks = [self._rank_record(step, r, tag).to_dict() for r in range(world_size)]
         history = self.history()
-        lineage = _next_lineage(step, history, _RESUMED.get(self.key))
+        lineage = next_lineage(step, history, _RESUMED.get(self.key))
         doc = {
             "format": "memsnap",
             "version": 1,
@@ -330,7 +269,7 @@ class Store:
         if tag is not None:
             doc["files"] = tag
         raw = json.dumps(doc, indent=1, allow_nan=False).encode()
-        self._write(self.path(step, MARKER), [memoryview(raw)], len(raw), _Throttle(None), None)
+        self._write(self.path(step, MARKER), [memoryview(raw)], len(raw), Throttle(None), None)
         _HISTORY.get(self.key, {}).pop(step, None)
         self._tags[step], _RESUMED[self.key] = tag, step
         if tag is not None:
@@ -391,17 +330,17 @@ class Store:
         history = self.history()
         if not any(c.step == step and c.intact for c in history):
             return False
-        start = _RESUMED.get(self.key, _head_of(history).step)
-        return step in _chain(_parents(history), start)
+        start = _RESUMED.get(self.key, head_of(history).step)
+        return step in descent(parent_map(history), start)
 
     def _write(
-        self, path: str, parts: Iterable[memoryview], nbytes: int, throttle: _Throttle, progress: Progress | None
+        self, path: str, parts: Iterable[memoryview], nbytes: int, throttle: Throttle, progress: Progress | None
     ) -> str:
         """Write ``parts`` (``nbytes`` in all) as ``path``; return the whole file's xxh3."""
         try:
             if self.local:
-                return _write_local(path, parts, nbytes, throttle, progress)  # removes its own debris
-            return _write_stream(self.fs, path, parts, nbytes, throttle, progress)
+                return write_local(path, parts, nbytes, throttle, progress)  # removes its own debris
+            return write_stream(self.fs, path, parts, nbytes, throttle, progress)
         except BaseException as exc:
             if not self.local:  # closing the stream on the way out uploaded what there was
                 self._discard(path)
@@ -467,7 +406,7 @@ class Store:
         if not intact:
             return [c.step for c in reversed(history)]
         first = sorted((c.step for c in history if not c.intact and c.step > intact[-1].step), reverse=True)
-        chain = _chain(_parents(history), intact[-1].step)
+        chain = descent(parent_map(history), intact[-1].step)
         return first + chain + [c.step for c in reversed(history) if c.step not in {*first, *chain}]
 
     def _step_dirs(self) -> list[tuple[int, str]]:
@@ -615,9 +554,9 @@ class Store:
         return self.read_rank(step, rank, marker=marker, progress=progress)[1]
 
     def _map_checked(self, path: str, size: int, check: _Verifier, progress: Progress | None) -> memoryview:
-        fd = _open_local(path)
+        fd = open_local(path)
         try:
-            _regular(path, os.fstat(fd), size)
+            regular(path, os.fstat(fd), size)
             if size == 0:
                 return memoryview(bytearray(0))
             mapped = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE)
@@ -626,10 +565,10 @@ class Store:
         if hasattr(mapped, "madvise"):  # start readahead of a cold file; faster than MAP_POPULATE here
             mapped.madvise(mmap.MADV_WILLNEED)
         mv = memoryview(mapped)
-        for start in range(0, size, IO_CHUNK):
-            check.feed(start, mv[start : start + IO_CHUNK])
+        for start in range(0, size, localfs.IO_CHUNK):
+            check.feed(start, mv[start : start + localfs.IO_CHUNK])
             if progress:
-                progress(min(start + IO_CHUNK, size), size)
+                progress(min(start + localfs.IO_CHUNK, size), size)
         return mv
 
     def _read_checked(self, path: str, size: int, out, check: _Verifier, progress: Progress | None) -> memoryview:
@@ -637,7 +576,7 @@ class Store:
         new buffer of that size), feeding ``check`` as the pieces arrive."""
         with self._open_data(path, size) as (f, _):
             if out is None:
-                mv = _allocate(path, size)
+                mv = allocate(path, size)
             else:
                 mv = memoryview(out).cast("B")
                 if mv.nbytes != size:
@@ -645,9 +584,9 @@ class Store:
                         f"destination has {mv.nbytes} bytes, {path} holds {size}; "
                         "pass a buffer of the size COMMITTED records"
                     )
-            for start in range(0, size, IO_CHUNK):
-                part = mv[start : start + IO_CHUNK]
-                got = _readinto_full(f, part)
+            for start in range(0, size, localfs.IO_CHUNK):
+                part = mv[start : start + localfs.IO_CHUNK]
+                got = readinto_full(f, part)
                 if got != part.nbytes:
                     raise ChecksumError(f"{path} is truncated: ended {start + got} bytes in, {size} expected")
                 check.feed(start, part)
@@ -660,10 +599,10 @@ class Store:
         """``path`` open for reading as a regular file (of ``size`` bytes when given), never
         through a symlink on a local disk; on other filesystems its ``FileInfo`` must say File."""
         if self.local:
-            fd = _open_local(path)
+            fd = open_local(path)
             try:
                 st = os.fstat(fd)
-                _regular(path, st, size)
+                regular(path, st, size)
                 f = os.fdopen(fd, "rb", buffering=0)
             except BaseException:
                 os.close(fd)
@@ -692,7 +631,7 @@ class Store:
         mv = memoryview(out).cast("B")
         with self._open_data(path, None) as (f, _):
             f.seek(offset)
-            got = _readinto_full(f, mv)
+            got = readinto_full(f, mv)
         if got != mv.nbytes:
             raise ChecksumError(f"{path} is truncated: ended {offset + got} bytes in, {offset + mv.nbytes} expected")
 
@@ -708,7 +647,7 @@ class Store:
                         f"{path} has {have} bytes, more than the {limit} memsnap reads "
                         "for such a file; the step is damaged or was not written by memsnap"
                     )
-                raw = _read_upto(f, have + 1)  # one byte more: a file that grew is caught
+                raw = read_upto(f, have + 1)  # one byte more: a file that grew is caught
         except FileNotFoundError:
             raise
         except OSError as exc:
@@ -741,85 +680,11 @@ class Store:
         if not history:
             return []
         committed = {c.step for c in history}
-        doomed = sorted(committed - _kept(history, policy))
-        doomed += [s for s, _ in self._step_dirs() if s < _head_of(history).step and s not in committed]
+        doomed = sorted(committed - kept_steps(history, policy))
+        doomed += [s for s, _ in self._step_dirs() if s < head_of(history).step and s not in committed]
         for s in sorted(doomed):
             self.delete_step(s)
         return sorted(doomed)
-
-
-def _kept(history: list[Commit], policy: Retention) -> set[int]:
-    """The steps ``policy`` keeps of ``history`` (commit order): the newest ``keep_last`` of
-    the newest commit's lineage, the step that lineage resumed from, milestones, and every
-    other lineage's steps while the newest holds fewer than ``keep_last`` of its own (and a
-    damaged marker numbered beyond the newest commit: its lineage is unknown)."""
-    head = _head_of(history)
-    own = _chain(_parents(history), head.step, stop=head.lineage.base)
-    keep = set(own[: policy.keep_last])
-    if head.lineage.base is not None:
-        keep.add(head.lineage.base)
-    if len(own) < policy.keep_last:
-        keep |= {c.step for c in history}
-    keep |= {c.step for c in history if not c.intact and c.step > head.step}  # may be the newest
-    every = policy.milestone_every
-    keep |= {c.step for c in history if c.milestone or (every and c.step % every == 0)}
-    return keep
-
-
-def _parents(history: list[Commit]) -> dict[int, int | None]:
-    """Each committed step's parent: the recorded one, or for a legacy marker the legacy step
-    before it."""
-    out: dict[int, int | None] = {}
-    previous = None
-    for c in history:
-        if c.lineage.id:
-            out[c.step] = c.lineage.parent
-        else:
-            out[c.step], previous = previous, c.step
-    return out
-
-
-def _chain(parents: dict[int, int | None], start: int | None, stop: int | None = None) -> list[int]:
-    """``start`` and the committed steps it descends from, newest first, up to (without)
-    ``stop`` or the first that is not committed."""
-    out: list[int] = []
-    step = start
-    while step is not None and step in parents and step != stop and step not in out:
-        out.append(step)
-        step = parents[step]
-    return out
-
-
-def _next_lineage(step: int, history: list[Commit], resumed: int | None) -> Lineage:
-    """The lineage of a new commit of ``step``: it continues the lineage of the step the run
-    resumed from (``resumed``; None: the newest commit) when that step is the newest commit
-    and ``step`` lies beyond it (a run going on, or restarted from where it stopped); else
-    it starts a new lineage, resumed from that step (a rollback)."""
-    seq = max((c.lineage.seq for c in history), default=0) + 1
-    others = [c for c in history if c.step != step]  # a step of this number is being replaced
-    head = _head(others)
-    start = resumed if resumed is not None else _head_of(history).step if history else None
-    if start == step:
-        start = _parents(history).get(step)
-    if start is None:
-        return Lineage(secrets.token_hex(8), seq, None, None)
-    if head is not None and head.step == start and step > start:
-        return Lineage(head.lineage.id or secrets.token_hex(8), seq, start, head.lineage.base)
-    return Lineage(secrets.token_hex(8), seq, start, start)
-
-
-def _head(history: list[Commit]) -> Commit | None:
-    """The newest commit with an intact marker (else the newest): where a run goes on from."""
-    intact = [c for c in history if c.intact]
-    return intact[-1] if intact else history[-1] if history else None
-
-
-def _head_of(history: list[Commit]) -> Commit:
-    """``_head`` of a history that holds at least one commit."""
-    head = _head(history)
-    if head is None:
-        raise ValueError("an empty commit history has no head")
-    return head
 
 
 def _files_tag(marker: dict, where: str) -> str | None:
@@ -831,75 +696,6 @@ def _files_tag(marker: dict, where: str) -> str | None:
             f"step's rank files, got {tag!r}; the step is damaged, load another step"
         )
     return tag
-
-
-def _read_upto(f, n: int) -> bytes:
-    """Up to ``n`` bytes of ``f`` (fewer only at its end)."""
-    parts, got = [], 0
-    while got < n:
-        part = f.read(n - got)
-        if not part:
-            break
-        parts.append(bytes(part))
-        got += len(part)
-    return b"".join(parts)
-
-
-def _readinto_full(f, mv: memoryview) -> int:
-    got = 0
-    while got < mv.nbytes:
-        n = f.readinto(mv[got:])
-        if not n:
-            break
-        got += n
-    return got
-
-
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # a FIFO opens without blocking
-
-
-def _open_local(path: str) -> int:
-    """A read-only descriptor of the local file ``path``, opened through its directory
-    (``O_NOFOLLOW`` on both: a symlinked step directory or file is refused, ``ChecksumError``);
-    FileNotFoundError when it is absent."""
-    head, name = os.path.split(path)
-    try:
-        dfd = os.open(head, _DIR_FLAGS)
-        try:
-            return os.open(name, _READ_FLAGS, dir_fd=dfd)
-        finally:
-            os.close(dfd)
-    except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-            raise ChecksumError(
-                f"{path} (or its step directory) is a symlink or not a file; memsnap "
-                "reads no file through a symlink: the step is damaged or was not "
-                "written by memsnap, load another step or copy"
-            ) from None
-        raise
-
-
-def _regular(path: str, st: os.stat_result, size: int | None) -> None:
-    """``st`` is that of a regular file of ``size`` bytes (when given), or ChecksumError."""
-    if not stat.S_ISREG(st.st_mode):
-        raise ChecksumError(
-            f"{path} is not a regular file; the step is damaged or was not written by "
-            "memsnap, load another step or copy"
-        )
-    if size is not None and st.st_size != size:
-        raise ChecksumError(f"{path} is truncated or damaged: {st.st_size} bytes on storage, COMMITTED recorded {size}")
-
-
-def _allocate(path: str, size: int) -> memoryview:
-    """A new buffer of ``size`` bytes (the size of ``path`` on storage, checked before)."""
-    try:
-        return memoryview(np.empty(size, dtype=np.uint8)).cast("B")  # type: ignore[arg-type]  # numpy declares __buffer__ only from 3.12
-    except (MemoryError, ValueError) as exc:
-        raise StorageError(
-            f"cannot allocate {size} bytes to read {path}: {exc or 'out of memory'}; "
-            "free memory, or load on a machine with more"
-        ) from None
 
 
 class _Verifier:
@@ -954,137 +750,3 @@ class _Verifier:
                 f"{t.offset + t.nbytes}) hashes to {got} but its manifest records "
                 f"{t.checksum}; load another step or copy"
             )
-
-
-def _write_all(fd: int, mv: memoryview) -> None:
-    """One sequential write of ``mv`` (loops over short writes)."""
-    while mv.nbytes:
-        n = os.write(fd, mv)
-        mv = mv[n:]
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def tmp_name(path: str) -> str:
-    """A temporary name next to ``path`` that no other writer picks: pid and 64 random bits."""
-    return f"{path}.{os.getpid()}.{secrets.token_hex(8)}.tmp"
-
-
-def _open_tmp(path: str) -> tuple[str, int]:
-    """A new temporary file for ``path``: created exclusively, never through a symlink (a
-    name that exists already, planted or not, is passed over for another)."""
-    for _ in range(16):
-        tmp = tmp_name(path)
-        try:
-            return tmp, os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-        except FileExistsError:
-            continue
-    raise FileExistsError(errno.EEXIST, f"no free temporary name next to {path}")
-
-
-def slices(mv: memoryview) -> Iterator[memoryview]:
-    """``mv`` in ``IO_CHUNK`` slices: the pieces a buffer is written in."""
-    for start in range(0, mv.nbytes, IO_CHUNK):
-        yield mv[start : start + IO_CHUNK]
-
-
-def _copy_out(
-    parts: Iterable[memoryview],
-    nbytes: int,
-    sink: Callable[[memoryview], None],
-    throttle: _Throttle,
-    progress: Progress | None,
-) -> str:
-    """Hash each of ``parts`` (while it is still in cache) and hand it to ``sink``; return the
-    xxh3 of them all. Raises ValueError if they do not add up to ``nbytes``."""
-    h, done = xxhash.xxh3_64(), 0
-    for part in parts:
-        part = memoryview(part).cast("B")
-        h.update(part)
-        sink(part)
-        done += part.nbytes
-        throttle.account(part.nbytes)
-        if progress:
-            progress(done, nbytes)
-    if done != nbytes:
-        raise ValueError(f"the data came to {done} bytes, {nbytes} were announced")
-    return h.hexdigest()
-
-
-def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
-    """Linux's ``sync_file_range(2)`` through ctypes (the GIL is released while it runs), or
-    None where there is none."""
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_SYNC_FILE_RANGE = _sync_file_range()
-_SYNC_FILE_RANGE_WRITE = 2  # start writing the range's dirty pages, do not wait for them
-
-
-class _Writeback:
-    """Starts the disk writing a file's pages every ``WRITEBACK`` bytes, while later pieces
-    are still being hashed and copied, so the closing fsync has little left to wait for.
-    Only a hint to the kernel: durability comes from that fsync, which also reports any
-    error (so a failed hint is ignored)."""
-
-    def __init__(self, fd: int):
-        self.fd, self.done, self.started = fd, 0, 0
-
-    def account(self, n: int) -> None:
-        self.done += n
-        if WRITEBACK and _SYNC_FILE_RANGE and self.done - self.started >= WRITEBACK:
-            _SYNC_FILE_RANGE(self.fd, self.started, self.done - self.started, _SYNC_FILE_RANGE_WRITE)
-            self.started = self.done
-
-
-def _write_local(
-    path: str, parts: Iterable[memoryview], nbytes: int, throttle: _Throttle, progress: Progress | None
-) -> str:
-    """Write ``parts`` to a temporary file of its own, fsync, rename to ``path``, fsync the
-    directory; on any failure nothing of this write is left (the temporary file, or ``path``
-    if it failed after the rename)."""
-    (tmp, fd), renamed = _open_tmp(path), False
-    try:
-        try:
-            writeback = _Writeback(fd)
-
-            def sink(part: memoryview) -> None:
-                _write_all(fd, part)
-                writeback.account(part.nbytes)
-
-            digest = _copy_out(parts, nbytes, sink, throttle, progress)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.rename(tmp, path)
-        renamed = True
-        _fsync_dir(os.path.dirname(path))
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path if renamed else tmp)
-        raise
-    return digest
-
-
-def _write_stream(
-    fs: pafs.FileSystem,
-    path: str,
-    parts: Iterable[memoryview],
-    nbytes: int,
-    throttle: _Throttle,
-    progress: Progress | None,
-) -> str:
-    with fs.open_output_stream(path) as out:
-        return _copy_out(parts, nbytes, out.write, throttle, progress)

@@ -16,7 +16,7 @@ import torch
 from support import states
 
 import memsnap
-from memsnap import meta, storage
+from memsnap import localfs, meta, storage
 from memsnap.errors import (
     ChecksumError,
     ConfigError,
@@ -244,13 +244,13 @@ def test_bad_metadata_and_step_rejected(tmp_path):
 def test_full_disk_during_save_keeps_previous(tmp_path, monkeypatch):
     memsnap.save(str(tmp_path), small_state(1), 1)
     good = params(small_state(1)["model"])
-    real = storage._write_all
+    real = localfs.write_all
 
     def full(fd, mv):
         real(fd, mv[: mv.nbytes // 2])
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(storage, "_write_all", full)
+    monkeypatch.setattr(localfs, "write_all", full)
     with pytest.raises(StorageError, match="No space left on device.*previous|No space left"):
         memsnap.save(str(tmp_path), small_state(2), 2)
     monkeypatch.undo()

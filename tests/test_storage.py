@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.snapshots import make_snapshot, save_step
 
-from memsnap import storage
+from memsnap import localfs, storage
 from memsnap.errors import ChecksumError, FormatError, SnapshotNotFoundError, StorageError
 from memsnap.storage import Retention, Store
 
@@ -93,8 +93,8 @@ def test_corrupted_manifest_named(tmp_path):
 def test_enospc_mid_file_leaves_previous_step(tmp_path, monkeypatch):
     store = Store.open(str(tmp_path))
     [good] = save_step(store, 1)
-    monkeypatch.setattr(storage, "IO_CHUNK", 1024)
-    real, calls = storage._write_all, []
+    monkeypatch.setattr(localfs, "IO_CHUNK", 1024)
+    real, calls = localfs.write_all, []
 
     def full_disk(fd, mv):
         calls.append(mv.nbytes)
@@ -102,7 +102,7 @@ def test_enospc_mid_file_leaves_previous_step(tmp_path, monkeypatch):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         real(fd, mv)
 
-    monkeypatch.setattr(storage, "_write_all", full_disk)
+    monkeypatch.setattr(localfs, "write_all", full_disk)
     m, buf = make_snapshot(2)
     with pytest.raises(StorageError, match="No space left on device") as info:
         store.write_rank(2, 0, m, buf)
@@ -121,9 +121,9 @@ def test_progress_and_throttle(tmp_path, monkeypatch):
         clock["slept"] += s
         clock["now"] += s
 
-    monkeypatch.setattr(storage.time, "monotonic", lambda: clock["now"])
-    monkeypatch.setattr(storage.time, "sleep", sleep)
-    monkeypatch.setattr(storage, "IO_CHUNK", 1024)
+    monkeypatch.setattr(localfs.time, "monotonic", lambda: clock["now"])
+    monkeypatch.setattr(localfs.time, "sleep", sleep)
+    monkeypatch.setattr(localfs, "IO_CHUNK", 1024)
     store = Store.open(str(tmp_path))
     m, buf = make_snapshot(1)
     seen = []
@@ -178,8 +178,8 @@ def test_two_writers_of_one_rank_file_use_their_own_temporary_files(tmp_path, mo
     """A second writer of the same step and rank that runs while the first is mid-file (here:
     re-entered from the first's second chunk) neither truncates nor renames the first's file."""
     store = Store.open(str(tmp_path))
-    monkeypatch.setattr(storage, "IO_CHUNK", 1024)
-    real, seen = storage._write_all, []
+    monkeypatch.setattr(localfs, "IO_CHUNK", 1024)
+    real, seen = localfs.write_all, []
     (m1, buf1), (m2, buf2) = make_snapshot(1), make_snapshot(2)
 
     def interleaved(fd, mv):
@@ -188,7 +188,7 @@ def test_two_writers_of_one_rank_file_use_their_own_temporary_files(tmp_path, mo
         if len(seen) == 2:  # writer 1 is mid-file: writer 2 writes the same rank whole
             store.write_rank(5, 0, m2, buf2)
 
-    monkeypatch.setattr(storage, "_write_all", interleaved)
+    monkeypatch.setattr(localfs, "write_all", interleaved)
     record = store.write_rank(5, 0, m1, buf1)
     temps = {os.path.basename(p) for p in seen}
     assert all(t.startswith("rank_00000.") and t.endswith(".tmp") for t in temps)
@@ -209,7 +209,7 @@ def test_a_symlink_at_a_temporary_name_is_not_followed(tmp_path, monkeypatch):
     planted = bin_path + ".planted.tmp"
     os.symlink(victim, planted)
     names = iter([planted, bin_path + ".fresh.tmp"])
-    monkeypatch.setattr(storage, "tmp_name", lambda path: next(names) if path == bin_path else path + ".j.tmp")
+    monkeypatch.setattr(localfs, "tmp_name", lambda path: next(names) if path == bin_path else path + ".j.tmp")
     m, buf = make_snapshot(3)
     store.write_rank(3, 0, m, buf)
     assert victim.read_bytes() == b"precious" and os.path.islink(planted)  # passed over, not followed
@@ -218,7 +218,7 @@ def test_a_symlink_at_a_temporary_name_is_not_followed(tmp_path, monkeypatch):
 
 
 def test_temporary_names_differ_per_write(tmp_path):
-    names = {storage.tmp_name(str(tmp_path / "rank_00000.bin")) for _ in range(100)}
+    names = {localfs.tmp_name(str(tmp_path / "rank_00000.bin")) for _ in range(100)}
     assert len(names) == 100 and all(f".{os.getpid()}." in n for n in names)
 
 

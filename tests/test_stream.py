@@ -11,7 +11,7 @@ import torch
 import xxhash
 
 import memsnap
-from memsnap import storage
+from memsnap import localfs
 from memsnap.capture import capture, fill_checksums, plan_sources
 from memsnap.errors import ChecksumError
 from memsnap.storage import Store
@@ -111,14 +111,14 @@ def test_a_stream_that_comes_short_leaves_no_file(tmp_path):
 
 def test_writeback_is_started_along_the_file_and_the_file_is_intact(tmp_path, monkeypatch):
     calls: list[tuple[int, int]] = []
-    real = storage._SYNC_FILE_RANGE
+    real = localfs._SYNC_FILE_RANGE
 
     def record(fd, off, n, flags):
         calls.append((off, n))
         return real(fd, off, n, flags) if real else 0
 
-    monkeypatch.setattr(storage, "WRITEBACK", 8192)
-    monkeypatch.setattr(storage, "_SYNC_FILE_RANGE", record)
+    monkeypatch.setattr(localfs, "WRITEBACK", 8192)
+    monkeypatch.setattr(localfs, "_SYNC_FILE_RANGE", record)
     state = awkward_state()
     rec = Store.open(str(tmp_path)).write_rank_stream(1, 0, stream_of(state))
     _, buf = capture(state)
