@@ -297,7 +297,7 @@ class SnapshotAgent:
         if cfg.spill is not None:
             from memsnap.spill import Spiller
 
-            self.core.spiller = Spiller(self.core, report=self.core.spilled)
+            self.core.spiller = Spiller.of(self.core, report=self.core.spilled)
         self._beating = threading.Event()
         if tunable("heartbeat_s") > 0:
             threading.Thread(target=self._beat, name="memsnap-heartbeat", daemon=True).start()

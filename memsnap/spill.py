@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import Any
 
 from memsnap import metrics
 from memsnap.config import tunable
@@ -24,20 +25,21 @@ log = logging.getLogger("memsnap.spill")
 
 
 class Spiller:
-    """The spill thread of one agent (``core`` is its ``AgentCore``)."""
+    """The spill thread of one agent: it reads committed versions from the agent's version
+    table (``versions``, under ``lock``) and their bytes from its ``arenas``."""
 
-    def __init__(self, core, report):
+    def __init__(self, *, cfg, node: str, lock, versions, arenas: dict, report):
         """``report(step, ranks)`` runs after the ranks are written (the agent's ``spilled``:
         tell the coordinator, and in lean mode free the version)."""
-        self.core, self.cfg = core, core.cfg
+        self.cfg, self.node, self.lock, self.versions, self.arenas = cfg, node, lock, versions, arenas
         self.report = report
         self.cond = threading.Condition()
         self.want: int | None = None
         self.urgent: set[int] = set()  # steps to write unthrottled (a preemption notice)
         self.current: int | None = None
-        self.state = {"spilled_step": None, "failures": 0, "last_error": None, "bytes": 0}
+        self.state: dict[str, Any] = {"spilled_step": None, "failures": 0, "last_error": None, "bytes": 0}
         self._stop = False
-        self._store = None
+        self._store: Any = None  # the spill root's storage.Store, opened on the first write
         self.thread = threading.Thread(target=self._loop, name="memsnap-spill", daemon=True)
         self.thread.start()
 
@@ -54,6 +56,13 @@ class Spiller:
             self.urgent.add(step)
             self.want = max(step, self.want or -1)
             self.cond.notify_all()
+
+    @classmethod
+    def of(cls, core, report) -> Spiller:
+        """The spill thread of agent ``core`` (an ``AgentCore``)."""
+        return cls(
+            cfg=core.cfg, node=core.node, lock=core.lock, versions=core.versions, arenas=core.arenas, report=report
+        )
 
     def busy_with(self, step: int) -> bool:
         return self.current == step
@@ -91,8 +100,8 @@ class Spiller:
                 self.want = step
 
     def _version(self, step: int):
-        with self.core.lock:
-            v = self.core.versions.get(step)
+        with self.lock:
+            v = self.versions.get(step)
             return v if v is not None and v.state == "committed" else None
 
     def _spill(self, step: int) -> None:
@@ -108,10 +117,10 @@ class Spiller:
         bps = None if step in self.urgent else self.cfg.spill_bytes_per_s / max(1, len(ranks))
         for rank in ranks:
             man = Manifest.from_json(v.manifests[rank])
-            view = self.core.arenas[(rank, v.slot)].view(0, v.sizes[rank])
+            view = self.arenas[(rank, v.slot)].view(0, v.sizes[rank])
             self._store.write_rank(step, rank, man, view, throttle_bps=bps)
             self.state["bytes"] += v.sizes[rank]
         self.report(step, ranks)
-        metrics.spilled(self.cfg.job, getattr(self.core, "node", "unknown"), time.monotonic() - t)
+        metrics.spilled(self.cfg.job, self.node, time.monotonic() - t)
         self.state["spilled_step"] = step
         self.urgent.discard(step)

@@ -219,10 +219,10 @@ def dying(self, path, *args):  # the agent dies half way through the data file
     *rest, progress = args  # (the progress callback is _write's last argument)
     return original(self, path, *rest, halfway if path.endswith(".bin") else progress)
 Store._write = dying
-core = types.SimpleNamespace(lock=threading.RLock(), arenas={{(0, 0): arena}},
+core = types.SimpleNamespace(node="n0", lock=threading.RLock(), arenas={{(0, 0): arena}},
                              versions={{2: Version(2, 0, "committed", {{0: man.nbytes}}, {{0: man.to_json().decode()}})}},
                              cfg=SnapshotConfig("spill-kill", spill=uri, spill_every=1))
-Spiller(core, report=lambda step, ranks: Store.open(uri).commit(step, 1)).committed(2, due=True)
+Spiller.of(core, report=lambda step, ranks: Store.open(uri).commit(step, 1)).committed(2, due=True)
 threading.Event().wait(120)
 sys.exit("the spill finished: it was meant to die half way")
 """

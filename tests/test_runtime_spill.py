@@ -28,6 +28,7 @@ def fake_core(tmp_path):
     arena = Arena.create(naming.arena_path(f"test-spill-{uuid.uuid4().hex[:8]}", "n0", 0, 0, 0), man.nbytes)
     arena.view(0, man.nbytes)[:] = raw
     core = types.SimpleNamespace(
+        node="n0",
         lock=threading.RLock(),
         arenas={(0, 0): arena},
         versions={7: Version(7, 0, "committed", {0: man.nbytes}, {0: man.to_json().decode()})},
@@ -43,7 +44,7 @@ def test_a_failing_spill_is_reported_retried_and_leaves_ram_alone(tmp_path, fake
     blocker.write_text("x")  # the spill root's parent is a file: every write fails
     core.cfg = SnapshotConfig("spill-unit", spill=str(blocker / "root"), spill_every=1)
     reported = []
-    sp = Spiller(core, report=lambda step, ranks: reported.append((step, ranks)))
+    sp = Spiller.of(core, report=lambda step, ranks: reported.append((step, ranks)))
     try:
         sp.committed(7, due=True)
         wait_for(lambda: sp.status()["failures"] >= 2, timeout=30, what="two failed attempts")
@@ -61,7 +62,7 @@ def test_spilled_bytes_load_back_through_the_durable_format(tmp_path, fake_core)
 
     core, state, _ = fake_core
     core.cfg = SnapshotConfig("spill-unit", spill=str(tmp_path / "root"), spill_every=1)
-    sp = Spiller(core, report=lambda step, ranks: Store.open(str(tmp_path / "root")).commit(step, 1))
+    sp = Spiller.of(core, report=lambda step, ranks: Store.open(str(tmp_path / "root")).commit(step, 1))
     try:
         sp.committed(7, due=True)
         wait_for(lambda: sp.status()["spilled_step"] == 7, timeout=30, what="the spill")
@@ -101,7 +102,7 @@ def test_the_coordinator_asks_for_a_spill_every_n_steps_or_seconds(monkeypatch):
 def test_a_commit_the_coordinator_did_not_ask_to_spill_is_not_written(tmp_path, fake_core):
     core, _, _ = fake_core
     core.cfg = SnapshotConfig("spill-unit", spill=str(tmp_path / "root"), spill_every=1)
-    sp = Spiller(core, report=lambda *a: None)
+    sp = Spiller.of(core, report=lambda *a: None)
     try:
         sp.committed(7, due=False)
         assert sp.status()["pending"] is None and sp.status()["spilled_step"] is None
