@@ -115,8 +115,8 @@ class CoordinatorCore:
     def beat(self, node: str) -> bool:
         """``node``'s agent is alive. False: the node was declared lost (fenced): its agent must
         stop (it is killed when it can be reached)."""
-        with self.lock:
-            return node not in self.fenced and self.liveness.beat(node)
+        with self.lock:  # (``node_lost`` marks every fenced node lost in ``liveness`` too)
+            return self.liveness.beat(node)
 
     def suspect(self, node: str, why: str) -> bool:
         """A push to ``node`` was refused or reset: ask its agent now, not after its silence."""
@@ -125,9 +125,8 @@ class CoordinatorCore:
 
     def heartbeats_due(self) -> dict[str, str]:
         """``{node: why}`` of the job's nodes whose agent to ping now (``Liveness.due``)."""
-        with self.lock:
-            nodes = set(self.membership.addrs) - self.fenced
-            return self.liveness.due(sorted(nodes))
+        with self.lock:  # (``due`` leaves out the nodes it knows are lost: every fenced one)
+            return self.liveness.due(sorted(self.membership.addrs))
 
     def heartbeat_verdict(self, node: str, outcome: str, why: str, ping_s: float) -> Verdict:
         """The ping of a silent or suspected ``node`` ended with ``outcome``; a ``silent`` one

@@ -170,7 +170,7 @@ class Sender:
         if missing:
             raise CommitError(f"step {info.step}: holders {[h[:12] for h in missing]} did not take the manifests")
 
-    def _push_all(self, step: int, encs: list, addrs: list[dict], chunk: int, holders: list[str] | None = None) -> None:
+    def _push_all(self, step: int, encs: list, addrs: list[dict], chunk: int, holders: list[str]) -> None:
         """Data shards stream to their holders straight from the arenas while parity is encoded
         a batch of stripes at a time into two halves of a small scratch buffer: a half is
         reused once the pushes of the batch it held are acknowledged."""
@@ -181,7 +181,7 @@ class Sender:
             try:
                 self.transport.push(addrs[j], items, timeout=timeout)
             except TransportError as exc:
-                if holders is not None and isinstance(exc.__cause__, ConnectionError):
+                if isinstance(exc.__cause__, ConnectionError):
                     # refused or reset: the holder's process is gone; its node is asked at once
                     self.tell("suspect", holders[j], f"a push to it failed: {exc.__cause__!r}")
                 raise

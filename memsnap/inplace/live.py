@@ -308,7 +308,10 @@ def _slice(b: Boundary, sources: list, lo: int, hi: int, own: tuple[str, ...]):
 
 
 def _in_stream(path: str, k: str) -> bool:
-    return path == f"__rng__/{k}" or path.startswith(f"__rng__/{k}/")
+    """``path`` is a tensor of RNG stream ``k`` (``_is_rng``: of any stream)."""
+    from memsnap.capture import RNG_KEY
+
+    return path == f"{RNG_KEY}/{k}" or path.startswith(f"{RNG_KEY}/{k}/")
 
 
 def _signed(u: int) -> int:

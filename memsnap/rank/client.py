@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any
 
 import ray
 
@@ -192,8 +191,3 @@ class AgentClient:
 
     def count(self, counter: str, n: int) -> None:
         self._send("count", counter, n)
-
-    # --- the device tier ------------------------------------------------------------------------
-    def raw(self) -> Any:
-        """The agent's actor handle, for the device tier's own calls (``device.runtime``)."""
-        return self.handle

@@ -89,7 +89,7 @@ class Capture:
         if self._device is None:
             from memsnap.device.runtime import RankDevice
 
-            self._device = RankDevice(self.client.raw(), self.rank, self.device_options.backend, self.optimizers, get)
+            self._device = RankDevice(self.client.handle, self.rank, self.device_options.backend, self.optimizers, get)
         return self._device
 
     def nbytes(self, state: Mapping[str, Any]) -> int:
