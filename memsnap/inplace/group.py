@@ -25,6 +25,14 @@ its generation at once through a ``failed`` key, so nobody waits out the backend
 The store keys are this module's alone; the controller writes the membership of each
 generation under ``memsnap/<job>/gen``.
 
+A generation that ends is cut at once on gloo: each member shuts down the TCP connections of
+its group (found when it was formed: the sockets it opened, that end at a member's gloo
+listener). Left open, an abandoned ring goes on between the survivors: one member's part
+arrives at a member whose own part already failed, nobody posts a buffer for it, and gloo's
+event loop wakes for the unread bytes without end (a whole core, until the backend's timeout
+ends the abandoned work). Cut, every pair sees its peer go, the abandoned work fails at once
+and the old group can be let go at the next generation.
+
 NCCL (``backend="nccl"``): a communicator with a dead peer must never be destroyed (the
 destroy waits on the dead peer's part) and its watchdog must not tear down the survivors'
 processes. So a member's process runs with ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0`` (memsnap
@@ -40,6 +48,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import socket
 import threading
 import time
 from datetime import timedelta
@@ -117,6 +126,62 @@ def nccl_options():
     return opts
 
 
+def gloo_key(job: str, gen: int, rank: int) -> str:
+    return f"{prefix(job, gen)}/gloo/{rank}"
+
+
+def _sockets() -> dict[int, int]:
+    """This process's sockets: descriptor -> inode."""
+    out = {}
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError, ValueError):
+            link = os.readlink(f"/proc/self/fd/{name}")
+            if link.startswith("socket:["):
+                out[int(name)] = int(link[8:-1])
+    return out
+
+
+class _Wires:
+    """The TCP connections of one generation's gloo group, as this member opened them: the
+    sockets that appeared while the group was formed (``before`` is the set from just
+    before). A listening one is the group's own listener; a connected one is a pair, to be
+    cut only if one of its ends is a member's listener (another thread of this process may
+    have opened a socket meanwhile: that one is never touched)."""
+
+    def __init__(self, before: dict[int, int]):
+        self.listen: set[int] = set()
+        self.conns: list[tuple[int, int, int, int]] = []  # (fd, inode, local port, peer port)
+        for fd, ino in _sockets().items():
+            if before.get(fd) == ino:
+                continue
+            with contextlib.suppress(OSError), socket.socket(fileno=os.dup(fd)) as s:
+                if s.family not in (socket.AF_INET, socket.AF_INET6) or s.type != socket.SOCK_STREAM:
+                    continue
+                if s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                    self.listen.add(s.getsockname()[1])
+                else:
+                    self.conns.append((fd, ino, s.getsockname()[1], s.getpeername()[1]))
+
+    def cut(self, listeners: set[int]) -> int:
+        """Shut down every pair with an end at one of ``listeners`` (this member's own
+        included); how many were cut. A descriptor closed or reused since is left alone."""
+        cut = 0
+        mine = listeners | self.listen
+        for fd, ino, here, there in self.conns:
+            if here not in mine and there not in mine:
+                continue
+            try:
+                with socket.socket(fileno=os.dup(fd)) as s:
+                    if os.fstat(s.fileno()).st_ino != ino:
+                        continue  # the pair is gone and its descriptor holds another socket
+                    s.shutdown(socket.SHUT_RDWR)
+                    cut += 1
+            except OSError:  # closed already, or not connected any more
+                pass
+        self.conns = []
+        return cut
+
+
 def leave(backend: str) -> None:
     """Let the default group go: gloo's is destroyed; NCCL's is aborted (a destroy with a dead
     peer hangs on it)."""
@@ -155,6 +220,7 @@ class RecoverableGroup:
         self.rank: int | None = None
         self.world: int | None = None
         self._graveyard: list = []  # (group, work) of abandoned collectives, kept until done
+        self._wires: _Wires | None = None  # the current generation's gloo connections
         self._wake = threading.Condition()
         self._failed: dict[int, str] = {}  # gen -> why, as seen by this rank
         self._stop = False
@@ -170,6 +236,7 @@ class RecoverableGroup:
         self.reap()
         if self.gen is not None and self.failure() is None:  # leaving a generation ends it for all
             self.fail(f"re-formed as generation {gen}")
+        self._cut()
         if dist.is_initialized():
             old = dist.group.WORLD
             self._graveyard.append((old, None))  # never dropped while its work may be in flight
@@ -183,6 +250,7 @@ class RecoverableGroup:
             import torch
 
             extra = {"pg_options": nccl_options(), "device_id": torch.device("cuda", torch.cuda.current_device())}
+        before = _sockets() if self.backend == "gloo" else None
         try:
             dist.init_process_group(
                 self.backend,
@@ -192,6 +260,9 @@ class RecoverableGroup:
                 timeout=timedelta(seconds=self.timeout_s),
                 **extra,
             )
+            if before is not None:
+                self._wires = _Wires(before)
+                self.store.set(gloo_key(self.job, gen, rank), ",".join(map(str, sorted(self._wires.listen))))
         except Exception as exc:  # a member lost between its arrival and the backend's rendezvous
             why = self.wait_failure(2.0)
             if why is None:
@@ -227,6 +298,21 @@ class RecoverableGroup:
         # a group with no pending work of ours is dropped once the next generation is formed
         self._graveyard = keep
         return len(keep)
+
+    def _cut(self) -> int:
+        """Cut the current generation's gloo connections (it is over): every abandoned
+        collective of it, here and at its other members, fails at once instead of at the
+        backend's timeout. Once per generation; how many connections were cut."""
+        wires, self._wires = self._wires, None
+        if wires is None or self.gen is None or self.world is None:
+            return 0
+        listeners: set[int] = set()
+        for r in range(self.world):
+            key = gloo_key(self.job, self.gen, r)
+            with contextlib.suppress(Exception):
+                if r != self.rank and self.store.check([key]):
+                    listeners.update(int(p) for p in self.store.get(key).decode().split(",") if p)
+        return wires.cut(listeners)
 
     def failure(self) -> str | None:
         """Why the current generation ended, or None while it is healthy."""
@@ -382,6 +468,7 @@ class RecoverableGroup:
             why = self.failure()
         if not done():  # abandoned: the group and the work stay alive until the work ends
             self._graveyard.append((dist.group.WORLD, work if waiter is None else waiter))
+            self._cut()  # (which ends the work soon)
             raise PeerLost(f"generation {gen} is over: {why}", gen)
         try:
             if waiter is None:
@@ -391,6 +478,7 @@ class RecoverableGroup:
         except Exception as exc:
             text = f"{type(exc).__name__}: {str(exc)[:300]}"
             self.fail(text)
+            self._cut()
             raise PeerLost(f"generation {gen}: a collective failed: {text}", gen) from None
 
     def _poke(self) -> None:
@@ -449,11 +537,13 @@ class RecoverableGroup:
 
     def counts(self) -> dict:
         """Threads (native ones included: gloo's are) and file descriptors of this process, and
-        the old groups kept (one abandoned group is kept once, however many of its works)."""
+        the old groups kept (one abandoned group is kept once, however many of its works) and
+        the abandoned works that have not ended yet."""
         return {
             "threads": os_threads(),
             "fds": len(os.listdir("/proc/self/fd")),
             "graveyard": len({id(group) for group, _ in self._graveyard}),
+            "pending": sum(1 for _, work in self._graveyard if work is not None and not work.is_completed()),
         }
 
 

@@ -9,6 +9,7 @@ commands the test writes under ``test/<name>/cmd/<i>`` (JSON), one after another
       is written after the first few correct sums (with the process's counts),
       ``test/<name>/left/<g>`` when the generation ends under it (the exception's type and
       message, the group's ``failure()``, the counts), ``test/<name>/done/<g>`` after ``n``.
+  ``{"op": "counts", "tag": t}``: write the group's counts under ``test/<name>/counts/<t>``.
   ``{"op": "close"}``: ``close()`` the group, write ``test/<name>/closed`` (whether the
       watcher thread still runs, the failures recorded, the threads left) and exit.
 
@@ -86,6 +87,8 @@ def serve(port: int, name: str, backend_timeout_s: float) -> None:
         i += 1
         if cmd["op"] == "form":
             _form(group, store, name, cmd)
+        elif cmd["op"] == "counts":
+            _put(store, f"test/{name}/counts/{cmd['tag']}", group.counts())
         elif cmd["op"] == "close":
             group.close()
             _put(
