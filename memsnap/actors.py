@@ -181,22 +181,23 @@ class Coordinator:
                 log.exception("heartbeat watch")
 
     async def _probe(self, node: str, why: str) -> None:
-        ping_s = tunable("agent_ping_s")
-        outcome = "silent"
+        ping_s = await self.pool.run(self.core.ping_deadline, node, tunable("agent_ping_s"))
+        outcome, answered_s = "silent", None
         try:
             agent = await self.pool.run(self.core.dir.agent, node)
             if agent is None:
                 outcome = "died"
             else:
+                t = time.monotonic()
                 await asyncio.wait_for(agent.ping.remote(), ping_s)
-                outcome = "answered"
+                outcome, answered_s = "answered", time.monotonic() - t
         except ray.exceptions.ActorDiedError:
             outcome = "died"
         except (asyncio.TimeoutError, ray.exceptions.RayActorError, ray.exceptions.RaySystemError):
             outcome = "silent"  # unreachable (ActorUnavailableError) or no answer by the deadline
         if outcome == "died" and node not in await self.pool.run(self.core.dir.alive):
             outcome, why = "silent", f"{why}; Ray reports its node dead"
-        verdict = await self.pool.run(self.core.heartbeat_verdict, node, outcome, why, ping_s)
+        verdict = await self.pool.run(self.core.heartbeat_verdict, node, outcome, why, ping_s, answered_s)
         if verdict.lost:
             await self.pool.run(self._stop_agent, node)
 

@@ -32,8 +32,9 @@ TUNABLES: dict[str, float] = {
     "agent_threads": 16,  # an agent's threads for blocking work (its calls are asyncio)
     "heartbeat_s": 0.25,  # every agent beats to the coordinator this often (0: no heartbeats);
     # at 1,000+ nodes raise it (each beat is one small call to one actor)
-    "agent_lost_after_s": 1.0,  # an agent silent this long is pinged (liveness.py) ...
-    "agent_ping_s": 0.5,  # ... and its node is declared lost (fenced) if the ping is not answered by then
+    "agent_lost_after_s": 0.5,  # an agent silent this long is pinged (liveness.py) ...
+    "agent_ping_s": 0.4,  # ... and its node is declared lost (fenced) if the ping is not answered by then;
+    # both are floors: each node's limits grow with its own recent beat gaps and ping answers
     "preemption_poll_s": 5.0,  # how often a rank asks Ray whether its node is draining
     "reprotect_defer_s": 20.0,  # re-protection waits this long at most for a restore to go first
     "metrics_interval_s": 15.0,  # how often the coordinator records its job's gauges (memsnap.metrics)

@@ -64,7 +64,9 @@ class CoordinatorCore:
         self.changed = lambda: None  # the Ray face wakes its waiters with this
         self.dir = directory or Directory(self.cfg.job)
         self.fenced: set[str] = set()  # nodes memsnap declared lost (``node_lost``); never un-fenced
-        self.liveness = Liveness(tunable("agent_lost_after_s"))  # every agent's heartbeats (liveness.py)
+        self.liveness = Liveness(  # every agent's heartbeats (liveness.py)
+            tunable("agent_lost_after_s"), tick_s=tunable("heartbeat_s") or 0.25
+        )
         self.recoveries: list[dict] = []  # the newest in-place recoveries, as their controller reported them
         self.membership = Membership(self.cfg, world_size, self._alive, self.find_spares)
         self.log = CommitLog(self.cfg)
@@ -128,10 +130,20 @@ class CoordinatorCore:
         with self.lock:  # (``due`` leaves out the nodes it knows are lost: every fenced one)
             return self.liveness.due(sorted(self.membership.addrs))
 
-    def heartbeat_verdict(self, node: str, outcome: str, why: str, ping_s: float) -> Verdict:
-        """The ping of a silent or suspected ``node`` ended with ``outcome``; a ``silent`` one
-        fences the node (``node_lost``), a ``died`` agent is forgotten (its host is up)."""
+    def ping_deadline(self, node: str, floor_s: float) -> float:
+        """How long a ping of ``node`` waits (``Liveness.ping_deadline``)."""
         with self.lock:
+            return self.liveness.ping_deadline(node, floor_s)
+
+    def heartbeat_verdict(
+        self, node: str, outcome: str, why: str, ping_s: float, answered_s: float | None = None
+    ) -> Verdict:
+        """The ping of a silent or suspected ``node`` ended with ``outcome`` (answered in
+        ``answered_s``); a ``silent`` one fences the node (``node_lost``), a ``died`` agent is
+        forgotten (its host is up)."""
+        with self.lock:
+            if answered_s is not None:
+                self.liveness.answered(node, answered_s)
             verdict = self.liveness.decide(node, outcome, why, ping_s)
         if verdict.outcome == "answered":
             log.info("job %r: node %s: %s", self.cfg.job, node[:12], verdict.why)

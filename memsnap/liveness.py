@@ -17,12 +17,24 @@ deadline of ``agent_ping_s`` (``actors.Coordinator``). The ping's outcome decide
 A reset on the data plane (a push to a holder refused or reset: its process is gone) makes
 its node a *suspect*: it is asked at once instead of after ``agent_lost_after_s``.
 
+The two limits adapt to each node, as a phi-accrual detector's do (but in plain seconds):
+``agent_lost_after_s`` and ``agent_ping_s`` are floors. A node's silence limit is the larger
+of the floor and ``GAP_FACTOR`` times the longest gap between its last ``HISTORY`` beats; its
+ping deadline the larger of the floor and ``RTT_FACTOR`` times its slowest recent answer,
+capped at ``PING_CAP_S``. A healthy agent on an idle host (beats every 0.25 s) is asked
+after 0.5 s of silence and fenced 0.4 s later: a frozen agent costs about 0.9-1.2 s from its
+last beat to the fence (the watch ticks every ``heartbeat_s``). One on a loaded host, whose
+beats come 0.6 s apart, is asked only after 1.2 s; one whose pings took 0.2 s to answer
+gets 0.8 s. A silence that was answered counts as a gap, so a node that was once slow is
+given longer from then on.
+
 False positives, and how they are avoided: a node is never declared lost from its silence
 alone, only when a ping also goes unanswered; the beats come from a thread of the agent's
 own, so an agent busy with its work (its data plane runs on other threads, the codec
-releases the GIL) keeps beating; and a coordinator that was itself starved (its tick came
-``agent_lost_after_s / 2`` late) judges nobody on that tick and starts every clock again,
-since the silence it would see is its own.
+releases the GIL) keeps beating; the limits grow with what each node was seen to need; and a
+coordinator that was itself starved (its tick came more than half a silence floor later than
+its period) judges nobody on that tick and starts every clock again, since the silence it
+would see is its own.
 
 This module is the pure state (a clock passed in), tested without Ray; the Ray faces send
 the beats and pings.
@@ -32,9 +44,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 
 OUTCOMES = ("answered", "died", "silent")
+HISTORY = 32  # the beat gaps and ping answers remembered per node
+GAP_FACTOR = 2.0  # a node is asked after this many times its longest recent gap between beats
+RTT_FACTOR = 4.0  # a ping waits this many times the node's slowest recent answer ...
+PING_CAP_S = 2.0  # ... but never longer than this (a frozen host must still be fenced)
 
 
 @dataclasses.dataclass
@@ -54,11 +71,16 @@ class Verdict:
 class Liveness:
     """The coordinator's clock of every agent's beats; ``due`` names the nodes to ask."""
 
-    def __init__(self, lost_after_s: float, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, lost_after_s: float, clock: Callable[[], float] = time.monotonic, tick_s: float = 0.25):
         if not lost_after_s > 0:
             raise ValueError(f"lost_after_s={lost_after_s!r}: must be > 0 seconds")
-        self.lost_after_s = float(lost_after_s)
+        if not tick_s > 0:
+            raise ValueError(f"tick_s={tick_s!r}: the watch's period must be > 0 seconds")
+        self.lost_after_s = float(lost_after_s)  # the floor of every node's silence limit
+        self.tick_s = float(tick_s)  # how often ``due`` is called
         self.clock = clock
+        self.gaps: dict[str, deque[float]] = {}  # node -> its recent gaps between beats
+        self.rtts: dict[str, deque[float]] = {}  # node -> its recent ping answer times
         self.last: dict[str, float] = {}  # node -> when its agent last beat (or was last heard)
         self.probing: set[str] = set()
         self.suspects: dict[str, str] = {}  # node -> why the data plane suspects it
@@ -70,8 +92,33 @@ class Liveness:
         """``node``'s agent beat. False when the node was declared lost (its agent is fenced)."""
         if node in self.lost:
             return False
-        self.last[node] = self.clock()
+        now = self.clock()
+        if node in self.last:
+            self._remember(self.gaps, node, now - self.last[node])
+        self.last[node] = now
         return True
+
+    def silence_limit(self, node: str) -> float:
+        """How long ``node`` may be silent before it is asked: the floor, or twice its longest
+        recent gap between beats."""
+        gaps = self.gaps.get(node)
+        return max(self.lost_after_s, GAP_FACTOR * max(gaps)) if gaps else self.lost_after_s
+
+    def ping_deadline(self, node: str, floor_s: float) -> float:
+        """How long a ping of ``node`` waits: ``floor_s``, or four times its slowest recent
+        answer, never above ``PING_CAP_S`` (nor below ``floor_s``)."""
+        rtts = self.rtts.get(node)
+        if not rtts:
+            return floor_s
+        return max(floor_s, min(PING_CAP_S, RTT_FACTOR * max(rtts)))
+
+    def answered(self, node: str, seconds: float) -> None:
+        """A ping of ``node`` was answered in ``seconds``."""
+        self._remember(self.rtts, node, seconds)
+
+    @staticmethod
+    def _remember(table: dict[str, deque[float]], node: str, seconds: float) -> None:
+        table.setdefault(node, deque(maxlen=HISTORY)).append(max(0.0, seconds))
 
     def suspect(self, node: str, why: str) -> bool:
         """The data plane saw ``node`` reset a connection: ask it at the next ``due``. False for
@@ -82,11 +129,12 @@ class Liveness:
         return True
 
     def due(self, nodes: Iterable[str]) -> dict[str, str]:
-        """``{node: why}`` of ``nodes`` to ask now: silent for ``lost_after_s``, or suspected.
-        Each is marked as being asked until ``decide`` (one probe at a time per node). Nodes
-        that never beat are not judged (an agent of an older version, or one still starting)."""
+        """``{node: why}`` of ``nodes`` to ask now: silent past its ``silence_limit``, or
+        suspected. Each is marked as being asked until ``decide`` (one probe at a time per
+        node). Nodes that never beat are not judged (an agent of an older version, or one
+        still starting)."""
         now = self.clock()
-        starved = self._tick is not None and now - self._tick > self.lost_after_s / 2
+        starved = self._tick is not None and now - self._tick > self.tick_s + self.lost_after_s / 2
         self._tick = now
         if starved:  # the coordinator itself was not running: the silence would be its own
             for node in self.last:
@@ -99,7 +147,7 @@ class Liveness:
             age = now - self.last[node]
             if node in self.suspects:
                 out[node] = f"{self.suspects[node]}; last beat {age:.1f} s ago"
-            elif age >= self.lost_after_s:
+            elif age >= self.silence_limit(node):
                 out[node] = f"no heartbeat for {age:.1f} s"
             else:
                 continue
@@ -117,6 +165,7 @@ class Liveness:
         self.suspects.pop(node, None)
         if outcome == "answered":
             self.slow[node] = self.slow.get(node, 0) + 1
+            self._remember(self.gaps, node, silent_s)  # it needed this long: allow it next time
             self.last[node] = now
             return Verdict(node, outcome, silent_s, f"{why}, but its agent answered a ping: slow, not lost")
         self.last.pop(node, None)
@@ -131,6 +180,8 @@ class Liveness:
         self.last.pop(node, None)
         self.probing.discard(node)
         self.suspects.pop(node, None)
+        self.gaps.pop(node, None)
+        self.rtts.pop(node, None)
 
     def fenced(self, node: str, why: str) -> None:
         """``node`` was declared lost by another route (the in-place controller): never judged
@@ -142,6 +193,7 @@ class Liveness:
         now = self.clock()
         return {
             "beating": {n: round(now - t, 3) for n, t in sorted(self.last.items())},
+            "silence_limit_s": {n: round(self.silence_limit(n), 3) for n in sorted(self.last)},
             "slow": dict(sorted(self.slow.items())),
             "lost": dict(sorted(self.lost.items())),
         }

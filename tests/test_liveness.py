@@ -9,7 +9,7 @@ from support.directory import NODES, Nodes, address
 
 from memsnap.config import SnapshotConfig
 from memsnap.coordinator import CoordinatorCore
-from memsnap.liveness import Liveness
+from memsnap.liveness import PING_CAP_S, Liveness
 
 A, B, C, D, E = NODES
 
@@ -104,9 +104,48 @@ def test_a_starved_coordinator_judges_nobody_and_starts_every_clock_again(clock,
     assert clock.tick(0.25, [], live).keys() == set(NODES)
 
 
+def test_a_node_whose_beats_come_late_is_given_twice_its_longest_gap(clock, live):
+    """A loaded host's agent beats every 0.75 s: it is not asked after the 1 s floor but after
+    twice its longest recent gap; the others keep the floor."""
+    for _ in range(4):
+        clock.tick(0.75, [A, B, C, D], live)
+        live.beat(E)
+    assert live.silence_limit(E) == pytest.approx(1.5) and live.silence_limit(A) == 1.0
+    assert clock.tick(1.25, [A, B, C, D], live) == {}  # 1.25 s silent: not yet, for E
+    assert list(clock.tick(0.25, [A, B, C, D], live)) == [E]
+    assert live.status()["silence_limit_s"][E] == 1.5
+
+
+def test_a_slow_answer_lengthens_the_nodes_ping_deadline_and_silence_limit_up_to_the_cap(clock, live):
+    assert live.ping_deadline(E, 0.3) == 0.3  # never asked: the floor
+    due = clock.tick(1.0, [A, B, C, D], live)
+    live.answered(E, 0.2)  # its answer took 0.2 s ...
+    live.decide(E, "answered", due[E], 0.3)
+    assert live.ping_deadline(E, 0.3) == pytest.approx(0.8)  # ... so the next ping waits 4x
+    assert live.silence_limit(E) == pytest.approx(2.0)  # and it was silent 1 s: asked after 2 s
+    assert live.ping_deadline(A, 0.3) == 0.3
+    live.answered(E, 5.0)
+    assert live.ping_deadline(E, 0.3) == PING_CAP_S  # a frozen host is still fenced in time
+    live.forget(E)  # a node that left: what it needed is forgotten with it
+    assert live.ping_deadline(E, 0.3) == 0.3 and live.silence_limit(E) == 1.0
+
+
+def test_ticks_on_time_are_not_starvation_even_with_a_floor_below_two_periods(clock):
+    """With a 0.5 s floor and the watch every 0.3 s, a tick on time is not "late": a frozen
+    agent is still asked after its 0.5 s of silence."""
+    live = Liveness(0.5, clock, tick_s=0.3)
+    for node in NODES:
+        live.beat(node)
+    live.due(NODES)
+    due = clock.tick(0.6, [A, B, C, D], live, period=0.3)
+    assert list(due) == [E]
+
+
 def test_bad_values_are_refused_naming_them(clock):
     with pytest.raises(ValueError, match="lost_after_s=0"):
         Liveness(0, clock)
+    with pytest.raises(ValueError, match="tick_s=0"):
+        Liveness(1.0, clock, tick_s=0)
     with pytest.raises(ValueError, match="outcome='maybe'"):
         Liveness(1.0, clock).decide(A, "maybe", "", 1.0)
 
