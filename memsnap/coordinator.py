@@ -391,7 +391,7 @@ class CoordinatorCore:
             self.rounds.arrive(attempt, ranks)
             self.changed()
 
-    def plan(self, attempt: int) -> dict:
+    def plan(self, attempt: int) -> coverage.JobPlan:
         """The round's one plan for every rank (made once, by the first node to ask)."""
         with self.lock:
             rnd = self.rounds.rounds[attempt]
@@ -402,7 +402,7 @@ class CoordinatorCore:
         with self.lock:
             if rnd.plan is None:
                 rnd.plan = plan
-                log.info("restore plan (attempt %d): step %s, %s", attempt, plan["step"], plan["tier"])
+                log.info("restore plan (attempt %d): step %s, %s", attempt, plan.step, plan.plan)
             return rnd.plan
 
     def plans_for(self, node: str, attempt: int) -> dict[int, dict]:
@@ -410,11 +410,11 @@ class CoordinatorCore:
         plan = self.plan(attempt)
         with self.lock:
             ranks, addrs = list(self.membership.by_node().get(node, [])), self.membership.addrs
-            record = self.log.records.get(plan["step"]) if plan["tier"] == "ram" else None
-            if "saved" in plan:  # elastic: every rank reads the parts it needs of every saved rank
-                sources = tuple(self._saved_source(record, r, tier, addrs) for r, tier in sorted(plan["saved"].items()))
+            record = self.log.records.get(plan.step) if plan.plan == "ram" and plan.step is not None else None
+            if plan.saved is not None:  # elastic: every rank reads the parts it needs of every saved rank
+                sources = tuple(self._saved_source(record, r, tier, addrs) for r, tier in sorted(plan.saved.items()))
                 return {
-                    rank: RankPlan(plan["step"], "elastic", "ram", self.cfg.spill, None, sources).to_wire()
+                    rank: RankPlan(plan.step, "elastic", "ram", self.cfg.spill, None, sources).to_wire()
                     for rank in ranks
                 }
             out = {}
@@ -427,12 +427,12 @@ class CoordinatorCore:
         source = record.source(rank, addrs)
         return dataclasses.replace(source, copy=addrs.get(source.owner)) if tier == "copy" else source
 
-    def _plan_of(self, plan: dict, rank: int, record, addrs: dict) -> dict:
+    def _plan_of(self, plan: coverage.JobPlan, rank: int, record, addrs: dict) -> dict:
         source = None if record is None else record.source(rank, addrs)
-        if plan["ranks"][rank] == "copy":
+        if plan.ranks[rank] == "copy":
             assert source is not None  # a copy tier comes from a committed record
             source = dataclasses.replace(source, copy=addrs.get(source.owner))
-        return RankPlan(plan["step"], plan["ranks"][rank], plan["tier"], self.cfg.spill, source).to_wire()
+        return RankPlan(plan.step, plan.ranks[rank], plan.plan, self.cfg.spill, source).to_wire()
 
     def restore_report(self, attempt: int, reports: dict[int, tuple[bool, dict]]) -> None:
         with self.lock:
@@ -448,10 +448,10 @@ class CoordinatorCore:
             if not failed and first:
                 self._note_restore(rnd)
                 assert rnd.plan is not None  # a closed round was planned
-                self.log.resume(rnd.plan["step"])
+                self.log.resume(rnd.plan.step)
                 rnd.gen = self.log.gen
                 self.rounds.completed += 1
-                log.info("restore generation %d: the job resumes from step %s", rnd.gen, rnd.plan["step"])
+                log.info("restore generation %d: the job resumes from step %s", rnd.gen, rnd.plan.step)
                 self.changed()
                 self.restored.notify_all()
             return {
@@ -472,7 +472,7 @@ class CoordinatorCore:
         slowest: dict = max(reports, key=lambda rep: sum(rep.get("seconds", {}).values()), default={})
         self.last_restore = {
             "tier": sorted(tiers)[0] if len(tiers) == 1 else ",".join(sorted(tiers)),
-            "step": rnd.plan["step"],
+            "step": rnd.plan.step,
             "seconds": slowest.get("seconds", {}),
         }
 

@@ -8,8 +8,23 @@ ranks' arenas by step and the chunks it holds for its peers.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from memsnap.records import CommitRecord, Inventory
+
+
+@dataclass(frozen=True)
+class JobPlan:
+    """The collective restore decision, one for every rank: load ``step`` from ``plan`` (the
+    job's tier: ``ram``, ``durable`` or ``none``), each rank through its own tier
+    (``ranks``: ``local``, ``copy``, ``peer``, ``elastic``, ``durable`` or ``none``; the
+    rank's ``records.RankPlan`` carries both under the same names). ``saved``: for a step
+    taken by another world size, ``{saved rank: tier}`` for every saved rank, else None."""
+
+    step: int | None
+    plan: str
+    ranks: Mapping[int, str] = field(default_factory=dict)
+    saved: Mapping[int, str] | None = None
 
 
 def holders_with(record: CommitRecord, owner: str, inventories: Mapping[str, Inventory]) -> list[int]:
@@ -79,28 +94,28 @@ def decide(
     durable_step: int | None,
     bad=frozenset(),
     local_copy: bool = True,
-) -> dict:
-    """The plan every rank follows: ``{"step", "tier", "ranks": {rank: tier}}``: the newest
-    committed step every rank can load from RAM (``local`` or ``peer``), else the newest
-    spilled step for everyone (``durable``), else ``none``. ``local_copy=False`` (lean
-    mode): no rank loads from its own node; every rank reads its peers.
+) -> JobPlan:
+    """The plan every rank follows: the newest committed step every rank can load from RAM
+    (``local``, ``copy`` or ``peer``), else the newest spilled step for everyone
+    (``durable``), else ``none``. ``local_copy=False`` (lean mode): no rank loads from its
+    own node; every rank reads its peers.
 
     A step taken by another world size than ``members`` now has is loaded ``elastic`` by
-    every rank (``"saved"``: ``{saved rank: tier}``), when every saved rank can be read."""
+    every rank (``saved``: ``{saved rank: tier}``), when every saved rank can be read."""
     for step in sorted(records, reverse=True):
         if step in bad or (durable_step is not None and durable_step > step):
             continue
         if records[step].world != len(members):
             saved = elastic_tiers(records[step], members, inventories, local_copy)
             if saved is not None:
-                return {"step": step, "tier": "ram", "ranks": {r: "elastic" for r in members}, "saved": saved}
+                return JobPlan(step, "ram", {r: "elastic" for r in members}, saved)
             continue
         tiers = {r: rank_tier(records[step], r, node, inventories, local_copy) for r, node in members.items()}
         if all(tiers.values()):
-            return {"step": step, "tier": "ram", "ranks": tiers}
+            return JobPlan(step, "ram", {r: t for r, t in tiers.items() if t})
     if durable_step is not None:
-        return {"step": durable_step, "tier": "durable", "ranks": {r: "durable" for r in members}}
-    return {"step": None, "tier": "none", "ranks": {r: "none" for r in members}}
+        return JobPlan(durable_step, "durable", {r: "durable" for r in members})
+    return JobPlan(None, "none", {r: "none" for r in members})
 
 
 def owner_margin(

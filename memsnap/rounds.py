@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from memsnap.coverage import JobPlan
+
 
 @dataclass
 class Round:
     arrived: set[int] = field(default_factory=set)
-    plan: dict | None = None
+    plan: JobPlan | None = None
     done: dict[int, tuple[bool, dict]] = field(default_factory=dict)
     closed: bool = False
     gen: int | None = None  # the restore generation this round's success started
@@ -76,7 +78,7 @@ class RestoreRounds:
         rank could not load is not planned again."""
         rnd = self.rounds[attempt]
         failed = {r: rep for r, (ok, rep) in rnd.done.items() if not ok}
-        if failed and rnd.plan is not None and rnd.plan["step"] is not None:
-            self.bad.add(rnd.plan["step"])
+        if failed and rnd.plan is not None and rnd.plan.step is not None:
+            self.bad.add(rnd.plan.step)
         rnd.closed = True
         return rnd, failed

@@ -150,15 +150,15 @@ def test_a_job_back_on_fewer_nodes_with_several_ranks_each_reads_every_saved_ran
     record = committed(7, per_node=2)  # 8 ranks on 4 nodes; node d is lost; 6 ranks on a-c now
     members = {r: NODES[r // 2] for r in range(6)}
     got = coverage.decide({7: record}, members, inventories(record, ["a", "b", "c"]), durable_step=5)
-    assert got["step"] == 7 and got["tier"] == "ram" and set(got["ranks"].values()) == {"elastic"}
-    assert got["saved"] == {r: ("peer" if r >= 6 else "copy") for r in range(8)}  # d's ranks from its holders
+    assert got.step == 7 and got.plan == "ram" and set(got.ranks.values()) == {"elastic"}
+    assert got.saved == {r: ("peer" if r >= 6 else "copy") for r in range(8)}  # d's ranks from its holders
 
 
 def test_more_ranks_than_were_saved_read_from_ram_too():
     record = committed(7, per_node=1)
     members = {r: NODES[r % 4] for r in range(6)}  # 4 -> 6 ranks: two nodes run two now
     got = coverage.decide({7: record}, members, inventories(record, NODES), durable_step=None)
-    assert got["tier"] == "ram" and got["saved"] == {r: "copy" for r in range(4)}
+    assert got.plan == "ram" and got.saved == {r: "copy" for r in range(4)}
 
 
 def test_when_a_saved_rank_cannot_be_read_every_rank_loads_the_durable_step():
@@ -166,8 +166,8 @@ def test_when_a_saved_rank_cannot_be_read_every_rank_loads_the_durable_step():
     members = {r: NODES[r // 3] for r in range(6)}  # 6 ranks on a, b
     inv = inventories(record, ["a", "b"], drop={"b": "d"})  # d is gone and b lost its chunks of d
     got = coverage.decide({7: record}, members, inv, durable_step=5)
-    assert got == {"step": 5, "tier": "durable", "ranks": {r: "durable" for r in range(6)}}
-    assert coverage.decide({7: record}, members, inv, durable_step=None)["tier"] == "none"
+    assert got == coverage.JobPlan(5, "durable", {r: "durable" for r in range(6)})
+    assert coverage.decide({7: record}, members, inv, durable_step=None).plan == "none"
 
 
 def coordinator(per_node: dict[str, int], alive: set[str]) -> CoordinatorCore:

@@ -10,7 +10,7 @@ import pytest
 from memsnap.agent import AgentCore
 from memsnap.config import SnapshotConfig, tunable
 from memsnap.coordinator import spill_metadata
-from memsnap.coverage import decide, owner_margin
+from memsnap.coverage import JobPlan, decide, owner_margin
 from memsnap.errors import CommitError, ConfigError, MemoryBudgetError
 from memsnap.records import CommitNotice, CommitRecord, Inventory, NodeReady, Region
 
@@ -63,21 +63,17 @@ def test_decide_prefers_local_then_peer_then_durable():
     members = {r: f"n{r}" for r in range(4)}
     recs = {5: record(5)}
     plan = decide(recs, members, inventories(5, ["n0", "n1", "n2", "n3"]), durable_step=4)
-    assert plan == {"step": 5, "tier": "ram", "ranks": {0: "local", 1: "local", 2: "local", 3: "local"}}
+    assert plan == JobPlan(5, "ram", {0: "local", 1: "local", 2: "local", 3: "local"})
     moved = {**members, 2: "n9"}  # rank 2 on a replacement node
     inv = inventories(5, ["n0", "n1", "n3"])
     inv["n9"] = Inventory("n9")
-    assert decide(recs, moved, inv, None)["ranks"][2] == "peer"
+    assert decide(recs, moved, inv, None).ranks[2] == "peer"
     # three nodes lost: rank 0's holders n1, n2, n3 -> only n3 left < k
     inv = {"n3": inventories(5, ["n3"])["n3"], "n7": Inventory("n7"), "n8": Inventory("n8"), "n9": Inventory("n9")}
     gone = {0: "n7", 1: "n8", 2: "n9", 3: "n3"}
-    assert decide(recs, gone, inv, durable_step=4) == {
-        "step": 4,
-        "tier": "durable",
-        "ranks": {r: "durable" for r in range(4)},
-    }
-    assert decide(recs, gone, inv, durable_step=None)["tier"] == "none"
-    assert decide(recs, members, inventories(5, ["n0", "n1", "n2", "n3"]), None, bad={5})["tier"] == "none"
+    assert decide(recs, gone, inv, durable_step=4) == JobPlan(4, "durable", {r: "durable" for r in range(4)})
+    assert decide(recs, gone, inv, durable_step=None).plan == "none"
+    assert decide(recs, members, inventories(5, ["n0", "n1", "n2", "n3"]), None, bad={5}).plan == "none"
 
 
 def test_a_rank_that_moved_reads_its_old_nodes_copy_before_the_holders():
@@ -85,11 +81,11 @@ def test_a_rank_that_moved_reads_its_old_nodes_copy_before_the_holders():
     inv = inventories(5, ["n0", "n1", "n2", "n3"])
     inv["n9"] = Inventory("n9")
     moved = {0: "n1", 1: "n0", 2: "n9", 3: "n3"}  # 0 and 1 swapped nodes; 2 on a new node
-    tiers = decide(recs, moved, inv, None)["ranks"]
+    tiers = decide(recs, moved, inv, None).ranks
     assert tiers == {0: "copy", 1: "copy", 2: "copy", 3: "local"}
     del inv["n2"]  # rank 2's old node is gone: its holders serve it
-    assert decide(recs, moved, inv, None)["ranks"][2] == "peer"
-    assert decide(recs, moved, inv, None, local_copy=False)["ranks"][0] == "peer"  # lean: no copy to read
+    assert decide(recs, moved, inv, None).ranks[2] == "peer"
+    assert decide(recs, moved, inv, None, local_copy=False).ranks[0] == "peer"  # lean: no copy to read
 
 
 def test_owner_margin_counts_holders_and_the_local_copy():
@@ -161,7 +157,7 @@ def test_lean_config_is_validated_and_round_trips():
 def test_lean_decide_reads_every_rank_from_peers():
     members = {r: f"n{r}" for r in range(4)}
     recs, everyone = {5: record(5)}, ["n0", "n1", "n2", "n3"]
-    peer = {"step": 5, "tier": "ram", "ranks": {r: "peer" for r in range(4)}}
+    peer = JobPlan(5, "ram", {r: "peer" for r in range(4)})
     assert decide(recs, members, inventories(5, everyone), None, local_copy=False) == peer
     assert decide(recs, members, inventories(5, everyone, local=False), None) == peer
     # n0 and n1 lost (m+1 = 2 nodes): ranks 2 and 3 keep one holder of k=2 each; only the
@@ -169,8 +165,8 @@ def test_lean_decide_reads_every_rank_from_peers():
     inv = inventories(5, ["n2", "n3"])
     inv |= {"n7": Inventory("n7"), "n8": Inventory("n8")}
     moved = {0: "n7", 1: "n8", 2: "n2", 3: "n3"}
-    assert decide(recs, moved, inv, durable_step=4)["ranks"] == {0: "peer", 1: "peer", 2: "local", 3: "local"}
-    assert decide(recs, moved, inv, durable_step=4, local_copy=False)["tier"] == "durable"
+    assert decide(recs, moved, inv, durable_step=4).ranks == {0: "peer", 1: "peer", 2: "local", 3: "local"}
+    assert decide(recs, moved, inv, durable_step=4, local_copy=False).plan == "durable"
 
 
 def test_lean_protection_counts_m_losses_not_m_plus_one():
