@@ -83,10 +83,12 @@ def over_key(job: str, gen: int) -> str:
     return f"{prefix(job, gen)}/over"
 
 
-def publish_failure(store, job: str, gen: int, why: str) -> None:
-    """Tell every member of generation ``gen`` that it is over (the first reason stays)."""
-    store.compare_set(failed_key(job, gen), "", why[:500])
+def publish_failure(store, job: str, gen: int, why: str) -> str:
+    """Tell every member of generation ``gen`` that it is over; the first reason stays, and
+    is what this returns."""
+    first = store.compare_set(failed_key(job, gen), "", why[:500])
     store.set(over_key(job, gen), "failed")
+    return first.decode(errors="replace") if isinstance(first, bytes) else why[:500]
 
 
 def connect(host: str, port: int, timeout_s: float):
@@ -333,9 +335,8 @@ class RecoverableGroup:
 
     def fail(self, why: str) -> None:
         """End the current generation for every member."""
-        if self.gen is not None:
-            publish_failure(self.store, self.job, self.gen, f"rank {self.rank}: {why}")
-            self._mark(self.gen, f"rank {self.rank}: {why}")
+        if self.gen is not None:  # (a cause told first, by a member or the controller, stays)
+            self._mark(self.gen, publish_failure(self.store, self.job, self.gen, f"rank {self.rank}: {why}"))
 
     # --- collectives ---------------------------------------------------------------------------
     def all_reduce(self, tensor, op=None):
@@ -479,7 +480,8 @@ class RecoverableGroup:
             text = f"{type(exc).__name__}: {str(exc)[:300]}"
             self.fail(text)
             self._cut()
-            raise PeerLost(f"generation {gen}: a collective failed: {text}", gen) from None
+            why = self._failed.get(gen) or text  # (the first cause: perhaps another's, not this)
+            raise PeerLost(f"generation {gen}: a collective failed: {why}", gen) from None
 
     def _poke(self) -> None:
         with self._wake:
