@@ -28,6 +28,7 @@ from memsnap.coordinator import CoordinatorCore, adopt_late, rebuild_state
 from memsnap.directory import find_agent
 from memsnap.errors import CommitError
 from memsnap.identity import Claim
+from memsnap.liveness import PING_CAP_S
 from memsnap.records import CommitNotice, RankSource
 from memsnap.relay import NodeRelay
 from memsnap.secret import job_secret
@@ -181,25 +182,55 @@ class Coordinator:
                 log.exception("heartbeat watch")
 
     async def _probe(self, node: str, why: str) -> None:
-        ping_s = await self.pool.run(self.core.ping_deadline, node, tunable("agent_ping_s"))
+        floor_s = tunable("agent_ping_s")
+        ping_s = await self.pool.run(self.core.ping_deadline, node, floor_s)
         outcome, answered_s = "silent", None
         try:
             agent = await self.pool.run(self.core.dir.agent, node)
             if agent is None:
                 outcome = "died"
             else:
+                control = asyncio.ensure_future(self._control_ping(node))
                 t = time.monotonic()
-                await asyncio.wait_for(agent.ping.remote(), ping_s)
-                outcome, answered_s = "answered", time.monotonic() - t
+                answer = asyncio.ensure_future(agent.ping.remote())
+                try:
+                    while True:  # the deadline grows while the job shows it is loaded
+                        left = ping_s - (time.monotonic() - t)
+                        done, _ = await asyncio.wait({answer}, timeout=max(0.0, left))
+                        if done:
+                            answer.result()
+                            outcome, answered_s = "answered", time.monotonic() - t
+                            break
+                        ping_s = await self.pool.run(self.core.ping_deadline, node, floor_s)
+                        if not control.done():  # a beating node has not answered either
+                            ping_s = max(ping_s, min(PING_CAP_S, time.monotonic() - t + floor_s))
+                        if time.monotonic() - t >= ping_s:
+                            break
+                finally:
+                    answer.cancel()
         except ray.exceptions.ActorDiedError:
             outcome = "died"
         except (asyncio.TimeoutError, ray.exceptions.RayActorError, ray.exceptions.RaySystemError):
-            outcome = "silent"  # unreachable (ActorUnavailableError) or no answer by the deadline
+            outcome = "silent"  # unreachable (ActorUnavailableError)
         if outcome == "died" and node not in await self.pool.run(self.core.dir.alive):
             outcome, why = "silent", f"{why}; Ray reports its node dead"
         verdict = await self.pool.run(self.core.heartbeat_verdict, node, outcome, why, ping_s, answered_s)
         if verdict.lost:
             await self.pool.run(self._stop_agent, node)
+
+    async def _control_ping(self, node: str) -> None:
+        """Ping a beating node beside the probe of ``node``: its answer time tells the probe how
+        loaded the job is (``Liveness.control``). Its outcome judges nobody."""
+        try:
+            control = await self.pool.run(self.core.ping_control, node)
+            agent = None if control is None else await self.pool.run(self.core.dir.agent, control)
+            if agent is None:
+                return
+            t = time.monotonic()
+            await asyncio.wait_for(agent.ping.remote(), PING_CAP_S)
+            await self.pool.run(self.core.ping_answered, control, time.monotonic() - t)
+        except Exception:  # (a control that is slow or gone is judged by its own beats)
+            return
 
     async def wait_committed(self, step: int, timeout: float) -> int | None:
         await self.signal.wait_for(lambda: self.core.resolved(step), timeout)

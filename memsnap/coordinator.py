@@ -135,6 +135,16 @@ class CoordinatorCore:
         with self.lock:
             return self.liveness.ping_deadline(node, floor_s)
 
+    def ping_control(self, node: str) -> str | None:
+        """The beating node to ping beside a probe of ``node`` (``Liveness.control``)."""
+        with self.lock:
+            return self.liveness.control(node)
+
+    def ping_answered(self, node: str, seconds: float) -> None:
+        """A control ping of ``node`` was answered in ``seconds`` (``Liveness.answered``)."""
+        with self.lock:
+            self.liveness.answered(node, seconds)
+
     def heartbeat_verdict(
         self, node: str, outcome: str, why: str, ping_s: float, answered_s: float | None = None
     ) -> Verdict:

@@ -28,6 +28,13 @@ beats come 0.6 s apart, is asked only after 1.2 s; one whose pings took 0.2 s to
 gets 0.8 s. A silence that was answered counts as a gap, so a node that was once slow is
 given longer from then on.
 
+A ping's deadline also reads the load on the whole job, since one silent node among many
+loaded ones is most likely just as loaded: every ping answered in the last
+``LOAD_WINDOW_S`` (by any node) counts as the probed node's own, and each probe also pings
+one *control* node that is beating (``control``). A frozen agent among idle ones is fenced
+at the floor; one that falls silent while the others answer slowly, or while the control's
+own ping is still out, is waited for as long as they needed (never beyond ``PING_CAP_S``).
+
 False positives, and how they are avoided: a node is never declared lost from its silence
 alone, only when a ping also goes unanswered; the beats come from a thread of the agent's
 own, so an agent busy with its work (its data plane runs on other threads, the codec
@@ -52,6 +59,7 @@ HISTORY = 32  # the beat gaps and ping answers remembered per node
 GAP_FACTOR = 2.0  # a node is asked after this many times its longest recent gap between beats
 RTT_FACTOR = 4.0  # a ping waits this many times the node's slowest recent answer ...
 PING_CAP_S = 2.0  # ... but never longer than this (a frozen host must still be fenced)
+LOAD_WINDOW_S = 10.0  # a ping any node answered this recently tells every ping how loaded the job is
 
 
 @dataclasses.dataclass
@@ -81,6 +89,7 @@ class Liveness:
         self.clock = clock
         self.gaps: dict[str, deque[float]] = {}  # node -> its recent gaps between beats
         self.rtts: dict[str, deque[float]] = {}  # node -> its recent ping answer times
+        self.recent: deque[tuple[float, str, float]] = deque(maxlen=HISTORY)  # (when, node, seconds)
         self.last: dict[str, float] = {}  # node -> when its agent last beat (or was last heard)
         self.probing: set[str] = set()
         self.suspects: dict[str, str] = {}  # node -> why the data plane suspects it
@@ -105,16 +114,25 @@ class Liveness:
         return max(self.lost_after_s, GAP_FACTOR * max(gaps)) if gaps else self.lost_after_s
 
     def ping_deadline(self, node: str, floor_s: float) -> float:
-        """How long a ping of ``node`` waits: ``floor_s``, or four times its slowest recent
-        answer, never above ``PING_CAP_S`` (nor below ``floor_s``)."""
-        rtts = self.rtts.get(node)
-        if not rtts:
+        """How long a ping of ``node`` waits: ``floor_s``, or four times the slowest answer
+        among its own recent ones and any node's in the last ``LOAD_WINDOW_S``, never above
+        ``PING_CAP_S`` (nor below ``floor_s``)."""
+        now = self.clock()
+        seen = [*self.rtts.get(node, ()), *(s for t, _, s in self.recent if now - t <= LOAD_WINDOW_S)]
+        if not seen:
             return floor_s
-        return max(floor_s, min(PING_CAP_S, RTT_FACTOR * max(rtts)))
+        return max(floor_s, min(PING_CAP_S, RTT_FACTOR * max(seen)))
 
     def answered(self, node: str, seconds: float) -> None:
-        """A ping of ``node`` was answered in ``seconds``."""
+        """A ping of ``node`` was answered in ``seconds`` (a probe's, or a control's)."""
         self._remember(self.rtts, node, seconds)
+        self.recent.append((self.clock(), node, max(0.0, seconds)))
+
+    def control(self, node: str) -> str | None:
+        """The node to ping beside a probe of ``node``, to tell a frozen agent from a loaded
+        job: the one heard from last (not ``node``, not being asked, not lost), or None."""
+        others = [(t, n) for n, t in self.last.items() if n != node and n not in self.probing]
+        return max(others)[1] if others else None
 
     @staticmethod
     def _remember(table: dict[str, deque[float]], node: str, seconds: float) -> None:
@@ -182,6 +200,7 @@ class Liveness:
         self.suspects.pop(node, None)
         self.gaps.pop(node, None)
         self.rtts.pop(node, None)
+        self.recent = deque((e for e in self.recent if e[1] != node), maxlen=HISTORY)
 
     def fenced(self, node: str, why: str) -> None:
         """``node`` was declared lost by another route (the in-place controller): never judged

@@ -9,7 +9,7 @@ from support.directory import NODES, Nodes, address
 
 from memsnap.config import SnapshotConfig
 from memsnap.coordinator import CoordinatorCore
-from memsnap.liveness import PING_CAP_S, Liveness
+from memsnap.liveness import LOAD_WINDOW_S, PING_CAP_S, Liveness
 
 A, B, C, D, E = NODES
 
@@ -123,11 +123,39 @@ def test_a_slow_answer_lengthens_the_nodes_ping_deadline_and_silence_limit_up_to
     live.decide(E, "answered", due[E], 0.3)
     assert live.ping_deadline(E, 0.3) == pytest.approx(0.8)  # ... so the next ping waits 4x
     assert live.silence_limit(E) == pytest.approx(2.0)  # and it was silent 1 s: asked after 2 s
-    assert live.ping_deadline(A, 0.3) == 0.3
+    clock.now += LOAD_WINDOW_S + 0.1  # (E's answer no longer tells how loaded the job is)
+    assert live.ping_deadline(A, 0.3) == 0.3 and live.ping_deadline(E, 0.3) == pytest.approx(0.8)
     live.answered(E, 5.0)
     assert live.ping_deadline(E, 0.3) == PING_CAP_S  # a frozen host is still fenced in time
     live.forget(E)  # a node that left: what it needed is forgotten with it
     assert live.ping_deadline(E, 0.3) == 0.3 and live.silence_limit(E) == 1.0
+
+
+def test_a_slow_answer_from_any_node_lengthens_every_ping_while_the_job_is_loaded(clock, live):
+    """Several agents fall silent at once on a loaded host: the one asked last is given as
+    long as the others needed to answer, not fenced at the floor; once the load is old news,
+    the floor is back."""
+    live.answered(B, 0.25)  # B (a control, or a silent node that answered) took 0.25 s
+    assert live.ping_deadline(E, 0.3) == pytest.approx(1.0)  # E never answered: 4x B's
+    live.answered(C, 0.01)  # a quick answer does not shorten it: the slowest recent one counts
+    assert live.ping_deadline(E, 0.3) == pytest.approx(1.0)
+    clock.now += LOAD_WINDOW_S + 0.1
+    assert live.ping_deadline(E, 0.3) == 0.3
+    live.answered(C, 2.0)
+    assert live.ping_deadline(E, 0.3) == PING_CAP_S  # a frozen host is still fenced in time
+
+
+def test_the_control_of_a_probe_is_the_node_heard_from_last_and_never_one_being_asked(clock, live):
+    clock.tick(0.25, [A, B], live)
+    clock.now += 0.1
+    live.beat(C)
+    assert live.control(E) == C and live.control(C) in (A, B)  # (A and B beat at one instant)
+    due = clock.tick(1.0, [C], live)  # A, B, D and E fall silent: all four are being asked
+    assert set(due) == {A, B, D, E}
+    assert live.control(E) == C and live.control(C) is None  # nobody else is beating and free
+    live.decide(E, "silent", due[E], 0.3)  # E lost: never a control again
+    live.decide(A, "answered", due[A], 0.3)
+    assert live.control(C) == A
 
 
 def test_ticks_on_time_are_not_starvation_even_with_a_floor_below_two_periods(clock):
