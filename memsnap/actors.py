@@ -517,10 +517,10 @@ class SnapshotAgent:
     async def inventory(self) -> dict:
         return (await self.pool.run(self.core.inventory)).to_wire()
 
-    async def objstore_push(self, packed_keys: list, refs: list, checksums: list) -> list:
+    async def objstore_push(self, packed_keys: list, ref, lengths: list, checksums: list) -> list:
         transport = self.core.transport
         assert isinstance(transport, ObjStoreTransport), "objstore calls reach an agent of the objstore transport"
-        return await self.pool.run(transport.handle_push, packed_keys, refs, checksums)
+        return await self.pool.run(transport.handle_push, packed_keys, ref, lengths, checksums)
 
     async def objstore_fetch(self, packed_keys: list) -> list:
         transport = self.core.transport
