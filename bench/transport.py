@@ -176,8 +176,8 @@ class _Holder:
     def address(self):
         return self.addr
 
-    def objstore_push(self, keys, ref, lengths, sums):
-        return self.transport.handle_push(keys, ref, lengths, sums)
+    def objstore_push(self, keys, data, lengths, sums):
+        return self.transport.handle_push(keys, data, lengths, sums)
 
     def objstore_fetch(self, keys):
         return self.transport.handle_fetch(keys)

@@ -210,7 +210,7 @@ class Coordinator:
                     answer.cancel()
         except ray.exceptions.ActorDiedError:
             outcome = "died"
-        except (asyncio.TimeoutError, ray.exceptions.RayActorError, ray.exceptions.RaySystemError):
+        except (ray.exceptions.RayActorError, ray.exceptions.RaySystemError):
             outcome = "silent"  # unreachable (ActorUnavailableError)
         if outcome == "died" and node not in await self.pool.run(self.core.dir.alive):
             outcome, why = "silent", f"{why}; Ray reports its node dead"
@@ -517,10 +517,10 @@ class SnapshotAgent:
     async def inventory(self) -> dict:
         return (await self.pool.run(self.core.inventory)).to_wire()
 
-    async def objstore_push(self, packed_keys: list, ref, lengths: list, checksums: list) -> list:
+    async def objstore_push(self, packed_keys: list, data, lengths: list, checksums: list) -> list:
         transport = self.core.transport
         assert isinstance(transport, ObjStoreTransport), "objstore calls reach an agent of the objstore transport"
-        return await self.pool.run(transport.handle_push, packed_keys, ref, lengths, checksums)
+        return await self.pool.run(transport.handle_push, packed_keys, data, lengths, checksums)
 
     async def objstore_fetch(self, packed_keys: list) -> list:
         transport = self.core.transport

@@ -117,10 +117,10 @@ def _holder_class():
         def address(self):
             return self.addr
 
-        def objstore_push(self, packed_keys, ref, lengths, checksums):
+        def objstore_push(self, packed_keys, data, lengths, checksums):
             if self.hang:
                 threading.Event().wait(600)
-            return self.transport.handle_push(packed_keys, ref, lengths, checksums)
+            return self.transport.handle_push(packed_keys, data, lengths, checksums)
 
         def objstore_fetch(self, packed_keys):
             if self.hang:

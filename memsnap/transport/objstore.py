@@ -34,13 +34,11 @@ class ObjStoreServer:
     def __init__(self, store: ChunkStore):
         self.store = store
 
-    def handle_push(self, packed_keys: list[bytes], ref, lengths: list[int], checksums: list[int]) -> list[str | None]:
-        """Store every chunk of the batch ``ref`` holds end to end (``lengths`` bytes each); one
-        entry per chunk: None when stored, else why it was refused."""
-        import ray
-
-        # (Ray resolves a reference passed as an argument itself: the batch arrives as its array)
-        whole = byte_view(ray.get(ref) if isinstance(ref, ray.ObjectRef) else ref)
+    def handle_push(self, packed_keys: list[bytes], data, lengths: list[int], checksums: list[int]) -> list[str | None]:
+        """Store every chunk of the batch ``data`` holds end to end (``lengths`` bytes each); one
+        entry per chunk: None when stored, else why it was refused. (The client passes the
+        batch's reference; Ray resolves an argument's reference itself, so ``data`` is its array.)"""
+        whole = byte_view(data)
         if not len(packed_keys) == len(lengths) == len(checksums) or sum(lengths) != len(whole):
             why = f"a malformed batch: {len(packed_keys)} keys, {len(lengths)} lengths, {len(whole)} bytes"
             return [why] * len(packed_keys)
@@ -118,8 +116,8 @@ class ObjStoreTransport(Transport):
         self.server = ObjStoreServer(store)
         return {"transport": "objstore", "actor": name, "namespace": self.namespace or ctx.namespace}
 
-    def handle_push(self, packed_keys: list[bytes], ref, lengths: list[int], checksums: list[int]) -> list[str | None]:
-        return self._serving().handle_push(packed_keys, ref, lengths, checksums)
+    def handle_push(self, packed_keys: list[bytes], data, lengths: list[int], checksums: list[int]) -> list[str | None]:
+        return self._serving().handle_push(packed_keys, data, lengths, checksums)
 
     def handle_fetch(self, packed_keys: list[bytes]) -> list[tuple[np.ndarray | None, int]]:
         return self._serving().handle_fetch(packed_keys)
@@ -154,13 +152,9 @@ class ObjStoreTransport(Transport):
         import ray
 
         views = [byte_view(buf) for _, buf in batch]
-        whole = np.empty(sum(len(v) for v in views), np.uint8)
-        at = 0
-        for v in views:
-            whole[at : at + len(v)] = np.frombuffer(v, np.uint8)
-            at += len(v)
+        whole = ray.put(np.concatenate([np.frombuffer(v, np.uint8) for v in views]))
         checksums = [xxhash.xxh3_64_intdigest(v) for v in views]
-        return [k.pack() for k, _ in batch], ray.put(whole), [len(v) for v in views], checksums
+        return [k.pack() for k, _ in batch], whole, [len(v) for v in views], checksums
 
     @staticmethod
     def _fetch_args(batch: list) -> tuple:
