@@ -177,7 +177,7 @@ def run_inplace(lc: LocalCluster, cfg: dict, opts: dict, kills: int, settle_step
                 if len(j.collect()) <= i:
                     return False
                 rec = j.recoveries[i]
-                return len(rec.reports) == RANKS and all("first_step" in r for r in rec.reports.values())
+                return len(rec.reports) == RANKS and all(r.first_step is not None for r in rec.reports.values())
 
             wait_for(reported, timeout=600, what=f"recovery {i + 1}: every rank's first step", interval=0.05)
             rec = j.recoveries[i]
@@ -187,7 +187,7 @@ def run_inplace(lc: LocalCluster, cfg: dict, opts: dict, kills: int, settle_step
                 "victim": victim,
                 "t_kill": t_kill,
                 **rec.to_dict(),
-                "reports": {r: rec.reports[r] for r in sorted(rec.reports)},
+                "reports": {r: rec.reports[r].to_wire() for r in sorted(rec.reports)},
                 "pids_before": {r: before[r]["pid"] for r in before},
                 "last_step_before": last_old,
                 "progress_at_kill": progress_before,
@@ -200,7 +200,8 @@ def run_inplace(lc: LocalCluster, cfg: dict, opts: dict, kills: int, settle_step
             # a few steps in the new generation (its snapshots committed) before the next kill
             wait_for(
                 lambda g=j.gen, rec=rec: all(
-                    (v := _last(j.store, g, r)) is not None and v[0] >= rec.reports[r]["first_step_no"] + settle_steps
+                    (v := _last(j.store, g, r)) is not None
+                    and v[0] >= (rec.reports[r].first_step_no or 0) + settle_steps
                     for r in range(RANKS)
                 ),
                 timeout=600,

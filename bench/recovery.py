@@ -85,7 +85,7 @@ class Rank:
     def restore(self) -> dict:
         t = time.perf_counter()
         step = self.snap.restore(self.state)
-        return dict(self.snap.last_restore, wall=time.perf_counter() - t, restored=step)
+        return dict(self.snap.last_restore.to_wire(), wall=time.perf_counter() - t, restored=step)
 
     def status(self) -> dict:
         return self.snap.status()

@@ -66,7 +66,7 @@ class SoakRank:
 
     def restore(self) -> tuple:
         got = self.snap.restore(self.state)
-        return got, self.snap.last_restore["tier"]
+        return got, self.snap.last_restore.tier
 
 
 def processes() -> dict[str, list[psutil.Process]]:

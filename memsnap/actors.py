@@ -29,7 +29,7 @@ from memsnap.directory import find_agent
 from memsnap.errors import CommitError
 from memsnap.identity import Claim
 from memsnap.liveness import PING_CAP_S
-from memsnap.records import CommitNotice, RankSource
+from memsnap.records import CommitNotice, RankRestore, RankSource
 from memsnap.relay import NodeRelay
 from memsnap.secret import job_secret
 from memsnap.transport.objstore import ObjStoreTransport
@@ -260,7 +260,7 @@ class Coordinator:
         return await self.pool.run(self.core.plans_for, node, attempt)
 
     async def restore_report(self, node: str, attempt: int, reports: dict) -> None:
-        self.core.restore_report(attempt, {int(r): (bool(ok), rep) for r, (ok, rep) in reports.items()})
+        self.core.restore_report(attempt, {int(r): RankRestore.from_wire(rep) for r, rep in reports.items()})
 
     async def restore_result(self, node: str, attempt: int) -> dict:
         timeout = tunable("restore_timeout_s")
@@ -270,7 +270,7 @@ class Coordinator:
                 f"restore: timed out waiting for ranks {self.core.rounds.missing(attempt, 'done')} to finish"
             )
         self._not_cancelled(attempt)
-        return self.core.restore_result(attempt)
+        return self.core.restore_result(attempt).to_wire()
 
     async def spilled(self, step: int, ranks: list[int]) -> bool:
         return await self.pool.run(self.core.spilled, step, ranks)
@@ -453,8 +453,8 @@ class SnapshotAgent:
     async def restore_plan(self, rank: int, attempt: int) -> dict:
         return await self.relay.restore_plan(rank, attempt)
 
-    async def restore_done(self, rank: int, attempt: int, ok: bool, report: dict) -> dict:
-        return await self.relay.restore_done(rank, attempt, ok, report)
+    async def restore_done(self, rank: int, attempt: int, report: dict) -> dict:
+        return await self.relay.restore_done(rank, attempt, report)
 
     async def local(self, step: int, rank: int) -> dict | None:
         return await self.pool.run(self.core.local, step, rank)
@@ -506,7 +506,7 @@ class SnapshotAgent:
         return self.core.held_manifests(step, owner)
 
     async def committed_infos(self) -> dict:
-        return await self.pool.run(self.core.committed_infos)
+        return (await self.pool.run(self.core.committed_infos)).to_wire()
 
     async def rebuild_local(self, step: int, rank: int, source: dict, replace: bool = False) -> bool:
         return await self.pool.run(self.core.rebuild_local, step, rank, RankSource.from_wire(source), replace)

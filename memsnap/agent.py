@@ -61,7 +61,7 @@ from memsnap.config import SnapshotConfig, tcp_options, tunable
 from memsnap.directory import Directory
 from memsnap.errors import CommitError, ConfigError, MemoryBudgetError
 from memsnap.policy import agent_ram
-from memsnap.records import CommitNotice, Inventory, NodeReady, RankSource
+from memsnap.records import AgentState, CommitNotice, Inventory, NodeReady, RankSource
 from memsnap.repair import Repair
 from memsnap.sender import Sender
 from memsnap.slots import Slots
@@ -173,8 +173,25 @@ class AgentCore:
 
             with self.lock:
                 if self._device is None:
-                    self._device = AgentDevice(self, self.cfg.device_backend, self.cfg.device_buffer)
+                    self._device = AgentDevice(
+                        self.node,
+                        self.cfg.job,
+                        self.cfg.device_backend,
+                        self.cfg.device_buffer,
+                        submit=self.pool.submit,
+                        arena=self._arena_of,
+                        captured=self.captured,
+                        failed=lambda step, why: self.tell("node_failed", step, self.node, why),
+                    )
         return self._device
+
+    def _arena_of(self, step: int, rank: int):
+        """The host arena of ``rank``'s slot of ``step`` and its byte count, or None when the
+        step is no longer here (abandoned or replaced meanwhile)."""
+        with self.lock:
+            v = self.versions.get(step)
+            nbytes = None if v is None else v.sizes.get(rank)
+            return None if v is None or nbytes is None else (self.slots.arena(rank, v.slot, nbytes), nbytes)
 
     def device_begin(self, step: int, rank: int, device: str, nbytes: int) -> str | None:
         return self.device.begin(step, rank, device, nbytes)
@@ -403,23 +420,20 @@ class AgentCore:
             return step in self.abandoned and not self.versions.in_flight_before(step)
 
     # --- manifests held beside the chunks ----------------------------------------------------------
-    def committed_infos(self) -> dict:
+    def committed_infos(self) -> AgentState:
         """What a rebuilt coordinator needs from this agent: its ranks, address, restore
         generation, the steps it heard committed and every NodeReady it keeps (its own and
         those of the owners it holds for)."""
         with self.lock:
-            infos = [i.to_wire() for i in self.infos.values()] + [
-                m[0].to_wire() for m in self.repair.held_meta.values()
-            ]
-            return {
-                "address": self.address,
-                "gen": self.gen,
-                "ranks": sorted(self.ranks),
-                "committed": sorted(self.committed),
-                "infos": infos,
-                "run": self.run,
-                "holders": {r: dict(h) for r, h in self.holders.items()},
-            }
+            return AgentState(
+                self.address,
+                self.gen,
+                tuple(sorted(self.ranks)),
+                tuple(sorted(self.committed)),
+                tuple(self.infos.values()) + tuple(m[0] for m in self.repair.held_meta.values()),
+                self.run,
+                {r: (h.get("run"), h.get("process", "")) for r, h in self.holders.items()},
+            )
 
     def joined(self, rank: int, world: int, claim: dict | None = None) -> None:
         """The coordinator accepted ``rank`` (of ``world``) here; ``claim``: its run id and process."""

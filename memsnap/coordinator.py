@@ -45,7 +45,16 @@ from memsnap.errors import CommitError
 from memsnap.identity import Claim, new_run_id
 from memsnap.liveness import Liveness, Verdict
 from memsnap.membership import Holder, Membership, refusal, rivals
-from memsnap.records import CommitRecord, Inventory, NodeReady, RankPlan
+from memsnap.records import (
+    AgentState,
+    CommitRecord,
+    Inventory,
+    LastRestore,
+    NodeReady,
+    RankPlan,
+    RankRestore,
+    RoundResult,
+)
 from memsnap.reprotect import Reprotector
 from memsnap.rounds import RestoreRounds
 
@@ -72,7 +81,7 @@ class CoordinatorCore:
         self.log = CommitLog(self.cfg)
         self.rounds = RestoreRounds(world_size)
         self.reprotect = Reprotector(self)
-        self.last_restore: dict = {"tier": "none", "step": None, "seconds": {}}
+        self.last_restore = LastRestore()
         self.run: str | None = None  # the run id of the ranks registered last (identity.py)
         self.step_runs: dict[int, str | None] = {}  # committed step -> the run that took it (the spill records it)
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -444,12 +453,12 @@ class CoordinatorCore:
             source = dataclasses.replace(source, copy=addrs.get(source.owner))
         return RankPlan(plan.step, plan.ranks[rank], plan.plan, self.cfg.spill, source).to_wire()
 
-    def restore_report(self, attempt: int, reports: dict[int, tuple[bool, dict]]) -> None:
+    def restore_report(self, attempt: int, reports: dict[int, RankRestore]) -> None:
         with self.lock:
             self.rounds.report(attempt, reports)
             self.changed()
 
-    def restore_result(self, attempt: int) -> dict:
+    def restore_result(self, attempt: int) -> RoundResult:
         """Every rank reported: the round's outcome, the same for every rank."""
         with self.lock:
             rnd = self.rounds.rounds[attempt]
@@ -464,11 +473,7 @@ class CoordinatorCore:
                 log.info("restore generation %d: the job resumes from step %s", rnd.gen, rnd.plan.step)
                 self.changed()
                 self.restored.notify_all()
-            return {
-                "ok": not failed,
-                "failed": {str(r): rep for r, rep in failed.items()},
-                "gen": rnd.gen if rnd.gen is not None else self.log.gen,
-            }
+            return RoundResult(not failed, failed, rnd.gen if rnd.gen is not None else self.log.gen)
 
     def wait_for_a_restore(self, timeout: float) -> None:
         """Block (a background thread) until a restore round completes, at most ``timeout``."""
@@ -477,14 +482,7 @@ class CoordinatorCore:
             self.restored.wait_for(lambda: self.rounds.completed > seen, timeout)
 
     def _note_restore(self, rnd) -> None:
-        reports = [rep for _, rep in rnd.done.values()]
-        tiers = {rep.get("tier") for rep in reports}
-        slowest: dict = max(reports, key=lambda rep: sum(rep.get("seconds", {}).values()), default={})
-        self.last_restore = {
-            "tier": sorted(tiers)[0] if len(tiers) == 1 else ",".join(sorted(tiers)),
-            "step": rnd.plan.step,
-            "seconds": slowest.get("seconds", {}),
-        }
+        self.last_restore = LastRestore.of_round(rnd.plan.step, list(rnd.done.values()))
 
     def inventories(self) -> dict[str, Inventory]:
         with self.lock:
@@ -547,7 +545,7 @@ class CoordinatorCore:
                 "generation": log_.gen,
                 "run": self.run,
                 "durable_step": log_.durable_step,
-                "last_restore": dict(self.last_restore),
+                "last_restore": self.last_restore.to_wire(),
                 "recoveries": list(self.recoveries),
                 "fenced": sorted(self.fenced),
                 "liveness": self.liveness.status(),
@@ -604,16 +602,15 @@ def rebuild_state(core: CoordinatorCore) -> list[str]:
     whose agent did not answer in time (busy: its threads may all be waiting on the
     coordinator that is being rebuilt): ``adopt_late`` asks them again."""
     nodes = sorted(core._alive())
-    answers = core.dir.call_all(nodes, "committed_infos", timeout=tunable("call_timeout_s"))
+    answers = _agent_states(core, nodes)
     infos: dict[int, dict[str, NodeReady]] = {}
     committed: set[int] = set()
     runs: list[str | None] = []
     for node, ans in answers.items():
         _adopt(core, node, ans)
-        runs.append(ans.get("run"))
-        committed.update(ans["committed"])
-        for wire in ans["infos"]:
-            info = NodeReady.from_wire(wire)
+        runs.append(ans.run)
+        committed.update(ans.committed)
+        for info in ans.infos:
             infos.setdefault(info.step, {})[info.node] = info
     for step in sorted(committed)[-core.cfg.keep :]:
         record = CommitRecord(step, core.cfg.k, core.cfg.m, infos.get(step, {}))
@@ -634,7 +631,13 @@ def rebuild_state(core: CoordinatorCore) -> list[str]:
     return [n for n in nodes if n not in answers and core.dir.agent(n) is not None]
 
 
-def _finish_phase_two(core: CoordinatorCore, answers: dict[str, dict]) -> None:
+def _agent_states(core: CoordinatorCore, nodes: list[str]) -> dict[str, AgentState]:
+    """Every answer of ``nodes``' agents to ``committed_infos`` within a call timeout."""
+    answers = core.dir.call_all(nodes, "committed_infos", timeout=tunable("call_timeout_s"))
+    return {node: AgentState.from_wire(wire) for node, wire in answers.items()}
+
+
+def _finish_phase_two(core: CoordinatorCore, answers: dict[str, AgentState]) -> None:
     """The old coordinator may have died during phase two of its newest commit: the agents
     that did not hear it are told now. Otherwise their version of that step stays ready, not
     committed, and a restore of it (no newer step commits after a node loss) reads their
@@ -642,24 +645,24 @@ def _finish_phase_two(core: CoordinatorCore, answers: dict[str, dict]) -> None:
     newest = max(core.log.records, default=None)
     if newest is None:
         return
-    behind = sorted(node for node, ans in answers.items() if newest not in ans["committed"])
+    behind = sorted(node for node, ans in answers.items() if newest not in ans.committed)
     if behind:
         notice = core.log.notice(core.log.records[newest])
         log.warning("coordinator rebuilt: the commit of step %d reaches %d more agents", newest, len(behind))
         core.dir.call_all(behind, "commit", notice.to_wire(), timeout=tunable("commit_notify_timeout_s"))
 
 
-def _adopt(core: CoordinatorCore, node: str, ans: dict) -> None:
+def _adopt(core: CoordinatorCore, node: str, ans: AgentState) -> None:
     """One agent's answer to ``committed_infos``: its address, ranks, holders, generation."""
-    core.membership.addrs[node] = ans["address"]
+    core.membership.addrs[node] = ans.address
     # the restore generation goes on from the agents': restarting it at 0 would let the next
     # restore hand a new node's agent a generation below the survivors', and every step
     # that node sends afterwards would be ignored as taken before the restore
-    core.log.gen = max(core.log.gen, int(ans["gen"]))
-    for rank in ans["ranks"]:
+    core.log.gen = max(core.log.gen, ans.gen)
+    for rank in ans.ranks:
         core.membership.members.setdefault(rank, node)
-    for rank, held in ans.get("holders", {}).items():
-        core.membership.holders.setdefault(int(rank), Holder(held["run"], held["process"], node))
+    for rank, (run, process) in ans.holders.items():
+        core.membership.holders.setdefault(rank, Holder(run, process, node))
 
 
 def adopt_late(core: CoordinatorCore, nodes: list[str], within_s: float | None = None) -> list[str]:
@@ -671,7 +674,7 @@ def adopt_late(core: CoordinatorCore, nodes: list[str], within_s: float | None =
     deadline = time.monotonic() + (4 * tunable("call_timeout_s") if within_s is None else within_s)
     missing = list(nodes)
     while missing and time.monotonic() < deadline:
-        answers = core.dir.call_all(missing, "committed_infos", timeout=tunable("call_timeout_s"))
+        answers = _agent_states(core, missing)
         alive = core._alive()  # (Ray's node table: read once a round)
         with core.lock:
             for node, ans in answers.items():

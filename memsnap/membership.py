@@ -33,7 +33,7 @@ log = logging.getLogger("memsnap.coordinator")
 class Holder:
     """Who holds a rank: its run id, its process (``identity.process_token``) and its node."""
 
-    run: str
+    run: str | None  # (None: a rank started with no run id)
     process: str
     node: str
 

@@ -10,6 +10,10 @@ bytes (the owner, and its holders), so the coordinator sees per node per step on
     RankSource    coordinator -> a rank  where one rank's bytes of one step live (its restore plan)
     RankPlan      coordinator -> a rank  the collective restore decision, this rank's part
     Inventory     agent -> coordinator   what an agent holds (the coverage map's input) and its RAM
+    AgentState    agent -> coordinator   what a rebuilt coordinator learns from one agent
+    RankRestore   a rank -> coordinator  how one rank's load of one restore round went
+    RoundResult   coordinator -> ranks   a restore round's outcome, the same for every rank
+    LastRestore   rank, coordinator      the newest restore that succeeded (``status()["last_restore"]``)
 """
 
 from __future__ import annotations
@@ -319,4 +323,125 @@ class Inventory:
             dict(d.get("bytes", {})),
             dict(d.get("counters", {})),
             d.get("spill"),
+        )
+
+
+@dataclass(frozen=True)
+class RankRestore:
+    """One rank's report of one restore round: ``ok`` with the ``tier`` that served it and
+    where its ``seconds`` went (phase -> s), or not ``ok`` with the ``error``."""
+
+    ok: bool
+    tier: str | None = None
+    seconds: Mapping[str, float] = field(default_factory=dict)
+    error: str | None = None
+
+    @classmethod
+    def loaded(cls, tier: str, seconds: Mapping[str, float]) -> RankRestore:
+        return cls(True, tier, dict(seconds))
+
+    @classmethod
+    def failed(cls, exc: BaseException) -> RankRestore:
+        return cls(False, error=f"{type(exc).__name__}: {exc}")
+
+    def to_wire(self) -> dict:
+        return {"ok": self.ok, "tier": self.tier, "seconds": dict(self.seconds), "error": self.error}
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> RankRestore:
+        return cls(
+            bool(d["ok"]),
+            d.get("tier"),
+            {str(k): float(v) for k, v in (d.get("seconds") or {}).items()},
+            d.get("error"),
+        )
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """A restore round's outcome, the same for every rank: ``ok``, the ranks that failed (with
+    their reports) and the restore generation the job resumed in."""
+
+    ok: bool
+    failed: Mapping[int, RankRestore] = field(default_factory=dict)
+    gen: int = 0
+
+    def to_wire(self) -> dict:
+        return {"ok": self.ok, "failed": {str(r): rep.to_wire() for r, rep in self.failed.items()}, "gen": self.gen}
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> RoundResult:
+        failed = {int(r): RankRestore.from_wire(rep) for r, rep in (d.get("failed") or {}).items()}
+        return cls(bool(d["ok"]), failed, int(d.get("gen") or 0))
+
+
+@dataclass(frozen=True)
+class LastRestore:
+    """The newest restore that succeeded: the ``tier`` that served (a rank's; at the
+    coordinator, every tier the ranks used, comma-joined), the ``step`` (None: a fresh start)
+    and the phases' ``seconds`` (the slowest rank's at the coordinator). ``run``: the run that
+    spilled a durable step; ``warning``: why the RAM tiers could not serve."""
+
+    tier: str = "none"
+    step: int | None = None
+    seconds: Mapping[str, float] = field(default_factory=dict)
+    run: str | None = None
+    warning: str | None = None
+
+    @property
+    def total_s(self) -> float | None:
+        return self.seconds.get("total")
+
+    def to_wire(self) -> dict:
+        d: dict[str, Any] = {"tier": self.tier, "step": self.step, "seconds": dict(self.seconds)}
+        if self.run is not None:
+            d["run"] = self.run
+        if self.warning is not None:
+            d["warning"] = self.warning
+        return d
+
+    @classmethod
+    def of_round(cls, step: int | None, reports: list[RankRestore]) -> LastRestore:
+        """The job's view of a round every rank loaded."""
+        tiers = sorted({rep.tier or "none" for rep in reports})
+        slowest = max(reports, key=lambda rep: sum(rep.seconds.values()), default=RankRestore(True))
+        return cls(",".join(tiers) if tiers else "none", step, dict(slowest.seconds))
+
+
+@dataclass(frozen=True)
+class AgentState:
+    """What a rebuilt coordinator learns from one agent: its data-plane ``address``, restore
+    generation ``gen``, the ``ranks`` registered on it and who holds each (``holders``: rank
+    -> (run id, process token)), the run it served, the steps it heard ``committed`` and every
+    ``NodeReady`` it keeps (its own and those of the owners it holds pieces for)."""
+
+    address: Any
+    gen: int
+    ranks: tuple[int, ...] = ()
+    committed: tuple[int, ...] = ()
+    infos: tuple[NodeReady, ...] = ()
+    run: str | None = None
+    holders: Mapping[int, tuple[str | None, str]] = field(default_factory=dict)
+
+    def to_wire(self) -> dict:
+        return {
+            "address": self.address,
+            "gen": self.gen,
+            "ranks": list(self.ranks),
+            "committed": list(self.committed),
+            "infos": [i.to_wire() for i in self.infos],
+            "run": self.run,
+            "holders": {str(r): {"run": run, "process": proc} for r, (run, proc) in self.holders.items()},
+        }
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> AgentState:
+        return cls(
+            d.get("address"),
+            int(d["gen"]),
+            tuple(int(r) for r in d.get("ranks", ())),
+            tuple(int(s) for s in d.get("committed", ())),
+            tuple(NodeReady.from_wire(i) for i in d.get("infos", ())),
+            d.get("run"),
+            {int(r): (h.get("run"), str(h.get("process", ""))) for r, h in (d.get("holders") or {}).items()},
         )

@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from memsnap.config import tunable
 from memsnap.errors import CommitError, JobInUseError
+from memsnap.records import RankPlan, RoundResult
 from memsnap.waiting import Batch, Signal
 
 log = logging.getLogger("memsnap.agent")
@@ -34,11 +37,30 @@ class _NodeRound:
     ranks: set[int] = field(default_factory=set)
 
 
-class NodeRelay:
-    """``core``: the node's ``AgentCore``; ``call(method, *args, timeout)``: an awaitable call
-    on the coordinator (found again, and the node re-joined, if it was lost)."""
+class RelayedNode(Protocol):
+    """What the relay reads of its node's agent and tells it (``agent.AgentCore`` is one)."""
 
-    def __init__(self, core, call, signal: Signal):
+    node: str
+    world: int | None  # the job's world size (None: not known yet)
+    address: Any  # the agent's data-plane address
+    ranks: set[int]  # the ranks registered on this node
+    holders: dict[int, dict]  # rank -> the claim ({"run", "process"}) it registered with
+    newest: int | None  # the newest committed step this node heard of
+
+    def joined(self, rank: int, world: int, claim: dict | None = None) -> None: ...
+
+    def placed(self, answer: dict) -> None: ...
+
+    def resolved(self, step: int) -> bool: ...
+
+    def resume(self, step: int | None, gen: int) -> None: ...
+
+
+class NodeRelay:
+    """``core``: the node's agent, as the relay uses it; ``call(method, *args, timeout)``: an
+    awaitable call on the coordinator (found again, and the node re-joined, if it was lost)."""
+
+    def __init__(self, core: RelayedNode, call: Callable[..., Awaitable[Any]], signal: Signal):
         self.core, self.call, self.signal = core, call, signal
         self.node = core.node
         self._joins = Batch(self._send_joins)
@@ -85,9 +107,10 @@ class NodeRelay:
 
     async def rejoin(self) -> None:
         """A new coordinator: tell it every rank of this node again, with its claim."""
-        ranks = sorted(self.core.ranks)
-        if ranks:
-            await self._send_joins([(r, self.core.world, self.core.holders.get(r)) for r in ranks])
+        ranks, world = sorted(self.core.ranks), self.core.world
+        if ranks and world is not None:  # (a rank joined: the world size is known)
+            unclaimed = {"run": None, "process": ""}
+            await self._send_joins([(r, world, self.core.holders.get(r) or unclaimed) for r in ranks])
 
     async def answer(self, timeout: float) -> dict:
         """The node's placement answer (its ranks, peers or not, its holders), asked once for
@@ -156,18 +179,20 @@ class NodeRelay:
         uncommitted newer versions forgotten) before any of its ranks hears the outcome, so
         none of them can save into the old generation."""
         result = await self.call("restore_result", self.node, attempt, timeout=tunable("restore_timeout_s") + 30)
-        if result["ok"]:
+        outcome = RoundResult.from_wire(result)
+        if outcome.ok:
             assert rnd.plans is not None  # a rank reports only after its plan
-            step = next(iter((await rnd.plans).values()))["step"]  # (one step for every rank)
-            await asyncio.get_running_loop().run_in_executor(None, self.core.resume, step, result["gen"])
+            step = RankPlan.from_wire(next(iter((await rnd.plans).values()))).step  # (one step for every rank)
+            await asyncio.get_running_loop().run_in_executor(None, self.core.resume, step, outcome.gen)
         return result
 
-    async def restore_done(self, rank: int, attempt: int, ok: bool, report: dict) -> dict:
-        """Report ``rank``'s load; the round's outcome, the same for every rank (a barrier)."""
+    async def restore_done(self, rank: int, attempt: int, report: dict) -> dict:
+        """Report ``rank``'s load (a ``RankRestore`` on the wire); the round's outcome, the
+        same for every rank (a barrier)."""
         rnd = self.rounds.get(attempt)
         if rnd is None:
             raise CommitError(f"restore_done(rank={rank}, attempt={attempt}) before its restore_plan")
-        await rnd.reports.add((rank, (ok, report)))
+        await rnd.reports.add((rank, report))
         if rnd.result is None:
             rnd.result = asyncio.ensure_future(self._result(rnd, attempt))
         try:

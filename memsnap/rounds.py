@@ -10,13 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from memsnap.coverage import JobPlan
+from memsnap.records import RankRestore
 
 
 @dataclass
 class Round:
     arrived: set[int] = field(default_factory=set)
     plan: JobPlan | None = None
-    done: dict[int, tuple[bool, dict]] = field(default_factory=dict)
+    done: dict[int, RankRestore] = field(default_factory=dict)
     closed: bool = False
     gen: int | None = None  # the restore generation this round's success started
     cancelled: str | None = None  # why the round was given up (a member was lost during it)
@@ -66,18 +67,18 @@ class RestoreRounds:
         seen = rnd.arrived if table == "arrived" else set(rnd.done)
         return sorted(set(range(self.world)) - set(seen))
 
-    def report(self, attempt: int, reports: dict[int, tuple[bool, dict]]) -> None:
+    def report(self, attempt: int, reports: dict[int, RankRestore]) -> None:
         self.rounds[attempt].done.update(reports)
 
     def all_done(self, attempt: int) -> bool:
         rnd = self.rounds.get(attempt)
         return rnd is not None and len(rnd.done) >= self.world
 
-    def close(self, attempt: int) -> tuple[Round, dict[int, dict]]:
+    def close(self, attempt: int) -> tuple[Round, dict[int, RankRestore]]:
         """Every rank reported: the round and its failures (``{rank: report}``); a step some
         rank could not load is not planned again."""
         rnd = self.rounds[attempt]
-        failed = {r: rep for r, (ok, rep) in rnd.done.items() if not ok}
+        failed = {r: rep for r, rep in rnd.done.items() if not rep.ok}
         if failed and rnd.plan is not None and rnd.plan.step is not None:
             self.bad.add(rnd.plan.step)
         rnd.closed = True

@@ -182,3 +182,90 @@ def test_a_rebuilt_local_copy_comes_in_committed_in_the_current_generation(parts
     assert v.state is COMMITTED and v.gen == 3 and parts.versions.holds(8, 0) and v.manifests == {0: "m"}
     assert repair.rebuild_local(8, 0, source(8)) is False  # already held
     assert parts.budget.used == 4096
+
+
+class DeviceParts:
+    """An ``AgentDevice`` on the CPU backend over ``parts``' real arenas: drains run inline."""
+
+    def __init__(self, parts: Parts):
+        from memsnap.device.runtime import AgentDevice
+
+        self.parts, self.handed_on, self.failures, self.dropped = parts, [], [], set()
+        self.device = AgentDevice(
+            NODE,
+            parts.cfg.job,
+            "cpu",
+            1 << 20,
+            submit=lambda fn, *args: fn(*args),
+            arena=self.arena,
+            captured=lambda *args: self.handed_on.append(args),
+            failed=lambda step, why: self.failures.append((step, why)),
+        )
+
+    def arena(self, step: int, rank: int):
+        v = self.parts.versions.get(step)
+        if step in self.dropped or v is None:
+            return None
+        return self.parts.slots.arena(rank, v.slot, v.sizes[rank]), v.sizes[rank]
+
+    def capture(self, step: int, state: dict) -> tuple[Manifest, str]:
+        """A rank's side: the step's host slot begun, then the state captured into its
+        device buffer and reported done."""
+        from memsnap import capture as cap
+        from memsnap.device.backend import BufferHandle
+        from memsnap.device.cpu import CpuBackend
+        from memsnap.device.tier import RankTier
+
+        manifest, sources = cap.plan_sources(state, rng=False)
+        v = self.parts.versions.begin(step, self.parts.slots.free_slot(step))
+        self.parts.versions.add_rank(v, 0, manifest.nbytes)
+        self.parts.slots.arena(0, v.slot, manifest.nbytes)
+        handle = self.device.begin(step, 0, "cpu", manifest.nbytes)
+        assert handle is not None
+        tier = RankTier(CpuBackend())
+        assert tier.capture(BufferHandle.from_json(handle), manifest, sources, on_done=lambda: None)
+        tier.wait()
+        tier.close()
+        return manifest, manifest.to_json().decode()
+
+
+@pytest.fixture
+def device(parts):
+    d = DeviceParts(parts)
+    yield d
+    d.device.close()
+
+
+def test_the_device_tier_drains_a_capture_into_the_steps_arena_and_hands_it_on(device):
+    state = {"w": torch.arange(2048, dtype=torch.float32)}
+    manifest, mjson = device.capture(5, state)
+    device.device.captured(5, 0, "cpu", mjson, [0])
+    assert device.handed_on == [(5, 0, mjson, [0])] and device.failures == []
+    arena, n = device.arena(5, 0)
+    got = Manifest.from_json(mjson, "test")
+    assert n == manifest.nbytes and bytes(arena.view(0, n))[: got.nbytes] == bytes(
+        memoryview(state["w"].numpy()).cast("B")
+    )
+    held = device.device.source(0, 5)
+    assert held is not None and held[0] == mjson  # a restore of step 5 may read the device copy
+    assert device.device.source(0, 4) is None
+
+
+def test_a_step_dropped_before_its_drain_is_handed_on_undrained(device):
+    _, mjson = device.capture(6, {"w": torch.ones(64)})
+    device.dropped.add(6)  # abandoned meanwhile: the host path drops it as it drops a capture
+    device.device.captured(6, 0, "cpu", mjson, [0])
+    assert device.handed_on == [(6, 0, mjson, [0])] and device.failures == []
+
+
+def test_a_drain_that_fails_fails_the_step_and_hands_nothing_on(device, monkeypatch):
+    _, mjson = device.capture(7, {"w": torch.ones(64)})
+
+    def broken(*args):
+        raise OSError("device lost")
+
+    monkeypatch.setattr(device.device.tier, "drain", broken)
+    device.device.captured(7, 0, "cpu", mjson, [0])
+    assert device.handed_on == [] and device.failures == [
+        (7, "rank 0: device buffer drain failed: OSError: device lost")
+    ]

@@ -18,7 +18,7 @@ from memsnap.config import SnapshotConfig
 from memsnap.coordinator import CoordinatorCore
 from memsnap.errors import ChecksumError
 from memsnap.manifest import Manifest
-from memsnap.records import CommitRecord, Inventory, NodeReady, RankPlan, RankSource, Region
+from memsnap.records import CommitRecord, Inventory, NodeReady, RankPlan, RankRestore, RankSource, Region
 from memsnap.stripes import choose_chunk
 
 ROWS, COLS, WIDE = 14, 6, 40  # w: (14, 6) Shard(0); b: (6,) replicated; e: (14, 40) Shard(0), the bulk
@@ -211,8 +211,8 @@ def test_the_coordinator_takes_the_new_world_size_plans_elastic_and_frees_the_ol
             {"port": ord("b")},
             {"port": ord("c")},
         )
-    core.restore_report(0, {r: (True, {"tier": "elastic"}) for r in range(6)})
-    assert core.restore_result(0)["ok"]
+    core.restore_report(0, {r: RankRestore.loaded("elastic", {"total": 0.1}) for r in range(6)})
+    assert core.restore_result(0).ok and core.last_restore.tier == "elastic" and core.last_restore.step == 7
     gen = core.log.gen
     for node, ranks in {"a": (0, 1), "b": (2, 3), "c": (4, 5)}.items():
         regions = tuple(Region(r, 1024, i) for i, r in enumerate(ranks))

@@ -9,6 +9,7 @@ import pytest
 
 from memsnap.errors import ConfigError
 from memsnap.inplace import InplaceJob, Recovery
+from memsnap.inplace.report import MemberReport
 
 
 def make(**kwargs) -> InplaceJob:
@@ -52,7 +53,13 @@ def test_waiting_no_time_for_a_node_is_allowed():
     assert make(wait_for_node_s=0).wait_for_node_s == 0.0
 
 
+def report(rank: int, **times) -> MemberReport:
+    base = {"member": f"r{rank}", "pid": 10 + rank, "rank": rank, "gen": 3, "takeover": False, "assigned": 100.25}
+    return MemberReport.from_wire(base | times)
+
+
 def recovery(reports: dict[int, dict]) -> Recovery:
+    """A recovery of generation 3 decided at 100.25 s, with the members' reports."""
     return Recovery(
         gen=3,
         lost={1: "r1"},
@@ -61,7 +68,7 @@ def recovery(reports: dict[int, dict]) -> Recovery:
         why="rank 1: its process ended",
         noticed=100.0,
         decided=100.25,
-        reports=reports,
+        reports={r: report(r, **rep) for r, rep in reports.items()},
     )
 
 
@@ -110,3 +117,13 @@ def test_a_sharded_member_refuses_to_shrink_naming_the_fix():
     member.sharded = []
     Member._resize(member, 1, 2)  # data parallel: a Snapshotter of the new shape comes next
     assert closed == [1] and member.snap is None
+
+
+def test_a_member_report_travels_as_json_with_only_the_phases_it_reached():
+    rep = report(2, formed=100.5, restored=101.0, tier="live", live_holders=[0, 1], live_phases={"move": 0.4})
+    wire = json.loads(rep.to_json())
+    assert "first_step" not in wire and wire["formed"] == 100.5 and wire["live_holders"] == [0, 1]
+    back = MemberReport.from_json(rep.to_json())
+    assert back == rep and back.first_step is None
+    # a report from a newer member with a field this one does not know still reads
+    assert MemberReport.from_wire(wire | {"newer": 1}) == rep

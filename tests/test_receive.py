@@ -21,8 +21,7 @@ from memsnap.codec import codec_for
 from memsnap.config import SnapshotConfig
 from memsnap.errors import StateMismatchError
 from memsnap.landing import Spans
-from memsnap.rank.client import RoundResult
-from memsnap.records import RankPlan, RankSource, Region
+from memsnap.records import RankPlan, RankRestore, RankSource, Region, RoundResult
 from memsnap.stripes import choose_chunk
 from memsnap.transport import ChunkKey, make_transport
 
@@ -155,9 +154,9 @@ class _Client:
     def manifest(self, step, rank, source) -> str:
         return "{}"
 
-    def restore_done(self, attempt: int, ok: bool, report: dict):
-        self.done.append(ok)
-        return RoundResult(ok, {}, 1)
+    def restore_done(self, attempt: int, report: RankRestore):
+        self.done.append(report.ok)
+        return RoundResult(report.ok, {}, 1)
 
     def ready_slots(self, nbytes: int) -> None:
         pass
@@ -205,7 +204,7 @@ def test_a_restore_that_failed_mid_write_never_starts_fresh_on_mixed_state(monke
 def test_a_refused_restore_touched_nothing_and_may_start_fresh(monkeypatch):
     snap = _snapshotter([PEER, NONE], StateMismatchError("'model/w': snapshot has float32[4]"), monkeypatch)
     assert snap.restore({}) is None and not snap.loader.dirty
-    assert snap.last_restore["tier"] == "none"
+    assert snap.last_restore.tier == "none"
 
 
 def test_a_rank_that_moved_reads_its_whole_copy_from_its_old_node_with_no_decode(holders):

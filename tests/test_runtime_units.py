@@ -628,7 +628,7 @@ def test_a_refused_rank_leaves_the_agent_as_the_live_run_left_it(core):
         asyncio.run(relay.join(0, 4, {"run": "trial-b", "process": "q0"}))
     assert core.world == 2 and core.ranks == {0} and core.holders == {0: {"run": "trial-a", "process": "p0"}}
     assert asyncio.run(relay.join(1, 2, {"run": None, "process": "p1"})) == (64, "trial-a")
-    assert core.holders[1] == {"run": "trial-a", "process": "p1"} and core.committed_infos()["run"] == "trial-a"
+    assert core.holders[1] == {"run": "trial-a", "process": "p1"} and core.committed_infos().run == "trial-a"
 
 
 def test_ray_train_runs_and_tune_trials_get_a_job_name_and_run_id_of_their_own():
@@ -686,7 +686,7 @@ def test_a_rank_that_saved_a_step_elsewhere_gives_its_arenas_back_for_the_next_r
     _commit_here(core, 4, [0], nbytes)  # rank 1 saved step 4 on another node
     assert sorted(core.arenas) == [(0, 0), (0, 1), (0, 2)] and core.budget.used == 3 * nbytes
     assert core.local(3, 0) is not None and core.local(3, 1) is None
-    assert core.committed_infos()["ranks"] == [0]
+    assert core.committed_infos().ranks == (0,)
     _commit_here(core, 5, [0, 2], nbytes)  # the rank placed here next has the room
     assert core.local(5, 2) is not None and core.counters["failed_snapshots"] == 0
 

@@ -46,20 +46,37 @@ def resolve_kind(kind: str) -> str:
 
 
 class AgentDevice:
-    """(agent) The node's device buffers, and the drain into the host arenas."""
+    """(agent) The node's device buffers, and the drain into the host arenas.
 
-    def __init__(self, core: Any, kind: str, buffer: bool | int):
+    What it needs of its agent, passed in: ``submit(fn, *args)`` runs a drain in the agent's
+    thread pool; ``arena(step, rank)`` is the host arena of ``rank``'s slot of ``step`` and its
+    byte count (None: the step was dropped meanwhile); ``captured(step, rank, manifest,
+    local_ranks)`` hands the drained step on (encode, send, commit); ``failed(step, why)``
+    tells the coordinator that the step cannot commit."""
+
+    def __init__(
+        self,
+        node: str,
+        job: str,
+        kind: str,
+        buffer: bool | int,
+        *,
+        submit: Callable[..., Any],
+        arena: Callable[[int, int], tuple[Any, int] | None],
+        captured: Callable[[int, int, str, list[int]], None],
+        failed: Callable[[int, str], None],
+    ):
         if kind != "cpu":  # before CUDA starts in this process: see every GPU of the node
             log.info("memsnap: device tier: %s", visibility.see_node_gpus())
         kind = resolve_kind(kind)
         if kind == "none":
             raise DeviceError(
-                f"node {core.node[:12]}: the agent sees no CUDA device (CUDA_VISIBLE_DEVICES="
+                f"node {node[:12]}: the agent sees no CUDA device (CUDA_VISIBLE_DEVICES="
                 f"{os.environ.get(visibility.VISIBLE)!r}); the device tier is off here"
             )
         budget = UNBOUNDED if buffer is True else int(buffer)
-        self.core = core
-        self.tier = AgentTier(make_backend(kind), budget, prefix=f"memsnap-{core.cfg.job}-{core.node[:12]}")
+        self.submit, self.arena, self.handed_on, self.failed = submit, arena, captured, failed
+        self.tier = AgentTier(make_backend(kind), budget, prefix=f"memsnap-{job}-{node[:12]}")
         self.lock = threading.Lock()
 
     def begin(self, step: int, rank: int, device: str, nbytes: int) -> str | None:
@@ -72,7 +89,7 @@ class AgentDevice:
         the agent's thread pool."""
         with self.lock:
             self.tier.captured(rank, device, step, manifest_json)
-        self.core.pool.submit(self._drain, step, rank, device, manifest_json, local_ranks)
+        self.submit(self._drain, step, rank, device, manifest_json, local_ranks)
 
     def _drain(self, step: int, rank: int, device: str, manifest_json: str, local_ranks: list[int]) -> None:
         try:
@@ -80,19 +97,15 @@ class AgentDevice:
         except Exception as exc:  # the step cannot commit: say so, as a failed capture would
             why = f"rank {rank}: device buffer drain failed: {type(exc).__name__}: {exc}"
             log.warning("step %d: %s", step, why)
-            self.core.tell("node_failed", step, self.core.node, why)  # every node drops the step
+            self.failed(step, why)  # every node drops the step
 
     def _drain_into_arena(self, step, rank, device, manifest_json, local_ranks) -> None:
-        with self.core.lock:
-            v = self.core.versions.get(step)
-            nbytes = None if v is None else v.sizes.get(rank)
-            arena = None if nbytes is None else self.core.slots.arena(rank, v.slot, nbytes)
-        if arena is None:  # the step was abandoned meanwhile: the host path drops it the same way
-            self.core.captured(step, rank, manifest_json, local_ranks)
-            return
-        arena.pin()  # once per arena (a no-op after the first time, or without CUDA)
-        self.tier.drain(rank, device, arena.view(0, nbytes))
-        self.core.captured(step, rank, manifest_json, local_ranks)
+        found = self.arena(step, rank)
+        if found is not None:  # (None: the step was abandoned meanwhile: the host path drops it the same way)
+            arena, nbytes = found
+            arena.pin()  # once per arena (a no-op after the first time, or without CUDA)
+            self.tier.drain(rank, device, arena.view(0, nbytes))
+        self.handed_on(step, rank, manifest_json, local_ranks)
 
     def source(self, rank: int, step: int) -> list | None:
         """``[manifest JSON, handle JSON]`` of ``rank``'s ``step`` in a device buffer, or None."""

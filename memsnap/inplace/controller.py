@@ -44,6 +44,7 @@ from memsnap.errors import ConfigError, MemsnapError
 from memsnap.inplace.group import failed_key, publish_failure
 from memsnap.inplace.heartbeat import Monitor
 from memsnap.inplace.member import Member, fenced_key, gen_key, report_key
+from memsnap.inplace.report import MemberReport
 
 if TYPE_CHECKING:
     from torch.distributed import TCPStore
@@ -70,7 +71,7 @@ class Recovery:
     decided: float  # the next generation was written
     fenced: float | None = None  # the lost nodes were fenced: the restores could start
     shrunk: tuple[int, int] | None = None  # (world before, world after) when no standby was left
-    reports: dict[int, dict] = dataclasses.field(default_factory=dict)
+    reports: dict[int, MemberReport] = dataclasses.field(default_factory=dict)
     sent: bool = False  # reported to the coordinator and the event log
 
     def split(self) -> dict[str, float | None]:
@@ -78,7 +79,7 @@ class Recovery:
         group), ``restore`` (-> every rank restored), ``first_step`` (-> every rank took a step)."""
 
         def last(key):
-            values = [r.get(key) for r in self.reports.values()]
+            values = [getattr(r, key) for r in self.reports.values()]
             return max(values) if values and None not in values else None
 
         formed, restored, stepped = last("formed"), last("restored"), last("first_step")
@@ -102,11 +103,11 @@ class Recovery:
             "fenced": self.fenced,
             "shrunk": self.shrunk,
             "split": self.split(),
-            "tiers": {r: rep.get("tier") for r, rep in sorted(self.reports.items())},
-            "steps": {r: rep.get("step") for r, rep in sorted(self.reports.items())},
-            "pids": {r: rep.get("pid") for r, rep in sorted(self.reports.items())},
+            "tiers": {r: rep.tier for r, rep in sorted(self.reports.items())},
+            "steps": {r: rep.step for r, rep in sorted(self.reports.items())},
+            "pids": {r: rep.pid for r, rep in sorted(self.reports.items())},
             # why the ranks rolled back instead of going on from their live state (None: they did not)
-            "live_refused": next((rep["live_refused"] for rep in self.reports.values() if "live_refused" in rep), None),
+            "live_refused": next((r.live_refused for r in self.reports.values() if r.live_refused is not None), None),
         }
 
 
@@ -689,7 +690,7 @@ class InplaceJob:
             for rank in range(self.world):
                 key = report_key(self.job, rec.gen, rank)
                 if rank not in rec.reports and self.store is not None and self.store.check([key]):
-                    rec.reports[rank] = json.loads(self.store.get(key))
+                    rec.reports[rank] = MemberReport.from_json(self.store.get(key))
         return [rec.to_dict() for rec in self.recoveries]
 
     def _report_finished(self) -> None:

@@ -403,13 +403,27 @@ def _slices(nbytes: int, n: int) -> list[tuple[int, int]]:
     return [(i * per, min(nbytes, (i + 1) * per)) for i in range(n) if i * per < nbytes]
 
 
+@dataclass(frozen=True)
+class Takeover:
+    """What one rank did in a live takeover: went on from ``step``, as a holder that ``kept``
+    its state or as a receiver that took the ``live`` state of ``holders`` (``nbytes``),
+    keeping its own RNG streams ``own_rng``; ``phases``: seconds of digest, agree, move, apply."""
+
+    step: int
+    role: str
+    seconds: float
+    nbytes: int
+    holders: tuple[int, ...]
+    own_rng: tuple[str, ...]
+    phases: Mapping[str, float]
+
+
 def take_over(
     live: Live, state: Mapping[str, Any], rank: int, world: int, resized: bool = False
-) -> tuple[dict | None, str]:
+) -> tuple[Takeover | None, str]:
     """(collective: every member of the generation) Go on from the newest step boundary the
-    members agree on. Returns ``(what this rank did, "")``, ``what`` being ``{"step", "role":
-    "kept" | "live", "seconds", "nbytes", "holders", "own_rng", "phases"}``, or ``(None, why)`` to
-    roll back. ``resized``: this member knows the world size changed (then nobody goes on live)."""
+    members agree on. Returns ``(what this rank did, "")`` or ``(None, why)`` to roll back.
+    ``resized``: this member knows the world size changed (then nobody goes on live)."""
     import torch
 
     t0 = time.perf_counter()
@@ -451,15 +465,15 @@ def take_over(
         live.mark(verdict.step, state)  # its state is the boundary now: it may hold it next time
         clock["apply"] = time.perf_counter() - t - clock["move"]
         role = "live"
-    return {
-        "step": verdict.step,
-        "role": role,
-        "seconds": time.perf_counter() - t0,
-        "nbytes": verdict.nbytes,
-        "holders": list(verdict.holders),
-        "own_rng": list(verdict.own_rng),
-        "phases": {k: round(v, 4) for k, v in clock.items()},
-    }, ""
+    return Takeover(
+        verdict.step,
+        role,
+        time.perf_counter() - t0,
+        verdict.nbytes,
+        tuple(verdict.holders),
+        tuple(verdict.own_rng),
+        {k: round(v, 4) for k, v in clock.items()},
+    ), ""
 
 
 def _send(group: RecoverableGroup, verdict: Verdict, rank: int, b: Boundary, sources: list) -> None:

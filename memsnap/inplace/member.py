@@ -42,8 +42,10 @@ from typing import TYPE_CHECKING, Any
 from memsnap.identity import process_token
 from memsnap.inplace.group import PeerLost, RecoverableGroup, connect, os_threads
 from memsnap.inplace.heartbeat import Beater
+from memsnap.inplace.report import MemberReport
 
 if TYPE_CHECKING:
+    from memsnap.inplace.live import Takeover
     from memsnap.rank import Snapshotter
 
 log = logging.getLogger("memsnap.inplace")
@@ -132,7 +134,7 @@ class Context:
             done, refused = take_over(m.live, state, m.current_rank, m.world or 0, resized=m.resized)
             if done is not None:
                 m.took_over(done)
-                return done["step"] + 1
+                return done.step + 1
             m.live_refused(refused)
         m.await_fenced()
         try:
@@ -245,7 +247,7 @@ class Member:
         self.recoveries = 0
         self.on_rank_fns: list[Callable] = []  # ctx.on_rank: run once, when this process first has a rank
         self.sharded: list = []  # the models ctx.fully_shard sharded
-        self._report: dict = {}
+        self._report = MemberReport("", os.getpid(), -1, -1, False, time.time())
         self._lock = threading.Lock()
         self._leaving = threading.Event()  # a preemption notice: hand over at the next step boundary
         # off where another runner owns the preemption notice (Ray Train's own watcher)
@@ -306,7 +308,7 @@ class Member:
         ``HandedOver`` for the leaving member, ``PeerLost`` for the others."""
         self.snapshotter.save(step, state, force=True)
         committed = self.snapshotter.wait(step, timeout=self.handover_commit_s)
-        self._report["handover_step"] = step
+        self._report.handover_step = step
         if committed is None or committed < step:
             log.warning(
                 "member %s: the handover snapshot of step %d did not commit (newest %s): the "
@@ -390,29 +392,22 @@ class Member:
         if self.snap is not None and world != self.world:
             self._resize(rank, world)
         self.rank, self.world, self.gen = rank, world, gen
-        self._report = {
-            "member": self.name,
-            "pid": os.getpid(),
-            "rank": rank,
-            "gen": gen,
-            "takeover": takeover,
-            "assigned": t_assigned,
-        }
+        self._report = MemberReport(self.name, os.getpid(), rank, gen, takeover, t_assigned)
         try:
             self.group.configure(gen, rank, world)
-            self._report["formed"] = time.time()
+            self._report.formed = time.time()
             while self.on_rank_fns:  # once per process (a standby's at its takeover)
                 self.on_rank_fns.pop(0)(Context(self), self.state)
-                self._report["on_rank"] = time.time()
+                self._report.on_rank = time.time()
             if self.snap is None:
                 import memsnap
 
                 self.snap = memsnap.Snapshotter(job=self.job, rank=rank, world_size=world, **self.options)
-                self._report["registered"] = time.time()
+                self._report.registered = time.time()
             result = self.train_fn(Context(self), self.state)
         except HandedOver as exc:
             log.warning("%s", exc)
-            self._report["handed_over"] = time.time()
+            self._report.handed_over = time.time()
             self._publish()
             return HandedOver
         except Exception as exc:
@@ -425,10 +420,11 @@ class Member:
             log.warning(
                 "member %s (rank %d): generation %d is over (%s): waiting for the next", self.name, rank, gen, exc
             )
-            self._report.setdefault("lost", time.time())
+            if self._report.lost is None:
+                self._report.lost = time.time()
             self._publish()
             return PeerLost
-        self._report["finished"] = time.time()
+        self._report.finished = time.time()
         self._publish()
         self.store.set(done_key(self.job, rank), json.dumps({"member": self.name, "gen": gen}))
         return result
@@ -444,7 +440,7 @@ class Member:
                 raise PeerLost(f"generation {self.gen} is over before its restore: {why}", self.current_gen)
             if time.monotonic() > deadline:
                 raise RuntimeError(f"member {self.name}: generation {self.gen} was never fenced")
-        self._report["fenced"] = time.time()
+        self._report.fenced = time.time()
 
     def _resize(self, rank: int, world: int) -> None:
         """The job goes on with ``world`` ranks, this one as ``rank``: a Snapshotter of the new
@@ -468,45 +464,38 @@ class Member:
 
     # --- what ``Context`` tells ------------------------------------------------------------------
     def restored(self, step: int | None) -> None:
-        lr = getattr(self.snap, "last_restore", {}) or {}
-        self._report.update(
-            restored=time.time(), step=step, tier=lr.get("tier"), restore_s=(lr.get("seconds") or {}).get("total")
-        )
+        rep = self._report
+        last = self.snapshotter.last_restore
+        rep.restored, rep.step, rep.tier, rep.restore_s = time.time(), step, last.tier, last.total_s
 
-    def took_over(self, done: dict) -> None:
+    def took_over(self, done: Takeover) -> None:
         """A recovery with nothing rolled back: this rank kept its live state ("kept") or
         took a replica's ("live")."""
-        self._report.update(
-            restored=time.time(),
-            step=done["step"],
-            tier=done["role"],
-            restore_s=done["seconds"],
-            live_holders=done["holders"],
-            live_phases=done["phases"],
-        )
+        rep = self._report
+        rep.restored, rep.step, rep.tier, rep.restore_s = time.time(), done.step, done.role, done.seconds
+        rep.live_holders, rep.live_phases = list(done.holders), dict(done.phases)
         log.info(
             "member %s (rank %s): %s step %d (%.3f s)",
             self.name,
             self.rank,
-            "kept its live state at" if done["role"] == "kept" else "took a replica's live state of",
-            done["step"],
-            done["seconds"],
+            "kept its live state at" if done.role == "kept" else "took a replica's live state of",
+            done.step,
+            done.seconds,
         )
 
     def live_refused(self, why: str) -> None:
-        self._report["live_refused"] = why
+        self._report.live_refused = why
         if self.rank == 0:
             log.warning("no live takeover in generation %s (%s): every rank rolls back", self.gen, why)
 
     def stepped(self, step: int) -> None:
-        if "first_step" not in self._report and "restored" in self._report:
-            self._report["first_step"] = time.time()
-            self._report["first_step_no"] = step
+        if self._report.first_step is None and self._report.restored is not None:
+            self._report.first_step, self._report.first_step_no = time.time(), step
             self._publish()
 
     def _publish(self) -> None:
         try:
-            self.store.set(report_key(self.job, self.current_gen, self.current_rank), json.dumps(self._report))
+            self.store.set(report_key(self.job, self.current_gen, self.current_rank), self._report.to_json())
         except Exception as exc:  # a report is for the record; never stop training for it
             log.warning("member %s: report not written: %s", self.name, exc)
 

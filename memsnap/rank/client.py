@@ -16,7 +16,7 @@ import ray
 
 from memsnap.config import tunable
 from memsnap.errors import MemsnapError
-from memsnap.records import RankPlan, RankSource
+from memsnap.records import RankPlan, RankRestore, RankSource, RoundResult
 
 
 def unwrap(exc: BaseException) -> BaseException:
@@ -75,20 +75,6 @@ class HeldCopy:
     @classmethod
     def from_wire(cls, d: dict) -> HeldCopy:
         return cls(d["manifest"], d["path"], int(d["nbytes"]))
-
-
-@dataclass(frozen=True)
-class RoundResult:
-    """A restore round's outcome, the same for every rank: ``ok``, the ranks that failed (with
-    their reports) and the restore generation the job resumed in."""
-
-    ok: bool
-    failed: dict
-    gen: int
-
-    @classmethod
-    def from_wire(cls, d: dict) -> RoundResult:
-        return cls(bool(d["ok"]), dict(d.get("failed") or {}), int(d.get("gen") or 0))
 
 
 class AgentClient:
@@ -158,11 +144,11 @@ class AgentClient:
         timeout = tunable("restore_timeout_s") + 10
         return RankPlan.from_wire(self._call("restore_plan", self.rank, attempt, timeout=timeout))
 
-    def restore_done(self, attempt: int, ok: bool, report: dict) -> RoundResult:
+    def restore_done(self, attempt: int, report: RankRestore) -> RoundResult:
         """Report this rank's load; the round's outcome. When it is ok the agent has resumed
         its node from the round's step before it answers (``NodeRelay.restore_done``)."""
         timeout = tunable("restore_timeout_s") + 10
-        return RoundResult.from_wire(self._call("restore_done", self.rank, attempt, ok, report, timeout=timeout))
+        return RoundResult.from_wire(self._call("restore_done", self.rank, attempt, report.to_wire(), timeout=timeout))
 
     def local(self, step: int) -> HeldCopy | None:
         """This rank's committed bytes of ``step`` on its own node, or None."""

@@ -24,6 +24,7 @@ Call protocol (every rank of the job, each in its own Ray worker or driver):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import warnings
@@ -42,7 +43,7 @@ from memsnap.rank.job import check_same_job, ensure_ray, job_config
 from memsnap.rank.load import Loader
 from memsnap.rank.maps import ArenaMaps
 from memsnap.rank.save import Capture
-from memsnap.records import RankPlan
+from memsnap.records import LastRestore, RankPlan, RankRestore
 from memsnap.secret import job_secret
 
 if TYPE_CHECKING:
@@ -125,7 +126,7 @@ class Snapshotter:
         )
         self._maps = maps
         self.counters = {"saves": 0, "failed_saves": 0, "skipped_saves": 0, "skipped_busy": 0}
-        self.last_restore: dict = {"tier": "none", "step": None, "seconds": {}}
+        self.last_restore = LastRestore()  # the newest restore this rank took part in
         self.last_plan: RankPlan | None = None  # this rank's part of the last restore plan
         self.last_error: str | None = None
         self._policy = Scheduler(
@@ -320,12 +321,12 @@ class Snapshotter:
             seconds = {"plan": time.perf_counter() - t}
             try:
                 tier = self.loader.load(plan, state, seconds)
-                ok, report = True, {"tier": tier, "seconds": seconds}
+                report = RankRestore.loaded(tier, seconds)
             except Exception as exc:
                 log.warning("rank %d: restore of step %s failed: %s", self.rank, plan.step, exc)
-                ok, report, tier = False, {"error": f"{type(exc).__name__}: {exc}"}, None
+                report, tier = RankRestore.failed(exc), None
                 error = exc
-            result = self.client.restore_done(attempt, ok, report)
+            result = self.client.restore_done(attempt, report)
             if result.ok and self.loader.dirty and plan.tier == "none":
                 raise MemsnapError(
                     f"rank {self.rank}: a restore from peers failed after it had begun writing into the "
@@ -352,9 +353,9 @@ class Snapshotter:
             log.info("rank %d: arena slots not made ahead: %s", self.rank, exc)
 
     def _restored(self, plan: RankPlan, tier: str, seconds: dict) -> int | None:
-        self.last_restore = {"tier": tier, "step": plan.step, "seconds": seconds}
-        if plan.plan == "durable" or tier == "durable":
-            self.last_restore["run"] = self.loader.durable_run  # the run that spilled it (its COMMITTED metadata)
+        # a durable step names the run that spilled it (its COMMITTED metadata)
+        run = self.loader.durable_run if plan.plan == "durable" or tier == "durable" else None
+        self.last_restore = LastRestore(tier, plan.step, dict(seconds), run)
         self.last_plan = plan
         metrics.restored(self.config.job, self.node, tier, seconds.get("total", 0.0))
         resumed = -1 if plan.step is None else plan.step
@@ -362,12 +363,11 @@ class Snapshotter:
         if self._guard is not None:
             self._guard.start_step = resumed
         if plan.plan == "durable":
-            wrote = self.last_restore.get("run")
             msg = (
                 f"memsnap: restored step {plan.step} from durable storage {plan.spill}"
-                f"{f' (spilled by run {wrote!r})' if wrote else ''}: the RAM tiers could not serve every rank"
+                f"{f' (spilled by run {run!r})' if run else ''}: the RAM tiers could not serve every rank"
             )
-            self.last_restore["warning"] = msg
+            self.last_restore = dataclasses.replace(self.last_restore, warning=msg)
             warnings.warn(msg, RuntimeWarning, stacklevel=3)
         log.info(
             "rank %d restored step %s from %s in %s",
@@ -392,7 +392,7 @@ class Snapshotter:
         st["failed_snapshots"] += sum(a["counters"]["failed_snapshots"] for a in agents_.values())
         st["failed_saves"] = self.counters["failed_saves"]
         st["skipped_busy"] = st["skipped_snapshots"]  # steps skipped or replaced under load, job-wide
-        st["last_restore"] = dict(self.last_restore)
+        st["last_restore"] = self.last_restore.to_wire()
         return st
 
     def close(self) -> None:

@@ -72,7 +72,7 @@ class Rank:
         step = self.snap.restore(self.state)
         wall = time.perf_counter() - t
         last = self.snap.last_restore
-        return step, last["tier"], self.local_digest(self.state), wall, last["seconds"]
+        return step, last.tier, self.local_digest(self.state), wall, dict(last.seconds)
 
     def train_and_save(self, step: int) -> bool:
         self._step(self.state, step)

@@ -72,7 +72,7 @@ class NodeRanks:
 
         def one(r):
             got = self.snaps[r].restore(self.states[r])
-            return got, self.snaps[r].last_restore["tier"], digest(self.states[r], rng=False)
+            return got, self.snaps[r].last_restore.tier, digest(self.states[r], rng=False)
 
         return self._all(one)
 

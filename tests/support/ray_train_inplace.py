@@ -27,13 +27,14 @@ class Recorded:
         start = self._ctx.restore(state)
         import psutil
 
-        times = {k: v for k, v in self._ctx._m._report.items() if k in ("assigned", "formed", "registered")}
+        report = self._ctx._m._report.to_wire()
+        times = {k: v for k, v in report.items() if k in ("assigned", "formed", "registered")}
         self.store.set(
             f"test/restored/{self._ctx.generation}/{self._ctx.rank}",
             json.dumps(
                 {
                     "pid": os.getpid(),
-                    "tier": self._ctx._m._report.get("tier"),  # "kept"/"live": nothing rolled back
+                    "tier": report.get("tier"),  # "kept"/"live": nothing rolled back
                     "start": start,
                     "times": {**times, "process": psutil.Process().create_time(), "restored": time.time()},
                 }

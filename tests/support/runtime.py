@@ -96,7 +96,7 @@ class Trainer:
 
     def restore(self) -> tuple:
         step = self.snap.restore(self.state)
-        return step, digest(self.state), self.snap.last_restore
+        return step, digest(self.state), self.snap.last_restore.to_wire()
 
     def digest(self) -> str:
         return digest(self.state)
