@@ -466,10 +466,6 @@ class SnapshotAgent:
     async def recover(self, step: int, rank: int, source: dict) -> dict:
         return await self.pool.run(self.core.recover, step, rank, RankSource.from_wire(source))
 
-    async def count(self, counter: str, n: int) -> None:
-        """Add ``n`` to one of the agent's counters (a rank reports what its restore repaired)."""
-        self.core.counters[counter] = self.core.counters.get(counter, 0) + n
-
     async def request_spill(self, step: int) -> None:
         await self._call("spill_now", step, timeout=tunable("call_timeout_s"))
 

@@ -494,6 +494,11 @@ class AgentCore:
         self.store.give_up(step)
         self.changed()
 
+    def count(self, counter: str, n: int) -> None:
+        """Add ``n`` to one of this node's counters (e.g. chunks a rank's restore repaired)."""
+        with self.lock:
+            self.counters[counter] = self.counters.get(counter, 0) + n
+
     def resume(self, step: int | None, gen: int) -> None:
         """The job restored ``step`` (None: started fresh) in restore generation ``gen``: forget
         every uncommitted version after it, so the resumed run can take those steps again."""

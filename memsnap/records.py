@@ -329,23 +329,35 @@ class Inventory:
 @dataclass(frozen=True)
 class RankRestore:
     """One rank's report of one restore round: ``ok`` with the ``tier`` that served it and
-    where its ``seconds`` went (phase -> s), or not ``ok`` with the ``error``."""
+    where its ``seconds`` went (phase -> s), or not ``ok`` with the ``error``. What its node's
+    agent acts on: ``repaired``, chunks the read found bad at a holder and pushed back
+    (counted there); ``rebuild``, the node's own copy was corrupt and the rank read its
+    peers instead (the agent reads the copy back from the holders once the round succeeds)."""
 
     ok: bool
     tier: str | None = None
     seconds: Mapping[str, float] = field(default_factory=dict)
     error: str | None = None
+    repaired: int = 0
+    rebuild: bool = False
 
     @classmethod
-    def loaded(cls, tier: str, seconds: Mapping[str, float]) -> RankRestore:
-        return cls(True, tier, dict(seconds))
+    def loaded(cls, tier: str, seconds: Mapping[str, float], repaired: int = 0, rebuild: bool = False) -> RankRestore:
+        return cls(True, tier, dict(seconds), None, repaired, rebuild)
 
     @classmethod
-    def failed(cls, exc: BaseException) -> RankRestore:
-        return cls(False, error=f"{type(exc).__name__}: {exc}")
+    def failed(cls, exc: BaseException, repaired: int = 0) -> RankRestore:
+        return cls(False, error=f"{type(exc).__name__}: {exc}", repaired=repaired)
 
     def to_wire(self) -> dict:
-        return {"ok": self.ok, "tier": self.tier, "seconds": dict(self.seconds), "error": self.error}
+        return {
+            "ok": self.ok,
+            "tier": self.tier,
+            "seconds": dict(self.seconds),
+            "error": self.error,
+            "repaired": self.repaired,
+            "rebuild": self.rebuild,
+        }
 
     @classmethod
     def from_wire(cls, d: Mapping[str, Any]) -> RankRestore:
@@ -354,6 +366,8 @@ class RankRestore:
             d.get("tier"),
             {str(k): float(v) for k, v in (d.get("seconds") or {}).items()},
             d.get("error"),
+            int(d.get("repaired") or 0),
+            bool(d.get("rebuild")),
         )
 
 

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from memsnap.config import tunable
 from memsnap.errors import CommitError, JobInUseError
-from memsnap.records import RankPlan, RoundResult
+from memsnap.records import RankPlan, RankRestore, RankSource, RoundResult
 from memsnap.waiting import Batch, Signal
 
 log = logging.getLogger("memsnap.agent")
@@ -35,6 +35,7 @@ class _NodeRound:
     result: asyncio.Future | None = None
     closed: bool = False
     ranks: set[int] = field(default_factory=set)
+    loads: dict[int, RankRestore] = field(default_factory=dict)  # the node's ranks' reports
 
 
 class RelayedNode(Protocol):
@@ -54,6 +55,10 @@ class RelayedNode(Protocol):
     def resolved(self, step: int) -> bool: ...
 
     def resume(self, step: int | None, gen: int) -> None: ...
+
+    def count(self, counter: str, n: int) -> None: ...
+
+    def rebuild_local(self, step: int, rank: int, src: RankSource, replace: bool = False) -> bool: ...
 
 
 class NodeRelay:
@@ -182,9 +187,28 @@ class NodeRelay:
         outcome = RoundResult.from_wire(result)
         if outcome.ok:
             assert rnd.plans is not None  # a rank reports only after its plan
-            step = RankPlan.from_wire(next(iter((await rnd.plans).values()))).step  # (one step for every rank)
-            await asyncio.get_running_loop().run_in_executor(None, self.core.resume, step, outcome.gen)
+            plans = {r: RankPlan.from_wire(p) for r, p in (await rnd.plans).items()}
+            step = next(iter(plans.values())).step  # (one step for every rank)
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, self.core.resume, step, outcome.gen)
+            for rank, load in sorted(rnd.loads.items()):
+                source = plans[rank].source
+                if load.rebuild and step is not None and source is not None:
+                    loop.run_in_executor(None, self._rebuild, step, rank, source)
         return result
+
+    def _rebuild(self, step: int, rank: int, source: RankSource) -> None:
+        """(a thread) Read the node's corrupt copy of ``rank``'s ``step`` back from the holders."""
+        try:
+            done = self.core.rebuild_local(step, rank, source, True)
+            log.info(
+                "rank %d: the node's corrupt copy of step %d %s",
+                rank,
+                step,
+                "rebuilt" if done else "not rebuilt (moved on)",
+            )
+        except Exception as exc:  # the next commit leaves a whole local copy anyway
+            log.warning("rank %d: the node's corrupt copy of step %d not rebuilt: %s", rank, step, exc)
 
     async def restore_done(self, rank: int, attempt: int, report: dict) -> dict:
         """Report ``rank``'s load (a ``RankRestore`` on the wire); the round's outcome, the
@@ -192,6 +216,10 @@ class NodeRelay:
         rnd = self.rounds.get(attempt)
         if rnd is None:
             raise CommitError(f"restore_done(rank={rank}, attempt={attempt}) before its restore_plan")
+        load = RankRestore.from_wire(report)
+        rnd.loads[rank] = load
+        if load.repaired:
+            self.core.count("repaired_chunks", load.repaired)
         await rnd.reports.add((rank, report))
         if rnd.result is None:
             rnd.result = asyncio.ensure_future(self._result(rnd, attempt))

@@ -9,9 +9,12 @@ import asyncio
 import pytest
 
 from memsnap.errors import CommitError
-from memsnap.records import RankPlan, RankRestore, RoundResult
+from memsnap.records import RankPlan, RankRestore, RankSource, Region, RoundResult
 from memsnap.relay import NodeRelay
 from memsnap.waiting import Signal
+
+
+SOURCE = RankSource(9, 2, 1, "owner-node", 1 << 20, Region(1, 4096, 0), ("h0", "h1", "h2"), (None,) * 3)
 
 
 class Node:
@@ -19,6 +22,8 @@ class Node:
         self.node, self.world, self.address = "n" * 56, 2, {"port": 1}
         self.ranks, self.holders, self.newest = {0, 1}, {}, None
         self.resumed: list[tuple[int | None, int]] = []
+        self.counters: dict[str, int] = {}
+        self.done: list[str] = []  # what the node was told, in order
 
     def joined(self, rank, world, claim=None):
         self.ranks.add(rank)
@@ -31,6 +36,14 @@ class Node:
 
     def resume(self, step, gen):
         self.resumed.append((step, gen))
+        self.done.append("resume")
+
+    def count(self, counter, n):
+        self.counters[counter] = self.counters.get(counter, 0) + n
+
+    def rebuild_local(self, step, rank, src, replace=False):
+        self.done.append(f"rebuild step {step} rank {rank} from {src.owner} replace={replace}")
+        return True
 
 
 class Coordinator:
@@ -44,7 +57,7 @@ class Coordinator:
         if method == "restore_arrive":
             return None
         if method == "restore_plans":
-            return {r: RankPlan(9, "local", "ram").to_wire() for r in (0, 1)}
+            return {r: RankPlan(9, "local", "ram", source=SOURCE).to_wire() for r in (0, 1)}
         if method == "restore_report":
             return None
         if method == "restore_result":
@@ -97,3 +110,23 @@ def test_a_report_before_its_plan_is_refused():
     relay = NodeRelay(node, Coordinator(node), Signal())
     with pytest.raises(CommitError, match="before its restore_plan"):
         asyncio.run(relay.restore_done(0, 0, RankRestore.loaded("local", {}).to_wire()))
+
+
+def test_the_agent_counts_what_its_ranks_repaired_and_rebuilds_a_corrupt_copy_after_resuming():
+    node = Node()
+    relay = NodeRelay(node, Coordinator(node), Signal())
+    reports = {
+        0: RankRestore.loaded("local", {}),
+        1: RankRestore.loaded("peer", {}, repaired=3, rebuild=True),  # its node's copy was corrupt
+    }
+    results = asyncio.run(_round(relay, reports))  # (returns once the agent's threads are done)
+    assert all(r.ok for r in results) and node.counters == {"repaired_chunks": 3}
+    assert node.done == ["resume", "rebuild step 9 rank 1 from owner-node replace=True"]
+
+
+def test_a_failed_round_rebuilds_nothing_but_still_counts_the_repairs():
+    node = Node()
+    relay = NodeRelay(node, Coordinator(node, failed={0}), Signal())
+    reports = {0: RankRestore.failed(OSError("x"), repaired=2), 1: RankRestore.loaded("peer", {}, 1, rebuild=True)}
+    results = asyncio.run(_round(relay, reports))
+    assert not any(r.ok for r in results) and node.done == [] and node.counters == {"repaired_chunks": 3}

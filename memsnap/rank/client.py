@@ -169,11 +169,3 @@ class AgentClient:
         return HeldCopy.from_wire(
             self._call("recover", step, self.rank, source.to_wire(), timeout=tunable("restore_timeout_s"))
         )
-
-    def rebuild_local(self, step: int, source: RankSource) -> None:
-        """The node's copy of this rank's ``step`` was corrupt: the agent reads it back from the
-        holders, in the background."""
-        self._send("rebuild_local", step, self.rank, source.to_wire(), True)
-
-    def count(self, counter: str, n: int) -> None:
-        self._send("count", counter, n)

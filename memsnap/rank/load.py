@@ -57,11 +57,15 @@ class Loader:
         self.device_restore = device_restore
         self.dirty = False  # a failed direct read left the live state partly written
         self.durable_run: str | None = None  # the run that spilled the step a durable read loaded
+        # of the last load, for its report (the agent acts on them): chunks repaired at holders,
+        # and whether the node's own copy was corrupt (the agent then reads it back)
+        self.repaired, self.rebuild = 0, False
         self._peers = None
 
     def load(self, plan: RankPlan, state: Mapping[str, Any], seconds: dict) -> str:
         """Read ``plan`` into ``state``; the tier it came from (``seconds``: where time went)."""
         tier, step = plan.tier, plan.step
+        self.repaired, self.rebuild = 0, False
         if tier == "none":
             return "none"
         if tier == "durable":
@@ -87,8 +91,7 @@ class Loader:
         if self.direct:
             self.receive(plan.source, self.client.manifest(step, self.rank, plan.source), state)
             seconds["fetch"] = time.perf_counter() - t
-            if corrupt:  # the agent reads the node's copy back from the holders, in the background
-                self.client.rebuild_local(step, plan.source)
+            self.rebuild = corrupt  # the agent reads the node's copy back once the round succeeds
             return read
         held = self.client.recover(step, plan.source)
         seconds["fetch"] = time.perf_counter() - t
@@ -122,8 +125,7 @@ class Loader:
         except BaseException:
             self.dirty = True
             raise
-        if stats.get("repaired"):
-            self.client.count("repaired_chunks", stats["repaired"])
+        self.repaired += stats.get("repaired", 0)
 
     def apply(self, held: HeldCopy, state, seconds: dict) -> None:
         """Apply a copy held in an arena on this node (checked against its checksums)."""
@@ -153,8 +155,7 @@ class Loader:
         t = time.perf_counter()
         man, buf, stats = elastic.assemble(self.peers(), plan.sources, manifests, layout_of(state), self.rank)
         seconds["fetch"] = time.perf_counter() - t
-        if stats.get("repaired"):
-            self.client.count("repaired_chunks", stats["repaired"])
+        self.repaired += stats.get("repaired", 0)
         t = time.perf_counter()
         apply(state, man, buf, verify=False)  # (every tensor read was checked against its checksum)
         seconds["apply"] = time.perf_counter() - t

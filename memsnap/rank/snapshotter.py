@@ -321,10 +321,10 @@ class Snapshotter:
             seconds = {"plan": time.perf_counter() - t}
             try:
                 tier = self.loader.load(plan, state, seconds)
-                report = RankRestore.loaded(tier, seconds)
+                report = RankRestore.loaded(tier, seconds, self.loader.repaired, self.loader.rebuild)
             except Exception as exc:
                 log.warning("rank %d: restore of step %s failed: %s", self.rank, plan.step, exc)
-                report, tier = RankRestore.failed(exc), None
+                report, tier = RankRestore.failed(exc, self.loader.repaired), None
                 error = exc
             result = self.client.restore_done(attempt, report)
             if result.ok and self.loader.dirty and plan.tier == "none":
