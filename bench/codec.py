@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from memsnap import codec
+from memsnap.coding import codec
 
 MiB = 1 << 20
 GEOMETRIES = [(2, 1), (4, 1), (4, 2), (6, 3), (8, 2), (10, 4)]

@@ -26,11 +26,11 @@ sys.path.insert(0, str(HERE.parent))
 import torch  # noqa: E402
 from ray import cloudpickle  # noqa: E402  (what Ray pickles call arguments with)
 
-from memsnap.capture import plan  # noqa: E402
+from memsnap.coding.stripes import choose_chunk  # noqa: E402
 from memsnap.config import SnapshotConfig  # noqa: E402
-from memsnap.coordinator import CoordinatorCore  # noqa: E402
+from memsnap.job.coordinator import CoordinatorCore  # noqa: E402
 from memsnap.records import Inventory, NodeReady, Region  # noqa: E402
-from memsnap.stripes import choose_chunk  # noqa: E402
+from memsnap.state.capture import plan  # noqa: E402
 
 RESULTS = HERE / "results" / "control_plane.md"
 PER_NODE = 8

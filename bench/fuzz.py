@@ -53,15 +53,15 @@ def _import_memsnap():
 
         ctx = contextlib.nullcontext()
     with ctx:
-        from memsnap import reshard, tree, validate
-        from memsnap.apply import apply
-        from memsnap.capture import capture
         from memsnap.commands.export import weights as export_weights
         from memsnap.commands.ls import _row as ls_row
-        from memsnap.durable import save
+        from memsnap.durable.checkpoint import save
+        from memsnap.durable.storage import Store
         from memsnap.errors import MemsnapError
-        from memsnap.manifest import Manifest, TensorEntry
-        from memsnap.storage import Store
+        from memsnap.state import reshard, tree, validate
+        from memsnap.state.apply import apply
+        from memsnap.state.capture import capture
+        from memsnap.state.manifest import Manifest, TensorEntry
         from memsnap.transport import wire
 
 

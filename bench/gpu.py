@@ -13,7 +13,7 @@ What it measures (each part in its own try: a part that fails is reported, the r
    (``memsnap.device.tier``). The bytes are compared afterwards.
 3. The stall a training loop sees per snapshot: a ~0.7 B-parameter transformer with AdamW on
    the GPU, a snapshot every step, with no snapshot / side-stream D2H into a pinned arena
-   (``memsnap.cuda_capture``) / the device tier (D2D into the agent's buffer, which the agent
+   (``memsnap.state.cuda_capture``) / the device tier (D2D into the agent's buffer, which the agent
    drains into its pinned host arena from its own process while training goes on).
 4. CuPy Reed-Solomon encode and decode GB/s for RS(2,1), RS(4,2), RS(8,2) against the CPU
    codec (all cores), parity checked byte for byte against the CPU codec first.
@@ -275,10 +275,10 @@ def d2h(notes: list) -> list[tuple]:
 def d2d(notes: list) -> list[tuple]:
     import torch
 
-    from memsnap import capture as cap
     from memsnap.device import backend as pick_backend
     from memsnap.device.backend import BufferHandle
     from memsnap.device.tier import RankTier
+    from memsnap.state import capture as cap
 
     agent = Agent()
     rows, handle, tier = [], None, None
@@ -339,12 +339,13 @@ def _model():
 def stall(notes: list, steps: int) -> list[tuple]:
     import torch
 
-    from memsnap import capture as cap
-    from memsnap import cuda_capture, naming
+    from memsnap import naming
     from memsnap.arena import Arena
     from memsnap.device import backend as pick_backend
     from memsnap.device.backend import BufferHandle
     from memsnap.device.tier import RankTier
+    from memsnap.state import capture as cap
+    from memsnap.state import cuda_capture
 
     torch.backends.cuda.matmul.allow_tf32 = True
     cfg, model, opt = _model()
@@ -376,7 +377,7 @@ def stall(notes: list, steps: int) -> list[tuple]:
     base = run(lambda i: None)
     rows.append(("no snapshot", statistics.median(base), 0.0, ""))
 
-    # side-stream D2H into a pinned shared-memory arena (memsnap.cuda_capture)
+    # side-stream D2H into a pinned shared-memory arena (memsnap.state.cuda_capture)
     path = os.path.join(naming.arena_dir(), f"memsnap-gpubench{os.getpid()}-stall")
     try:
         arena = Arena.create(path, nbytes, pin=True)
@@ -447,7 +448,7 @@ def stall(notes: list, steps: int) -> list[tuple]:
 def coding(notes: list) -> list[tuple]:
     import numpy as np
 
-    from memsnap import codec
+    from memsnap.coding import codec
     from memsnap.device.cupy_rs import CupyReedSolomon
 
     try:

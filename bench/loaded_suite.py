@@ -172,7 +172,7 @@ def main() -> None:
 
 def _commit() -> str:
     """The checkout's commit (``+`` when its tracked files differ from it)."""
-    from memsnap.meta import git_commit
+    from memsnap.durable.meta import git_commit
 
     got = git_commit(str(ROOT))
     return "unknown" if got is None else got["commit"][:7] + ("+" if got["dirty"] else "")

@@ -80,8 +80,8 @@ class Rank:
     def start(self, every: int) -> int:
         """(every rank at once) Join job ``every`` and restore (nothing yet): what a training
         job does first; the agents then make this rank's arena slots. Returns the state's bytes."""
-        from memsnap.capture import plan
         from memsnap.demo.train import build, snapshot_state
+        from memsnap.state.capture import plan
 
         self.objs = build(self.cfg, self.rank, NODES, ddp=False)
         snap = self.snapshotter(every)

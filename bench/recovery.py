@@ -210,8 +210,8 @@ def data_path_alone(ranks, lost: str, rounds: int = 7) -> dict:
 
 
 def durable_restore(uri: str, mib: int, cold_path: str | None) -> float:
-    from memsnap.apply import apply
-    from memsnap.storage import Store
+    from memsnap.durable.storage import Store
+    from memsnap.state.apply import apply
 
     if cold_path:
         _drop_cache(cold_path)
@@ -262,7 +262,7 @@ def s3_copy(spill: str, mib: int) -> float | None:
     """Write rank 1's step to a moto S3 server on loopback and time restoring it from there."""
     from support.s3server import moto_s3
 
-    from memsnap.storage import Store
+    from memsnap.durable.storage import Store
 
     with moto_s3("bench") as endpoint:
         os.environ["AWS_ENDPOINT_URL"] = endpoint

@@ -2,7 +2,7 @@
 
 Save side (the stall the training loop sees):
     memcpy            ctypes.memmove of every tensor into a preallocated, touched buffer (ceiling)
-    capture           memsnap.capture.capture into the same preallocated buffer (plan reused)
+    capture           memsnap.state.capture.capture into the same preallocated buffer (plan reused)
     memsnap.save      per-tensor and whole-file xxh3 + write straight from the tensors + fsync +
                       manifest + commit marker
     ... no writeback  the same with storage.WRITEBACK = 0 (no sync_file_range hints: all the
@@ -41,9 +41,9 @@ from pathlib import Path
 import torch
 
 import memsnap
-from memsnap import storage
-from memsnap.capture import capture, fill_checksums, plan
 from memsnap.demo.disk import evict, resident
+from memsnap.durable import storage
+from memsnap.state.capture import capture, fill_checksums, plan
 
 
 def build(gib: float, width: int = 4096) -> dict:
@@ -97,8 +97,8 @@ class Bench:
     def _sources(self) -> list[tuple[int, torch.Tensor, int]]:
         """(offset, tensor, nbytes) of every stored tensor, looked up afresh: a load may have
         replaced the optimizer's tensors."""
-        from memsnap import tree
-        from memsnap.capture import collect
+        from memsnap.state import tree
+        from memsnap.state.capture import collect
 
         found: list[torch.Tensor] = []  # the tensors, in manifest order
         tree.encode(collect(self.state), lambda t, path: found.append(t) or len(found) - 1)

@@ -27,7 +27,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from memsnap.stripes import choose_chunk  # noqa: E402
+from memsnap.coding.stripes import choose_chunk  # noqa: E402
 from memsnap.transport import ChunkKey, make_transport  # noqa: E402
 
 GIB = 1 << 30

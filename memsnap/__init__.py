@@ -1,32 +1,25 @@
 """memsnap: erasure-coded in-memory snapshots of a training job's whole state.
 
-The data path, one module per stage:
+The packages follow a snapshot's path (each package's docstring names its modules):
 
-    capture.py / rng.py / sampler.py    state -> manifest.py + flat bytes (the state layer)
-    validate.py                         every manifest, skeleton, marker and frame header checked
-    arena.py / shmdir.py                the agent's shared memory the ranks capture into
-    codec.py (+ native/) / encode.py    bytes -> stripes -> Reed-Solomon chunks
-    stripes.py / placement.py           which bytes form which chunk (ChunkKey), which node holds it
-    buffers.py                          flat byte views, a destination in pieces (Scatter)
-    transport/                          chunks between agents (authenticated TCP, Ray object store)
-    chunkstore.py                       the chunks an agent holds for its peers
-    versions.py / slots.py              an agent's version table (states, lean-mode policy), its arena slots
-    sender.py / repair.py               an agent's sends, its repairs (agent.py composes them all)
-    durable.py / storage.py / spill.py  memsnap's on-disk / object-store format, and the spill
-    lineage.py / localfs.py             a root's commit history and retention; safe local file I/O
-    restore.py / receive.py             bytes back from the peers, straight into the live tensors
-    elastic.py / reshard.py             a step taken by another world size, resharded (RAM / disk)
+    rank/        the user's side: Snapshotter (save, restore, status), its save path, its load
+                 tiers (rank/load.py) and every call it makes to its node's agent (client.py)
+    state/       what a snapshot is: the state captured into flat bytes and a manifest
+                 (capture.py), read back into the live objects (apply.py), RNGs, checks
+    coding/      how the bytes survive lost nodes: stripes, Reed-Solomon parity (codec.py with
+                 native/, encode.py), and reading them back from peers (restore.py, receive.py)
+    transport/   chunks between nodes: authenticated TCP, or Ray's object store
+    node/        the agent, one per node: its version table, arena slots, sends to holders,
+                 the pieces it holds for peers, repairs, the relay to the coordinator, the spill
+    job/         the coordinator: membership and placement, the two-phase commit, the restore
+                 decision (coverage.py), liveness and re-protection
+    durable/     the disk format (save, load) and the storage it spills to (pyarrow.fs)
+    inplace/     recovery in place: re-formed process groups, standbys, live takeover
+    device/      the device tier (CUDA IPC buffers, pinning) and Reed-Solomon on the GPU
 
-The control plane (ranks -> their node's agent -> the coordinator, once per node):
-
-    rank/ / options.py                  the user-facing save / restore / status (rank/snapshotter.py:
-                                        the API; save.py, load.py: the capture and the load tiers;
-                                        client.py: every call to the node's agent), and its options
-    relay.py                            a node's ranks' calls toward the coordinator
-    coordinator.py                      membership.py, commit.py, rounds.py, reprotect.py, coverage.py
-    liveness.py                         memsnap's own verdict on a node (the agents' heartbeats)
-    records.py                          the typed records they exchange
-    actors.py                           both Ray faces (asyncio actors)
+Beside them: records.py (the typed records the rank, agents and coordinator exchange),
+actors.py (the agent's and the coordinator's Ray faces), arena.py (shared-memory buffers),
+options.py and config.py (options and tunables), commands/ (the CLI), chaos/, demo/.
 """
 
 from __future__ import annotations
@@ -38,9 +31,9 @@ __version__ = "0.1.0"
 # Public names, imported on first use so that importing memsnap stays cheap and a module
 # that is broken or absent does not take the others down.
 _LAZY = {
-    "ReedSolomon": "memsnap.codec",
-    "save": "memsnap.durable",
-    "load": "memsnap.durable",
+    "ReedSolomon": "memsnap.coding.codec",
+    "save": "memsnap.durable.checkpoint",
+    "load": "memsnap.durable.checkpoint",
     "Snapshotter": "memsnap.rank.snapshotter",
     "start_spare": "memsnap.rank.job",
     "shutdown": "memsnap.rank.job",

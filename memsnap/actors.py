@@ -22,15 +22,15 @@ from concurrent.futures import ThreadPoolExecutor
 import ray
 
 from memsnap import metrics, naming
-from memsnap.agent import AgentCore
 from memsnap.config import SnapshotConfig, tunable
-from memsnap.coordinator import CoordinatorCore, adopt_late, rebuild_state
 from memsnap.directory import find_agent
 from memsnap.errors import CommitError
 from memsnap.identity import Claim
-from memsnap.liveness import PING_CAP_S
+from memsnap.job.coordinator import CoordinatorCore, adopt_late, rebuild_state
+from memsnap.job.liveness import PING_CAP_S
+from memsnap.node.agent import AgentCore
+from memsnap.node.relay import NodeRelay
 from memsnap.records import CommitNotice, RankRestore, RankSource
-from memsnap.relay import NodeRelay
 from memsnap.secret import job_secret
 from memsnap.transport.objstore import ObjStoreTransport
 from memsnap.waiting import Signal
@@ -327,7 +327,7 @@ class SnapshotAgent:
         self.pool = _Pool(int(tunable("agent_threads")), "memsnap-agent")
         self.relay = NodeRelay(self.core, self._call, self.signal)
         if cfg.spill is not None:
-            from memsnap.spill import Spiller
+            from memsnap.node.spill import Spiller
 
             self.core.spiller = Spiller.of(self.core, report=self.core.spilled)
         self._beating = threading.Event()

@@ -34,7 +34,7 @@ PAGE = mmap.PAGESIZE
 _NEW = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _NO_ROOM = (errno.ENOSPC, errno.ENOMEM, errno.EFBIG)
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux
-log = logging.getLogger(__name__)
+log = logging.getLogger("memsnap.arena")
 
 
 def touch(buf) -> None:

@@ -90,7 +90,7 @@ class CommitError(MemsnapError):
 
 class VersionStateError(CommitError):
     """A snapshot version was asked to move to a state its current one cannot become (a bug:
-    ``memsnap.versions.ALLOWED`` lists the moves)."""
+    ``memsnap.node.versions.ALLOWED`` lists the moves)."""
 
 
 class JobInUseError(ConfigError):

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from memsnap import encode
+from memsnap.coding import encode
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,8 @@ import time
 
 import ray
 
+from memsnap.coding.stripes import ChunkKey
 from memsnap.errors import ConfigError
-from memsnap.stripes import ChunkKey
 
 ENV = "MEMSNAP_TESTING_HOOKS"
 

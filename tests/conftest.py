@@ -36,7 +36,7 @@ def pytest_configure(config):
 
 def pytest_report_header(config):
     try:
-        from memsnap import codec
+        from memsnap.coding import codec
 
         return f"memsnap codec ISA: {codec.isa()} (available: {', '.join(codec.available_isas())})"
     except Exception as exc:  # the header must never break collection

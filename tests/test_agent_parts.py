@@ -10,16 +10,16 @@ import pytest
 import torch
 
 from memsnap.arena import MemoryBudget
-from memsnap.capture import capture
-from memsnap.codec import codec_for
+from memsnap.coding.codec import codec_for
 from memsnap.config import SnapshotConfig
-from memsnap.manifest import Manifest
+from memsnap.node.repair import Repair
+from memsnap.node.sender import Sender
+from memsnap.node.slots import Slots
+from memsnap.node.versions import COMMITTED, FAILED, READY, SlotPolicy, Versions
 from memsnap.records import NodeReady, RankSource, Region
-from memsnap.repair import Repair
-from memsnap.sender import Sender
-from memsnap.slots import Slots
+from memsnap.state.capture import capture
+from memsnap.state.manifest import Manifest
 from memsnap.transport.base import ChunkKey
-from memsnap.versions import COMMITTED, FAILED, READY, SlotPolicy, Versions
 
 NODE = "a" * 56
 HOLDERS = ("h0", "h1", "h2")
@@ -153,11 +153,11 @@ def source(step: int) -> RankSource:
 
 
 def test_a_recovered_rank_is_committed_here_and_a_lean_node_frees_the_slot_at_once(parts, monkeypatch):
-    import memsnap.restore
+    import memsnap.coding.restore
 
     repair = parts.repair()
     repair.hold_manifests(7, "n0", NodeReady(7, "n0", 0, 2048, (Region(0, 4096, 0),), HOLDERS).to_wire(), {0: "{}"})
-    monkeypatch.setattr(memsnap.restore, "gather", _gather(b"r"))
+    monkeypatch.setattr(memsnap.coding.restore, "gather", _gather(b"r"))
     got = repair.recover(7, 0, source(7))
     assert got["manifest"] == "{}" and got["nbytes"] == 4096 and parts.counters["repaired_chunks"] == 2
     with open(got["path"], "rb") as f:
@@ -172,11 +172,11 @@ def test_a_recovered_rank_is_committed_here_and_a_lean_node_frees_the_slot_at_on
 
 
 def test_a_rebuilt_local_copy_comes_in_committed_in_the_current_generation(parts, monkeypatch):
-    import memsnap.restore
+    import memsnap.coding.restore
 
     repair = parts.repair()
     repair.hold_manifests(8, "n0", NodeReady(8, "n0", 0, 2048, (Region(0, 4096, 0),), HOLDERS).to_wire(), {0: "m"})
-    monkeypatch.setattr(memsnap.restore, "gather", _gather(b"b"))
+    monkeypatch.setattr(memsnap.coding.restore, "gather", _gather(b"b"))
     assert repair.rebuild_local(8, 0, source(8)) is True
     v = parts.versions[8]
     assert v.state is COMMITTED and v.gen == 3 and parts.versions.holds(8, 0) and v.manifests == {0: "m"}
@@ -211,10 +211,10 @@ class DeviceParts:
     def capture(self, step: int, state: dict) -> tuple[Manifest, str]:
         """A rank's side: the step's host slot begun, then the state captured into its
         device buffer and reported done."""
-        from memsnap import capture as cap
         from memsnap.device.backend import BufferHandle
         from memsnap.device.cpu import CpuBackend
         from memsnap.device.tier import RankTier
+        from memsnap.state import capture as cap
 
         manifest, sources = cap.plan_sources(state, rng=False)
         v = self.parts.versions.begin(step, self.parts.slots.free_slot(step))

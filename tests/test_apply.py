@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from memsnap.apply import apply
-from memsnap.capture import capture
 from memsnap.errors import ChecksumError, StateMismatchError
 from memsnap.localcluster import free_port
+from memsnap.state.apply import apply
+from memsnap.state.capture import capture
 
 
 def make(seed: int, hidden: int = 5):
@@ -226,9 +226,9 @@ from pathlib import Path
 import torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-from memsnap.apply import apply
-from memsnap.capture import capture
-from memsnap.manifest import Manifest
+from memsnap.state.apply import apply
+from memsnap.state.capture import capture
+from memsnap.state.manifest import Manifest
 
 rank, port, out = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -255,7 +255,7 @@ def test_two_gloo_ranks_store_and_restore_their_own_shards(tmp_path):
     import subprocess
     import sys
 
-    from memsnap.manifest import Manifest
+    from memsnap.state.manifest import Manifest
 
     port = free_port()
     procs = [

@@ -11,11 +11,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memsnap import tree
-from memsnap.capture import capture, fill_checksums, plan
-from memsnap.checksum import checksum
 from memsnap.errors import SnapshotBufferError, StateMismatchError, UnsupportedStateError
-from memsnap.manifest import ALIGN, Manifest
+from memsnap.state import tree
+from memsnap.state.capture import capture, fill_checksums, plan
+from memsnap.state.checksum import checksum
+from memsnap.state.manifest import ALIGN, Manifest
 
 
 # --- the tagged JSON skeleton ------------------------------------------------------------------
@@ -206,7 +206,7 @@ def test_lazily_conjugated_views_are_stored_resolved():
 def test_the_plan_cache_lays_out_again_only_when_the_tensors_change():
     """A save reuses the layout (and its JSON) while the tensors are the same storage, dtype
     and shape; the skeleton (LR, step counts, RNG) is taken fresh every time."""
-    from memsnap.capture import PlanCache, plan_sources
+    from memsnap.state.capture import PlanCache, plan_sources
 
     model = torch.nn.Linear(8, 4)
     optim = torch.optim.AdamW(model.parameters(), lr=0.1)

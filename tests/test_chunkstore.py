@@ -8,8 +8,8 @@ import pytest
 import xxhash
 
 from memsnap.arena import MemoryBudget
-from memsnap.chunkstore import ChunkRefused, HeldChunks
 from memsnap.errors import MemoryBudgetError, StepGivenUp
+from memsnap.node.chunkstore import ChunkRefused, HeldChunks
 from memsnap.transport.base import ChunkKey
 
 

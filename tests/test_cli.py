@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 import memsnap
 from memsnap.cli import main
-from memsnap.storage import Store
+from memsnap.durable.storage import Store
 
 
 def state(seed: int) -> dict:

@@ -12,7 +12,7 @@ import pyarrow as pa
 import pytest
 from support import gf_oracle as oracle
 
-from memsnap import codec
+from memsnap.coding import codec
 from memsnap.errors import CodecError, ShardSizeError, TooFewShardsError
 
 
@@ -217,7 +217,7 @@ def test_environment_variable_forces_a_level() -> None:
     level = codec.available_isas()[0]
     done = run_python("from memsnap import codec; print(codec.isa())", level)
     assert done.stdout.strip() == level, done.stderr
-    bad = run_python("import memsnap.codec", "quantum")
+    bad = run_python("import memsnap.coding.codec", "quantum")
     assert bad.returncode != 0 and "MEMSNAP_ISA='quantum' is not available here" in bad.stderr
 
 

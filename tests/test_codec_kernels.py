@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from support import gf_oracle as oracle
 
-from memsnap import codec
+from memsnap.coding import codec
 
 ISAS = codec.available_isas()
 FAST_ISAS = [i for i in ISAS if i != "scalar"]

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from memsnap.commit import CommitLog
 from memsnap.config import SnapshotConfig
+from memsnap.job.commit import CommitLog
 
 
 def test_a_skipped_step_is_news_once_and_a_failure_reported_after_it_is_not():

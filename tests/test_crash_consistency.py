@@ -18,7 +18,7 @@ import torch
 from support import states
 
 import memsnap
-from memsnap.storage import Store
+from memsnap.durable.storage import Store
 
 KILLS = 5
 # One writer process imports torch once, then forks a fresh child per save, so a kill costs a
@@ -26,7 +26,7 @@ KILLS = 5
 ZYGOTE = """
 import os, sys
 sys.path.insert(0, {tests!r})
-import memsnap, memsnap.durable
+import memsnap, memsnap.durable.checkpoint
 from support.states import make_state
 for line in sys.stdin:
     step = int(line)

@@ -1,4 +1,4 @@
-"""The GPU Reed-Solomon kernel against ``memsnap.codec``, byte for byte.
+"""The GPU Reed-Solomon kernel against ``memsnap.coding.codec``, byte for byte.
 
 Without a GPU: the numpy reference of the kernel's arithmetic (``memsnap.device.gf_ref``), and
 the kernel's own per-thread code (``cupy_rs.KERNEL_CORE``) compiled as C by the host compiler
@@ -15,7 +15,8 @@ import sysconfig
 import numpy as np
 import pytest
 
-from memsnap import _codec, codec
+from memsnap import _codec
+from memsnap.coding import codec
 from memsnap.device import cupy_rs, gf_ref
 
 GEOMETRIES = [(1, 1), (2, 1), (3, 2), (4, 2), (6, 3), (8, 2), (10, 4), (4, 9), (2, 0)]

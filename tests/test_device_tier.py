@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from memsnap import apply, naming
+from memsnap import naming
 from memsnap.arena import Arena
 from memsnap.device import backend as pick_backend
 from memsnap.device.backend import BufferHandle
@@ -26,7 +26,8 @@ from memsnap.device.cpu import CpuBackend
 from memsnap.device.tier import AgentTier, RankTier
 from memsnap.device.visibility import NOSET, VISIBLE, agent_runtime_env, see_node_gpus
 from memsnap.errors import DeviceError, MemoryBudgetError
-from memsnap.manifest import Manifest
+from memsnap.state import apply
+from memsnap.state.manifest import Manifest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WAIT_S = 120  # a bound on every wait for a child's answer
@@ -165,7 +166,7 @@ def test_begin_waits_for_the_drain_and_regrows_within_the_budget(agent):
 def test_rank_opens_each_buffer_once_and_captures_in_process(agent):
     handle = agent.begin(rank=0, device="cpu", step=0, nbytes=1 << 16)
     tier = RankTier(CpuBackend())
-    from memsnap import capture as cap
+    from memsnap.state import capture as cap
 
     state = {"w": torch.arange(1000, dtype=torch.float32), "b": torch.ones(3, dtype=torch.bfloat16)}
     done = []
@@ -183,7 +184,7 @@ def test_rank_opens_each_buffer_once_and_captures_in_process(agent):
 
 
 def test_the_optimizer_step_waits_for_the_capture(agent):
-    from memsnap import capture as cap
+    from memsnap.state import capture as cap
 
     model = torch.nn.Linear(4, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -206,7 +207,7 @@ def test_refused_open_falls_back_and_says_why(agent, caplog):
         def open(self, handle):
             raise DeviceError("cudaIpcOpenMemHandle refused (operation not supported)")
 
-    from memsnap import capture as cap
+    from memsnap.state import capture as cap
 
     handle = agent.begin(rank=0, device="cpu", step=0, nbytes=1 << 12)
     tier = RankTier(Refusing())

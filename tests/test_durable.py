@@ -16,7 +16,8 @@ import torch
 from support import states
 
 import memsnap
-from memsnap import localfs, meta, storage
+from memsnap.durable import localfs, meta, storage
+from memsnap.durable.storage import Store
 from memsnap.errors import (
     ChecksumError,
     ConfigError,
@@ -26,7 +27,6 @@ from memsnap.errors import (
     UnsupportedStateError,
     WeightsOnlyError,
 )
-from memsnap.storage import Store
 
 TESTS = Path(__file__).parent
 REPO = TESTS.parent
@@ -131,7 +131,7 @@ def test_weights_only_refused_then_warned(tmp_path):
 
 def test_weights_only_warning_from_manifest_without_flag(tmp_path):
     """Steps spilled by the runtime carry no has_optimizer flag: the manifest tree decides."""
-    from memsnap.capture import capture
+    from memsnap.state.capture import capture
 
     store = Store.open(str(tmp_path))
     for step, state in ((1, small_state()), (2, {"model": small_state()["model"]})):

@@ -18,15 +18,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import memsnap
-from memsnap import reshard, validate
-from memsnap.capture import capture
-from memsnap.checksum import fill_checksums
 from memsnap.cli import main
 from memsnap.commands.export import weights
 from memsnap.commands.verify import verify_step
+from memsnap.durable.storage import Store
 from memsnap.errors import ChecksumError, FormatError, MemsnapError, StateMismatchError
-from memsnap.manifest import Manifest, TensorEntry, align_up
-from memsnap.storage import Store
+from memsnap.state import reshard, validate
+from memsnap.state.capture import capture
+from memsnap.state.checksum import fill_checksums
+from memsnap.state.manifest import Manifest, TensorEntry, align_up
 
 PROPERTY = settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
 

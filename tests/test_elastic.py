@@ -11,15 +11,16 @@ import pytest
 import torch
 from support.holders import tcp_holders
 
-from memsnap import coverage, elastic, encode, receive
-from memsnap.capture import capture, plan
-from memsnap.codec import codec_for
+from memsnap.coding import elastic, encode, receive
+from memsnap.coding.codec import codec_for
+from memsnap.coding.stripes import choose_chunk
 from memsnap.config import SnapshotConfig
-from memsnap.coordinator import CoordinatorCore
 from memsnap.errors import ChecksumError
-from memsnap.manifest import Manifest
+from memsnap.job import coverage
+from memsnap.job.coordinator import CoordinatorCore
 from memsnap.records import CommitRecord, Inventory, NodeReady, RankPlan, RankRestore, RankSource, Region
-from memsnap.stripes import choose_chunk
+from memsnap.state.capture import capture, plan
+from memsnap.state.manifest import Manifest
 
 ROWS, COLS, WIDE = 14, 6, 40  # w: (14, 6) Shard(0); b: (6,) replicated; e: (14, 40) Shard(0), the bulk
 K, M = 2, 1
@@ -266,7 +267,7 @@ def peers(holders) -> receive.Peers:
 
 
 def load(holders, sources, mans, rank: int, world: int) -> tuple[dict, dict]:
-    from memsnap.apply import apply
+    from memsnap.state.apply import apply
 
     live, layout = shard_state(rank, world, fill=False)
     man, buf, stats = elastic.assemble(peers(holders), sources, [m.to_json() for m in mans], layout, rank)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from memsnap.encode import Encoded, ParityBatch, batches, reconstruct_data, regions, write_stripe
+from memsnap.coding.encode import Encoded, ParityBatch, batches, reconstruct_data, regions, write_stripe
 
 
 class XorCodec:

@@ -14,12 +14,12 @@ import pytest
 import torch
 from support.inproc import EncodeGate, Job, model_state
 
-from memsnap.agent import AgentCore
 from memsnap.config import SnapshotConfig
-from memsnap.coordinator import CoordinatorCore, adopt_late, rebuild_state
+from memsnap.durable.storage import Store
+from memsnap.job.coordinator import CoordinatorCore, adopt_late, rebuild_state
 from memsnap.localcluster import wait_for
+from memsnap.node.agent import AgentCore
 from memsnap.records import CommitNotice, NodeReady, Region
-from memsnap.storage import Store
 
 SECRET = b"c" * 32
 NODES = [f"{c}" * 56 for c in "abcd"]
@@ -163,8 +163,8 @@ def test_a_rebuilt_coordinator_knows_which_run_holds_each_rank_and_what_run_spil
     and a step the first run took is spilled naming that run, even after another took over."""
     from dataclasses import replace
 
-    from memsnap.capture import capture
     from memsnap.identity import process_token
+    from memsnap.state.capture import capture
 
     cfg, cores = agents
     cfg = replace(cfg, spill=str(tmp_path / "spill"))
@@ -198,11 +198,11 @@ import os, sys, threading, types
 import torch
 from memsnap import naming
 from memsnap.arena import Arena
-from memsnap.capture import capture
+from memsnap.state.capture import capture
 from memsnap.config import SnapshotConfig
-from memsnap.slots import Version
-from memsnap.spill import Spiller
-from memsnap.storage import Store
+from memsnap.node.slots import Version
+from memsnap.node.spill import Spiller
+from memsnap.durable.storage import Store
 
 uri = sys.argv[1]
 state = {{"model": torch.nn.Linear(2048, 5120)}}  # 40 MiB: the data file takes three writes
@@ -259,12 +259,12 @@ A, B, C, D, E = (c * 56 for c in "abcde")
 def inproc(monkeypatch):
     """Jobs made by ``inproc(ranks)``; re-protection runs at once (no restore to wait for) and
     its calls to agents are answered in-process."""
-    import memsnap.repair
-    import memsnap.reprotect
+    import memsnap.job.reprotect
+    import memsnap.node.repair
 
     monkeypatch.setenv("MEMSNAP_REPROTECT_DEFER_S", "0")
-    monkeypatch.setattr(memsnap.reprotect, "ray", Job.ray)
-    monkeypatch.setattr(memsnap.repair, "ray", Job.ray)
+    monkeypatch.setattr(memsnap.job.reprotect, "ray", Job.ray)
+    monkeypatch.setattr(memsnap.node.repair, "ray", Job.ray)
     jobs = []
 
     def make(ranks):

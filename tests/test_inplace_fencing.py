@@ -9,8 +9,8 @@ import pytest
 from support.directory import NODES, Nodes, address
 
 from memsnap.config import SnapshotConfig
-from memsnap.coordinator import CoordinatorCore
 from memsnap.errors import CommitError
+from memsnap.job.coordinator import CoordinatorCore
 from memsnap.records import NodeReady, Region
 
 A, B, C, D, E = NODES  # ranks 0, 1, 2 on A, B, C; D and E are spares

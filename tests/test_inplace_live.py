@@ -84,7 +84,7 @@ def one_step(state, x):
 
 
 def whole(state, rng: bool = True) -> bytes:
-    from memsnap.capture import capture
+    from memsnap.state.capture import capture
 
     m, mv = capture(state, rng=rng)
     return m.to_json() + bytes(mv)
@@ -111,7 +111,7 @@ def test_a_step_cut_short_is_undone_to_the_boundary_and_its_optimizer_never_step
 
 
 def test_the_boundary_copies_only_the_small_tensors_no_optimizer_owns():
-    from memsnap.capture import RNG_KEY
+    from memsnap.state.capture import RNG_KEY
 
     state = toy_state()
     one_step(state, torch.randn(16, 8)).step()

@@ -1,6 +1,6 @@
-"""The tree's layering, read from the source: the data path never imports the transports,
-the agent, the rank side or the Ray faces (they import it), and the public names are where
-they always were."""
+"""The tree's layering, read from the source: each package imports only the ones below it
+(the data path never imports the transports, the agent, the rank side or the Ray faces: they
+import it), and the public names are where they always were."""
 
 from __future__ import annotations
 
@@ -12,8 +12,19 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1] / "memsnap"
 
 # the data path: state -> bytes -> stripes -> parity -> back into the tensors
-DATA_PATH = ["capture", "manifest", "stripes", "buffers", "codec", "encode", "restore", "receive", "apply", "landing"]
-ABOVE = ("memsnap.transport", "memsnap.agent", "memsnap.rank", "memsnap.actors", "memsnap.coordinator")
+DATA_PATH = [
+    "state/capture",
+    "state/manifest",
+    "coding/stripes",
+    "coding/buffers",
+    "coding/codec",
+    "coding/encode",
+    "coding/restore",
+    "coding/receive",
+    "state/apply",
+    "coding/landing",
+]
+ABOVE = ("memsnap.transport", "memsnap.node.agent", "memsnap.rank", "memsnap.actors", "memsnap.job.coordinator")
 
 
 def imports_of(module: str) -> set[str]:
@@ -24,7 +35,33 @@ def imports_of(module: str) -> set[str]:
             out.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             out.add(node.module)
+            # ``from memsnap.job import coordinator`` imports memsnap.job.coordinator
+            out.update(f"{node.module}.{a.name}" for a in node.names)
     return out
+
+
+# what each package must never import, anywhere in it (imports inside functions too)
+NEVER = {
+    "state": ("coding", "transport", "node", "job", "durable", "rank", "inplace", "actors"),
+    "coding": ("transport", "node", "job", "durable", "rank", "inplace", "actors"),
+    "durable": ("coding", "transport", "node", "job", "rank", "inplace", "actors"),
+    "transport": ("node", "job", "durable", "rank", "inplace", "actors"),
+    "job": ("transport", "node", "rank", "inplace", "actors"),
+    "node": ("job", "rank", "inplace"),
+    "rank": ("inplace",),
+}
+
+
+@pytest.mark.parametrize("package", sorted(NEVER))
+def test_a_package_imports_nothing_above_it(package):
+    found = []
+    for path in sorted((ROOT / package).glob("*.py")):
+        module = f"{package}/{path.stem}"
+        for m in sorted(imports_of(module)):
+            parts = m.split(".")
+            if parts[0] == "memsnap" and len(parts) > 1 and parts[1] in NEVER[package]:
+                found.append(f"memsnap/{module}.py imports {m}")
+    assert found == []
 
 
 @pytest.mark.parametrize("module", DATA_PATH)
@@ -36,8 +73,8 @@ def test_the_data_path_imports_nothing_above_it(module):
 def test_the_public_names_are_the_ones_they_always_were():
     import memsnap
     import memsnap.snapshotter
+    from memsnap.coding.stripes import ChunkKey
     from memsnap.rank import Snapshotter, shutdown, start_spare
-    from memsnap.stripes import ChunkKey
     from memsnap.transport import ChunkKey as TransportChunkKey
 
     assert memsnap.Snapshotter is Snapshotter is memsnap.snapshotter.Snapshotter

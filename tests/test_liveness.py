@@ -8,8 +8,8 @@ import pytest
 from support.directory import NODES, Nodes, address
 
 from memsnap.config import SnapshotConfig
-from memsnap.coordinator import CoordinatorCore
-from memsnap.liveness import LOAD_WINDOW_S, PING_CAP_S, Liveness
+from memsnap.job.coordinator import CoordinatorCore
+from memsnap.job.liveness import LOAD_WINDOW_S, PING_CAP_S, Liveness
 
 A, B, C, D, E = NODES
 

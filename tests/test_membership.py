@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from memsnap.config import SnapshotConfig
-from memsnap.coordinator import CoordinatorCore
 from memsnap.errors import CommitError
+from memsnap.job.coordinator import CoordinatorCore
+from memsnap.job.reprotect import new_holders
 from memsnap.records import CommitRecord, NodeReady, Region
-from memsnap.reprotect import new_holders
 
 
 def coordinator(ranks_per_node: dict[str, int], spares=(), **cfg) -> CoordinatorCore:

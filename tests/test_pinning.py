@@ -98,7 +98,7 @@ def test_a_refused_registration_is_reported_not_raised(path, monkeypatch, caplog
 
 
 def test_side_stream_capture_registration_goes_through_pinning(cudart):
-    from memsnap import cuda_capture
+    from memsnap.state import cuda_capture
 
     buf = bytearray(4096)
     reg = cuda_capture.HostRegistration(memoryview(buf))

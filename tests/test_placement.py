@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memsnap.placement import NodeInfo, Placement, place, protection_level, recoverable, replace_node
+from memsnap.job.placement import NodeInfo, Placement, place, protection_level, recoverable, replace_node
 
 
 @st.composite

@@ -13,16 +13,16 @@ from support import states
 from support.holders import tcp_holders
 from support.runtime import digest
 
-from memsnap import encode, receive
 from memsnap.arena import MemoryBudget
-from memsnap.capture import capture
-from memsnap.chunkstore import HeldChunks
-from memsnap.codec import codec_for
+from memsnap.coding import encode, receive
+from memsnap.coding.codec import codec_for
+from memsnap.coding.landing import Spans
+from memsnap.coding.stripes import choose_chunk
 from memsnap.config import SnapshotConfig
 from memsnap.errors import StateMismatchError
-from memsnap.landing import Spans
+from memsnap.node.chunkstore import HeldChunks
 from memsnap.records import RankPlan, RankRestore, RankSource, Region, RoundResult
-from memsnap.stripes import choose_chunk
+from memsnap.state.capture import capture
 from memsnap.transport import ChunkKey, make_transport
 
 SECRET = os.urandom(32)

@@ -9,10 +9,9 @@ import asyncio
 import pytest
 
 from memsnap.errors import CommitError
+from memsnap.node.relay import NodeRelay
 from memsnap.records import RankPlan, RankRestore, RankSource, Region, RoundResult
-from memsnap.relay import NodeRelay
 from memsnap.waiting import Signal
-
 
 SOURCE = RankSource(9, 2, 1, "owner-node", 1 << 20, Region(1, 4096, 0), ("h0", "h1", "h2"), (None,) * 3)
 

@@ -19,8 +19,8 @@ from support.reshard_worker import LAYOUT
 
 from memsnap.cli import main as cli_main
 from memsnap.localcluster import free_port
-from memsnap.manifest import Manifest, TensorEntry
-from memsnap.reshard import fill, layout, overlap
+from memsnap.state.manifest import Manifest, TensorEntry
+from memsnap.state.reshard import fill, layout, overlap
 
 TESTS = Path(__file__).parent
 

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from memsnap import rng
-from memsnap.apply import apply
-from memsnap.capture import capture
+from memsnap.state import rng
+from memsnap.state.apply import apply
+from memsnap.state.capture import capture
 
 
 def draw():

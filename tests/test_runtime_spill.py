@@ -9,13 +9,13 @@ import uuid
 import pytest
 
 from memsnap import naming
-from memsnap.agent import Version
 from memsnap.arena import Arena
-from memsnap.capture import capture
 from memsnap.config import SnapshotConfig
+from memsnap.durable.storage import Store
 from memsnap.localcluster import wait_for
-from memsnap.spill import Spiller
-from memsnap.storage import Store
+from memsnap.node.agent import Version
+from memsnap.node.spill import Spiller
+from memsnap.state.capture import capture
 
 
 @pytest.fixture
@@ -58,7 +58,7 @@ def test_a_failing_spill_is_reported_retried_and_leaves_ram_alone(tmp_path, fake
 
 
 def test_spilled_bytes_load_back_through_the_durable_format(tmp_path, fake_core):
-    from memsnap.apply import apply
+    from memsnap.state.apply import apply
 
     core, state, _ = fake_core
     core.cfg = SnapshotConfig("spill-unit", spill=str(tmp_path / "root"), spill_every=1)
@@ -81,8 +81,8 @@ def test_spilled_bytes_load_back_through_the_durable_format(tmp_path, fake_core)
 
 
 def test_the_coordinator_asks_for_a_spill_every_n_steps_or_seconds(monkeypatch):
-    from memsnap import commit
-    from memsnap.commit import CommitLog
+    from memsnap.job import commit
+    from memsnap.job.commit import CommitLog
 
     steps = CommitLog(SnapshotConfig("spill-unit", spill="/tmp/unused", spill_every=3))
     # step 6 never committed: the spill moves to 7, the first commit of its block, not to 9

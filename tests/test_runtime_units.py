@@ -7,11 +7,11 @@ import os
 
 import pytest
 
-from memsnap.agent import AgentCore
 from memsnap.config import SnapshotConfig, tunable
-from memsnap.coordinator import spill_metadata
-from memsnap.coverage import JobPlan, decide, owner_margin
 from memsnap.errors import CommitError, ConfigError, MemoryBudgetError
+from memsnap.job.coordinator import spill_metadata
+from memsnap.job.coverage import JobPlan, decide, owner_margin
+from memsnap.node.agent import AgentCore
 from memsnap.records import CommitNotice, CommitRecord, Inventory, NodeReady, Region
 
 SECRET = b"s" * 32
@@ -170,7 +170,7 @@ def test_lean_decide_reads_every_rank_from_peers():
 
 
 def test_lean_protection_counts_m_losses_not_m_plus_one():
-    from memsnap.placement import NodeInfo, place, protection_level
+    from memsnap.job.placement import NodeInfo, place, protection_level
 
     rec, members = record(5), {r: f"n{r}" for r in range(4)}
     alive = ["n0", "n1", "n2", "n3"]
@@ -271,16 +271,16 @@ def _gather_writing(fill: bytes, during=None):
 def test_a_rebuilt_local_copy_is_installed_only_if_the_rank_has_not_moved_on(core, monkeypatch):
     """Re-protection reads a restored rank's bytes back as the node's local copy while the rank
     trains on: it gathers into an arena of its own and never takes over a slot a newer save uses."""
-    import memsnap.restore
+    import memsnap.coding.restore
 
     rec = record(7, nbytes=4096).source(0, {})
     core.hold_manifests(7, "n0", record(7, nbytes=4096).nodes["n0"].to_wire(), {0: "{}"})  # held here for n0
     used = core.budget.used
-    monkeypatch.setattr(memsnap.restore, "gather", _gather_writing(b"x", during=lambda: core.begin(8, 0, 4096)))
+    monkeypatch.setattr(memsnap.coding.restore, "gather", _gather_writing(b"x", during=lambda: core.begin(8, 0, 4096)))
     assert core.rebuild_local(7, 0, rec) is False  # step 8 began during the gather
     assert 7 not in core.versions and core.versions[8].state == "capturing"
     assert core.budget.used == used + 4096  # only step 8's arena is charged
-    monkeypatch.setattr(memsnap.restore, "gather", _gather_writing(b"y"))
+    monkeypatch.setattr(memsnap.coding.restore, "gather", _gather_writing(b"y"))
     assert core.rebuild_local(7, 0, rec) is False  # the rank moved on: nothing to do
     core.versions.abandoned(8, "the rank gave step 8 up", failed=False)
     assert core.rebuild_local(7, 0, rec) is True
@@ -289,7 +289,7 @@ def test_a_rebuilt_local_copy_is_installed_only_if_the_rank_has_not_moved_on(cor
     with open(info["path"], "rb") as f:
         assert f.read(4096) == b"y" * 4096
     assert core.rebuild_local(7, 0, rec) is False  # already held
-    monkeypatch.setattr(memsnap.restore, "gather", _gather_writing(b"z"))
+    monkeypatch.setattr(memsnap.coding.restore, "gather", _gather_writing(b"z"))
     assert core.rebuild_local(7, 0, rec, replace=True) is True  # over a copy found corrupt
     new = core.local(7, 0)["path"]
     assert new != info["path"] and not os.path.exists(info["path"])
@@ -400,7 +400,7 @@ def test_a_save_that_arrives_while_its_slot_is_made_ahead_waits_for_it_and_uses_
     than fail on the half-made file or back a second arena beside it."""
     import threading
 
-    from memsnap import slots as slots_mod
+    from memsnap.node import slots as slots_mod
 
     real, inside, go = slots_mod.Arena.create, threading.Event(), threading.Event()
 
@@ -610,7 +610,7 @@ def test_a_refused_rank_leaves_the_agent_as_the_live_run_left_it(core):
     import asyncio
 
     from memsnap.errors import JobInUseError
-    from memsnap.relay import NodeRelay
+    from memsnap.node.relay import NodeRelay
     from memsnap.waiting import Signal
 
     core.joined(0, 2, {"run": "trial-a", "process": "p0"})

@@ -7,8 +7,8 @@ import pytest
 from support.s3server import moto_s3
 from support.snapshots import make_snapshot, save_step
 
+from memsnap.durable.storage import Retention, Store
 from memsnap.errors import ChecksumError
-from memsnap.storage import Retention, Store
 
 pytestmark = pytest.mark.s3
 

@@ -13,9 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.snapshots import make_snapshot, save_step
 
-from memsnap import localfs, storage
+from memsnap.durable import localfs, storage
+from memsnap.durable.storage import Retention, Store
 from memsnap.errors import ChecksumError, FormatError, SnapshotNotFoundError, StorageError
-from memsnap.storage import Retention, Store
 
 
 def test_roundtrip_two_ranks(tmp_path):

@@ -11,11 +11,11 @@ import torch
 import xxhash
 
 import memsnap
-from memsnap import localfs
-from memsnap.capture import capture, fill_checksums, plan_sources
+from memsnap.durable import localfs
+from memsnap.durable.storage import Store
 from memsnap.errors import ChecksumError
-from memsnap.storage import Store
-from memsnap.stream import TensorStream
+from memsnap.state.capture import capture, fill_checksums, plan_sources
+from memsnap.state.stream import TensorStream
 
 PIECE, SMALL = 4096, 1024  # tiny, so a small state takes every path: gathered, sliced, padded
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memsnap.stripes import LINE, StripeLayout, choose_chunk
+from memsnap.coding.stripes import LINE, StripeLayout, choose_chunk
 
 
 def _covered(layout: StripeLayout) -> list[int]:

@@ -10,7 +10,7 @@ from pathlib import Path
 import support.toytrain as toytrain
 import torch
 
-from memsnap.manifest import Manifest
+from memsnap.state.manifest import Manifest
 
 N = 6
 HERE = Path(__file__).parent

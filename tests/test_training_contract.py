@@ -29,8 +29,8 @@ from support.runtime import cluster, kill, remove_arenas
 from support.runtime import digest as helpers_digest
 
 import memsnap
+from memsnap.durable.storage import Store
 from memsnap.rank import Snapshotter, shutdown
-from memsnap.storage import Store
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

@@ -13,7 +13,7 @@ import xxhash
 from support.sockets import Collect, Replay
 
 from memsnap.arena import MemoryBudget
-from memsnap.chunkstore import HeldChunks
+from memsnap.node.chunkstore import HeldChunks
 from memsnap.transport import ChunkKey, make_transport, wire
 from memsnap.transport.base import Scatter
 from memsnap.transport.gmac import pieces

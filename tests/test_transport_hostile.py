@@ -19,9 +19,9 @@ import xxhash
 from support.sockets import Collect
 
 from memsnap.arena import MemoryBudget
-from memsnap.chunkstore import HeldChunks
 from memsnap.errors import ConfigError, TransportError
 from memsnap.localcluster import wait_for
+from memsnap.node.chunkstore import HeldChunks
 from memsnap.transport import ChunkKey, auth, make_transport, wire
 from memsnap.transport.server import Admission
 

@@ -21,14 +21,14 @@ from hypothesis import strategies as st
 from support.forge import forge_manifest
 
 import memsnap
-from memsnap import tree, validate
-from memsnap.apply import apply
-from memsnap.capture import capture
 from memsnap.cli import main
+from memsnap.durable.storage import Store
 from memsnap.errors import FormatError, MemsnapError
 from memsnap.localcluster import free_port
-from memsnap.manifest import Manifest
-from memsnap.storage import Store
+from memsnap.state import tree, validate
+from memsnap.state.apply import apply
+from memsnap.state.capture import capture
+from memsnap.state.manifest import Manifest
 from memsnap.transport import wire
 
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
@@ -392,7 +392,7 @@ def test_a_generator_state_torch_refuses_is_a_format_error_and_nothing_is_writte
 
 
 def test_copy_refuses_a_span_outside_the_buffer():
-    from memsnap.apply import _Source
+    from memsnap.state.apply import _Source
 
     man = Manifest([validate_entry(offset=0, nbytes=16)], {"x": {"__tensor__": 0}}, 64)
     src = _Source(man, memoryview(bytearray(8)), [])  # a buffer smaller than the manifest says
@@ -401,7 +401,7 @@ def test_copy_refuses_a_span_outside_the_buffer():
 
 
 def validate_entry(**kw):
-    from memsnap.manifest import TensorEntry
+    from memsnap.state.manifest import TensorEntry
 
     return TensorEntry(**{"path": "x", "dtype": "float32", "shape": (4,), **kw})
 
@@ -413,7 +413,7 @@ def test_errors_survive_pickling():
 
 
 def test_itemsizes_match_torch():
-    from memsnap.dtypes import BY_NAME
+    from memsnap.state.dtypes import BY_NAME
 
     assert all(validate.ITEMSIZE[n] == d.itemsize for n, d in BY_NAME.items())
 
@@ -688,7 +688,7 @@ class Peers:
     ],
 )
 def test_the_malformed_rank_and_its_peer_agree(tmp_path, monkeypatch, rank, theirs, want):
-    from memsnap import durable
+    from memsnap.durable import checkpoint as durable
 
     root = two_rank_ckpt(str(tmp_path / "ckpt"))
     peers = Peers(theirs)

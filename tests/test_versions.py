@@ -9,7 +9,7 @@ import pytest
 
 from memsnap.config import SnapshotConfig
 from memsnap.errors import CommitError, VersionStateError
-from memsnap.versions import (
+from memsnap.node.versions import (
     ALLOWED,
     CAPTURING,
     COMMITTED,
@@ -322,7 +322,15 @@ def test_no_other_part_of_the_agent_writes_the_version_table():
         r"|\.(sizes|manifests)(\[[^\]]*\]\s*=(?!=)|\.pop\(|\.update\()"
     )
     found = []
-    for name in ("agent.py", "slots.py", "sender.py", "repair.py", "spill.py", "relay.py", "device/runtime.py"):
+    for name in (
+        "node/agent.py",
+        "node/slots.py",
+        "node/sender.py",
+        "node/repair.py",
+        "node/spill.py",
+        "node/relay.py",
+        "device/runtime.py",
+    ):
         for n, line in enumerate((root / name).read_text().splitlines(), 1):
             if writes.search(line):
                 found.append(f"{name}:{n}: {line.strip()}")

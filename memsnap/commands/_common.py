@@ -8,9 +8,9 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from memsnap.durable.storage import Store
 from memsnap.errors import ConfigError, UnsupportedStateError
-from memsnap.manifest import Manifest
-from memsnap.storage import Store
+from memsnap.state.manifest import Manifest
 
 DAMAGED = 2  # exit code of a command that found the checkpoint damaged or malformed
 _STEP_TAIL = re.compile(r"(?:step_)?(\d+)")
@@ -119,8 +119,8 @@ def weight_paths(manifest: Manifest, key: str | None) -> tuple[str, list[str]]:
     key = key or ("model" if "model" in keys else None)
     if key is None or key not in keys:
         raise ConfigError(f"cannot tell which state key holds the weights (keys: {keys}); pass --key NAME")
-    # memsnap.tree imports torch: only the commands that read tensors get here
-    from memsnap.tree import segment
+    # memsnap.state.tree imports torch: only the commands that read tensors get here
+    from memsnap.state.tree import segment
 
     paths = [t.path for t in manifest.tensors if t.path.startswith(segment(key) + "/")]
     if not paths:

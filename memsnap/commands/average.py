@@ -9,8 +9,8 @@ from tqdm import tqdm
 
 from memsnap.commands._common import write_safetensors
 from memsnap.commands.export import weights
+from memsnap.durable.storage import Store
 from memsnap.errors import ConfigError, StateMismatchError
-from memsnap.storage import Store
 
 if TYPE_CHECKING:
     import torch

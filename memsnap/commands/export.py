@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 
 from memsnap.commands._common import add_location, open_step, weight_paths, write_safetensors
-from memsnap.reshard import gather
-from memsnap.storage import Store
-from memsnap.tree import segment, unquote
+from memsnap.durable.reshard import gather
+from memsnap.durable.storage import Store
+from memsnap.state.tree import segment, unquote
 
 
 def weights(store: Store, step: int, marker: dict, key: str | None) -> dict:

@@ -9,8 +9,8 @@ import argparse
 import sys
 
 from memsnap.commands._common import DAMAGED, add_location, human, printable, table
+from memsnap.durable.storage import Store
 from memsnap.errors import FormatError
-from memsnap.storage import Store
 
 
 def _loss(md: dict) -> str:

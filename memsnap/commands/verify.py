@@ -8,10 +8,10 @@ from __future__ import annotations
 import argparse
 
 from memsnap.commands._common import DAMAGED, add_location, human, locate, open_step, printable
-from memsnap.durable import progress_bar
+from memsnap.durable.checkpoint import progress_bar
+from memsnap.durable.storage import Store
 from memsnap.errors import ConfigError, FormatError, MemsnapError
-from memsnap.reshard import tiling
-from memsnap.storage import Store
+from memsnap.state.reshard import tiling
 
 
 def verify_step(store: Store, step: int, marker: dict, progress: bool | None = None) -> list[str]:

@@ -233,7 +233,7 @@ def disk_restore(opts: DemoOptions, spill_uri: str, rank: int) -> dict:
     from the spill directory, page cache dropped (``disk.cold_restore``)."""
     from memsnap.demo.disk import cold_restore
     from memsnap.demo.train import build, snapshot_state
-    from memsnap.storage import Store
+    from memsnap.durable.storage import Store
 
     step = Store.open(spill_uri).latest()
     objs = build(_train_config(opts, ""), rank, opts.nodes, ddp=False)

@@ -34,8 +34,8 @@ def train(config: dict, ctx, objs: dict) -> str:
     """One generation: roll back, train to the end; returns the final state's digest."""
     import ray
 
-    from memsnap.capture import plan
     from memsnap.demo.train import state_digest
+    from memsnap.state.capture import plan
 
     cfg = TrainConfig.from_json(config["train"])
     rank, world, snap = ctx.rank, ctx.world_size, ctx.snapshotter

@@ -58,8 +58,8 @@ def failure_due(config: dict, step: int) -> bool:
 def train_loop_per_worker(config: dict) -> None:
     import ray
 
-    from memsnap.capture import plan
     from memsnap.rank import Snapshotter
+    from memsnap.state.capture import plan
 
     cfg = TrainConfig.from_json(config["train"])
     ctx = ray.train.get_context()

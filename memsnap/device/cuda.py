@@ -11,7 +11,7 @@ never executed (the machines it was written on have no GPU). ``bench/gpu.py`` an
   device whose UUID the handle names, looked up among the devices this process sees (a Ray
   rank sees its GPU as ``cuda:0``; the agent sees all of them). A refusal (a sandboxed
   kernel, a container without ``--ipc=host``, MIG) raises ``DeviceError`` and the caller
-  falls back to the side-stream D2H path (``memsnap.cuda_capture``).
+  falls back to the side-stream D2H path (``memsnap.state.cuda_capture``).
 * Buffers are seen by torch through ``__cuda_array_interface__`` (``torch.as_tensor``), so
   every copy is torch's ``copy_`` on a torch side stream.
 

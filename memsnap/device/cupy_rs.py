@@ -2,10 +2,10 @@
 
 NOT YET RUN ON A GPU: the kernel has been compiled and checked only as C on the CPU
 (``tests/test_cupy_rs.py`` builds ``KERNEL_CORE`` with the host compiler and compares its
-output with ``memsnap.codec`` byte for byte); ``bench/gpu.py`` and the ``gpu``-marked tests
+output with ``memsnap.coding.codec`` byte for byte); ``bench/gpu.py`` and the ``gpu``-marked tests
 run it under CUDA on the first machine with a GPU.
 
-The code is the one of ``memsnap.codec``: GF(2^8) with polynomial 0x11d, generator rows from
+The code is the one of ``memsnap.coding.codec``: GF(2^8) with polynomial 0x11d, generator rows from
 ``_codec.generator`` (RAID-6 P/Q for ``m == 2``, a scaled Cauchy matrix otherwise), decode
 rows from ``_codec.decode_matrix``, and the split-nibble product tables of
 ``_codec.tables``: 32 bytes per coefficient, ``t[n] = c*n`` and ``t[16+n] = c*(n<<4)``, so
@@ -92,7 +92,7 @@ def _cupy() -> Any:
     except ImportError:
         raise CodecError(
             "GPU erasure coding needs CuPy: pip install 'memsnap[gpu]' (cupy-cuda12x); "
-            "memsnap.codec codes on the CPU without it"
+            "memsnap.coding.codec codes on the CPU without it"
         ) from None
     return cupy
 
@@ -108,7 +108,7 @@ def _kernel(cp: Any) -> Any:
 
 
 class CupyReedSolomon:
-    """``ReedSolomon(k, m)`` of ``memsnap.codec`` on CuPy device arrays (``uint8``, 1-D,
+    """``ReedSolomon(k, m)`` of ``memsnap.coding.codec`` on CuPy device arrays (``uint8``, 1-D,
     contiguous, all shards of a call on the current device and of one length)."""
 
     def __init__(self, k: int, m: int):

@@ -5,7 +5,7 @@ GF(2^8) with polynomial 0x11d built here from scratch, the generator rows of
 coefficient: ``t[n] = c*n``, ``t[16+n] = c*(n<<4)``), and ``apply_words``, which does per
 32-bit word exactly what a thread of ``memsnap.device.cupy_rs.KERNEL`` does (four nibble-pair
 lookups XORed into each output word; the bytes past the last whole word one by one). The
-tests hold all of it to ``memsnap.codec`` byte for byte, on any machine.
+tests hold all of it to ``memsnap.coding.codec`` byte for byte, on any machine.
 """
 
 from __future__ import annotations

@@ -31,12 +31,12 @@ from typing import Any
 
 import torch
 
-from memsnap import apply as apply_mod
-from memsnap.capture import tensor_view
 from memsnap.device.backend import Backend, BufferHandle, DeviceBuffer
-from memsnap.dtypes import dtype_of
 from memsnap.errors import DeviceError, MemoryBudgetError
-from memsnap.manifest import Manifest, align_up
+from memsnap.state import apply as apply_mod
+from memsnap.state.capture import tensor_view
+from memsnap.state.dtypes import dtype_of
+from memsnap.state.manifest import Manifest, align_up
 
 log = logging.getLogger("memsnap")
 

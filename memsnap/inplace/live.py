@@ -56,7 +56,7 @@ class Boundary:
     next step): the manifest (layout and skeleton) and the small tensors' bytes by entry."""
 
     step: int
-    manifest: Any  # memsnap.manifest.Manifest
+    manifest: Any  # memsnap.state.manifest.Manifest
     small: dict[int, bytes]
     rng: dict[str, int]  # RNG stream (python, numpy, torch, cuda) -> the digest of its state
     rng_static: frozenset[str] = frozenset()  # the streams no draw moved since the boundary before
@@ -113,7 +113,7 @@ class Live:
             from memsnap.errors import ConfigError
 
             raise ConfigError(f"live_takeover={mode!r}: must be one of {list(MODES)}")
-        from memsnap.capture import PlanCache
+        from memsnap.state.capture import PlanCache
 
         self.group, self.mode = group, mode
         self.cache = PlanCache()
@@ -163,7 +163,7 @@ class Live:
                 )
 
     def _mark(self, step: int, state: Mapping[str, Any]) -> None:
-        from memsnap.capture import tensor_bytes
+        from memsnap.state.capture import tensor_bytes
 
         self.guard(state)
         manifest, sources = self.cache.plan(state)
@@ -200,9 +200,9 @@ class Live:
         RNGs as recorded; its large tensors are already what they were (nothing is copied)."""
         import torch
 
-        from memsnap.apply import apply_received
-        from memsnap.apply import plan as plan_apply
-        from memsnap.dtypes import dtype_of
+        from memsnap.state.apply import apply_received
+        from memsnap.state.apply import plan as plan_apply
+        from memsnap.state.dtypes import dtype_of
 
         b = self.boundary
         assert b is not None
@@ -221,7 +221,7 @@ class Live:
 
 def entry_bytes(b: Boundary, sources: list, i: int):
     """Entry ``i``'s bytes at the boundary: recorded (small) or the live tensor's (large)."""
-    from memsnap.capture import tensor_bytes
+    from memsnap.state.capture import tensor_bytes
 
     if i in b.small:
         return b.small[i]
@@ -234,14 +234,14 @@ STREAMS = ("python", "numpy", "torch", "cuda")
 
 
 def _is_rng(path: str) -> bool:
-    from memsnap.capture import RNG_KEY
+    from memsnap.state.capture import RNG_KEY
 
     return path == RNG_KEY or path.startswith(RNG_KEY + "/")
 
 
 def rng_digests(manifest, small: dict[int, bytes]) -> dict[str, int]:
     """Each RNG stream's digest: its values in the skeleton and its tensors' bytes."""
-    from memsnap.capture import RNG_KEY
+    from memsnap.state.capture import RNG_KEY
 
     saved = manifest.tree.get(RNG_KEY, {}) if isinstance(manifest.tree, dict) else {}
     out = {}
@@ -257,7 +257,7 @@ def rng_digests(manifest, small: dict[int, bytes]) -> dict[str, int]:
 def _digest(manifest, entry: Callable[[int], Any]) -> int:
     """The state less its RNG streams: its skeleton, then each tensor's header and bytes
     (``entry(i)``). One digest for both sides, so a holder's and a receiver's can agree."""
-    from memsnap.capture import RNG_KEY
+    from memsnap.state.capture import RNG_KEY
 
     tree_ = manifest.tree
     rest = {k: v for k, v in tree_.items() if k != RNG_KEY} if isinstance(tree_, dict) else tree_
@@ -309,7 +309,7 @@ def _slice(b: Boundary, sources: list, lo: int, hi: int, own: tuple[str, ...]):
 
 def _in_stream(path: str, k: str) -> bool:
     """``path`` is a tensor of RNG stream ``k`` (``_is_rng``: of any stream)."""
-    from memsnap.capture import RNG_KEY
+    from memsnap.state.capture import RNG_KEY
 
     return path == f"{RNG_KEY}/{k}" or path.startswith(f"{RNG_KEY}/{k}/")
 
@@ -455,7 +455,7 @@ def take_over(
         clock["move"] = time.perf_counter() - t - clock["apply"]
         role = "kept"
     else:
-        from memsnap import apply as apply_mod
+        from memsnap.state import apply as apply_mod
 
         manifest, buf = _receive(live, verdict)
         clock["move"] = time.perf_counter() - t
@@ -500,7 +500,7 @@ def _receive(live: Live, verdict: Verdict):
     against what the holders agreed on (the state's digest and each RNG stream's taken)."""
     import torch
 
-    from memsnap.manifest import Manifest
+    from memsnap.state.manifest import Manifest
 
     group, first = live.group, verdict.holders[0]
     head = torch.zeros(1, dtype=torch.int64)
@@ -537,8 +537,8 @@ def _check(manifest, buf, verdict: Verdict) -> str | None:
 
 def _take_rng(manifest, buf, own: tuple[str, ...]) -> None:
     """The holders' RNG streams, but those each rank keeps its own of."""
-    from memsnap import rng as rng_state
-    from memsnap.apply import rng_of
+    from memsnap.state import rng as rng_state
+    from memsnap.state.apply import rng_of
 
     saved = rng_of(manifest, buf.numpy())
     if saved is None:

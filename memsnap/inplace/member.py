@@ -341,11 +341,11 @@ class Member:
         # the modules a takeover's Snapshotter needs, loaded now: on a busy host importing
         # them took most of the 0.7-1.0 s a standby spent registering, on every rank's way
         # (the survivors' restore waits for it at the restore barrier)
-        import memsnap.apply  # noqa: F401
-        import memsnap.capture  # noqa: F401
+        import memsnap.coding.receive  # noqa: F401
+        import memsnap.coding.restore  # noqa: F401
         import memsnap.rank  # noqa: F401
-        import memsnap.receive  # noqa: F401
-        import memsnap.restore  # noqa: F401
+        import memsnap.state.apply  # noqa: F401
+        import memsnap.state.capture  # noqa: F401
         import memsnap.transport  # noqa: F401
 
         warm_s = 0.0

@@ -28,10 +28,10 @@ from typing import Any
 
 from memsnap.config import SnapshotConfig, tcp_options
 from memsnap.errors import ChecksumError, ConfigError
-from memsnap.manifest import Manifest
 from memsnap.rank.client import AgentClient, HeldCopy
 from memsnap.rank.maps import ArenaMaps
 from memsnap.records import RankPlan, RankSource
+from memsnap.state.manifest import Manifest
 
 log = logging.getLogger("memsnap")
 
@@ -103,8 +103,8 @@ class Loader:
         if self._peers is None:
             import ray
 
-            from memsnap import receive
-            from memsnap.codec import codec_for
+            from memsnap.coding import receive
+            from memsnap.coding.codec import codec_for
             from memsnap.transport import make_transport
 
             client = make_transport(
@@ -115,7 +115,7 @@ class Loader:
 
     def receive(self, source: RankSource, manifest_json: str, state) -> None:
         """Read this rank's bytes from the holders straight into ``state`` (``receive.py``)."""
-        from memsnap import receive
+        from memsnap.coding import receive
         from memsnap.errors import StateMismatchError
 
         try:
@@ -129,7 +129,7 @@ class Loader:
 
     def apply(self, held: HeldCopy, state, seconds: dict) -> None:
         """Apply a copy held in an arena on this node (checked against its checksums)."""
-        from memsnap.apply import apply
+        from memsnap.state.apply import apply
 
         t = time.perf_counter()
         apply(state, Manifest.from_json(held.manifest), self.maps.view(held.path, held.nbytes), verify=True)
@@ -139,9 +139,9 @@ class Loader:
         """The step was taken by another world size: read the parts of every saved rank this
         rank needs from RAM, reshard them (``elastic.py``), and load; the live state is only
         written once everything was read and checked."""
-        from memsnap import elastic
-        from memsnap.apply import apply
-        from memsnap.capture import plan as layout_of
+        from memsnap.coding import elastic
+        from memsnap.state.apply import apply
+        from memsnap.state.capture import plan as layout_of
 
         if not self.direct:
             raise ConfigError(
@@ -171,9 +171,9 @@ class Loader:
 
     def _durable(self, plan: RankPlan, state, seconds: dict) -> str:
         """The spilled step, resharded when another world size took it (as ``memsnap.load``)."""
-        from memsnap.apply import apply
-        from memsnap.durable import read_step
-        from memsnap.storage import Store
+        from memsnap.durable.checkpoint import read_step
+        from memsnap.durable.storage import Store
+        from memsnap.state.apply import apply
 
         t = time.perf_counter()
         assert plan.spill is not None and plan.step is not None  # a durable plan names both

@@ -25,7 +25,7 @@ from memsnap.rank.client import AgentClient, get
 from memsnap.rank.maps import ArenaMaps
 
 if TYPE_CHECKING:
-    from memsnap.cuda_capture import SideStreamCapture
+    from memsnap.state.cuda_capture import SideStreamCapture
 
 log = logging.getLogger("memsnap")
 
@@ -36,7 +36,7 @@ class Capture:
     def __init__(
         self, client: AgentClient, maps: ArenaMaps, job: str, world: int, device: Any, optimizers=(), plan=None
     ):
-        from memsnap.capture import PlanCache
+        from memsnap.state.capture import PlanCache
 
         self.client, self.maps, self.job, self.world = client, maps, job, world
         self.rank = client.rank
@@ -51,8 +51,8 @@ class Capture:
         """Capture ``step`` into this node's agent; False when the agent skipped it (busy, and
         no slot freed within ``wait_s``). ``local``: the node's ranks (the agent sends the
         node's snapshot once every one of them captured)."""
-        from memsnap import cuda_capture
-        from memsnap.capture import copy_into, snapshot_view
+        from memsnap.state import cuda_capture
+        from memsnap.state.capture import copy_into, snapshot_view
 
         if not isinstance(step, int) or step < 0:
             raise ConfigError(f"step={step!r}: must be an int >= 0")
@@ -74,7 +74,7 @@ class Capture:
 
     def _take_cuda(self, step, layout, sources, out, path, local) -> None:
         """D2H on a side stream; the agent hears of the step once the copy is done."""
-        from memsnap import cuda_capture
+        from memsnap.state import cuda_capture
 
         if self._cuda is None:
             self._cuda = cuda_capture.SideStreamCapture()

@@ -1,7 +1,7 @@
 """The data-plane interface: the agent's chunk store and the transport contract.
 
-``ChunkKey`` (``memsnap.stripes``) and the buffer helpers ``byte_view``, ``Scatter`` and
-``dest_parts`` (``memsnap.buffers``) are re-exported here for the transports."""
+``ChunkKey`` (``memsnap.coding.stripes``) and the buffer helpers ``byte_view``, ``Scatter`` and
+``dest_parts`` (``memsnap.coding.buffers``) are re-exported here for the transports."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Protocol
 
-from memsnap.buffers import Scatter, byte_view, dest_parts
-from memsnap.stripes import MAX_OWNER_BYTES, ChunkKey
+from memsnap.coding.buffers import Scatter, byte_view, dest_parts
+from memsnap.coding.stripes import MAX_OWNER_BYTES, ChunkKey
 
 __all__ = ["MAX_OWNER_BYTES", "ChunkKey", "ChunkStore", "Scatter", "Transport", "byte_view", "dest_parts"]
 

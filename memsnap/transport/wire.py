@@ -30,6 +30,7 @@ from typing import NamedTuple
 import xxhash
 
 from memsnap.errors import FormatError
+from memsnap.state.validate import wire_header
 from memsnap.transport.session import (
     MAC_PIECE,
     TAG,
@@ -39,7 +40,6 @@ from memsnap.transport.session import (
     check_body,
     mac_pieces,
 )
-from memsnap.validate import wire_header
 
 HEAD = struct.Struct("<BHQQQ")  # kind (op or status), name length, payload length, xxh3-64, payload counter
 REQUEST = RESPONSE = HEAD

@@ -20,10 +20,10 @@ from functools import partial
 import torch
 import xxhash
 
-from memsnap import capture as cap
 from memsnap.device import backend as pick_backend
 from memsnap.device.backend import BufferHandle
 from memsnap.device.tier import RankTier
+from memsnap.state import capture as cap
 from support import states
 
 FEATURES = 64

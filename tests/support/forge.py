@@ -6,7 +6,7 @@ import json
 
 import xxhash
 
-from memsnap.storage import Store
+from memsnap.durable.storage import Store
 
 
 def forge_manifest(root: str, step: int, rank: int, doc: dict) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 
 from memsnap.arena import MemoryBudget
-from memsnap.chunkstore import HeldChunks
+from memsnap.node.chunkstore import HeldChunks
 from memsnap.transport import make_transport
 
 

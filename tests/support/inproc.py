@@ -16,15 +16,15 @@ import types
 
 import torch
 
-from memsnap.agent import AgentCore
-from memsnap.capture import capture
-from memsnap.codec import codec_for
+from memsnap.coding.codec import codec_for
+from memsnap.coding.receive import Peers
+from memsnap.coding.restore import gather
 from memsnap.config import SnapshotConfig
-from memsnap.coordinator import CoordinatorCore
+from memsnap.job.coordinator import CoordinatorCore
 from memsnap.localcluster import wait_for
-from memsnap.receive import Peers
+from memsnap.node.agent import AgentCore
 from memsnap.records import CommitNotice, RankSource
-from memsnap.restore import gather
+from memsnap.state.capture import capture
 from memsnap.transport import make_transport
 
 log = logging.getLogger("tests.inproc")

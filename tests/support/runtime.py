@@ -80,7 +80,7 @@ class Trainer:
 
     def save_and_die(self, step: int) -> None:
         """Die in the middle of capturing ``step`` (half the bytes written)."""
-        import memsnap.capture as capture
+        import memsnap.state.capture as capture
 
         def half(manifest, sources, out):
             view = memoryview(out).cast("B")

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from memsnap.checksum import checksum
-from memsnap.manifest import Manifest, TensorEntry, align_up
-from memsnap.storage import Store
+from memsnap.durable.storage import Store
+from memsnap.state.checksum import checksum
+from memsnap.state.manifest import Manifest, TensorEntry, align_up
 
 
 def make_snapshot(seed: int, n: int = 1000) -> tuple[Manifest, bytearray]:

@@ -23,10 +23,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from memsnap.apply import apply
-from memsnap.capture import capture
-from memsnap.manifest import Manifest
 from memsnap.sampler import ResumableLoader, ResumableSampler
+from memsnap.state.apply import apply
+from memsnap.state.capture import capture
+from memsnap.state.manifest import Manifest
 
 DATASET_LEN, BATCH, FEATURES = 36, 8, 6
 _ITERS: weakref.WeakKeyDictionary[ResumableLoader, Any] = weakref.WeakKeyDictionary()
