@@ -60,7 +60,8 @@ def cold_restore(spill_uri: str, step: int, rank: int, state: Mapping[str, Any])
     """Load ``rank``'s bytes of ``step`` from the local spill directory ``spill_uri`` into
     ``state`` from a cold page cache; return bytes, seconds (read, apply, total), GiB/s and
     the pages that were still cached when the read began."""
-    from memsnap.durable.storage import Store, rank_name
+    from memsnap.durable.layout import rank_name
+    from memsnap.durable.storage import Store
     from memsnap.state.apply import apply
 
     store = Store.open(spill_uri)

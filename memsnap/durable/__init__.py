@@ -1,9 +1,11 @@
 """Durable storage: the standalone checkpoint format (``save``, ``load``) and the spill's files.
 
 ``checkpoint`` (``save``/``load``: a directory per step, readable without Ray), ``storage``
-(local disk, NFS, S3 or GCS through ``pyarrow.fs``), ``localfs`` (local files written
-safely), ``meta`` (what every step records of itself) and ``lineage`` (which run took each
-committed step).
+(a step directory written, listed, read and pruned on local disk, NFS, S3 or GCS through
+``pyarrow.fs``), ``layout`` (its file names), ``verify`` (a rank file checked as it is read),
+``localfs`` (local files written safely), ``meta`` (what every step records of itself),
+``lineage`` (which run took each committed step) and ``reshard`` (a step of another world
+size, read from the rank files).
 """
 
 from __future__ import annotations

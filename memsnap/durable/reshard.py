@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from memsnap.durable.storage import Store, rank_name
+from memsnap.durable.layout import rank_name
+from memsnap.durable.storage import Store
 from memsnap.errors import FormatError
 from memsnap.state.capture import plan
 from memsnap.state.dtypes import dtype_of

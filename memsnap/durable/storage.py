@@ -1,13 +1,9 @@
-"""The step-directory format over ``pyarrow.fs``: rank files, commit marker, listing, retention.
+"""The step-directory format over ``pyarrow.fs``: writing rank files and the commit marker,
+listing and reading steps (checked as they are read, ``verify.py``), retention.
 
-Layout under a root URI (a local path, ``file://``, ``s3://``, ``gs://``, ``hdfs://``)::
-
-    step_000000001234/
-        rank_00000.bin     the rank's flat snapshot buffer (``Manifest.nbytes`` bytes)
-        rank_00000.json    its Manifest, with per-tensor checksums and the .bin's size + xxh3
-        COMMITTED          JSON written last: step, world size, metadata, per-rank files
-
-A step directory without ``COMMITTED`` does not exist for readers.
+Under a root URI (a local path, ``file://``, ``s3://``, ``gs://``, ``hdfs://``) each step is a
+directory laid out as ``layout.py`` names it; one without ``COMMITTED`` does not exist for
+readers.
 
 Call protocol of a save (the runtime's spill thread follows the same two calls)::
 
@@ -32,16 +28,23 @@ import errno
 import json
 import mmap
 import os
-import re
 import warnings
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
-from typing import Any, Protocol
+from collections.abc import Iterable
 
 import pyarrow.fs as pafs
 import xxhash
 
 from memsnap.durable import localfs
+from memsnap.durable.layout import (
+    MARKER,
+    RANK_FILE_RE,
+    STEP_RE,
+    RankRecord,
+    RankStream,
+    files_tag,
+    rank_name,
+    step_name,
+)
 from memsnap.durable.lineage import (
     LEGACY,
     Commit,
@@ -66,6 +69,7 @@ from memsnap.durable.localfs import (
     write_local,
     write_stream,
 )
+from memsnap.durable.verify import Verifier
 from memsnap.errors import ChecksumError, ConfigError, FormatError, MemsnapError, SnapshotNotFoundError, StorageError
 from memsnap.state import validate
 from memsnap.state.checksum import fill_checksums
@@ -84,50 +88,6 @@ __all__ = [
     "tmp_name",
     "slices",
 ]
-
-MARKER = "COMMITTED"
-_STEP_RE = re.compile(r"^step_(\d{12})$")
-_TAG_RE = re.compile(r"^r[0-9a-f]{16}$")  # the name tag of a re-saved step's rank files
-_RANK_FILE_RE = re.compile(r"^rank_\d{5}(\.r[0-9a-f]{16})?\.(bin|json)$")
-
-
-class RankStream(Protocol):
-    """A rank's data file produced piece by piece instead of from one buffer.
-
-    Iterating yields the file's bytes in order (``nbytes`` in all, as buffers); once the
-    iteration is complete, ``manifest()`` is the rank's manifest with every tensor's checksum.
-    ``stream.TensorStream`` is the one that reads straight from the tensors.
-    """
-
-    nbytes: int
-
-    def __iter__(self) -> Iterator[memoryview]: ...
-
-    def manifest(self) -> Manifest: ...
-
-
-def step_name(step: int) -> str:
-    return f"step_{step:012d}"
-
-
-def rank_name(rank: int, ext: str, tag: str | None = None) -> str:
-    """A rank's file name; ``tag`` (a re-saved step's files) goes before the extension."""
-    return f"rank_{rank:05d}.{ext}" if tag is None else f"rank_{rank:05d}.{tag}.{ext}"
-
-
-@dataclass(frozen=True)
-class RankRecord:
-    """What ``write_rank`` wrote for one rank: file sizes and whole-file xxh3 checksums."""
-
-    rank: int
-    bin_bytes: int
-    bin_xxh3: str
-    json_bytes: int
-    json_xxh3: str
-
-    def to_dict(self) -> dict:
-        return dict(self.__dict__)
-
 
 _RESUMED: dict[str, int] = {}  # per root: the step this process's run continues from
 _WARNED: set[tuple[str, str]] = set()  # (root, lineage) warned about saving behind newer steps
@@ -300,7 +260,7 @@ class Store:
         """Delete the rank files of ``step`` its new marker does not name (the replaced save's)."""
         infos = self.fs.get_file_info(pafs.FileSelector(self.path(step), allow_not_found=True))
         for info in infos:
-            if _RANK_FILE_RE.fullmatch(info.base_name) and info.base_name not in live:
+            if RANK_FILE_RE.fullmatch(info.base_name) and info.base_name not in live:
                 self._discard(info.path)
 
     def _warn_behind(self, step: int, lineage: Lineage, history: list[Commit]) -> None:
@@ -417,7 +377,7 @@ class Store:
             return []
         out = []
         for info in infos:
-            m = _STEP_RE.fullmatch(info.base_name)
+            m = STEP_RE.fullmatch(info.base_name)
             if m and info.type == pafs.FileType.Directory:
                 out.append((int(m.group(1)), info.path))
         return out
@@ -445,13 +405,13 @@ class Store:
         except ChecksumError as exc:  # nothing to compare against: the marker itself is damaged
             raise FormatError(str(exc)) from None
         doc = validate.marker(validate.parse_json(raw, path), step, path)
-        self._tags[step] = _files_tag(doc, path)
+        self._tags[step] = files_tag(doc, path)
         return doc
 
     def _rank_path(self, step: int, rank: int, ext: str, marker: dict | None = None) -> str:
         """The path of a rank's file of committed ``step`` (named as its marker says)."""
         if marker is not None:
-            tag = _files_tag(marker, self.path(step, MARKER))
+            tag = files_tag(marker, self.path(step, MARKER))
         else:
             if step not in self._tags:
                 self.marker(step)
@@ -521,7 +481,7 @@ class Store:
         rec = self._record(marker, rank)
         manifest = manifest or self.manifest(step, rank, marker)
         path = self._rank_path(step, rank, "bin", marker)
-        check = _Verifier(path, manifest, rec)
+        check = Verifier(path, manifest, rec)
         try:
             if out is None and self.local:
                 data = self._map_checked(path, rec["bin_bytes"], check, progress)
@@ -554,7 +514,7 @@ class Store:
         mapped copy-on-write)."""
         return self.read_rank(step, rank, marker=marker, progress=progress)[1]
 
-    def _map_checked(self, path: str, size: int, check: _Verifier, progress: Progress | None) -> memoryview:
+    def _map_checked(self, path: str, size: int, check: Verifier, progress: Progress | None) -> memoryview:
         fd = open_local(path)
         try:
             regular(path, os.fstat(fd), size)
@@ -572,7 +532,7 @@ class Store:
                 progress(min(start + localfs.IO_CHUNK, size), size)
         return mv
 
-    def _read_checked(self, path: str, size: int, out, check: _Verifier, progress: Progress | None) -> memoryview:
+    def _read_checked(self, path: str, size: int, out, check: Verifier, progress: Progress | None) -> memoryview:
         """Open ``path`` as a regular file of ``size`` bytes, then read it into ``out`` (or a
         new buffer of that size), feeding ``check`` as the pieces arrive."""
         with self._open_data(path, size) as (f, _):
@@ -686,68 +646,3 @@ class Store:
         for s in sorted(doomed):
             self.delete_step(s)
         return sorted(doomed)
-
-
-def _files_tag(marker: dict, where: str) -> str | None:
-    """The name tag a marker gives its rank files (None: the plain names)."""
-    tag = marker.get("files")
-    if tag is not None and not (isinstance(tag, str) and _TAG_RE.fullmatch(tag)):
-        raise FormatError(
-            f"{where} files: must be 'r' and 16 hex digits, the name tag of the "
-            f"step's rank files, got {tag!r}; the step is damaged, load another step"
-        )
-    return tag
-
-
-class _Verifier:
-    """Checks a rank's data file as its bytes go by, in order: the whole file's xxh3 against
-    ``COMMITTED`` and every stored tensor's against its manifest (aliases hold no bytes), so
-    one pass over the bytes checks both."""
-
-    def __init__(self, path: str, manifest: Manifest, rec: dict):
-        self.path, self.manifest, self.rec = path, manifest, rec
-        self.whole = xxhash.xxh3_64()
-        self.spans = sorted(
-            (t.offset, t.offset + t.nbytes, i) for i, t in enumerate(manifest.tensors) if t.alias_of is None
-        )
-        self.open: list[tuple[int, int, int, Any]] = []  # (lo, hi, tensor, its xxh3 so far)
-        self.next, self.done = 0, 0
-
-    def feed(self, start: int, piece: memoryview) -> None:
-        """The bytes at ``start`` (each byte once, in order)."""
-        end = start + piece.nbytes
-        self.whole.update(piece)
-        spans = self.spans
-        while self.next < len(spans) and spans[self.next][0] < end:
-            lo, hi, i = spans[self.next]
-            self.next += 1
-            if hi <= end:  # wholly inside this piece: one call
-                self._check(i, xxhash.xxh3_64_hexdigest(piece[lo - start : hi - start]))
-            else:
-                self.open.append((lo, hi, i, xxhash.xxh3_64()))
-        still = []
-        for lo, hi, i, h in self.open:
-            h.update(piece[max(lo, start) - start : min(hi, end) - start])
-            if hi <= end:
-                self._check(i, h.hexdigest())
-            else:
-                still.append((lo, hi, i, h))
-        self.open, self.done = still, end
-
-    def finish(self) -> None:
-        """After the last byte: the file's checksum, and the tensors not checked yet (empty
-        ones at the very end)."""
-        for _lo, _hi, i in self.spans[self.next :]:
-            self._check(i, xxhash.xxh3_64_hexdigest(b""))
-        digest = self.whole.hexdigest()
-        if digest != self.rec["bin_xxh3"]:
-            raise ChecksumError(f"{self.path} is corrupted: xxh3 {digest}, COMMITTED recorded {self.rec['bin_xxh3']}")
-
-    def _check(self, i: int, got: str) -> None:
-        t = self.manifest.tensors[i]
-        if got != t.checksum:
-            raise ChecksumError(
-                f"{self.path} is corrupted: tensor {t.path!r} (bytes {t.offset}.."
-                f"{t.offset + t.nbytes}) hashes to {got} but its manifest records "
-                f"{t.checksum}; load another step or copy"
-            )
