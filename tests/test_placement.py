@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memsnap.job.placement import NodeInfo, Placement, place, protection_level, recoverable, replace_node
+from memsnap.job.placement import NodeInfo, Placement, margin, place, protection_level, recoverable, replace_node
 
 
 @st.composite
@@ -176,3 +176,20 @@ def test_placement_round_trips_through_json_and_is_reducible():
     assert copy.deepcopy(p) == p
     node = NodeInfo("a", {"rack": "r1"})
     assert copy.deepcopy(node) == node and hash(node) == hash(NodeInfo("a", {"rack": "r1"}))
+
+
+@pytest.mark.parametrize(
+    ("m", "lost", "local", "survives"),
+    [
+        (1, 0, True, 2),  # a holder, then the owner's own copy
+        (1, 1, True, 1),
+        (1, 2, True, 0),  # only the owner's copy is left: it is the last one
+        (1, 0, False, 1),
+        (1, 1, False, 0),
+        (1, 2, False, -1),  # lean mode: more than m pieces gone is unreadable from RAM
+        (2, 3, True, 0),
+        (2, 2, False, 0),
+    ],
+)
+def test_one_rule_says_how_many_more_losses_an_owner_survives(m, lost, local, survives):
+    assert margin(m, lost, local) == survives

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from memsnap.commands._common import add_location, open_step, weight_paths, write_safetensors
-from memsnap.durable.reshard import gather
+from memsnap.durable.reshard import full_tensors
 from memsnap.durable.storage import Store
 from memsnap.state.tree import segment, unquote
 
@@ -13,7 +13,7 @@ from memsnap.state.tree import segment, unquote
 def weights(store: Store, step: int, marker: dict, key: str | None) -> dict:
     """``{name: full tensor}`` of the weights under ``key``; sharded tensors gathered whole."""
     key, paths = weight_paths(store.manifest(step, 0, marker), key)
-    return {_weight_name(path[len(segment(key)) + 1 :]): t for path, t in gather(store, step, paths, marker)}
+    return {_weight_name(path[len(segment(key)) + 1 :]): t for path, t in full_tensors(store, step, paths, marker)}
 
 
 def _weight_name(rest: str) -> str:

@@ -148,7 +148,7 @@ def save(
 
     Every rank calls it; rank and world size come from ``torch.distributed`` when initialised.
     ``metadata`` (JSON: loss, config...) is recorded with the automatic metadata
-    (``meta.collect``). ``keep_last`` turns on retention: the newest ``keep_last`` steps of
+    (``meta.describe``). ``keep_last`` turns on retention: the newest ``keep_last`` steps of
     this run's lineage, the step it resumed from, plus milestones (``milestone_every``, or
     ``milestone=True`` on this save) are kept (``storage.Retention``). After a ``load`` of an
     older step the run is a new lineage: a step of another lineage with this number is
@@ -157,7 +157,7 @@ def save(
     _check_save(state, step, weights_only)
     rank, world = _rank_world(rank, world_size)
     sync = _barrier(world, barrier)
-    info = meta.collect(step, world, state, metadata, milestone, git=False)
+    info = meta.describe(step, world, state, metadata, milestone, git=False)
     policy = Retention(keep_last, milestone_every) if keep_last is not None else None
     store = Store.open(uri, endpoint)
     if store.descends_from(step):

@@ -34,18 +34,21 @@ def git_commit(cwd: str) -> dict[str, Any] | None:
         return None
 
 
-def versions() -> dict[str, str]:
-    import pyarrow
-    import torch
+def versions() -> dict[str, str | None]:
+    """The versions a step was made with: memsnap, python, torch, pyarrow, numpy and ray
+    (None: not installed). Both the durable format and a spill record these; read from the
+    installed packages' metadata, so that the coordinator never imports torch for them."""
+    from importlib import metadata
 
     import memsnap
 
-    return {
-        "memsnap": memsnap.__version__,
-        "torch": torch.__version__,
-        "pyarrow": pyarrow.__version__,
-        "python": platform.python_version(),
-    }
+    out: dict[str, str | None] = {"memsnap": memsnap.__version__, "python": platform.python_version()}
+    for pkg in ("torch", "pyarrow", "numpy", "ray"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            out[pkg] = None
+    return out
 
 
 def has_optimizer(state: Mapping[str, Any]) -> bool:
@@ -102,7 +105,7 @@ def record_argv(argv: Sequence[str] | None = None) -> list[str] | None:
     return None if mode == "off" else argv if mode == "raw" else redact_argv(argv)
 
 
-def collect(
+def describe(
     step: int,
     world_size: int,
     state: Mapping[str, Any],

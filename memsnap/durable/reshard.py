@@ -64,7 +64,7 @@ def assemble(store: Store, step: int, marker: dict, state: Mapping[str, Any], ra
     return target, fill(target, saved, _Reader(store, step, saved, marker), rank)
 
 
-def gather(store: Store, step: int, paths: list[str], marker: dict | None = None):
+def full_tensors(store: Store, step: int, paths: list[str], marker: dict | None = None):
     """Yield ``(path, full tensor)`` for each path: DTensor shards from every saved rank joined
     into the global tensor, plain tensors from rank 0. Every rank file read is verified whole
     (``Store.read_rank``) and the shards must tile each tensor (``tiling``)."""

@@ -577,21 +577,15 @@ class CoordinatorCore:
 def spill_metadata(cfg: SnapshotConfig, step: int, run: str | None = None) -> dict:
     """What a spilled step records about how it was made: job, the run that took it (its
     ``identity`` run id), config, package versions."""
-    from importlib import metadata
+    from memsnap.durable import meta
 
-    versions: dict[str, str | None] = {}
-    for pkg in ("memsnap", "torch", "ray", "numpy", "pyarrow"):
-        try:
-            versions[pkg] = metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            versions[pkg] = None
     return {
         "job": cfg.job,
         "run": run,
         "step": step,
         "source": "memsnap spill",
         "config": cfg.to_dict(),
-        "versions": versions,
+        "versions": meta.versions(),
         "time": time.time(),
     }
 

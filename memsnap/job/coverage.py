@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from memsnap.job.placement import margin
 from memsnap.records import CommitRecord, Inventory
 
 
@@ -131,6 +132,4 @@ def owner_margin(
     local = local_copy and all(
         has_local(inventories.get(members.get(r, "")), record.step, r) for r in record.ranks_of(owner)
     )
-    if lost > record.m:
-        return 0 if local else -1
-    return record.m - lost + (1 if local else 0)
+    return margin(record.m, lost, local)

@@ -174,11 +174,19 @@ def recoverable(p: Placement, owner: str, alive: set[str], local_copy: bool = Tr
     return lost <= p.m
 
 
+def margin(m: int, lost: int, local: bool) -> int:
+    """How many more node losses an owner's bytes survive, with ``lost`` of its k + m pieces
+    gone and (``local``) or without its own whole copy: -1, already unreadable from RAM. The
+    own copy counts as one more (the owner must die too). The one rule for the placement's
+    plan and the coordinator's view of what the agents hold."""
+    if local:
+        return max(0, m - lost + 1)
+    return m - lost if lost <= m else -1
+
+
 def _owner_margin(p: Placement, owner: str, alive: set[str], local_copy: bool) -> int:
     lost = sum(1 for h in p.holders[owner] if h not in alive)
-    if local_copy and owner in alive:
-        return max(0, p.m - lost + 1)  # the owner itself must die too
-    return p.m - lost if lost <= p.m else -1
+    return margin(p.m, lost, local_copy and owner in alive)
 
 
 def protection_level(p: Placement, alive: set[str], local_copy: bool = True) -> dict[int, int]:
