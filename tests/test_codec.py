@@ -215,7 +215,7 @@ def run_python(code: str, isa: str) -> subprocess.CompletedProcess:
 
 def test_environment_variable_forces_a_level() -> None:
     level = codec.available_isas()[0]
-    done = run_python("from memsnap import codec; print(codec.isa())", level)
+    done = run_python("from memsnap.coding import codec; print(codec.isa())", level)
     assert done.stdout.strip() == level, done.stderr
     bad = run_python("import memsnap.coding.codec", "quantum")
     assert bad.returncode != 0 and "MEMSNAP_ISA='quantum' is not available here" in bad.stderr

@@ -211,14 +211,14 @@ def _exchange(damage: bool = False) -> dict:
 
 def test_two_survivors_send_their_live_state_to_a_standby_which_ends_bitwise_equal():
     got = _exchange()
-    assert got[0][0]["role"] == "kept" and got[2][0]["role"] == "kept", got
-    assert got[1][0]["role"] == "live" and got[1][0]["holders"] == [0, 2], got
-    assert {got[r][0]["step"] for r in range(3)} == {2}
+    assert got[0][0].role == "kept" and got[2][0].role == "kept", got
+    assert got[1][0].role == "live" and got[1][0].holders == (0, 2), got
+    assert {got[r][0].step for r in range(3)} == {2}
     # every rank holds the same state, and the same torch RNG (the next draw agrees); each
     # keeps its own unseeded Python and NumPy streams, which no step drew from
     assert len({got[r][2] for r in range(3)}) == 1
     assert len({got[r][3] for r in range(3)}) == 1
-    assert got[1][0]["own_rng"] == ["python", "numpy"]
+    assert got[1][0].own_rng == ("python", "numpy")
 
 
 def test_a_live_state_damaged_on_the_way_is_refused_and_the_receiver_will_not_take_one_again():
@@ -226,4 +226,4 @@ def test_a_live_state_damaged_on_the_way_is_refused_and_the_receiver_will_not_ta
     # the receiver ended the generation (the holders' sends completed) and will refuse the
     # next live takeover, so the next generation rolls back instead
     assert got[1][0] is None and "refuse: step 2 arrived with" in got[1][1], got
-    assert got[0][0]["role"] == "kept" and got[2][0]["role"] == "kept", got
+    assert got[0][0].role == "kept" and got[2][0].role == "kept", got
