@@ -89,7 +89,8 @@ def memsnap_ops(st: Stripes, k: int, m: int, threads: int):
     rs = codec.ReedSolomon(k, m, threads=threads)
     for d, p in zip(st.data, st.parity):
         rs.encode_into(d, p)
-    calls = [([None] * m + d[m:] + p, dict(zip(range(m), r))) for d, p, r in zip(st.data, st.parity, st.rebuilt)]
+    lost: list[np.ndarray | None] = [None] * m  # the first m data shards of every stripe
+    calls = [([*lost, *d[m:], *p], dict(zip(range(m), r))) for d, p, r in zip(st.data, st.parity, st.rebuilt)]
 
     def encode() -> None:
         for d, p in zip(st.data, st.parity):

@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -39,7 +40,20 @@ try:
 except ImportError:  # the random fallback below
     atheris = None
 
+if TYPE_CHECKING:  # bound at run time by _import_memsnap (instrumented when atheris drives the run)
+    from memsnap.commands.export import weights as export_weights
+    from memsnap.commands.ls import _row as ls_row
+    from memsnap.durable.checkpoint import save
+    from memsnap.durable.storage import Store
+    from memsnap.errors import MemsnapError
+    from memsnap.state import reshard, tree, validate
+    from memsnap.state.apply import apply
+    from memsnap.state.capture import capture
+    from memsnap.state.manifest import Manifest, TensorEntry
+    from memsnap.transport import wire
+
 TARGETS = ("manifest", "skeleton", "marker", "store", "tiling", "header")
+MAX_PAYLOAD = 1 << 40  # a sanity bound on a header's payload length
 
 
 def _import_memsnap():
@@ -95,7 +109,7 @@ def llama_state(blocks: int = 2, d: int = 8, vocab: int = 16) -> dict:
     )
     model["head"].weight = model["embed"].weight
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    loss = sum(p.sum() for p in model.parameters())
+    loss = cast(torch.Tensor, sum(p.sum() for p in model.parameters()))
     loss.backward()
     optim.step()
     return {"model": model, "optim": optim, "cfg": {"lr": 1e-3, "betas": (0.9, 0.95)}}
@@ -124,8 +138,8 @@ class Harness:
         if target == "tiling":  # 1-d of 8 in two halves (exact); 2-d 4x4 in overlapping quarters
             return [bytes([1, 8, 0, 4, 4, 4]), bytes([2, 4, 4, 0, 0, 2, 2, 1, 1, 2, 2, 2, 2, 2, 2])]
         return [
-            b"\0" + wire.REQUEST.pack(wire.PUSH, 40, 1 << 20, 12345),
-            b"\xff" + wire.RESPONSE.pack(wire.OK, 0, 64, 1),
+            b"\0" + wire.REQUEST.pack(wire.PUSH, 40, 1 << 20, 12345, 1),
+            b"\xff" + wire.RESPONSE.pack(wire.OK, 0, 64, 1, 1),
         ]
 
     def check(self, target: str, data: bytes) -> None:
@@ -215,7 +229,7 @@ class Harness:
             if data[:1] != b"\xff"
             else (wire.RESPONSE, (wire.OK, wire.MISSING, wire.FAILED), "response")
         )
-        validate.wire_header(data[1:], layout, kinds, wire.MAX_CHUNK, what)
+        validate.wire_header(data[1:], layout, kinds, MAX_PAYLOAD, what)
 
 
 # --- drivers ------------------------------------------------------------------------------------
@@ -256,7 +270,7 @@ def _json_mutator(data: bytes, max_size: int, seed: int) -> bytes:
     return atheris.Mutate(data, max_size)
 
 
-NASTY = [
+NASTY: list[object] = [
     None,
     True,
     -1,

@@ -42,6 +42,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
@@ -54,6 +55,9 @@ from goodput_timeline import NODES, RunResult, analyse, poisson_schedule  # noqa
 from memsnap import goodput_model as gm  # noqa: E402
 from memsnap.localcluster import LocalCluster, wait_for  # noqa: E402
 from memsnap.policy import agent_ram  # noqa: E402
+
+if TYPE_CHECKING:
+    from goodput_job import MemsnapProtection
 
 RESULTS = HERE / "results"
 GIB = 1 << 30
@@ -240,7 +244,8 @@ class StorageMeter(threading.Thread):
 
     def __init__(self, root: str):
         super().__init__(daemon=True)
-        self.root, self.sizes, self.stop = root, {}, threading.Event()
+        self.root, self.stop = root, threading.Event()
+        self.sizes: dict[str, int] = {}
 
     def poll(self) -> None:
         for d, _, files in os.walk(self.root):
@@ -265,7 +270,7 @@ class StorageMeter(threading.Thread):
 # --- agents' CPU ----------------------------------------------------------------------------------
 def agent_cpu_seconds(cluster: LocalCluster) -> float:
     """User + system CPU seconds of this cluster's memsnap agents (children of its raylets)."""
-    raylets = set()
+    raylets: set[int] = set()
     for node in cluster.nodes:
         for name, procs in node.all_processes.items():
             if name == "raylet":
@@ -339,9 +344,11 @@ def _rank_actor():
             from goodput_job import event
 
             self.job.step(step)
-            saved = self.prot.save(self.job, step)
+            prot = cast("MemsnapProtection", self.prot)  # the memsnap system is the one calibrated
+            saved = prot.save(self.job, step)
+            assert saved is not None, f"calibration step {step} was not snapshotted"
             t = time.perf_counter()
-            committed = self.prot.wait(step)
+            committed = prot.wait(step)
             saved.update(commit_wait=time.perf_counter() - t, committed=committed)
             event(self.cfg["events"], ev="calibrate", rank=self.job.rank, step=step, **saved)
             return saved
@@ -620,6 +627,7 @@ def run_inplace(spec: RunSpec, cfg: dict, nodes: Nodes, schedule: list[dict], ho
             raise box.get("error") or RuntimeError(f"{spec.name}: the in-place job ended before training")
         t0 = time.time()
         inj.t0, inj.deadline = t0, t0 + horizon
+        assert j.store is not None  # run() made it before any rank restored
         j.store.set(DEADLINE_KEY, repr(t0 + horizon))
         inj.start()
         th.join(timeout=horizon + 900)
@@ -799,7 +807,7 @@ def measure(
     runs: list[dict] = list(keep)
     chosen: dict[str, int] = dict(keep_yd or {})  # Young/Daly N per disk system
     errors: dict[str, str] = {}
-    step_s = None
+    step_s: float | None = None
     loads: list[tuple[float, float, float]] = []
     cpu_busy: list[float] = []
     psutil.cpu_percent(None)
@@ -904,6 +912,7 @@ def measure(
             one(nodes, RunSpec("torchft", "0", False), args.baseline_s)
             one(nodes, RunSpec("torchft", "0", True), args.horizon_s)
             return
+        assert step_s is not None  # the "none" baseline runs first
         base = one(nodes, RunSpec(system, str(args.common_n), False), args.baseline_s)
         cost = base["stall_steady"] or base["stall_first"] or 0.0
         n = max(1, round(gm.young_daly(cost, args.mtbf_s) / step_s))

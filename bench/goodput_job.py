@@ -19,11 +19,16 @@ import glob
 import os
 import shutil
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 import torch.distributed as dist
 
 from memsnap.demo.worker import event, read_events  # noqa: F401 (the demo's JSON-lines event log; bench/goodput.py reads it through here)
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
 
 MIB = 1 << 20
 # the MLP: 4 layers of WIDTH x WIDTH. ddp: 256 (about 1 MiB of weights, 3 MiB with AdamW, the
@@ -120,6 +125,7 @@ class Job:
             average(self.model.parameters())
         elif self.world > 1:
             for p in self.model.parameters():
+                assert p.grad is not None  # the backward above filled every gradient
                 dist.all_reduce(p.grad)
                 p.grad /= self.world
         self.optim.step()
@@ -272,7 +278,7 @@ class DcpProtection:
     def __init__(self, job: Job, cfg: dict):
         self.root, self.every, self.events = cfg["storage"], int(cfg["interval"]), cfg["events"]
         self.group = dist.new_group(backend="gloo")
-        self.future = None
+        self.future: Future | None = None
 
     def _sd(self, job: Job) -> dict:
         from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -304,8 +310,12 @@ class DcpProtection:
         t = time.perf_counter()
         if self.future is not None:
             self.future.result()
-        self.future = dcp.async_save(
-            self._sd(job), checkpoint_id=os.path.join(self.root, f"step-{step}"), process_group=self.group
+        # with no async_stager, staging is synchronous and async_save returns the upload's Future
+        self.future = cast(
+            "Future",
+            dcp.async_save(
+                self._sd(job), checkpoint_id=os.path.join(self.root, f"step-{step}"), process_group=self.group
+            ),
         )
         stall = time.perf_counter() - t
         began, events = time.time(), self.events
@@ -323,7 +333,17 @@ class DcpProtection:
             self.future.result()
 
 
-PROTECTIONS = {
+class Protection(Protocol):
+    """What every system's protection does for a rank (``MemsnapProtection`` can also ``wait``)."""
+
+    def restore(self, job: Job) -> int | None: ...
+
+    def save(self, job: Job, step: int) -> dict | None: ...
+
+    def close(self) -> None: ...
+
+
+PROTECTIONS: dict[str, Callable[[Job, dict], Protection]] = {
     "none": NoProtection,
     "memsnap": MemsnapProtection,
     "torch.save": TorchSaveProtection,
@@ -460,8 +480,8 @@ def loopback_torchft() -> None:
         kw["bind"] = str(kw["bind"]).replace("[::]", "127.0.0.1")
         return real(**kw)
 
-    manager.ManagerServer = server  # type: ignore[assignment]
-    manager._bench_loopback = True  # type: ignore[attr-defined]
+    manager.ManagerServer = server
+    manager._bench_loopback = True
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
 

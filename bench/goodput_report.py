@@ -201,7 +201,9 @@ def measured_figures(data: dict) -> gm.Measured | None:
 def _health(data: dict) -> str:
     h = data.get("health_checks")
     if not h:  # results written before the settings were recorded: the bench's constant
-        from goodput import HEALTH_CHECKS as h
+        from goodput import HEALTH_CHECKS
+
+        h = HEALTH_CHECKS
     return (
         f"a ping every {h['health_check_period_ms'] / 1000:g} s, dead after "
         f"{h['health_check_failure_threshold']} missed, the first {h['health_check_initial_delay_ms'] / 1000:g} s "
@@ -484,11 +486,11 @@ def write_report(data: dict, out: Path) -> None:
             "| --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for gpus in (1024, 2048, 4096, 8192, 16384):
-            c = gm.Cluster(gpus=gpus)
-            ps = gm.project(c, x)
+            cluster = gm.Cluster(gpus=gpus)
+            ps = gm.project(cluster, x)
             tight = "; ".join(f"{p.system}: {p.binding[0]} {100 * p.binding[1]:.0f}%" for p in ps)
             lines.append(
-                f"| {gpus} | {c.mtbf_s / 3600:.2f} h | "
+                f"| {gpus} | {cluster.mtbf_s / 3600:.2f} h | "
                 + " | ".join(f"{p.goodput:.3f} ({p.period_s:.0f} s)" for p in ps)
                 + f" | {tight} |"
             )

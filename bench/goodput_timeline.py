@@ -14,7 +14,8 @@ NODES = 4
 def poisson_schedule(mtbf_s: float, horizon_s: float, seed: int) -> list[dict]:
     """Fault times (seconds from the first step) of a Poisson process with mean gap ``mtbf_s``,
     each with the position (0..NODES-2) of the non-head node it kills: the same for every system."""
-    rng, t, out = random.Random(seed), 0.0, []
+    rng, t = random.Random(seed), 0.0
+    out: list[dict] = []
     while True:
         t += rng.expovariate(1.0 / mtbf_s)
         if t >= horizon_s:

@@ -111,7 +111,8 @@ def agent_main() -> None:
     torch.cuda.init()
     device = device_uuid(0)
     tier = AgentTier(CudaBackend(), budget=64 * GiB, prefix=f"memsnap-gpubench{os.getpid()}")
-    lock, host, drains, pin, threads = threading.Lock(), {}, [], {}, []
+    lock, drains, pin, threads = threading.Lock(), [], {}, []
+    host: dict[str, Arena | _TorchHost] = {}
 
     def reply(doc: dict) -> None:
         sys.stdout.write(json.dumps(doc) + "\n")
@@ -138,8 +139,10 @@ def agent_main() -> None:
                         host.pop("arena").close()
                     path = os.path.join(naming.arena_dir(), f"memsnap-gpubench{os.getpid()}-host")
                     try:
-                        host["arena"] = Arena.create(path, nbytes, pin=True)
-                        pin["reason"] = host["arena"].pinning.reason
+                        arena = Arena.create(path, nbytes, pin=True)
+                        assert arena.pinning is not None  # pin=True registers it, or says why not
+                        host["arena"] = arena
+                        pin["reason"] = arena.pinning.reason
                     except Exception as exc:  # a small /dev/shm: a pinned torch buffer instead
                         host["arena"] = _TorchHost(nbytes)
                         pin["reason"] = f"no shared-memory arena ({exc}); pinned torch buffer instead"
@@ -165,10 +168,11 @@ class _TorchHost:
         import torch
 
         self.nbytes = nbytes
-        self.t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        self.t: torch.Tensor | None = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
     def view(self, offset: int = 0, nbytes: int | None = None):
-        return memoryview(self.t.numpy())[offset : offset + (nbytes or self.nbytes)]
+        assert self.t is not None, "closed"
+        return memoryview(self.t.numpy())[offset : offset + (nbytes or self.nbytes)]  # type: ignore[arg-type]  # numpy declares __buffer__ only from 3.12
 
     def close(self) -> None:
         self.t = None
@@ -248,6 +252,7 @@ def d2h(notes: list) -> list[tuple]:
     for size in (n, 256 << 20):
         try:
             arena = Arena.create(path, size, pin=True)
+            assert arena.pinning is not None  # pin=True registers it, or says why not
         except Exception as exc:
             notes.append(f"D2H: a {size >> 20} MiB shared-memory arena could not be created: {exc}")
             continue
@@ -292,7 +297,7 @@ def d2d(notes: list) -> list[tuple]:
             src = torch.empty(size, dtype=torch.uint8, device="cuda")
             src[: 1 << 20].random_(0, 255)
             manifest, sources = cap.plan_sources({"x": src}, rng=False)
-            if tier is not None and tier.capture(handle, manifest, sources):
+            if tier is not None and handle is not None and tier.capture(handle, manifest, sources):
                 tier.wait()
 
                 def once(manifest, sources):
@@ -381,11 +386,12 @@ def stall(notes: list, steps: int) -> list[tuple]:
     path = os.path.join(naming.arena_dir(), f"memsnap-gpubench{os.getpid()}-stall")
     try:
         arena = Arena.create(path, nbytes, pin=True)
+        assert arena.pinning is not None  # pin=True registers it, or says why not
         out, what = arena.view(0, nbytes), f"shared-memory arena, {arena.pinning.reason}"
     except Exception as exc:
         arena = None
         host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        out, what = memoryview(host.numpy()), f"pinned torch buffer (no arena: {exc})"
+        out, what = memoryview(host.numpy()), f"pinned torch buffer (no arena: {exc})"  # type: ignore[arg-type]  # numpy declares __buffer__ only from 3.12
         notes.append(f"stall: the {nbytes / GiB:.1f} GiB shared-memory arena could not be created ({exc})")
     side = cuda_capture.SideStreamCapture()
     side.attach([opt])
@@ -523,7 +529,8 @@ def gpu_tests() -> tuple[str, int]:
             timeout=240,
         )
     except subprocess.TimeoutExpired as exc:
-        return f"pytest -m gpu timed out after 240 s:\n{(exc.stdout or '')[-3000:]}", 124
+        tail = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        return f"pytest -m gpu timed out after 240 s:\n{tail[-3000:]}", 124
     return (out.stdout + out.stderr)[-4000:], out.returncode
 
 

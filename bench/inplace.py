@@ -208,6 +208,7 @@ def run_inplace(lc: LocalCluster, cfg: dict, opts: dict, kills: int, settle_step
                 what="steps after the recovery",
                 interval=0.2,
             )
+        assert j.store is not None  # run() made it before the ranks stepped
         j.store.set("bench/stop", "1")
         runner.join(timeout=600)
         if runner.is_alive():

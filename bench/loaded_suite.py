@@ -34,7 +34,7 @@ def busy_loops(n: int) -> list[subprocess.Popen]:
 
 
 class LoadSampler(threading.Thread):
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__(daemon=True)
         self.samples: list[float] = []
         self.stop = threading.Event()

@@ -33,9 +33,15 @@ import shutil
 import sys
 import tempfile
 import time
+from typing import TYPE_CHECKING, Any, cast
 
 import psutil
 import ray
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
+
+    from memsnap.rank import Snapshotter
 
 NODES = 4
 CONFIGS = ["none", "memsnap/1", "memsnap/10", "torch.save/10", "dcp.async/10"]
@@ -56,9 +62,9 @@ class Rank:
         self.rank, self.work, self.keep, self.budget = rank, work, keep, budget
         self.job = f"bench-overhead-{model}-{frozen_mib:g}"
         self.cfg = TrainConfig(model=ModelConfig.sized(model), batch=8, frozen_mib=frozen_mib)
-        self.snaps = {}
+        self.snaps: dict[int, Snapshotter] = {}
         self.next_step = 0  # step numbers keep rising across runs: a Snapshotter skips steps it has passed
-        self.objs = None
+        self.objs: dict[str, Any] | None = None
 
     def snapshotter(self, every: int):
         from memsnap.rank import Snapshotter
@@ -92,6 +98,7 @@ class Rank:
         """One snapshot of the state ``start`` built, then wait for its commit."""
         from memsnap.demo.train import snapshot_state
 
+        assert self.objs is not None, "start() builds the state"
         snap, step = self.snaps[every], self.next_step
         self.next_step += 1
         t = time.perf_counter()
@@ -132,7 +139,14 @@ class Rank:
             snap = self.snapshotter(int(name.split("/")[1]))
             return snap.save
         if name == "torch.save/10":
-            return lambda step, state: step % 10 == 9 and self._torch_save(state) is None
+
+            def torch_save(step: int, state) -> bool:
+                if step % 10 != 9:
+                    return False
+                self._torch_save(state)
+                return True
+
+            return torch_save
         return DcpAsync(os.path.join(self.work, f"dcp-{self.rank}-{time.monotonic_ns()}"))
 
     def _torch_save(self, state) -> None:
@@ -168,7 +182,8 @@ class DcpAsync:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-        self.root, self.future = root, None
+        self.root = root
+        self.future: Future | None = None
 
     def __call__(self, step: int, state) -> bool:
         import torch.distributed.checkpoint as dcp
@@ -178,7 +193,8 @@ class DcpAsync:
         if self.future is not None:
             self.future.result()
         sd = {k: state[k].state_dict() for k in ("model", "optim", "frozen") if k in state}
-        self.future = dcp.async_save(sd, checkpoint_id=os.path.join(self.root, f"step{step}"))
+        # with no async_stager, staging is synchronous and async_save returns the upload's Future
+        self.future = cast("Future", dcp.async_save(sd, checkpoint_id=os.path.join(self.root, f"step{step}")))
         return True
 
     def finish(self) -> None:
@@ -299,7 +315,7 @@ def measure(cluster, model: str, mib: float, args, load: list) -> dict:
     work = tempfile.mkdtemp(prefix="memsnap-overhead-")
     rounds: list[dict[str, dict]] = []
     ranks = [
-        Rank.options(resources={f"memsnap_node_{i}": 0.01}).remote(i, model, mib, work, KEEP, BUDGET)
+        Rank.options(resources={f"memsnap_node_{i}": 0.01}).remote(i, model, mib, work, KEEP, BUDGET)  # type: ignore[attr-defined]  # @ray.remote makes an ActorClass; ray's annotation keeps the bare class
         for i in range(NODES)
     ]
     job = f"bench-overhead-{model}-{mib:g}"

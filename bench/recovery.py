@@ -79,7 +79,7 @@ class Rank:
     def save(self, step: int) -> None:
         self.snap.save(step, self.state)
 
-    def wait(self, step: int) -> int:
+    def wait(self, step: int) -> int | None:
         return self.snap.wait(step, 600)
 
     def restore(self) -> dict:
@@ -92,7 +92,9 @@ class Rank:
 
     def source(self) -> dict:
         """Where this rank's bytes of its last restored step live (its part of the plan)."""
-        return self.snap.last_plan.source.to_wire()
+        plan = self.snap.last_plan
+        assert plan is not None and plan.source is not None, "a RAM restore ran first"
+        return plan.source.to_wire()
 
     def receive_again(self, source: dict) -> float:
         """This rank's bytes ``source`` names read from its holders straight into its live
@@ -169,7 +171,7 @@ def peer_vs_durable(mib: int, spill: str) -> dict:
                 what="the node declared dead",
             )
             c.add_node()
-            ranks[1] = Rank.options(resources={"memsnap_node_4": 0.01}).remote(1, 4, mib, 50, opts, JOB)
+            ranks[1] = Rank.options(resources={"memsnap_node_4": 0.01}).remote(1, 4, mib, 50, opts, JOB)  # type: ignore[attr-defined]  # @ray.remote makes an ActorClass; ray's annotation keeps the bare class
             ray.get(ranks[1].node.remote(), timeout=600)
             res = ray.get([r.restore.remote() for r in ranks], timeout=900)
             out["peer"] = res[1]
@@ -405,7 +407,7 @@ def _sink(port_q, nbytes: int) -> None:
     import numpy as np
 
     buf = np.ones(nbytes, np.uint8)  # touched before the clock starts (page allocation is slow here)
-    mv = memoryview(buf)
+    mv = memoryview(buf)  # type: ignore[arg-type]  # numpy declares __buffer__ only from 3.12
     srv = socket.create_server(("127.0.0.1", 0))
     port_q.put(srv.getsockname()[1])
     conn, _ = srv.accept()
@@ -423,7 +425,7 @@ def raw_socket(nbytes: int = 1 << 30) -> float:
     p = mp.get_context("spawn").Process(target=_sink, args=(q, nbytes))
     p.start()
     port = q.get(timeout=60)
-    data = memoryview(np.ones(nbytes, np.uint8))
+    data = memoryview(np.ones(nbytes, np.uint8))  # type: ignore[arg-type]  # numpy declares __buffer__ only from 3.12
     s = socket.create_connection(("127.0.0.1", port))
     t = time.perf_counter()
     for off in range(0, nbytes, 4 * MIB):

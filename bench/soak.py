@@ -152,7 +152,8 @@ def main() -> None:
     with LocalCluster(nodes=4, cpus_per_node=1, object_store_mb=96):
         try:
             ranks = [
-                SoakRank.options(resources={f"memsnap_node_{i}": 0.01}).remote(i, 4, args.state_mb) for i in range(4)
+                SoakRank.options(resources={f"memsnap_node_{i}": 0.01}).remote(i, 4, args.state_mb)  # type: ignore[attr-defined]  # @ray.remote makes an ActorClass; ray's annotation keeps the bare class
+                for i in range(4)
             ]
             ray.get([r.cycle.remote(0) for r in ranks], timeout=300)
             procs = processes()

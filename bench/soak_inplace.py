@@ -89,7 +89,7 @@ def shm_layout(job: str) -> str:
 
     from memsnap import naming
 
-    held = Counter()
+    held: Counter[tuple[str, int]] = Counter()
     for path in shmdir.arena_files(job):
         parts = naming.parse_arena(os.path.basename(path))
         if parts is not None:
@@ -137,7 +137,7 @@ def soak(a, job: str, samples: list[dict], splits: list[dict]) -> None:
         )
         import threading
 
-        out = {}
+        out: dict[str, dict] = {}
         runner = threading.Thread(target=lambda: out.update(r=j.run(timeout_s=24 * 3600)), daemon=True)
         runner.start()
         try:
@@ -147,6 +147,7 @@ def soak(a, job: str, samples: list[dict], splits: list[dict]) -> None:
                 return j.store is not None and j.store.check([key]) and int(j.store.get(key)) > beyond
 
             wait_for(lambda: stepped(0, 3), timeout=600, what="the job to start")
+            assert j.store is not None  # run() made it: the job has started
             survivor = psutil.Process(j.members()[0]["pid"])
             for i in range(a.recoveries):
                 wait_for(lambda: bool(j._standbys), timeout=600, what="a warm standby")

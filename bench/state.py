@@ -5,7 +5,7 @@ Save side (the stall the training loop sees):
     capture           memsnap.state.capture.capture into the same preallocated buffer (plan reused)
     memsnap.save      per-tensor and whole-file xxh3 + write straight from the tensors + fsync +
                       manifest + commit marker
-    ... no writeback  the same with storage.WRITEBACK = 0 (no sync_file_range hints: all the
+    ... no writeback  the same with localfs.WRITEBACK = 0 (no sync_file_range hints: all the
                       writing back is left to the closing fsync)
     staged            capture into a touched buffer + fill_checksums + Store.write_rank + commit:
                       the staging path ``save`` took before (the runtime's spill still writes so)
@@ -42,7 +42,7 @@ import torch
 
 import memsnap
 from memsnap.demo.disk import evict, resident
-from memsnap.durable import storage
+from memsnap.durable import localfs, storage
 from memsnap.state.capture import capture, fill_checksums, plan
 
 
@@ -101,7 +101,12 @@ class Bench:
         from memsnap.state.capture import collect
 
         found: list[torch.Tensor] = []  # the tensors, in manifest order
-        tree.encode(collect(self.state), lambda t, path: found.append(t) or len(found) - 1)
+
+        def keep(t: torch.Tensor, path) -> int:
+            found.append(t)
+            return len(found) - 1
+
+        tree.encode(collect(self.state), keep)
         return [
             (e.offset, t, e.nbytes) for e, t in zip(self.manifest.tensors, found) if e.alias_of is None and e.nbytes
         ]
@@ -129,11 +134,11 @@ class Bench:
         return time.perf_counter() - t
 
     def t_memsnap_save_nowb(self) -> float:
-        saved, storage.WRITEBACK = storage.WRITEBACK, 0
+        saved, localfs.WRITEBACK = localfs.WRITEBACK, 0
         try:
             return self.t_memsnap_save()
         finally:
-            storage.WRITEBACK = saved
+            localfs.WRITEBACK = saved
 
     def t_staged_save(self) -> float:
         shutil.rmtree(self.path("staged"), ignore_errors=True)

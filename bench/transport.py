@@ -22,6 +22,7 @@ import socket
 import statistics
 import sys
 import time
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
@@ -29,6 +30,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from memsnap.coding.stripes import choose_chunk  # noqa: E402
 from memsnap.transport import ChunkKey, make_transport  # noqa: E402
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
 
 GIB = 1 << 30
 PIECE = 4 << 20
@@ -40,7 +44,9 @@ class ArenaStore:
 
     def __init__(self, nbytes: int, chunk: int):
         self.arena = np.ones(nbytes + chunk, np.uint8)
-        self.chunk, self.sums, self.sizes = chunk, {}, {}
+        self.chunk = chunk
+        self.sums: dict[ChunkKey, int] = {}
+        self.sizes: dict[ChunkKey, int] = {}
 
     def reserve(self, key, nbytes):
         start = key.stripe * self.chunk
@@ -61,13 +67,13 @@ class ArenaStore:
 
 
 def _items(buf: np.ndarray, chunk: int, step: int) -> list:
-    view = memoryview(buf)
+    view = memoryview(buf)  # type: ignore[arg-type]  # numpy declares __buffer__ only from 3.12
     return [(ChunkKey(step, "bench", i, 0), view[o : o + chunk]) for i, o in enumerate(range(0, len(buf), chunk))]
 
 
 # --- raw socket --------------------------------------------------------------------------
 def _raw_receiver(conn, nbytes: int, rounds: int) -> None:
-    dst = memoryview(np.ones(nbytes, np.uint8))
+    dst = memoryview(np.ones(nbytes, np.uint8))  # type: ignore[arg-type]  # numpy declares __buffer__ only from 3.12
     listener = socket.create_server(("127.0.0.1", 0))
     conn.send(listener.getsockname()[1])
     sock, _ = listener.accept()
@@ -81,7 +87,7 @@ def _raw_receiver(conn, nbytes: int, rounds: int) -> None:
 
 
 def _raw_round(sock: socket.socket, src: np.ndarray) -> float:
-    view, t0 = memoryview(src), time.perf_counter()
+    view, t0 = memoryview(src), time.perf_counter()  # type: ignore[arg-type]  # numpy declares __buffer__ only from 3.12
     for o in range(0, len(src), PIECE):
         sock.sendall(view[o : o + PIECE])
     sock.recv(1)
@@ -104,7 +110,7 @@ def _tcp_round(client, addr: dict, src: np.ndarray, back: np.ndarray, chunk: int
     t0 = time.perf_counter()
     client.push(addr, items, timeout=600)
     push = len(src) / GIB / (time.perf_counter() - t0)
-    outs = [(k, memoryview(back)[i * chunk : i * chunk + len(v)]) for i, (k, v) in enumerate(items)]
+    outs = [(k, memoryview(back)[i * chunk : i * chunk + len(v)]) for i, (k, v) in enumerate(items)]  # type: ignore[arg-type]  # numpy declares __buffer__ only from 3.12
     t0 = time.perf_counter()
     ok = client.fetch(addr, outs, timeout=600)
     fetch = len(src) / GIB / (time.perf_counter() - t0)
@@ -157,8 +163,10 @@ def bench_objstore(sizes: list[int], chunk_of, repeats: int) -> dict[int, tuple[
         out = {}
         for nbytes in tqdm(sizes, desc="Ray object store", unit="size"):
             chunk = chunk_of(nbytes)
-            holder = Holder.options(name=f"bench-holder-{nbytes}", resources={"memsnap_node_1": 0.01}).remote(
-                nbytes, chunk
+            # ray annotates ActorClass.remote() as "ActorHandle[T] | type[T]"; it is the handle
+            holder = cast(
+                "ActorHandle[_Holder]",
+                Holder.options(name=f"bench-holder-{nbytes}", resources={"memsnap_node_1": 0.01}).remote(nbytes, chunk),
             )
             addr = ray.get(holder.address.remote(), timeout=120)
             out[nbytes] = _objstore_rounds(addr, nbytes, chunk, repeats)
@@ -193,7 +201,7 @@ def _objstore_rounds(addr: dict, nbytes: int, chunk: int, repeats: int) -> tuple
         t0 = time.perf_counter()
         client.push(addr, items, timeout=600)
         push.append(nbytes / GIB / (time.perf_counter() - t0))
-        outs = [(k, memoryview(back)[i * chunk : i * chunk + len(v)]) for i, (k, v) in enumerate(items)]
+        outs = [(k, memoryview(back)[i * chunk : i * chunk + len(v)]) for i, (k, v) in enumerate(items)]  # type: ignore[arg-type]  # numpy declares __buffer__ only from 3.12
         t0 = time.perf_counter()
         ok = client.fetch(addr, outs, timeout=600)
         fetch.append(nbytes / GIB / (time.perf_counter() - t0))

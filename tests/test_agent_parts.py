@@ -37,7 +37,9 @@ class Parts:
         self.versions = Versions(SlotPolicy.of(self.cfg), self.cfg.slots, self.cfg.keep, self.counters)
         self.slots = Slots(self.cfg, NODE, self.budget, self.lock, self.versions, lambda s: False)
         self.infos: dict = {}
-        self.called, self.told, self.pushed = [], [], {}
+        self.called: list[tuple] = []
+        self.told: list[tuple] = []
+        self.pushed: dict[int, list] = {}
         self.push_error: Exception | None = None
 
     def call(self, method, *args):
@@ -90,7 +92,9 @@ class Parts:
     def queued(self, step: int):
         """Rank 0 captured a small state into a slot for ``step``: its version is queued."""
         man, raw = capture({"w": torch.arange(1024, dtype=torch.float32)}, rng=False)
-        v = self.versions.begin(step, self.slots.free_slot(step))
+        slot = self.slots.free_slot(step)
+        assert slot is not None
+        v = self.versions.begin(step, slot)
         self.slots.arena(0, v.slot, man.nbytes).view(0, man.nbytes)[:] = raw
         self.versions.add_rank(v, 0, man.nbytes)
         assert self.versions.captured(v, 0, man.to_json().decode(), [0])
@@ -190,7 +194,10 @@ class DeviceParts:
     def __init__(self, parts: Parts):
         from memsnap.device.runtime import AgentDevice
 
-        self.parts, self.handed_on, self.failures, self.dropped = parts, [], [], set()
+        self.parts = parts
+        self.handed_on: list[tuple] = []
+        self.failures: list[tuple[int, str]] = []
+        self.dropped: set[int] = set()
         self.device = AgentDevice(
             NODE,
             parts.cfg.job,
@@ -217,7 +224,9 @@ class DeviceParts:
         from memsnap.state import capture as cap
 
         manifest, sources = cap.plan_sources(state, rng=False)
-        v = self.parts.versions.begin(step, self.parts.slots.free_slot(step))
+        slot = self.parts.slots.free_slot(step)
+        assert slot is not None
+        v = self.parts.versions.begin(step, slot)
         self.parts.versions.add_rank(v, 0, manifest.nbytes)
         self.parts.slots.arena(0, v.slot, manifest.nbytes)
         handle = self.device.begin(step, 0, "cpu", manifest.nbytes)

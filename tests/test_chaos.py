@@ -163,7 +163,8 @@ class Recorder:
     local = True
 
     def __init__(self, fail: dict | None = None):
-        self.calls, self.fail, self.nodes_ = [], fail or {}, list(NODES)
+        self.calls: list[tuple] = []
+        self.fail, self.nodes_ = fail or {}, list(NODES)
 
     def nodes(self):
         return self.nodes_

@@ -105,9 +105,9 @@ def test_misaligned_views(isa: str) -> None:
     backing = rng.integers(0, 256, 8 * 300 + 64, dtype=np.uint8)
     rs = codec.ReedSolomon(4, 3)
     for shift in range(1, 33, 5):
-        data = [memoryview(backing)[shift + i * 301 : shift + i * 301 + 257] for i in range(4)]
+        data = [memoryview(backing)[shift + i * 301 : shift + i * 301 + 257] for i in range(4)]  # type: ignore[arg-type]  # numpy declares __buffer__ only from 3.12
         parity_backing = np.zeros(3 * 300 + 64, dtype=np.uint8)
-        parity = [memoryview(parity_backing)[shift + j * 299 : shift + j * 299 + 257] for j in range(3)]
+        parity = [memoryview(parity_backing)[shift + j * 299 : shift + j * 299 + 257] for j in range(3)]  # type: ignore[arg-type]  # numpy declares __buffer__ only from 3.12
         with codec.using_isa(isa):
             rs.encode_into(data, parity)
         want = oracle.matvec(oracle.generator(4, 3), [np.frombuffer(d, np.uint8) for d in data])

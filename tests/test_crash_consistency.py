@@ -42,7 +42,7 @@ for line in sys.stdin:
 """
 
 
-STATE = dict(widths=(1024,) * 5, relu=False, warm=2)  # ~50 MiB of model + AdamW state
+STATE: states.Shape = dict(widths=(1024,) * 5, relu=False, warm=2)  # ~50 MiB of model + AdamW state
 make_state = partial(states.make_state, **STATE)
 
 
@@ -53,6 +53,7 @@ def same_model(a: torch.nn.Module, b: torch.nn.Module) -> bool:
 
 def run_and_kill(zygote: subprocess.Popen, step: int, delay: float) -> bool:
     """Fork a writer saving ``step``, SIGKILL it ``delay`` s into the save; True if it finished."""
+    assert zygote.stdin is not None and zygote.stdout is not None  # started with both piped
     zygote.stdin.write(f"{step}\n")
     zygote.stdin.flush()
     word, pid = zygote.stdout.readline().split()
@@ -62,7 +63,7 @@ def run_and_kill(zygote: subprocess.Popen, step: int, delay: float) -> bool:
         os.kill(int(pid), signal.SIGKILL)
     except ProcessLookupError:
         pass  # already exited (and reaped)
-    lines = []
+    lines: list[str] = []
     while not lines or lines[-1] != "reaped":
         line = zygote.stdout.readline()
         assert line, "the writer process died"

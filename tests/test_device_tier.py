@@ -52,6 +52,7 @@ class Rank:
         )
 
     def answer(self) -> dict:
+        assert self.proc.stdout is not None  # started with stdout piped
         line = self.proc.stdout.readline()  # the child answers once, then holds its mapping
         if not line:
             _, err = self.proc.communicate(timeout=WAIT_S)

@@ -45,7 +45,7 @@ print(json.dumps([x.hex() for x in losses]))
 """
 
 
-SMALL = dict(widths=(8, 4), lr=0.1, warm=3)  # one Linear(8, 4) and its AdamW, after a step
+SMALL: states.Shape = dict(widths=(8, 4), lr=0.1, warm=3)  # one Linear(8, 4) and its AdamW, after a step
 small_state = partial(states.make_state, **SMALL)
 
 

@@ -173,8 +173,8 @@ def test_when_a_saved_rank_cannot_be_read_every_rank_loads_the_durable_step():
 
 def coordinator(per_node: dict[str, int], alive: set[str]) -> CoordinatorCore:
     core = CoordinatorCore(SnapshotConfig("unit-elastic").to_dict(), sum(per_node.values()))
-    core.broadcast = lambda *args: None
-    core.reprotect.kick = lambda: None  # (no agents here to rebuild on)
+    core.broadcast = lambda *args: None  # type: ignore[method-assign]  # a stand-in for the real method
+    core.reprotect.kick = lambda: None  # type: ignore[method-assign]  # no agents here to rebuild on
     join(core, per_node, alive)
     return core
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from typing import TYPE_CHECKING, cast
 
 import pytest
 import torch
@@ -20,6 +21,9 @@ from memsnap.job.coordinator import CoordinatorCore, adopt_late, rebuild_state
 from memsnap.localcluster import wait_for
 from memsnap.node.agent import AgentCore
 from memsnap.records import CommitNotice, NodeReady, Region
+
+if TYPE_CHECKING:
+    from memsnap.directory import Directory
 
 SECRET = b"c" * 32
 NODES = [f"{c}" * 56 for c in "abcd"]
@@ -59,8 +63,9 @@ def agents():
 
 
 def coordinator(cfg, cores) -> CoordinatorCore:
-    core = CoordinatorCore(cfg.to_dict(), len(NODES), directory=Agents(cores))
-    core.broadcast = lambda *args: None  # phase two is delivered by hand below
+    # Agents answers the directory's calls from in-process agents
+    core = CoordinatorCore(cfg.to_dict(), len(NODES), directory=cast("Directory", Agents(cores)))
+    core.broadcast = lambda *args: None  # type: ignore[method-assign]  # phase two is delivered by hand below
     return core
 
 

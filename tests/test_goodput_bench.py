@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Any
 
 import pytest
 
@@ -139,7 +140,7 @@ def _inplace(t0: float) -> tuple[list[dict], list[dict], list[dict]]:
     at t0+10.5, the controller notices at t0+10.8 and decides at t0+11.0 (Ray's verdict comes at
     t0+16); every rank begins generation 1 by t0+11.3 (rank 2: the standby, a new pid), restores
     step 9 by t0+12.0 and steps 10.. end from t0+13.0. A second recovery at t0+25 no kill explains."""
-    ev = []
+    ev: list[dict[str, Any]] = []
     for gen, t, pids in (
         (0, t0 - 2, {r: 100 + r for r in range(NODES)}),
         (1, t0 + 11.0, {0: 100, 1: 101, 2: 200, 3: 103}),
@@ -257,7 +258,7 @@ def test_the_model_charges_an_in_place_run_that_went_live_only_the_step_in_fligh
     ev, faults, recoveries = _inplace(t0)
     spec = {"system": "memsnap-inplace", "interval": "1", "faults": True, "label": ""}
 
-    def check(tiers: dict) -> dict:
+    def check(tiers: dict) -> tuple[dict, dict]:
         recs = [dict(recoveries[0], tiers=tiers)]
         run = {"spec": spec, **analyse(RunResult(spec, t0, 35.0, ev, inplace_faults(faults, recs), 0, 1)), "extra": {}}
         run["failures"][0]["first_step"] = 1.0  # (no slower first step: the figures below are by hand)

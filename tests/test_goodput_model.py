@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 
@@ -38,7 +39,7 @@ def test_lost_steps_and_a_finite_run():
 
 def small_cluster(**kw) -> gm.Cluster:
     """4 nodes of 8 GPUs, 1 GiB per GPU (8 GiB per node), job MTBF 400 s, 1 s steps."""
-    base = dict(
+    base: dict[str, Any] = dict(
         gpus=32,
         gpus_per_node=8,
         state_gib_per_gpu=1.0,

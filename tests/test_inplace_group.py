@@ -13,6 +13,7 @@ import re
 import signal
 import socket
 import time
+from collections.abc import Callable, Iterator
 
 import pytest
 from support.pg_members import Members
@@ -25,7 +26,7 @@ UP_S = 300.0  # the first member waits for the fork server to import torch (a lo
 
 
 @pytest.fixture
-def members():
+def members() -> Iterator[Callable[[list[str]], Members]]:
     made: list[Members] = []
 
     def start(names: list[str]) -> Members:
@@ -171,7 +172,7 @@ def test_a_member_that_never_comes_ends_the_others_rendezvous_once_the_failure_i
     formed(m, 2, ["a", "b"])
 
 
-def test_reforming_ten_times_with_a_spare_for_each_killed_member_keeps_threads_and_fds_flat(members):
+def test_reforming_ten_times_with_a_spare_for_each_killed_member_keeps_threads_and_fds_flat(members) -> None:
     """Rank 0 stays in one process through ten generations; each generation a member is killed
     and a fresh spare takes its rank. What the survivor holds beyond its live group is the old
     groups it keeps (the last generation's, until the next one forms; one whose abandoned work

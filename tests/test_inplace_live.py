@@ -93,7 +93,7 @@ def whole(state, rng: bool = True) -> bytes:
 def test_a_step_cut_short_is_undone_to_the_boundary_and_its_optimizer_never_steps():
     state = toy_state()
     group = FakeGroup()
-    live = Live(group)  # type: ignore[arg-type]
+    live = Live(group)
     for _ in range(2):
         one_step(state, torch.randn(16, 8)).step()
     live.mark(1, state)
@@ -115,7 +115,7 @@ def test_the_boundary_copies_only_the_small_tensors_no_optimizer_owns():
 
     state = toy_state()
     one_step(state, torch.randn(16, 8)).step()
-    live = Live(FakeGroup())  # type: ignore[arg-type]
+    live = Live(FakeGroup())
     live.mark(1, state)
     b = live.boundary
     assert b is not None
@@ -129,7 +129,7 @@ def test_the_boundary_copies_only_the_small_tensors_no_optimizer_owns():
 
 def test_a_member_whose_optimizer_stepped_after_its_boundary_has_none_to_offer():
     state = toy_state()
-    live = Live(FakeGroup())  # type: ignore[arg-type]
+    live = Live(FakeGroup())
     live.mark(0, state)
     one_step(state, torch.randn(16, 8)).step()  # applied, but its save never came
     assert live.clean_step() is None
@@ -138,7 +138,7 @@ def test_a_member_whose_optimizer_stepped_after_its_boundary_has_none_to_offer()
 
 
 def test_a_state_without_an_optimizer_is_not_guarded_and_offers_nothing():
-    live = Live(FakeGroup())  # type: ignore[arg-type]
+    live = Live(FakeGroup())
     live.mark(0, {"w": torch.zeros(4)})
     assert live.clean_step() is None and live.unguarded
 

@@ -29,7 +29,7 @@ ABOVE = ("memsnap.transport", "memsnap.node.agent", "memsnap.rank", "memsnap.act
 
 def imports_of(module: str) -> set[str]:
     tree = ast.parse((ROOT / f"{module}.py").read_text())
-    out = set()
+    out: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names)

@@ -9,9 +9,14 @@ loop's step counter must all come back exactly.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import pytest
 
-pl = pytest.importorskip("pytorch_lightning")
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+else:
+    pl = pytest.importorskip("pytorch_lightning")
 
 import torch  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
@@ -53,9 +58,10 @@ class Paced(MemsnapCallback):
     """One snapshot in flight at a time, however loaded the machine (the steps here take
     microseconds; a real step outlasts a commit)."""
 
-    def _snapshot(self, trainer, pl_module) -> None:
-        super()._snapshot(trainer, pl_module)
+    def _snapshot(self, trainer, pl_module, force: bool = False) -> None:
+        super()._snapshot(trainer, pl_module, force=force)
         if self._saved is not None:
+            assert self.snap is not None  # the fit set it up
             self.snap.wait(self._saved, timeout=60)
 
 

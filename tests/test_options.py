@@ -2,6 +2,7 @@
 shares the same checks and takes its fields by name."""
 
 import re
+from typing import Any
 
 import pytest
 
@@ -9,7 +10,7 @@ from memsnap.config import SnapshotConfig
 from memsnap.errors import ConfigError
 from memsnap.options import GROUPS, SHORTHAND, Device, Failures, Memory, Protection, Spill, When, Wire, resolve
 
-BAD = [
+BAD: list[tuple[type, dict[str, Any], str]] = [
     (Protection, {"k": -1}, "k=-1: must be an int >= 1 (data shards per stripe; k=1 replicates)"),
     (Protection, {"k": 2.0}, "k=2.0: must be an int >= 1"),
     (Protection, {"m": "x"}, "m='x': must be an int >= 0 (parity shards per stripe)"),
@@ -111,7 +112,7 @@ def test_snapshot_config_runs_the_same_checks(kwargs, says):
 
 def test_snapshot_config_takes_all_but_the_job_by_name():
     with pytest.raises(TypeError):
-        SnapshotConfig("j", 4, 2)  # type: ignore[misc]
+        SnapshotConfig("j", 4, 2)
     cfg = SnapshotConfig("j", k=4, m=2)
     assert (cfg.job, cfg.k, cfg.m) == ("j", 4, 2)
     assert SnapshotConfig.from_dict(cfg.to_dict()) == cfg

@@ -207,7 +207,7 @@ def test_policy_validation_names_the_bad_value(kwargs, names):
 def test_policy_is_frozen():
     p = Policy(every_steps=1)
     with pytest.raises(AttributeError):
-        p.every_steps = 2  # type: ignore[misc]
+        p.every_steps = 2
 
 
 def test_bad_cost_and_bad_policy_are_rejected():
@@ -215,7 +215,7 @@ def test_bad_cost_and_bad_policy_are_rejected():
     with pytest.raises(ConfigError, match="-1"):
         sched.record_cost(-1.0)
     with pytest.raises(ConfigError, match="policy="):
-        Scheduler({"every_steps": 1})  # type: ignore[arg-type]
+        Scheduler({"every_steps": 1})
 
 
 def test_ram_and_spill_tiers_keep_separate_intervals():

@@ -50,6 +50,7 @@ def run_child(tmp_path, mode: str) -> tuple[dict, str]:
     proc = subprocess.Popen(
         [sys.executable, "-c", CHILD, str(out), mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
+    assert proc.stdout is not None  # started with stdout piped
     try:
         ready, _, _ = select.select([proc.stdout], [], [], 60)
         assert ready, "the child never installed its watcher"
@@ -167,7 +168,7 @@ def test_bad_arguments(kwargs, needle):
     with pytest.raises(ConfigError, match=needle):
         PreemptionWatcher(lambda d: None, **kwargs)
     with pytest.raises(ConfigError, match="on_preempt=3"):
-        PreemptionWatcher(3)  # type: ignore[arg-type]
+        PreemptionWatcher(3)
 
 
 def test_poll_without_ray_or_node_id_says_how_to_fix(monkeypatch):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from functools import partial
+from typing import TYPE_CHECKING, cast
 
 import pytest
 import torch
@@ -25,6 +26,9 @@ from memsnap.records import RankPlan, RankRestore, RankSource, Region, RoundResu
 from memsnap.state.capture import capture
 from memsnap.transport import ChunkKey, make_transport
 
+if TYPE_CHECKING:
+    from memsnap.rank.client import AgentClient
+
 SECRET = os.urandom(32)
 K, M = 2, 1
 OWNER = "node-a"
@@ -39,7 +43,7 @@ def holders():
         yield h
 
 
-def publish(holders, state: dict, step: int, chunk_target: int = 4096) -> tuple[dict, str]:
+def publish(holders, state: dict, step: int, chunk_target: int = 4096) -> tuple[tuple[RankSource, str], str]:
     """Capture ``state`` as rank 0 of ``OWNER``, push its shards to the holders, return the record."""
     stores, addrs, client = holders
     man, buf = capture(state, checksums=True)
@@ -146,7 +150,8 @@ class _Client:
     rank = 0
 
     def __init__(self, plans: list[dict]):
-        self.plans, self.done = list(plans), []
+        self.plans = list(plans)
+        self.done: list[bool] = []
 
     def restore_plan(self, attempt: int):
         return RankPlan.from_wire(self.plans[attempt])
@@ -169,9 +174,9 @@ def _snapshotter(plans: list[dict], fail_with: Exception, monkeypatch):
 
     snap = object.__new__(Snapshotter)
     snap.rank, snap.config, snap.node = 0, SnapshotConfig("stub-job"), "n" * 56
-    snap.client = _Client(plans)
-    snap.loader = Loader(snap.client, None, snap.config, 1, b"", direct=True)
-    snap.loader._peers = object()
+    snap.client = cast("AgentClient", _Client(plans))  # the calls a restore makes, scripted
+    snap.loader = Loader(snap.client, None, snap.config, 1, b"", direct=True)  # type: ignore[arg-type]  # no arena maps: nothing here maps one
+    snap.loader._peers = object()  # type: ignore[assignment]  # a stand-in the failing receive never reads
     snap.capture = type("Capture", (), {"nbytes": lambda self, state: 0})()
     snap._policy = type("P", (), {"resume": lambda self, s: None})()
     snap._guard = None

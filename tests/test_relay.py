@@ -17,9 +17,11 @@ SOURCE = RankSource(9, 2, 1, "owner-node", 1 << 20, Region(1, 4096, 0), ("h0", "
 
 
 class Node:
-    def __init__(self):
+    def __init__(self) -> None:
         self.node, self.world, self.address = "n" * 56, 2, {"port": 1}
-        self.ranks, self.holders, self.newest = {0, 1}, {}, None
+        self.ranks = {0, 1}
+        self.holders: dict = {}
+        self.newest: int | None = None
         self.resumed: list[tuple[int | None, int]] = []
         self.counters: dict[str, int] = {}
         self.done: list[str] = []  # what the node was told, in order
@@ -49,7 +51,8 @@ class Coordinator:
     """Answers the relay's calls; ``failed``: the ranks whose loads the round reports failed."""
 
     def __init__(self, node: Node, failed=()):
-        self.node, self.failed, self.calls = node, set(failed), []
+        self.node, self.failed = node, set(failed)
+        self.calls: list[tuple] = []
 
     async def __call__(self, method, *args, timeout):
         self.calls.append((method, *args))

@@ -394,7 +394,7 @@ def test_every_slot_of_a_rank_is_made_and_backed_ahead_of_its_first_saves(core):
     assert core.ready_slots(1, 600 << 10) == 1  # a 1 MiB budget: one more slot fits, then it stops
 
 
-def test_a_save_that_arrives_while_its_slot_is_made_ahead_waits_for_it_and_uses_it(core, monkeypatch):
+def test_a_save_that_arrives_while_its_slot_is_made_ahead_waits_for_it_and_uses_it(core, monkeypatch) -> None:
     """The first save can come before ``ready_slots`` has backed slot 0 (it runs in the
     background after ``restore``): the save waits for that arena and captures into it, rather
     than fail on the half-made file or back a second arena beside it."""

@@ -71,7 +71,11 @@ def loader(seed: int, workers: int = 2, drop_last: bool = False) -> ResumableLoa
     data = torch.arange(30)
     return ResumableLoader(
         DataLoader(
-            data, batch_size=4, sampler=ResumableSampler(data, seed=seed), num_workers=workers, drop_last=drop_last
+            data,  # type: ignore[arg-type]  # torch declares Dataset; a tensor indexes as one
+            batch_size=4,
+            sampler=ResumableSampler(data, seed=seed),
+            num_workers=workers,
+            drop_last=drop_last,
         )
     )
 

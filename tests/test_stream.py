@@ -109,7 +109,7 @@ def test_a_stream_that_comes_short_leaves_no_file(tmp_path):
     assert os.listdir(tmp_path / "step_000000000001") == []
 
 
-def test_writeback_is_started_along_the_file_and_the_file_is_intact(tmp_path, monkeypatch):
+def test_writeback_is_started_along_the_file_and_the_file_is_intact(tmp_path, monkeypatch) -> None:
     calls: list[tuple[int, int]] = []
     real = localfs._SYNC_FILE_RANGE
 

@@ -18,7 +18,7 @@ import sys
 import textwrap
 import threading
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from functools import partial
 
 import pytest
@@ -39,7 +39,7 @@ BUDGET = 32 << 20  # per agent; an "over budget" state carries a 40 MiB tensor
 BASE = dict(k=K, m=M, memory_budget=BUDGET, preemption=False)
 
 
-STATE = dict(widths=(16, 32, 16), lr=1e-2)
+STATE: states.Shape = dict(widths=(16, 32, 16), lr=1e-2)
 BATCH = 8
 make_state = partial(states.make_state, **STATE)
 train_step = partial(states.train_step, batch=BATCH)
@@ -124,7 +124,7 @@ def local_cluster():
 
 
 @pytest.fixture
-def own_job(local_cluster, request):
+def own_job(local_cluster, request) -> Iterator[tuple[str, list]]:
     """A unique job name; its actors, agents, coordinator and arenas are removed afterwards."""
     name = f"tc-{request.node.name[5:20].replace('_', '-')}-{uuid.uuid4().hex[:6]}"
     actors: list = []
@@ -138,7 +138,7 @@ def own_job(local_cluster, request):
 
 def start_ranks(job, opts: dict, ranks=range(WORLD)) -> list:
     name, actors = job
-    started = [Rank.options(resources={f"memsnap_node_{r}": 0.01}).remote(name, r, dict(BASE, **opts)) for r in ranks]
+    started = [Rank.options(resources={f"memsnap_node_{r}": 0.01}).remote(name, r, dict(BASE, **opts)) for r in ranks]  # type: ignore[attr-defined]  # @ray.remote makes an ActorClass; ray's annotation keeps the bare class
     actors.extend(started)
     ray.get([a.ready.remote() for a in started], timeout=180)
     return started

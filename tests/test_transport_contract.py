@@ -62,7 +62,7 @@ class TcpHarness:
         self.server = make_transport("tcp", secret=SECRET, host="127.0.0.1", wire=wire)
         self.addr = self.server.start(self.store)
         self.silent = socket.create_server(("127.0.0.1", 0))  # accepts, never answers
-        self.accepted = []
+        self.accepted: list[socket.socket] = []
         threading.Thread(target=self._accept_forever, daemon=True).start()
         self.hang_addr = {"transport": "tcp", "host": "127.0.0.1", "port": self.silent.getsockname()[1]}
         gone = make_transport("tcp", secret=SECRET, host="127.0.0.1", wire=wire)

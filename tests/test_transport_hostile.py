@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import cast
 
 import pytest
 import xxhash
@@ -177,7 +178,8 @@ class SilentFlood:
     def __init__(self, port: int, sources: list[str], per_source: int, budget: int = 2000, limit: float = 60):
         self.port, self.budget, self.limit = port, budget, limit
         self.wanted = [src for src in sources for _ in range(per_source)]
-        self.lock, self.live, self.opened, self.reopened = threading.Lock(), {}, 0, 0
+        self.lock, self.opened, self.reopened = threading.Lock(), 0, 0
+        self.live: dict[socket.socket, bool] = {}
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -206,17 +208,18 @@ class SilentFlood:
         end = time.monotonic() + self.limit
         while not self.stopping.is_set() and time.monotonic() < end:
             for key, _ in sel.select(timeout=0.05):
+                sock = cast(socket.socket, key.fileobj)  # _open registers sockets only
                 try:
-                    data = key.fileobj.recv(4096)
+                    data = sock.recv(4096)
                 except OSError:
                     data = b""
                 with self.lock:
                     if data:
-                        self.live[key.fileobj] = True
+                        self.live[sock] = True
                         continue
-                    del self.live[key.fileobj]
-                sel.unregister(key.fileobj)
-                key.fileobj.close()
+                    del self.live[sock]
+                sel.unregister(sock)
+                sock.close()
                 self.reopened += 1
                 self._open(sel, key.data)
         sel.close()

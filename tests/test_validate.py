@@ -743,7 +743,7 @@ def test_deep_marker_metadata_is_refused(ckpt, capsys):
 
 def nested(levels: int):
     """``levels`` lists and tuples nested around a number."""
-    value = 1
+    value: object = 1
     for i in range(levels):
         value = [value] if i % 2 else (value,)
     return value

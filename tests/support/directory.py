@@ -10,7 +10,7 @@ A, B, C, D, E = NODES  # ranks 0, 1, 2 on A, B, C; D and E are spares
 class Nodes:
     """The coordinator's directory: every node's agent answers until Ray stops seeing it."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.up = set(NODES)
         self.forgotten: list[str] = []
 

@@ -117,7 +117,7 @@ def start(job: str, opts: dict, nodes: list[int], layout: dict | None = None, ti
     """Rank i on node index ``nodes[i]``, created together (they meet in one gloo group)."""
     port, world = free_port(), len(nodes)
     ranks = [
-        Rank.options(resources={f"memsnap_node_{n}": 0.01}).remote(job, r, world, port, opts, layout)
+        Rank.options(resources={f"memsnap_node_{n}": 0.01}).remote(job, r, world, port, opts, layout)  # type: ignore[attr-defined]  # @ray.remote makes an ActorClass; ray's annotation keeps the bare class
         for r, n in enumerate(nodes)
     ]
     ray.get([r.node.remote() for r in ranks], timeout=timeout)

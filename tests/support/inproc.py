@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import types
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -26,6 +27,9 @@ from memsnap.node.agent import AgentCore
 from memsnap.records import CommitNotice, RankSource
 from memsnap.state.capture import capture
 from memsnap.transport import make_transport
+
+if TYPE_CHECKING:
+    from memsnap.directory import Directory as RayDirectory
 
 log = logging.getLogger("tests.inproc")
 SECRET = b"i" * 32
@@ -70,7 +74,7 @@ class Handle:
 class Directory:
     """``memsnap.directory.Directory`` over in-process agents: a lost node's agent is gone."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.faces: dict[str, Face] = {}
         self.lost: set[str] = set()
 
@@ -106,7 +110,7 @@ class Job:
         self.world = sum(len(r) for r in ranks.values())
         self.dir = Directory()
         self.cores: dict[str, AgentCore] = {}
-        self.coord = CoordinatorCore(self.cfg.to_dict(), self.world, directory=self.dir)
+        self.coord = CoordinatorCore(self.cfg.to_dict(), self.world, directory=cast("RayDirectory", self.dir))
         self.saved: dict[int, dict[int, bytes]] = {}  # step -> rank -> the bytes it captured
         for node in ranks:
             self.start_agent(node)
@@ -119,8 +123,8 @@ class Job:
     # --- agents ----------------------------------------------------------------------------------
     def start_agent(self, node: str) -> AgentCore:
         core = AgentCore(self.cfg.to_dict(), node, SECRET)
-        core.dir = self.dir
-        core.call = lambda method, *args: self._coordinator_call(method, *args)
+        core.dir = cast("RayDirectory", self.dir)  # the same interface, over in-process agents
+        core.call = lambda method, *args: self._coordinator_call(method, *args)  # type: ignore[method-assign]  # a stand-in for the real method
         self.cores[node] = core
         self.dir.faces[node] = Face(core)
         return core
@@ -150,7 +154,7 @@ class Job:
         def gone(method, *args):
             raise ConnectionError(f"node {node[:12]} is lost")
 
-        core.call = gone
+        core.call = gone  # type: ignore[method-assign]  # a stand-in for the real method
         self.dir.lost.add(node)
         core.transport.close()
 
@@ -222,6 +226,7 @@ class EncodeGate:
 
     def __init__(self, core: AgentCore):
         self.reached, self._go = threading.Event(), threading.Event()
+        assert core.codec is not None  # this job's RS(k, m) has parity to encode
         codec, encode_into = core.codec, core.codec.encode_into
 
         def held(data, parity):
@@ -231,7 +236,7 @@ class EncodeGate:
                     raise TimeoutError("the encode gate was never released")
             return encode_into(data, parity)
 
-        codec.encode_into = held
+        codec.encode_into = held  # type: ignore[method-assign]  # a stand-in for the real method
 
     def release(self) -> None:
         self._go.set()

@@ -28,6 +28,7 @@ import os
 import signal
 import threading
 from datetime import timedelta
+from multiprocessing.process import BaseProcess
 
 JOB = "pgtest"
 SUMS_BEFORE_READY = 3
@@ -114,7 +115,7 @@ class Members:
         )
         self.job = JOB
         self.backend_timeout_s = backend_timeout_s
-        self.procs: dict[str, multiprocessing.Process] = {}
+        self.procs: dict[str, BaseProcess] = {}
         self._sent: dict[str, int] = {}
         self._ctx = multiprocessing.get_context("forkserver")
         self._ctx.set_forkserver_preload(["torch", "torch.distributed", "memsnap.inplace.group", __name__])
@@ -151,12 +152,15 @@ class Members:
         return self.store.check([f"test/{key}"])
 
     def signal(self, name: str, sig: int) -> None:
-        os.kill(self.procs[name].pid, sig)
+        pid = self.procs[name].pid
+        assert pid is not None  # started by start()
+        os.kill(pid, sig)
 
     def close(self) -> None:
         """Kill every process started (a stopped one too) and reap it."""
         for proc in self.procs.values():
             if proc.is_alive():
+                assert proc.pid is not None  # a live process has one
                 try:
                     os.kill(proc.pid, signal.SIGKILL)
                 except ProcessLookupError:

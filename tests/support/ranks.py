@@ -90,7 +90,7 @@ class NodeRanks:
 def _create(job: str, layout: dict[int, list[int]], opts: dict) -> list:
     world = sum(len(r) for r in layout.values())
     return [
-        NodeRanks.options(resources={f"memsnap_node_{i}": 0.01}).remote(job, ranks, world, opts)
+        NodeRanks.options(resources={f"memsnap_node_{i}": 0.01}).remote(job, ranks, world, opts)  # type: ignore[attr-defined]  # @ray.remote makes an ActorClass; ray's annotation keeps the bare class
         for i, ranks in layout.items()
     ]
 

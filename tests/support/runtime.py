@@ -106,7 +106,7 @@ class Trainer:
 
 
 def start_trainer(job: str, rank: int, world: int, node_index: int, opts: dict, seed: int | None = None):
-    trainer = Trainer.options(resources={f"memsnap_node_{node_index}": 0.01}).remote(
+    trainer = Trainer.options(resources={f"memsnap_node_{node_index}": 0.01}).remote(  # type: ignore[attr-defined]  # @ray.remote makes an ActorClass; ray's annotation keeps the bare class
         job, rank, world, rank if seed is None else seed, opts
     )
     ray.get(trainer.node.remote(), timeout=120)
@@ -117,7 +117,7 @@ def start_all(job: str, nodes: list[int], opts: dict, seed_offset: int = 0) -> l
     """One trainer per node index (rank i on ``nodes[i]``), created together so they register together."""
     world = len(nodes)
     trainers = [
-        Trainer.options(resources={f"memsnap_node_{n}": 0.01}).remote(job, r, world, r + seed_offset, opts)
+        Trainer.options(resources={f"memsnap_node_{n}": 0.01}).remote(job, r, world, r + seed_offset, opts)  # type: ignore[attr-defined]  # @ray.remote makes an ActorClass; ray's annotation keeps the bare class
         for r, n in enumerate(nodes)
     ]
     ray.get([t.node.remote() for t in trainers], timeout=180)

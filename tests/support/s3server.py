@@ -25,8 +25,8 @@ def _fix_complete_multipart_root() -> None:
             body = body.replace("CompleteMultipartUploadResponse", "CompleteMultipartUploadResult")
         return status, headers, body
 
-    serialized._memsnap_fixed = True
-    responses.S3Response.serialized = serialized
+    serialized._memsnap_fixed = True  # type: ignore[attr-defined]  # marks the patch, so it is applied once
+    responses.S3Response.serialized = serialized  # type: ignore[method-assign]  # moto's method patched in place
 
 
 @contextlib.contextmanager

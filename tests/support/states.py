@@ -5,8 +5,21 @@ of ``make_state``). (No tests here.)"""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TypedDict
 
 import torch
+
+
+class Shape(TypedDict, total=False):
+    """``make_state``'s keyword arguments: the shape a test module names."""
+
+    widths: Sequence[int]
+    relu: bool
+    lr: float
+    warm: int
+    sched: bool
+    epoch: bool
+    device: str
 
 
 def make_state(
