@@ -492,12 +492,7 @@ class Store:
                 f"{path} is missing although step {step} is committed; the step is damaged, load another step or copy"
             ) from None
         except OSError as exc:
-            if isinstance(exc, StorageError):
-                raise
-            raise ChecksumError(
-                f"{path} cannot be read: {exc.strerror or exc}; the step is damaged "
-                "or the storage unreachable, load another step or copy"
-            ) from None
+            raise _unreadable(path, exc) from None
         check.finish()
         return manifest, data
 
@@ -612,12 +607,7 @@ class Store:
         except FileNotFoundError:
             raise
         except OSError as exc:
-            if isinstance(exc, StorageError):
-                raise
-            raise ChecksumError(
-                f"{path} cannot be read: {exc.strerror or exc}; the step is damaged "
-                "or the storage unreachable, load another step or copy"
-            ) from None
+            raise _unreadable(path, exc) from None
         if len(raw) != have:
             raise ChecksumError(
                 f"{path} changed while it was read ({len(raw)} bytes read, {have} "
@@ -646,3 +636,14 @@ class Store:
         for s in sorted(doomed):
             self.delete_step(s)
         return sorted(doomed)
+
+
+def _unreadable(path: str, exc: OSError) -> Exception:
+    """What a read of ``path`` that failed with ``exc`` raises: a ``StorageError`` as it is
+    (its own message), anything else as a damaged or unreachable step."""
+    if isinstance(exc, StorageError):
+        return exc
+    return ChecksumError(
+        f"{path} cannot be read: {exc.strerror or exc}; the step is damaged "
+        "or the storage unreachable, load another step or copy"
+    )
