@@ -27,7 +27,7 @@ sys.path.insert(0, str(HERE.parent))
 import torch  # noqa: E402
 from ray import cloudpickle  # noqa: E402  (what Ray pickles call arguments with)
 
-from memsnap.coding.stripes import choose_chunk  # noqa: E402
+from memsnap.coding.stripes import choose_chunk, stripes_of  # noqa: E402
 from memsnap.config import SnapshotConfig  # noqa: E402
 from memsnap.job.coordinator import CoordinatorCore  # noqa: E402
 from memsnap.records import Inventory, NodeReady, Region  # noqa: E402
@@ -86,7 +86,7 @@ def layout(ranks: int):
         base, regs = 0, []
         for r in range(i * PER_NODE, (i + 1) * PER_NODE):
             regs.append(Region(r, STATE_BYTES, base))
-            base += regs[-1].stripes(K, chunk)
+            base += stripes_of(regs[-1:], K, chunk)
         regions[n] = tuple(regs)
     return nodes, chunk, holders, regions
 
@@ -144,7 +144,7 @@ def current(ranks: int, steps: int) -> dict:
 def inventories(nodes, regions, holders, chunk, step) -> dict:
     held: dict[str, dict] = {n: {} for n in nodes}
     for owner in nodes:
-        stripes = sum(r.stripes(K, chunk) for r in regions[owner])
+        stripes = stripes_of(regions[owner], K, chunk)
         for j, h in enumerate(holders[owner]):
             held[h].setdefault(owner, {})[j] = stripes
     return {

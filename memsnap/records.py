@@ -22,8 +22,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from memsnap.coding import encode
-
 
 @dataclass(frozen=True)
 class Region:
@@ -32,9 +30,6 @@ class Region:
     rank: int
     nbytes: int
     stripe_base: int
-
-    def stripes(self, k: int, chunk: int) -> int:
-        return encode.StripedRegion(self.rank, self.nbytes, self.stripe_base, k, chunk).stripes
 
 
 @dataclass(frozen=True)
@@ -52,10 +47,6 @@ class NodeReady:
     holders: tuple[str, ...]
     digest: str = ""
     world: int = 0
-
-    def stripes(self, k: int) -> int:
-        """How many stripes this node's stream has."""
-        return sum(r.stripes(k, self.chunk) for r in self.regions)
 
     def region(self, rank: int) -> Region | None:
         return next((r for r in self.regions if r.rank == rank), None)
@@ -140,9 +131,6 @@ class RankSource:
     def nbytes(self) -> int:
         return self.region.nbytes
 
-    def layout(self) -> encode.StripedRegion:
-        return encode.StripedRegion(self.region.rank, self.region.nbytes, self.region.stripe_base, self.k, self.chunk)
-
     def to_wire(self) -> dict:
         return {
             "step": self.step,
@@ -211,9 +199,6 @@ class CommitRecord:
 
     def ranks_of(self, owner: str) -> list[int]:
         return [r.rank for r in self.nodes[owner].regions]
-
-    def stripes(self, owner: str) -> int:
-        return self.nodes[owner].stripes(self.k)
 
     def source(self, rank: int, addrs: Mapping[str, Any]) -> RankSource:
         owner = self._owners()[rank]

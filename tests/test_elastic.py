@@ -13,7 +13,7 @@ from support.holders import tcp_holders
 
 from memsnap.coding import elastic, encode, receive
 from memsnap.coding.codec import codec_for
-from memsnap.coding.stripes import choose_chunk
+from memsnap.coding.stripes import choose_chunk, stripes_of
 from memsnap.config import SnapshotConfig
 from memsnap.errors import ChecksumError
 from memsnap.job import coverage
@@ -140,7 +140,7 @@ def inventories(record: CommitRecord, alive: list[str], drop: dict[str, str] | N
         held = {}
         for owner, info in record.nodes.items():
             if node in info.holders and (drop or {}).get(node) != owner:
-                held[owner] = {info.holders.index(node): info.stripes(K)}
+                held[owner] = {info.holders.index(node): stripes_of(info.regions, K, info.chunk)}
         out[node] = Inventory(
             node, {"port": 1}, {record.step: ("committed", tuple(record.ranks_of(node)))}, {record.step: held}
         )

@@ -11,8 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from memsnap.coding.stripes import ChunkKey, StripeLayout
+
+if TYPE_CHECKING:
+    from memsnap.records import RankSource
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,11 @@ class StripedRegion:
     @property
     def stripes(self) -> int:
         return self.layout.stripes
+
+    @classmethod
+    def of(cls, src: RankSource) -> StripedRegion:
+        """The layout of the rank's bytes a restore source names."""
+        return cls(src.region.rank, src.region.nbytes, src.region.stripe_base, src.k, src.chunk)
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)

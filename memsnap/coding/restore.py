@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from memsnap.coding import encode
 from memsnap.coding.buffers import Scatter
 from memsnap.coding.landing import Flat
-from memsnap.coding.stripes import ChunkKey
+from memsnap.coding.stripes import ChunkKey, stripes_of
 from memsnap.config import tunable
 from memsnap.errors import TooFewShardsError, TransportError
 from memsnap.records import NodeReady, RankSource
@@ -87,7 +87,7 @@ def gather(core, src: RankSource, out, stripes=None) -> dict:
 
     ``core`` needs ``transport`` (a client is enough) and ``codec``."""
     k, m = src.k, src.m
-    region = src.layout()
+    region = encode.StripedRegion.of(src)
     st = _Stripes(region, m, out if hasattr(out, "write") else Flat(out))
     owner, base = src.owner, region.stripe_base
     addrs = list(src.addrs) + [None] * (k + m - len(src.addrs))  # (none without peers: the copy is all)
@@ -169,7 +169,7 @@ def rebuild_shard(core, step: int, k: int, m: int, info: NodeReady, addrs: dict,
     """Recreate shard ``shard`` of every stripe of owner ``info.node`` from its other holders
     (at ``addrs``) and hold it here: re-protection on a new holder. ``core`` needs ``node``,
     ``store``, ``transport`` and ``codec`` (the agent's ``repair.Repair``)."""
-    owner, chunk, total, holders = info.node, info.chunk, info.stripes(k), info.holders
+    owner, chunk, total, holders = info.node, info.chunk, stripes_of(info.regions, k, info.chunk), info.holders
     sources = [j for j in range(k + m) if j != shard and holders[j] != core.node]
     n = 0
     for start in range(0, total, batch):

@@ -4,7 +4,12 @@
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from memsnap.records import Region
 
 LINE = 64  # bytes per cache line; chunks are whole lines
 
@@ -52,6 +57,11 @@ class StripeLayout:
             raise IndexError(f"shard={shard}: data shards are 0..{self.k - 1} (parity has no range)")
         start = (stripe * self.k + shard) * self.chunk
         return min(start, self.nbytes), min(start + self.chunk, self.nbytes)
+
+
+def stripes_of(regions: Iterable[Region], k: int, chunk: int) -> int:
+    """How many stripes a node's stream of ``regions`` has (each region starts on a stripe)."""
+    return sum(StripeLayout(r.nbytes, k, chunk).stripes for r in regions)
 
 
 def choose_chunk(nbytes: int, k: int, target: int = 4 << 20) -> int:

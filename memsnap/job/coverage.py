@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from memsnap.coding.stripes import stripes_of
 from memsnap.job.placement import margin
 from memsnap.records import CommitRecord, Inventory
 
@@ -30,7 +31,8 @@ class JobPlan:
 
 def holders_with(record: CommitRecord, owner: str, inventories: Mapping[str, Inventory]) -> list[int]:
     """The shard indices of ``owner`` whose holder is alive and holds every one of its stripes."""
-    need = record.stripes(owner)
+    info = record.nodes[owner]
+    need = stripes_of(info.regions, record.k, info.chunk)
     out = []
     for j, node in enumerate(record.holders(owner)):
         inv = inventories.get(node)
