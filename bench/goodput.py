@@ -50,7 +50,7 @@ sys.path.insert(0, str(HERE))
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE.parent), str(HERE), os.environ.get("PYTHONPATH")) if p)
 
 import psutil  # noqa: E402
-from goodput_timeline import NODES, RunResult, analyse, poisson_schedule  # noqa: E402
+from goodput_timeline import HEALTH_CHECKS, NODES, RunResult, analyse, poisson_schedule  # noqa: E402
 
 from memsnap import goodput_model as gm  # noqa: E402
 from memsnap.localcluster import LocalCluster, wait_for  # noqa: E402
@@ -61,15 +61,6 @@ if TYPE_CHECKING:
 
 RESULTS = HERE / "results"
 GIB = 1 << 30
-# Ray's health checks: a node is declared dead after 5 missed pings 1 s apart (5-8 s), and a
-# new node gets 5 s before its first; the localcluster default (0.5 s x 3) declares live and
-# starting nodes dead on a machine as loaded as this one.
-HEALTH_CHECKS = {
-    "health_check_initial_delay_ms": 5000,
-    "health_check_period_ms": 1000,
-    "health_check_timeout_ms": 3000,
-    "health_check_failure_threshold": 5,
-}
 
 
 # --- the fault schedule and the one place a fault is injected ------------------------------------
@@ -781,7 +772,7 @@ def earlier_passes(old: dict) -> list[dict]:
 def measure(
     args, json_path: Path, keep: list[dict], keep_yd: dict[str, int] | None = None, passes: list[dict] | None = None
 ) -> dict:
-    from memsnap import shmdir
+    from memsnap.memory import shmdir
     from memsnap.rank import shutdown
 
     t_begin = time.time()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
+from goodput_timeline import HEALTH_CHECKS
+
 from memsnap import goodput_model as gm
 
 GIB = 1 << 30
@@ -201,8 +203,6 @@ def measured_figures(data: dict) -> gm.Measured | None:
 def _health(data: dict) -> str:
     h = data.get("health_checks")
     if not h:  # results written before the settings were recorded: the bench's constant
-        from goodput import HEALTH_CHECKS
-
         h = HEALTH_CHECKS
     return (
         f"a ping every {h['health_check_period_ms'] / 1000:g} s, dead after "

@@ -9,6 +9,15 @@ import statistics
 from dataclasses import dataclass, field
 
 NODES = 4
+# Ray's health checks: a node is declared dead after 5 missed pings 1 s apart (5-8 s), and a
+# new node gets 5 s before its first; the localcluster default (0.5 s x 3) declares live and
+# starting nodes dead on a machine as loaded as this one.
+HEALTH_CHECKS = {
+    "health_check_initial_delay_ms": 5000,
+    "health_check_period_ms": 1000,
+    "health_check_timeout_ms": 3000,
+    "health_check_failure_threshold": 5,
+}
 
 
 def poisson_schedule(mtbf_s: float, horizon_s: float, seed: int) -> list[dict]:

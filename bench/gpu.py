@@ -104,9 +104,9 @@ def agent_main() -> None:
     import torch
 
     from memsnap import naming
-    from memsnap.arena import Arena
     from memsnap.device.cuda import CudaBackend, device_uuid
     from memsnap.device.tier import AgentTier
+    from memsnap.memory.arena import Arena
 
     torch.cuda.init()
     device = device_uuid(0)
@@ -235,7 +235,7 @@ def d2h(notes: list) -> list[tuple]:
     import torch
 
     from memsnap import naming
-    from memsnap.arena import Arena
+    from memsnap.memory.arena import Arena
 
     n = GiB
     src = torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda")
@@ -345,10 +345,10 @@ def stall(notes: list, steps: int) -> list[tuple]:
     import torch
 
     from memsnap import naming
-    from memsnap.arena import Arena
     from memsnap.device import backend as pick_backend
     from memsnap.device.backend import BufferHandle
     from memsnap.device.tier import RankTier
+    from memsnap.memory.arena import Arena
     from memsnap.state import capture as cap
     from memsnap.state import cuda_capture
 

@@ -278,7 +278,7 @@ def run_restart(lc: LocalCluster, cfg: dict, kills: int, gap_s: float) -> dict:
     from goodput_timeline import analyse
 
     import memsnap
-    from memsnap import shmdir
+    from memsnap.memory import shmdir
 
     goodput.NODES = goodput_timeline.NODES = RANKS  # run_own and analyse: one rank per slot
     nodes = Nodes(lc)
@@ -546,7 +546,9 @@ def main() -> None:
     opts = memsnap_options(dict(cfg, interval="1", storage=os.path.join(storage_root, "inplace")))
     os.makedirs(opts["spill"])
     try:
-        with LocalCluster(NODES, cpus_per_node=1, object_store_mb=96, system_config=goodput.HEALTH_CHECKS) as lc:
+        with LocalCluster(
+            NODES, cpus_per_node=1, object_store_mb=96, system_config=goodput_timeline.HEALTH_CHECKS
+        ) as lc:
             _say(f"in place: {args.kills} kills")
             inplace = run_inplace(lc, cfg, opts, args.kills, args.settle_steps)
             load_mid = os.getloadavg()

@@ -46,8 +46,9 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 import ray  # noqa: E402
 import torch  # noqa: E402
 
-from memsnap import naming, shmdir  # noqa: E402
+from memsnap import naming  # noqa: E402
 from memsnap.localcluster import LocalCluster, wait_for  # noqa: E402
+from memsnap.memory import shmdir  # noqa: E402
 
 MIB = 1 << 20
 JOB = "bench-recovery"

@@ -37,8 +37,8 @@ import psutil  # noqa: E402
 import ray  # noqa: E402
 import torch  # noqa: E402
 
-from memsnap import shmdir  # noqa: E402
 from memsnap.localcluster import LocalCluster  # noqa: E402
+from memsnap.memory import shmdir  # noqa: E402
 
 JOB = "bench-soak"
 RESULTS = HERE / "results"

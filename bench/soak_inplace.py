@@ -33,8 +33,8 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), str(HERE.paren
 
 import psutil  # noqa: E402
 
-from memsnap import shmdir  # noqa: E402
 from memsnap.localcluster import LocalCluster, wait_for  # noqa: E402
+from memsnap.memory import shmdir  # noqa: E402
 
 WIDTH = 256
 

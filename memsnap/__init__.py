@@ -15,10 +15,11 @@ The packages follow a snapshot's path (each package's docstring names its module
                  decision (coverage.py), liveness and re-protection
     durable/     the disk format (save, load) and the storage it spills to (pyarrow.fs)
     inplace/     recovery in place: re-formed process groups, standbys, live takeover
-    device/      the device tier (CUDA IPC buffers, pinning) and Reed-Solomon on the GPU
+    device/      the device tier (CUDA IPC buffers) and Reed-Solomon on the GPU
+    memory/      host memory the agent owns: shared-memory arenas, their directory, pinning
 
 Beside them: records.py (the typed records the rank, agents and coordinator exchange),
-actors.py (the agent's and the coordinator's Ray faces), arena.py (shared-memory buffers),
+actors/ (the agent's and the coordinator's Ray faces),
 options.py and config.py (options and tunables), commands/ (the CLI), chaos/, demo/.
 """
 

@@ -137,3 +137,32 @@ def _signalable(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def run_identity(ctx, v2_run_id=None) -> tuple[str, str]:
+    """``(job name, run id)`` of the Ray Train run a worker belongs to (``ctx``: its
+    ``ray.train.get_context()``): a Tune trial's name and id where the run is a trial, else
+    the run's name (``RunConfig(name=...)``) with its id. The run id stays the same across the
+    worker group's restarts and differs between trials, so the default job name is one per
+    trial. ``v2_run_id``: reads Ray Train's id of the run (tests pass their own)."""
+    try:
+        trial, trial_id = ctx.get_trial_name(), ctx.get_trial_id()
+    except (DeprecationWarning, AttributeError):  # Ray Train v2 has no trials: its run has a name and an id
+        trial, trial_id = None, None
+    if trial and trial_id:
+        return job_name(trial), job_name(trial_id)
+    name = ctx.get_experiment_name()
+    run_id = (v2_run_id or _v2_run_id)()
+    if run_id is None:
+        return job_name(name), job_name(name)
+    return job_name(f"{name}-{run_id[:8]}"), job_name(f"{name}-{run_id}")
+
+
+def _v2_run_id() -> str | None:
+    """Ray Train's unique id of this worker's run (v2), or None where it cannot be read."""
+    try:
+        from ray.train.v2._internal.execution.context import get_train_context
+
+        return str(get_train_context().train_run_context.run_id)
+    except Exception:  # noqa: BLE001 (a private API: any failure means "not readable")
+        return None

@@ -9,9 +9,9 @@ import uuid
 import pytest
 import torch
 
-from memsnap.arena import MemoryBudget
 from memsnap.coding.codec import codec_for
 from memsnap.config import SnapshotConfig
+from memsnap.memory.arena import MemoryBudget
 from memsnap.node.repair import Repair
 from memsnap.node.sender import Sender
 from memsnap.node.slots import Slots

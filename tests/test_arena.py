@@ -9,9 +9,10 @@ import uuid
 
 import pytest
 
-from memsnap import naming, shmdir
-from memsnap.arena import Arena, MemoryBudget, OwnedBuffer
+from memsnap import naming
 from memsnap.errors import MemoryBudgetError, UnsafeShmError
+from memsnap.memory import shmdir
+from memsnap.memory.arena import Arena, MemoryBudget, OwnedBuffer
 
 
 @pytest.fixture
@@ -26,7 +27,7 @@ def path():
 def test_attached_writes_are_seen_by_the_owner_and_survive_the_writer(path):
     arena = Arena.create(path, 1 << 20)
     code = (
-        f"from memsnap.arena import Arena; a = Arena.attach({path!r}, 1 << 20); "
+        f"from memsnap.memory.arena import Arena; a = Arena.attach({path!r}, 1 << 20); "
         "v = a.view(); v[:5] = b'hello'; v[-1:] = b'!'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

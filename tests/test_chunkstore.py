@@ -7,8 +7,8 @@ import threading
 import pytest
 import xxhash
 
-from memsnap.arena import MemoryBudget
 from memsnap.errors import MemoryBudgetError, StepGivenUp
+from memsnap.memory.arena import MemoryBudget
 from memsnap.node.chunkstore import ChunkRefused, HeldChunks
 from memsnap.transport.base import ChunkKey
 

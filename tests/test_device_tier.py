@@ -19,13 +19,13 @@ import pytest
 import torch
 
 from memsnap import naming
-from memsnap.arena import Arena
 from memsnap.device import backend as pick_backend
 from memsnap.device.backend import BufferHandle
 from memsnap.device.cpu import CpuBackend
 from memsnap.device.tier import AgentTier, RankTier
 from memsnap.device.visibility import NOSET, VISIBLE, agent_runtime_env, see_node_gpus
 from memsnap.errors import DeviceError, MemoryBudgetError
+from memsnap.memory.arena import Arena
 from memsnap.state import apply
 from memsnap.state.manifest import Manifest
 
@@ -257,7 +257,7 @@ def test_agent_sees_the_node_gpus_without_reserving_them():
 def test_cpu_only_install_never_imports_cupy():
     code = (
         "import sys, memsnap.device, memsnap.device.tier, memsnap.device.cpu, memsnap.device.cuda, "
-        "memsnap.device.cupy_rs, memsnap.device.gf_ref, memsnap.device.pinning; "
+        "memsnap.device.cupy_rs, memsnap.device.gf_ref, memsnap.memory.pinning; "
         "print('cupy' in sys.modules)"
     )
     out = subprocess.run(

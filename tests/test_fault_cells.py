@@ -202,7 +202,7 @@ SPILL_AND_DIE = """
 import os, sys, threading, types
 import torch
 from memsnap import naming
-from memsnap.arena import Arena
+from memsnap.memory.arena import Arena
 from memsnap.state.capture import capture
 from memsnap.config import SnapshotConfig
 from memsnap.node.slots import Version

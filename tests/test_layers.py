@@ -49,6 +49,7 @@ NEVER = {
     "job": ("transport", "node", "rank", "inplace", "actors"),
     "node": ("job", "rank", "inplace"),
     "rank": ("inplace",),
+    "memory": ("state", "coding", "transport", "node", "job", "durable", "rank", "inplace", "actors", "device"),
 }
 
 
@@ -62,6 +63,44 @@ def test_a_package_imports_nothing_above_it(package):
             if parts[0] == "memsnap" and len(parts) > 1 and parts[1] in NEVER[package]:
                 found.append(f"memsnap/{module}.py imports {m}")
     assert found == []
+
+
+def _unit_imports() -> dict[str, set[str]]:
+    """Each top-level unit of the package (a subpackage, or a module beside them) -> the other
+    units it imports, anywhere in it."""
+    units: dict[str, set[str]] = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT)
+        unit = rel.parts[0].removesuffix(".py")
+        if unit == "__init__":
+            continue
+        module = str(rel.with_suffix(""))
+        for m in imports_of(module):
+            parts = m.split(".")
+            if parts[0] == "memsnap" and len(parts) > 1 and parts[1] != unit:
+                if (ROOT / parts[1]).is_dir() or (ROOT / f"{parts[1]}.py").exists():
+                    units.setdefault(unit, set()).add(parts[1])
+        units.setdefault(unit, set())
+    return units
+
+
+def test_no_two_units_of_the_package_import_each_other_even_through_others():
+    graph = _unit_imports()
+    assert {"node", "job", "coding", "memory", "records"} <= set(graph)  # it read the tree
+    cycles = []
+    for start in sorted(graph):
+        # every unit reachable from ``start``; a path back to ``start`` is a cycle
+        seen: set[str] = set()
+        todo = list(graph[start])
+        while todo:
+            u = todo.pop()
+            if u == start:
+                cycles.append(start)
+                break
+            if u not in seen:
+                seen.add(u)
+                todo.extend(graph.get(u, ()))
+    assert cycles == [], f"units on an import cycle: {cycles}"
 
 
 @pytest.mark.parametrize("module", DATA_PATH)

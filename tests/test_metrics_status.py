@@ -205,6 +205,6 @@ def test_shutdown_refuses_without_a_terminal_then_frees_the_job_with_yes(job):
     out = cli(job, "shutdown", JOB, "--yes")
     assert out.returncode == 0, out.stderr
     assert JOB not in json.loads(cli(job, "jobs", "--json").stdout)
-    from memsnap import shmdir
+    from memsnap.memory import shmdir
 
     assert shmdir.arena_files(JOB) == []

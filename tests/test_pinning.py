@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from memsnap import naming
-from memsnap.arena import Arena
-from memsnap.device import pinning
+from memsnap.memory import pinning
+from memsnap.memory.arena import Arena
 
 
 class FakeCudart:

@@ -14,13 +14,13 @@ from support import states
 from support.holders import tcp_holders
 from support.runtime import digest
 
-from memsnap.arena import MemoryBudget
 from memsnap.coding import encode, receive
 from memsnap.coding.codec import codec_for
 from memsnap.coding.landing import Spans
 from memsnap.coding.stripes import choose_chunk
 from memsnap.config import SnapshotConfig
 from memsnap.errors import StateMismatchError
+from memsnap.memory.arena import MemoryBudget
 from memsnap.node.chunkstore import HeldChunks
 from memsnap.records import RankPlan, RankRestore, RankSource, Region, RoundResult
 from memsnap.state.capture import capture

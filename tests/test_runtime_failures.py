@@ -25,8 +25,9 @@ from support.runtime import (
     wait_for,
 )
 
-from memsnap import naming, shmdir, testing
+from memsnap import naming, testing
 from memsnap.errors import TransportError
+from memsnap.memory import shmdir
 from memsnap.transport import ChunkKey, make_transport
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]

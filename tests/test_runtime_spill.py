@@ -9,10 +9,10 @@ import uuid
 import pytest
 
 from memsnap import naming
-from memsnap.arena import Arena
 from memsnap.config import SnapshotConfig
 from memsnap.durable.storage import Store
 from memsnap.localcluster import wait_for
+from memsnap.memory.arena import Arena
 from memsnap.node.agent import Version
 from memsnap.node.spill import Spiller
 from memsnap.state.capture import capture

@@ -634,7 +634,7 @@ def test_a_refused_rank_leaves_the_agent_as_the_live_run_left_it(core):
 def test_ray_train_runs_and_tune_trials_get_a_job_name_and_run_id_of_their_own():
     from types import SimpleNamespace
 
-    from memsnap.integrations.ray_train import run_identity
+    from memsnap.identity import run_identity
 
     def v2_only():
         raise DeprecationWarning("get_trial_name is deprecated")

@@ -11,10 +11,11 @@ import textwrap
 
 import pytest
 
-from memsnap import naming, shmdir
-from memsnap.arena import Arena, check_capacity, space, sweep
+from memsnap import naming
 from memsnap.config import SnapshotConfig
 from memsnap.errors import ConfigError, MemoryBudgetError, MemsnapError, UnsafeShmError
+from memsnap.memory import shmdir
+from memsnap.memory.arena import Arena, check_capacity, space, sweep
 
 MiB = 1 << 20
 OTHER_UID = 54321  # a uid that is not ours, for files "another user planted" (root only)
@@ -70,7 +71,7 @@ def test_an_arena_larger_than_the_free_tmpfs_is_refused_not_a_sigbus(small_tmpfs
     os.unlink(os.path.join(small_tmpfs, "hazard"))
     assert hazard.returncode == -signal.SIGBUS
     out = python(f"""
-        from memsnap.arena import Arena
+        from memsnap.memory.arena import Arena
         from memsnap.errors import MemoryBudgetError
         try:
             Arena.create({p!r}, 16 << 20)
@@ -114,13 +115,13 @@ def test_a_released_arena_is_backed_again_or_refused_when_the_tmpfs_filled(small
 
 
 def test_check_capacity_warns_below_the_budget_and_refuses_below_one_snapshot(small_tmpfs, caplog):
-    with caplog.at_level(logging.WARNING, logger="memsnap.arena"):
+    with caplog.at_level(logging.WARNING, logger="memsnap.memory.arena"):
         info = check_capacity(4 << 30)
     assert info["dir"] == small_tmpfs and info["total"] == 8 * MiB and info["memory_budget"] == 4 << 30
     [record] = caplog.records
     assert small_tmpfs in record.getMessage() and "--shm-size" in record.getMessage()
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="memsnap.arena"):
+    with caplog.at_level(logging.WARNING, logger="memsnap.memory.arena"):
         check_capacity(4 * MiB, need=2 * MiB)
     assert caplog.records == []
     with pytest.raises(MemoryBudgetError, match=r"one snapshot of this node needs 67108864 bytes"):
@@ -229,7 +230,7 @@ def test_a_file_other_users_may_read_is_not_reused(shm):
 
 def test_a_stale_file_of_a_dead_owner_is_replaced_but_a_live_one_is_not(shm):
     dead = python(
-        f"from memsnap.arena import Arena; Arena.create({path()!r}, 4096).view()[:4] = b'old!'; import os; os._exit(0)"
+        f"from memsnap.memory.arena import Arena; Arena.create({path()!r}, 4096).view()[:4] = b'old!'; import os; os._exit(0)"
     )
     assert dead.returncode == 0, dead.stderr
     arena = Arena.create(path(), 8192)  # its creator is gone: replaced
@@ -268,7 +269,7 @@ def test_attach_refuses_another_users_file(shm):
 # --- the sweep of dead agents' arenas; exact job names ---------------------------------------------
 def test_sweep_removes_a_dead_agents_arenas_and_keeps_live_ones(shm):
     dead, live, mine = path("dead"), path("live"), path("mine")
-    out = python(f"from memsnap.arena import Arena; Arena.create({dead!r}, 4096); import os; os._exit(0)")
+    out = python(f"from memsnap.memory.arena import Arena; Arena.create({dead!r}, 4096); import os; os._exit(0)")
     assert out.returncode == 0, out.stderr
     agent = subprocess.Popen(
         [
@@ -276,7 +277,7 @@ def test_sweep_removes_a_dead_agents_arenas_and_keeps_live_ones(shm):
             "-c",
             textwrap.dedent(f"""
         import sys
-        from memsnap.arena import Arena
+        from memsnap.memory.arena import Arena
         arena = Arena.create({live!r}, 4096)
         print("ready", flush=True)
         sys.stdin.read()  # alive until the test closes our stdin

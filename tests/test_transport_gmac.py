@@ -12,7 +12,7 @@ import pytest
 import xxhash
 from support.sockets import Collect, Replay
 
-from memsnap.arena import MemoryBudget
+from memsnap.memory.arena import MemoryBudget
 from memsnap.node.chunkstore import HeldChunks
 from memsnap.transport import ChunkKey, make_transport, wire
 from memsnap.transport.base import Scatter

@@ -19,9 +19,9 @@ import pytest
 import xxhash
 from support.sockets import Collect
 
-from memsnap.arena import MemoryBudget
 from memsnap.errors import ConfigError, TransportError
 from memsnap.localcluster import wait_for
+from memsnap.memory.arena import MemoryBudget
 from memsnap.node.chunkstore import HeldChunks
 from memsnap.transport import ChunkKey, auth, make_transport, wire
 from memsnap.transport.server import Admission

@@ -98,6 +98,14 @@ def human(nbytes: float) -> str:
     return f"{nbytes:.1f} TiB"
 
 
+def format_duration(seconds: float) -> str:
+    """A short human duration: ms, s, min, h or d."""
+    for unit, size, limit in (("ms", 1e-3, 1.0), ("s", 1.0, 120.0), ("min", 60.0, 7200.0), ("h", 3600.0, 172800.0)):
+        if seconds < limit:
+            return f"{seconds / size:.1f} {unit}"
+    return f"{seconds / 86400.0:.1f} d"
+
+
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """Left-aligned text columns, with a header line; every cell through ``printable``."""
     cells = [list(map(printable, headers))] + [[printable(c) for c in r] for r in rows]

@@ -40,6 +40,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from memsnap.commands import plan_goodput
+from memsnap.commands._common import format_duration
 from memsnap.errors import ConfigError
 from memsnap.policy import agent_ram, require_positive_float, require_positive_int, young_daly_interval
 
@@ -139,14 +140,6 @@ def _tier_plan(tier: str, cost: float, restore: float, mtbf: float, step_seconds
     steps = None if step_seconds is None else max(1, round(tau / step_seconds))
     lost = tau / 2 + restore
     return TierPlan(tier, cost, tau, steps, restore, lost, cost / tau + lost / mtbf, cost < mtbf / 2)
-
-
-def format_duration(seconds: float) -> str:
-    """A short human duration: ms, s, min, h or d."""
-    for unit, size, limit in (("ms", 1e-3, 1.0), ("s", 1.0, 120.0), ("min", 60.0, 7200.0), ("h", 3600.0, 172800.0)):
-        if seconds < limit:
-            return f"{seconds / size:.1f} {unit}"
-    return f"{seconds / 86400.0:.1f} d"
 
 
 def format_table(p: PlanInputs, plans: list[TierPlan]) -> str:

@@ -8,6 +8,7 @@ import json
 from dataclasses import asdict, fields
 
 from memsnap import goodput_model as gm
+from memsnap.commands._common import format_duration
 from memsnap.errors import ConfigError
 
 DEFAULT_GPUS = (1024, 2048, 4096, 8192, 16384)
@@ -109,7 +110,6 @@ def report(measured: gm.Measured, clusters: list[gm.Cluster], as_json: bool) -> 
             },
             indent=2,
         )
-    from memsnap.commands.plan import format_duration
 
     c0 = clusters[0]
     lines = [

@@ -4,6 +4,8 @@ from peers' RAM, and a loss curve bitwise identical to a run that never failed.
     model.py      the small transformer and its synthetic data
     train.py      one rank's training loop (the same code with and without Ray Train)
     reference.py  the run that never fails (plain gloo processes)
-    driver.py     the cluster, the Ray Train job, the failure and the report
+    run.py        what both drivers share: options, a run, its failures, the victim
+    driver.py     the cluster, the Ray Train job (--restart), the failure and the report
+    inplace_driver.py  the default: the job recovering in place (InplaceJob)
     plot.py       the loss curves as a PNG
 """

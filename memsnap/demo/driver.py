@@ -18,78 +18,11 @@ import shutil
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 
 from memsnap.demo.model import ModelConfig
+from memsnap.demo.run import DemoOptions, Failure, Run, held_at, pick_victim, say
 from memsnap.demo.train import TrainConfig, read_final, read_log
 from memsnap.demo.worker import gate_path, read_events, train_loop_per_worker
-
-
-@dataclass(frozen=True)
-class DemoOptions:
-    nodes: int = 4
-    k: int = 2
-    m: int = 1
-    model: str = "small"
-    steps: int = 40
-    failure_steps: tuple[int, ...] = (15,)
-    spill_every: int = 10
-    frozen_mib: float = 128.0
-    out: str = "memsnap-demo"
-    seed: int = 0
-    timeout_s: float = 900.0
-    mode: str = "inplace"  # or "restart": Ray Train restarts the whole worker group
-
-    def __post_init__(self):
-        ModelConfig.sized(self.model)  # validates the name
-        if self.mode not in ("inplace", "restart"):
-            raise ValueError(f"mode={self.mode!r}: must be 'inplace' (the default) or 'restart'")
-        if self.nodes < self.k + self.m + 1:
-            raise ValueError(
-                f"--nodes {self.nodes} is too few for k={self.k}, m={self.m}: "
-                f"RS({self.k},{self.m}) needs at least k+m+1 = {self.k + self.m + 1} nodes"
-            )
-        if self.frozen_mib < 0:
-            raise ValueError(f"--frozen-mib {self.frozen_mib}: must be >= 0 (0: the model's state only)")
-        if self.steps < 2:
-            raise ValueError(f"--steps {self.steps}: needs at least 2 steps")
-        fs = list(self.failure_steps)
-        if fs != sorted(set(fs)) or any(not 0 < s < self.steps - 1 for s in fs):
-            raise ValueError(f"--failure-step {fs}: failure steps must be increasing and inside (0, {self.steps - 1})")
-        if len(fs) > self.nodes - 1:
-            raise ValueError(f"{len(fs)} failures need more than {self.nodes} nodes")
-
-    @property
-    def job(self) -> str:
-        return "demo"
-
-    @property
-    def cluster_nodes(self) -> int:
-        """In place: a head (controller, coordinator), a node per rank, a spare per failure."""
-        return self.nodes if self.mode == "restart" else 1 + self.nodes + len(self.failure_steps)
-
-
-@dataclass
-class Failure:
-    step: int
-    rank: int
-    node: str
-    t_kill: float
-    t_dead: float | None = None
-
-
-@dataclass
-class Run:
-    opts: DemoOptions
-    log_path: str
-    events_path: str
-    failures: list[Failure] = field(default_factory=list)
-    result: object = None
-    error: BaseException | None = None
-
-
-def _say(msg: str) -> None:
-    print(f"[memsnap demo] {msg}", file=sys.stderr, flush=True)
 
 
 def _train_config(opts: DemoOptions, log_path: str) -> TrainConfig:
@@ -135,23 +68,6 @@ def _fit(trainer, run: Run) -> None:
         run.error = exc
 
 
-def _rank_nodes(events: list[dict]) -> dict[int, str]:
-    """rank -> node of the newest worker group."""
-    nodes: dict[int, str] = {}
-    for e in events:
-        if e["ev"] == "start":
-            nodes[e["rank"]] = e["node"]
-    return nodes
-
-
-def _pick_victim(cluster, events: list[dict], head: str) -> tuple[int, str, object] | None:
-    by_id = {n.node_id: n for n in cluster.nodes}
-    for rank, node in sorted(_rank_nodes(events).items(), reverse=True):
-        if rank != 0 and node != head and node in by_id:
-            return rank, node, by_id[node]
-    return None
-
-
 def _node_dead(node_id: str) -> bool:
     import ray
 
@@ -175,33 +91,21 @@ def _drive(cluster, run: Run, thread: threading.Thread, bar) -> None:
         for f in run.failures:
             if f.t_dead is None and _node_dead(f.node):
                 f.t_dead = time.time()
-                _say(f"Ray marked node {f.node[:8]} dead after {f.t_dead - f.t_kill:.1f} s")
-        held = _held_at(run, pending[0]) if pending else None
+                say(f"Ray marked node {f.node[:8]} dead after {f.t_dead - f.t_kill:.1f} s")
+        held = held_at(run, pending[0]) if pending else None
         if held is not None:
-            victim = _pick_victim(cluster, read_events(run.events_path), head)
+            victim = pick_victim(cluster, read_events(run.events_path), head)
             if victim is not None:
                 rank, node_id, node = victim
                 pending.pop(0)
-                _say(f"step {held} committed: killing node {node_id[:8]} (rank {rank}) abruptly")
+                say(f"step {held} committed: killing node {node_id[:8]} (rank {rank}) abruptly")
                 run.failures.append(Failure(held, rank, node_id, time.time()))
                 cluster.kill_node(node)
                 cluster.add_node()
-                _say("added a replacement node")
+                say("added a replacement node")
                 with open(gate_path(os.path.abspath(opts.out), held), "w"):
                     pass  # the surviving ranks go on and fail in their next collective
         time.sleep(0.1)
-
-
-def _held_at(run: Run, step: int) -> int | None:
-    """The step (``step`` or later, committed) at which the current worker group holds for
-    the next failure, or None while it has not got there."""
-    since = run.failures[-1].t_kill if run.failures else 0.0
-    held = [
-        e["step"]
-        for e in read_events(run.events_path)
-        if e["ev"] == "at_failure_step" and e["step"] >= step and e["t"] > since
-    ]
-    return min(held, default=None)
 
 
 def _after(events: list[dict], kind: str, t: float) -> list[dict]:
@@ -260,17 +164,17 @@ def run_demo(opts: DemoOptions, *, progress: bool = True) -> dict:
         ),
         daemon=True,
     )
-    _say(f"starting a {opts.cluster_nodes}-node Ray cluster on 127.0.0.1")
+    say(f"starting a {opts.cluster_nodes}-node Ray cluster on 127.0.0.1")
     job_out = None
     with LocalCluster(opts.cluster_nodes) as cluster:
         try:
-            _say("starting the reference run that never fails (plain gloo processes, no Ray)")
+            say("starting the reference run that never fails (plain gloo processes, no Ray)")
             ref_thread.start()
             with tqdm(total=opts.steps, desc="training", unit="step", disable=not progress, file=sys.stderr) as bar:
                 if opts.mode == "inplace":
                     from memsnap.demo import inplace_driver
 
-                    _say(
+                    say(
                         f"training {opts.steps} steps on {opts.nodes} Ray actors that recover in place, "
                         f"{len(opts.failure_steps)} warm standby(s); snapshot every step into peers' RAM with "
                         f"RS({opts.k},{opts.m}); node kills after steps {list(opts.failure_steps)}"
@@ -279,7 +183,7 @@ def run_demo(opts: DemoOptions, *, progress: bool = True) -> dict:
                         opts, run, cluster, _train_config(opts, run.log_path).to_json(), spill_uri, bar
                     )
                 else:
-                    _say(
+                    say(
                         f"training {opts.steps} steps with Ray Train on {opts.nodes} workers, snapshot every "
                         f"step into peers' RAM with RS({opts.k},{opts.m}); node kills after steps "
                         f"{list(opts.failure_steps)}; Ray Train restarts the worker group"
@@ -292,7 +196,7 @@ def run_demo(opts: DemoOptions, *, progress: bool = True) -> dict:
                 raise run.error
             t_end = time.time()
             victim = run.failures[0].rank if run.failures else 1
-            _say(f"reading rank {victim}'s bytes back from the spill directory, page cache dropped")
+            say(f"reading rank {victim}'s bytes back from the spill directory, page cache dropped")
             disk = disk_restore(opts, spill_uri, victim)
         finally:
             _cleanup(opts.job)
@@ -301,16 +205,17 @@ def run_demo(opts: DemoOptions, *, progress: bool = True) -> dict:
 
 
 def _cleanup(job: str) -> None:
-    from memsnap import shmdir, snapshotter
+    from memsnap import snapshotter
+    from memsnap.memory import shmdir
 
     try:
         snapshotter.shutdown(job, timeout=10)
     except Exception as exc:
-        _say(f"agent shutdown: {exc}")
+        say(f"agent shutdown: {exc}")
     try:
         shmdir.remove_job(job)
     except OSError as exc:
-        _say(f"removing arenas: {exc}")
+        say(f"removing arenas: {exc}")
 
 
 RECOVERY_KEYS = {

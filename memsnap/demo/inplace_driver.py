@@ -16,8 +16,8 @@ import os
 import threading
 import time
 
-from memsnap.demo.driver import Failure, Run, _held_at, _pick_victim, _say
 from memsnap.demo.inplace_worker import setup, train
+from memsnap.demo.run import Failure, Run, held_at, pick_victim, say
 from memsnap.demo.train import read_log
 from memsnap.demo.worker import gate_path, read_events
 
@@ -67,14 +67,14 @@ def run_job(opts, run: Run, cluster, train_config: dict, spill_uri: str, bar) ->
         if bar.n != done:
             bar.n = done
             bar.refresh()
-        held = _held_at(run, pending[0]) if pending else None
+        held = held_at(run, pending[0]) if pending else None
         if held is not None:
-            victim = _pick_victim(cluster, read_events(run.events_path), head.node_id)
+            victim = pick_victim(cluster, read_events(run.events_path), head.node_id)
             if victim is not None:
                 rank, node_id, node = victim
                 pending.pop(0)
                 pids.append({r: info["pid"] for r, info in job.members().items()})
-                _say(f"step {held} committed: killing node {node_id[:8]} (rank {rank}) hard")
+                say(f"step {held} committed: killing node {node_id[:8]} (rank {rank}) hard")
                 run.failures.append(Failure(held, rank, node_id, time.time()))
                 cluster.kill_node_hard(node)
                 with open(gate_path(os.path.abspath(opts.out), held), "w"):

@@ -2,9 +2,9 @@
 
 ``backend.py`` is the interface, ``cpu.py`` the shared-memory stand-in that runs everywhere,
 ``cuda.py`` the CUDA IPC implementation (needs CuPy: ``memsnap[gpu]``), ``tier.py`` the
-protocol both sides of it follow, ``pinning.py`` page-locks host arenas once, ``gf_ref.py``
-and ``cupy_rs.py`` the Reed-Solomon code on the device. Nothing here imports CuPy until a
-CUDA buffer or kernel is asked for.
+protocol both sides of it follow, ``gf_ref.py`` and ``cupy_rs.py`` the Reed-Solomon code on the
+device. Nothing here imports CuPy until a CUDA buffer or kernel is asked for. (Page-locking host
+arenas for CUDA copies is ``memsnap.memory.pinning``.)
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The CPU backend: shared memory stands in for device memory, so the device tier's protocol
 (allocate, share, capture, drain, crash, restore) runs and is tested on any machine.
 
-A buffer is an agent-owned ``memsnap.arena.Arena`` (a private /dev/shm file under the
+A buffer is an agent-owned ``memsnap.memory.arena.Arena`` (a private /dev/shm file under the
 owner's ``flock``, swept if the agent dies); its handle's token is the file's path, and
 ``open`` attaches to it. Copies run at once (there is no device to overlap with).
 """
@@ -15,9 +15,9 @@ from typing import Any
 import torch
 
 from memsnap import naming
-from memsnap.arena import Arena
 from memsnap.device.backend import Backend, BufferHandle, CopyStream, DeviceBuffer
 from memsnap.errors import DeviceError
+from memsnap.memory.arena import Arena
 
 
 class CpuBuffer(DeviceBuffer):

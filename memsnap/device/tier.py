@@ -106,7 +106,7 @@ class AgentTier:
 
     def drain(self, rank: int, device: str, out: memoryview | torch.Tensor) -> Manifest:
         """Copy the captured bytes into the host buffer ``out`` (from this process; pin it once
-        with ``memsnap.device.pinning`` for DMA speed) and return the manifest."""
+        with ``memsnap.memory.pinning`` for DMA speed) and return the manifest."""
         slot = self._slot(rank, device)
         if slot.state not in ("held", "drained"):
             raise DeviceError(f"rank {rank}'s device buffer on {device} is {slot.state}: nothing to drain")

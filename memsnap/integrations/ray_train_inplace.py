@@ -78,7 +78,7 @@ def _run_job_name(worker_group) -> str:
     the worker group Ray Train starts first; a name of its own where that cannot be read."""
     from types import SimpleNamespace
 
-    from memsnap.integrations.ray_train import run_identity
+    from memsnap.identity import run_identity
 
     run: Any = getattr(worker_group, "_train_run_context", None)  # Ray Train v2's, private
     try:
@@ -230,9 +230,9 @@ def run(setup: Callable, train: Callable, *, live_takeover: str = "verified", **
     ``live_takeover``: as ``InplaceJob``'s (replicas go on from the survivors' live state)."""
     import ray.train
 
+    from memsnap.identity import run_identity
     from memsnap.inplace.controller import pin_coordinator
     from memsnap.inplace.member import Member
-    from memsnap.integrations.ray_train import run_identity
 
     missing = [k for k in (STORE_ENV, JOB_ENV, GEN_ENV, MEMBER_ENV) if k not in os.environ]
     if missing:

@@ -53,12 +53,12 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from memsnap import arena as arenas
 from memsnap import metrics, naming
-from memsnap.arena import MemoryBudget
 from memsnap.config import SnapshotConfig, tcp_options, tunable
 from memsnap.directory import Directory
 from memsnap.errors import CommitError, ConfigError, MemoryBudgetError
+from memsnap.memory import arena as arenas
+from memsnap.memory.arena import MemoryBudget
 from memsnap.node.chunkstore import HeldChunks
 from memsnap.node.repair import Repair
 from memsnap.node.sender import Sender

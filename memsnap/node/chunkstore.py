@@ -17,10 +17,10 @@ from collections.abc import Callable
 
 import xxhash
 
-from memsnap.arena import MemoryBudget, touch
 from memsnap.coding.stripes import ChunkKey
 from memsnap.config import tunable
 from memsnap.errors import MemoryBudgetError, StepGivenUp
+from memsnap.memory.arena import MemoryBudget, touch
 
 _GIVEN_UP_KEPT = 256  # abandoned steps remembered (a sender is never that many steps behind)
 

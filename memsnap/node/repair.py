@@ -20,10 +20,10 @@ import ray
 import xxhash
 
 from memsnap import naming
-from memsnap.arena import Arena
 from memsnap.coding import encode
 from memsnap.config import tunable
 from memsnap.errors import CommitError
+from memsnap.memory.arena import Arena
 from memsnap.node.versions import FAILED
 from memsnap.records import NodeReady, RankSource
 

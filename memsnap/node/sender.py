@@ -18,10 +18,10 @@ from concurrent.futures import ThreadPoolExecutor
 import xxhash
 
 from memsnap import metrics
-from memsnap.arena import OwnedBuffer
 from memsnap.coding import encode
 from memsnap.config import tunable
 from memsnap.errors import CommitError, StepGivenUp, TransportError
+from memsnap.memory.arena import OwnedBuffer
 from memsnap.node.versions import Version
 from memsnap.records import NodeReady, Region
 from memsnap.state.checksum import fill_checksums

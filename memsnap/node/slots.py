@@ -14,9 +14,9 @@ import time
 from collections.abc import Callable
 
 from memsnap import naming
-from memsnap.arena import Arena, MemoryBudget
 from memsnap.config import SnapshotConfig
 from memsnap.errors import MemoryBudgetError
+from memsnap.memory.arena import Arena, MemoryBudget
 from memsnap.node.versions import IN_FLIGHT, LIVE, State, Version, Versions  # noqa: F401 (re-exported)
 
 log = logging.getLogger("memsnap.agent")

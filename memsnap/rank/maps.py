@@ -4,7 +4,7 @@ restore reads one), kept until the agent replaces the file behind a slot."""
 from __future__ import annotations
 
 from memsnap import naming
-from memsnap.arena import Arena
+from memsnap.memory.arena import Arena
 
 
 class ArenaMaps:

@@ -152,10 +152,10 @@ class Snapshotter:
         """A Snapshotter for this Ray Train worker (call inside ``train_loop_per_worker``): rank
         and world size from its Ray Train context, the run id from its run (a Tune trial's id),
         and, unless ``job`` names one, a job name of its own per run or trial
-        (``integrations.ray_train.run_identity``), so trials of a sweep never share snapshots."""
+        (``identity.run_identity``), so trials of a sweep never share snapshots."""
         import ray.train
 
-        from memsnap.integrations.ray_train import run_identity
+        from memsnap.identity import run_identity
 
         ctx = ray.train.get_context()
         name, run = run_identity(ctx)

@@ -38,7 +38,7 @@ class HostRegistration:
     never per snapshot); ``pinned`` False and ``reason`` say when CUDA refused it."""
 
     def __init__(self, buf: memoryview):
-        from memsnap.device import pinning
+        from memsnap.memory import pinning
 
         self._reg = pinning.register(buf)
         self.pinned, self.reason = self._reg.pinned, self._reg.reason

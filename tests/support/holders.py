@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 
-from memsnap.arena import MemoryBudget
+from memsnap.memory.arena import MemoryBudget
 from memsnap.node.chunkstore import HeldChunks
 from memsnap.transport import make_transport
 

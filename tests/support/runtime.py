@@ -15,8 +15,8 @@ import ray
 import torch
 import xxhash
 
-from memsnap import shmdir
 from memsnap.localcluster import LocalCluster, wait_for
+from memsnap.memory import shmdir
 from support import states
 
 FEATURES = 256

@@ -12,7 +12,7 @@ buffer and returns a ``Registration`` that says whether it worked and, if not, w
 
 Registration pins the pages the buffer has now. Whoever punches holes in the buffer
 (``Arena.release``) must ``close`` the registration first and register again once the pages
-are back, or DMA would keep writing the old, orphaned pages (``memsnap.arena`` does this).
+are back, or DMA would keep writing the old, orphaned pages (``memsnap.memory.arena`` does this).
 NOT YET RUN ON A GPU: the CUDA calls are the ones ``memsnap.state.cuda_capture`` made before; the
 no-CUDA path is what the tests run.
 """

@@ -1,7 +1,7 @@
 """Agent-owned shared-memory arenas under /dev/shm, and the memory budget they count against.
 
 An ``Arena`` is one file in this user's private directory ``/dev/shm/memsnap-<uid>/``
-(mode 0700; ``memsnap.shmdir``) created by the agent, backed whole with ``posix_fallocate``
+(mode 0700; ``memsnap.memory.shmdir``) created by the agent, backed whole with ``posix_fallocate``
 (so a full /dev/shm is a ``MemoryBudgetError`` at creation, never a SIGBUS at first touch)
 and mapped with ``mmap``; every page is touched once at creation so that later copies into
 it run at memory speed. The agent keeps the file open under a ``flock`` for as long as it
@@ -24,17 +24,18 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from memsnap import naming, shmdir
+from memsnap import naming
 from memsnap.errors import MemoryBudgetError, MemsnapError, UnsafeShmError
+from memsnap.memory import shmdir
 
 if TYPE_CHECKING:
-    from memsnap.device.pinning import Registration
+    from memsnap.memory.pinning import Registration
 
 PAGE = mmap.PAGESIZE
 _NEW = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _NO_ROOM = (errno.ENOSPC, errno.ENOMEM, errno.EFBIG)
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux
-log = logging.getLogger("memsnap.arena")
+log = logging.getLogger("memsnap.memory.arena")
 
 
 def touch(buf) -> None:
@@ -160,9 +161,9 @@ class Arena:
     def pin(self):
         """Page-lock the whole arena for CUDA (``cudaHostRegister``) once, for its lifetime:
         DMA from a GPU then lands here directly. Without CUDA, or when CUDA refuses, nothing is
-        pinned and ``pinning.reason`` says why (``memsnap.device.pinning``)."""
+        pinned and ``pinning.reason`` says why (``memsnap.memory.pinning``)."""
         if self.pinning is None or not self.pinning.pinned:
-            from memsnap.device import pinning
+            from memsnap.memory import pinning
 
             self.pinning = pinning.register(self._mm)
         return self.pinning
