@@ -4,6 +4,8 @@ Sizes are independent of the tensor count: manifests stay with the agents that h
 bytes (the owner, and its holders), so the coordinator sees per node per step one
 ``NodeReady`` of a few hundred bytes and answers each node with a ``CommitNotice``.
 
+    Placed        coordinator -> agent   a node's placement: its ranks, peers or not, its holders
+    Holders       coordinator -> agent   the k+m holders a node sends its stream to (and their addresses)
     NodeReady     agent -> coordinator   phase one: a node's stream is acknowledged by its holders
     CommitNotice  coordinator -> agents  phase two: step t is committed (keep these, spill or not)
     CommitRecord  coordinator, inside    every node's NodeReady of one committed step
@@ -30,6 +32,59 @@ class Region:
     rank: int
     nbytes: int
     stripe_base: int
+
+
+@dataclass(frozen=True)
+class Holders:
+    """The ``k+m`` holders of a node's stream, shard ``j`` to ``holders[j]`` at ``addrs[j]``
+    (none without peers), as placed in placement ``epoch``."""
+
+    holders: tuple[str, ...]
+    addrs: tuple[Any, ...]
+    epoch: int
+
+    def to_wire(self) -> dict:
+        return {"holders": list(self.holders), "addrs": list(self.addrs), "epoch": self.epoch}
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> Holders:
+        return cls(tuple(d["holders"]), tuple(d["addrs"]), int(d["epoch"]))
+
+
+@dataclass(frozen=True)
+class Placed:
+    """What a node's agent learns once the job is placed: the ``ranks`` on it, whether their
+    pieces go to ``peers`` (and ``why`` not), the job's ``world`` size, and its ``holders``
+    (None for a node that is not placed: a spare). ``epoch`` changes with every placement."""
+
+    ranks: tuple[int, ...]
+    peers: bool
+    why: str | None
+    epoch: int
+    world: int
+    holders: Holders | None
+
+    def to_wire(self) -> dict:
+        return {
+            "ranks": list(self.ranks),
+            "peers": self.peers,
+            "why": self.why,
+            "epoch": self.epoch,
+            "world": self.world,
+            "holders": None if self.holders is None else self.holders.to_wire(),
+        }
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> Placed:
+        h = d.get("holders")
+        return cls(
+            tuple(int(r) for r in d["ranks"]),
+            bool(d["peers"]),
+            d.get("why"),
+            int(d["epoch"]),
+            int(d["world"]),
+            None if h is None else Holders.from_wire(h),
+        )
 
 
 @dataclass(frozen=True)

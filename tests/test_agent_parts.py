@@ -44,7 +44,7 @@ class Parts:
 
     def call(self, method, *args):
         self.called.append((method, *args))
-        if method == "node_layout":
+        if method == "node_holders":
             return {"holders": list(HOLDERS), "addrs": [{"j": j} for j in range(3)], "epoch": 1}
         return None
 
@@ -112,7 +112,7 @@ def test_a_queued_version_is_sent_to_every_holder_and_reported(parts):
     v, man = parts.queued(1)
     parts.sender().send(v, [0])
     assert v.state is READY and parts.infos[1].holders == HOLDERS and parts.infos[1].world == 4
-    assert parts.called == [("node_layout", NODE), ("node_ready", parts.infos[1].to_wire())]
+    assert parts.called == [("node_holders", NODE), ("node_ready", parts.infos[1].to_wire())]
     assert sorted(parts.pushed) == [0, 1, 2] and parts.counters["pushed_bytes"] >= man.nbytes * 3 // 2
     assert all(
         key.step == 1 and key.owner == NODE and key.shard == j for j, keys in parts.pushed.items() for key in keys
@@ -127,9 +127,9 @@ def test_a_send_that_fails_fails_the_version_tells_the_coordinator_and_forgets_t
     sender = parts.sender()
     parts.push_error = ConnectionError("holder h1 is gone")
     sender.send(v, [0])
-    assert v.state is FAILED and parts.counters["failed_snapshots"] == 1 and sender.layout is None
+    assert v.state is FAILED and parts.counters["failed_snapshots"] == 1 and sender.holders is None
     assert parts.told == [("node_failed", 1, NODE, "ConnectionError: holder h1 is gone")]
-    assert [c[0] for c in parts.called] == ["node_layout"] and 1 not in parts.infos
+    assert [c[0] for c in parts.called] == ["node_holders"] and 1 not in parts.infos
 
 
 def test_a_version_replaced_while_it_waited_is_not_sent(parts):

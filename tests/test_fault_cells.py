@@ -13,14 +13,14 @@ from typing import TYPE_CHECKING, cast
 
 import pytest
 import torch
-from support.inproc import EncodeGate, Job, model_state
+from support.inproc import EncodeGate, Face, Job, model_state
 
 from memsnap.config import SnapshotConfig
 from memsnap.durable.storage import Store
 from memsnap.job.coordinator import CoordinatorCore, adopt_late, rebuild_state
 from memsnap.localcluster import wait_for
 from memsnap.node.agent import AgentCore
-from memsnap.records import CommitNotice, NodeReady, Region
+from memsnap.records import NodeReady, Region
 
 if TYPE_CHECKING:
     from memsnap.directory import Directory
@@ -39,11 +39,9 @@ class Agents:
         return set(self.cores)
 
     def call_all(self, nodes, method, *args, timeout):
-        if method == "commit":  # (the agent's actor reads the notice from its wire form)
-            args = (CommitNotice.from_wire(args[0]),)
         out = {}
         for node in nodes:
-            attr = getattr(self.cores[node], method)
+            attr = getattr(Face(self.cores[node]), method)  # what the agent's actor does with the call
             answer = attr(*args) if callable(attr) else attr
             # records cross the Ray face as their wire form, as the agent's actor sends them
             out[node] = answer.to_wire() if hasattr(answer, "to_wire") else answer
@@ -286,7 +284,7 @@ def reprotected(job) -> None:
     the step that set it off is already resolved)."""
     state = job.coord.reprotect.state
     wait_for(
-        lambda: state["rebuilt_chunks"] > 0 and state["running"] == 0,
+        lambda: state.rebuilt_chunks > 0 and not state.running,
         timeout=60,
         what="re-protection to rebuild the lost node's shards",
     )

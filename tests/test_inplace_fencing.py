@@ -84,7 +84,7 @@ def test_a_standby_on_a_placed_spare_taking_the_lost_rank_drops_the_lost_node_fr
     assert not placed_anywhere(core, B) and set(core.membership.placement.holders) == {A, C, D, E}
     assert core.membership.peered and core.membership.epoch > epoch
     assert core.sent == ["layout_changed"]  # every agent drops the layout that named B
-    assert core.answer(D)["ranks"] == [1]
+    assert core.answer(D).ranks == (1,)
 
 
 def test_a_fenced_spare_leaves_the_placement_at_once(core):

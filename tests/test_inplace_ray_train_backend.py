@@ -3,10 +3,11 @@ the rendezvous store and what each new worker is told, at the start and on a rep
 
 from __future__ import annotations
 
-import json
 import types
 
 import pytest
+
+from memsnap.inplace.assignment import Assignment
 
 pytest.importorskip("ray.train.v2")
 
@@ -53,10 +54,10 @@ def _group(workers):
     return ReplicaGroup(workers, {"CPU": 1}, [])
 
 
-def _gen(b, gen: int) -> dict:
+def _gen(b, gen: int) -> Assignment:
     from memsnap.inplace.member import gen_key
 
-    return json.loads(b.store.get(gen_key(b.job, gen)))
+    return Assignment.from_json(b.store.get(gen_key(b.job, gen)))
 
 
 def _env(worker) -> dict:
@@ -76,7 +77,7 @@ def test_the_backend_writes_generation_0_then_gives_a_replacement_the_lost_rank(
         execute_single_async=lambda i, fn, *a: workers[i].execute_async(fn, *a),
     )
     b.on_start(whole, config)
-    assert _gen(b, 0) == {"world": 3, "members": {"w0g0": 0, "w1g0": 1, "w2g0": 2}, "done": False}
+    assert _gen(b, 0) == Assignment(3, {"w0g0": 0, "w1g0": 1, "w2g0": 2})
     envs = [_env(w) for w in workers]
     assert {e[rti.GEN_ENV] for e in envs} == {"0"} and [e[rti.MEMBER_ENV] for e in envs] == ["w0g0", "w1g0", "w2g0"]
     assert {e[rti.STORE_ENV] for e in envs} == {f"127.0.0.1:{b.store.port}"}
@@ -88,7 +89,7 @@ def test_the_backend_writes_generation_0_then_gives_a_replacement_the_lost_rank(
     # ... and starts a new worker in its place: generation 1, the same ranks, the new member
     new = FakeWorker(1, 3, "n3")
     b.on_start(_group([new]), config)
-    assert _gen(b, 1) == {"world": 3, "members": {"w0g0": 0, "w1g1": 1, "w2g0": 2}, "done": False}
+    assert _gen(b, 1) == Assignment(3, {"w0g0": 0, "w1g1": 1, "w2g0": 2})
     assert _env(new)[rti.GEN_ENV] == "1" and _env(new)[rti.MEMBER_ENV] == "w1g1"
     assert all(len(w.calls) == 1 for w in workers)  # the survivors are told nothing but the store's keys
     assert b.nodes == {0: "n0", 1: "n3", 2: "n2"}

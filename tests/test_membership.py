@@ -34,23 +34,24 @@ def answer(core, node):
 def test_one_node_with_many_ranks_runs_on_local_ram_at_once_and_says_why():
     core = coordinator({"gpu-box": 8})  # defaults: k=2, m=1 -> protection needs 4 nodes
     got = answer(core, "gpu-box")
-    assert got["peers"] is False and got["ranks"] == list(range(8))
-    assert "1 node(s)" in got["why"] and "k+m+1=4" in got["why"]
-    assert core.membership.placement.holders == {"gpu-box": ()} and got["layout"]["holders"] == []
+    assert got.peers is False and got.ranks == tuple(range(8))
+    assert got.why is not None and "1 node(s)" in got.why and "k+m+1=4" in got.why
+    assert core.membership.placement.holders == {"gpu-box": ()} and got.holders is not None
+    assert got.holders.holders == ()
 
 
 def test_uneven_ranks_per_node_are_placed_by_node():
     core = coordinator({"a": 3, "b": 2, "c": 2, "d": 1})
-    assert answer(core, "a")["peers"] is True and answer(core, "a")["ranks"] == [0, 1, 2]
-    assert answer(core, "d")["ranks"] == [7]
+    assert answer(core, "a").peers is True and answer(core, "a").ranks == (0, 1, 2)
+    assert answer(core, "d").ranks == (7,)
     for owner, holders in core.membership.placement.holders.items():
         assert len(holders) == 3 and owner not in holders
 
 
 def test_a_spare_agent_makes_three_rank_nodes_enough_and_holds_pieces():
-    assert answer(coordinator({"a": 2, "b": 2, "c": 2}), "a")["peers"] is False
+    assert answer(coordinator({"a": 2, "b": 2, "c": 2}), "a").peers is False
     core = coordinator({"a": 2, "b": 2, "c": 2}, spares=["spare"])
-    assert answer(core, "a")["peers"] is True and "spare" in core.membership.addrs
+    assert answer(core, "a").peers is True and "spare" in core.membership.addrs
     holders = core.membership.placement.holders
     assert sum(h.count("spare") for o, h in holders.items() if o != "spare") == 3
 
@@ -163,6 +164,7 @@ def test_a_spare_started_after_the_placement_joins_it_and_can_take_a_rank_over()
     assert "late" in core.membership.placement.holders and core.membership.epoch == epoch + 1
     assert core.spare_joined("late", {"port": 2}) is False  # placed already: nothing changes
     core.join("late", {"port": 2}, [1])  # rank 1's process died on b; the standby on "late" takes it
-    assert core.answer("late")["ranks"] == [1] and core.answer("late")["layout"]["holders"]
+    late = core.answer("late")
+    assert late.ranks == (1,) and late.holders is not None and late.holders.holders
     core.node_lost("d", "its heartbeats stopped")
     assert core.spare_joined("d", {"port": 1}) is False  # a fenced node never comes back as a spare

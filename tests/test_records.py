@@ -10,9 +10,11 @@ import pytest
 from memsnap.records import (
     AgentState,
     CommitNotice,
+    Holders,
     Inventory,
     LastRestore,
     NodeReady,
+    Placed,
     RankPlan,
     RankRestore,
     RankSource,
@@ -33,6 +35,8 @@ def through_json(record):
     [
         READY,
         CommitNotice(7, (6, 7), True, {"node-a": ("node-d",)}),
+        Placed((0, 1), True, None, 3, 8, Holders(("node-b", "node-c"), ({"port": 1}, None), 3)),
+        Placed((), False, "1 node(s) < k+m+1=4", 1, 8, None),
         SOURCE,
         RankPlan(7, "peer", "ram", "/nfs/ck", SOURCE, (SOURCE,)),
         RankRestore.loaded("local", {"plan": 0.01, "fetch": 0.2, "total": 0.3}),

@@ -274,7 +274,7 @@ def test_a_rebuilt_local_copy_is_installed_only_if_the_rank_has_not_moved_on(cor
     import memsnap.coding.restore
 
     rec = record(7, nbytes=4096).source(0, {})
-    core.hold_manifests(7, "n0", record(7, nbytes=4096).nodes["n0"].to_wire(), {0: "{}"})  # held here for n0
+    core.repair.hold_manifests(7, "n0", record(7, nbytes=4096).nodes["n0"].to_wire(), {0: "{}"})  # held here for n0
     used = core.budget.used
     monkeypatch.setattr(memsnap.coding.restore, "gather", _gather_writing(b"x", during=lambda: core.begin(8, 0, 4096)))
     assert core.rebuild_local(7, 0, rec) is False  # step 8 began during the gather

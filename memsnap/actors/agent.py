@@ -13,7 +13,7 @@ import time
 
 import ray
 
-from memsnap import naming
+from memsnap import identity, naming
 from memsnap.actors.coordinator import coordinator_for
 from memsnap.actors.pool import LOST, Pool
 from memsnap.config import SnapshotConfig, tunable
@@ -136,22 +136,22 @@ class SnapshotAgent:
         nbytes, run = await self.relay.join(rank, world_size, claim)
         direct = self.core.cfg.transport == "tcp" and bool(tunable("direct_restore"))
         if nbytes and not direct:  # the restore will land in an arena here: back it meanwhile
-            asyncio.ensure_future(self.pool.run(self.core.prepare, rank, nbytes))
+            asyncio.ensure_future(self.pool.run(self.core.slots.prepare, rank, nbytes))
         return {"address": self.core.address, "run": run}
 
     async def running(self, tokens: list[str]) -> list[str]:
         """Which of these rank processes still run here (the coordinator asks before a rank of
         another run takes over one of theirs)."""
-        return self.core.running(tokens)
+        return identity.running(tokens)
 
     async def working(self, tokens: list[str]) -> list[str]:
         """Which of these processes run here and are not stopped (the in-place controller asks
         before it calls a silent member lost: a slow process is waited for)."""
-        return self.core.working(tokens)
+        return identity.working(tokens)
 
     async def members(self, timeout: float) -> dict:
         answer = await self.relay.answer(timeout)
-        return {k: answer[k] for k in ("ranks", "peers", "why")}
+        return {"ranks": list(answer.ranks), "peers": answer.peers, "why": answer.why}
 
     async def ready_slots(self, rank: int, nbytes: int) -> int:
         """Back ``rank``'s arena slots for ``nbytes`` now, ahead of its first saves."""
@@ -165,15 +165,15 @@ class SnapshotAgent:
 
     # the device tier (memsnap.device.runtime), opt-in
     async def device_begin(self, step: int, rank: int, device: str, nbytes: int) -> str | None:
-        return await self.pool.run(self.core.device_begin, step, rank, device, nbytes)
+        return await self.pool.run(self.core.device.begin, step, rank, device, nbytes)
 
     async def device_captured(
         self, step: int, rank: int, device: str, manifest_json: str, local_ranks: list[int]
     ) -> None:
-        return await self.pool.run(self.core.device_captured, step, rank, device, manifest_json, local_ranks)
+        return await self.pool.run(self.core.device.captured, step, rank, device, manifest_json, local_ranks)
 
     async def device_source(self, rank: int, step: int) -> list | None:
-        return await self.pool.run(self.core.device_source, rank, step)
+        return await self.pool.run(self.core.device.source, rank, step)
 
     async def wait(self, step: int, timeout: float) -> int | None:
         return await self.relay.wait(step, timeout)
@@ -192,10 +192,10 @@ class SnapshotAgent:
 
     async def manifest(self, step: int, rank: int, source: dict) -> str:
         """``rank``'s manifest of ``step``: from this node, else from a holder of its owner."""
-        return await self.pool.run(self.core.manifest_for, step, rank, RankSource.from_wire(source))
+        return await self.pool.run(self.core.repair.manifest_for, step, rank, RankSource.from_wire(source))
 
     async def recover(self, step: int, rank: int, source: dict) -> dict:
-        return await self.pool.run(self.core.recover, step, rank, RankSource.from_wire(source))
+        return await self.pool.run(self.core.repair.recover, step, rank, RankSource.from_wire(source))
 
     async def request_spill(self, step: int) -> None:
         await self._call("spill_now", step, timeout=tunable("call_timeout_s"))
@@ -216,7 +216,7 @@ class SnapshotAgent:
         await self.pool.run(self.core.abandon, step, why, failed)
 
     async def layout_changed(self) -> None:
-        self.core.sender.layout = None
+        self.core.sender.holders = None
         self.relay.forget_answer()
 
     async def spill_now(self, step: int) -> bool:
@@ -227,10 +227,10 @@ class SnapshotAgent:
         return True
 
     async def hold_manifests(self, step: int, owner: str, info: dict, manifests: dict) -> None:
-        self.core.hold_manifests(step, owner, info, manifests)
+        self.core.repair.hold_manifests(step, owner, info, manifests)
 
     async def held_manifests(self, step: int, owner: str) -> dict:
-        return self.core.held_manifests(step, owner)
+        return self.core.repair.held_manifests(step, owner)
 
     async def committed_infos(self) -> dict:
         return (await self.pool.run(self.core.committed_infos)).to_wire()
@@ -239,7 +239,7 @@ class SnapshotAgent:
         return await self.pool.run(self.core.rebuild_local, step, rank, RankSource.from_wire(source), replace)
 
     async def rebuild(self, step: int, k: int, m: int, info: dict, addrs: dict, shard: int) -> int:
-        return await self.pool.run(self.core.rebuild, step, k, m, info, addrs, shard)
+        return await self.pool.run(self.core.repair.rebuild, step, k, m, info, addrs, shard)
 
     async def inventory(self) -> dict:
         return (await self.pool.run(self.core.inventory)).to_wire()

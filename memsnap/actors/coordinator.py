@@ -82,11 +82,11 @@ class Coordinator:
         if not await self.signal.wait_for(lambda: self.core.membership.decided(), timeout):  # (resize swaps it)
             missing = sorted(set(range(self.core.world)) - set(self.core.membership.members))
             raise CommitError(f"timed out after {timeout:.0f} s waiting for ranks {missing} to register")
-        return self.core.answer(node)
+        return self.core.answer(node).to_wire()
 
-    async def node_layout(self, node: str) -> dict:
+    async def node_holders(self, node: str) -> dict:
         with self.core.lock:
-            return self.core.membership.layout(node)
+            return self.core.membership.holders_of(node).to_wire()
 
     async def node_ready(self, info: dict) -> None:
         self.core.node_ready(info)

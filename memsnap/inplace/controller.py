@@ -41,6 +41,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from memsnap.errors import ConfigError, MemsnapError
+from memsnap.inplace.assignment import Assignment
 from memsnap.inplace.group import failed_key, publish_failure
 from memsnap.inplace.heartbeat import Monitor
 from memsnap.inplace.member import Member, fenced_key, gen_key, report_key
@@ -363,7 +364,7 @@ class InplaceJob:
         ``_fenced_for(gen)`` is written)."""
         self.gen = gen
         assert self.store is not None
-        self.store.set(gen_key(self.job, gen), json.dumps({"world": self.world, "members": members, "done": done}))
+        self.store.set(gen_key(self.job, gen), Assignment(self.world, members, done).to_json())
         if fenced:
             self.store.set(fenced_key(self.job, gen), "1")
 

@@ -27,7 +27,7 @@ def local_group():
 
     store = dist.HashStore()
     pg = dist.ProcessGroup(store, 0, 1)
-    backend = dist.ProcessGroupGloo(store, 0, 1)
+    backend = dist.ProcessGroupGloo(store, 0, 1, dist.default_pg_timeout)  # one rank: it never waits
     pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
     pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
     return pg

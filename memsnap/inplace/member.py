@@ -10,7 +10,7 @@ again, whose ``ctx.restore(state)`` rolls the live objects back to the newest co
 
 Store keys (the controller writes the first, members the rest):
 
-  ``memsnap/<job>/gen/<g>``            JSON ``{"world": W, "members": {member: rank}, "done": false}``
+  ``memsnap/<job>/gen/<g>``            JSON of an ``assignment.Assignment``: world, member -> rank, done
   ``memsnap/<job>/gen/<g>/fenced``     the nodes lost before generation g are fenced at the
                                        coordinator: its restore may start (the controller
                                        writes the generation first, so a standby registers
@@ -40,6 +40,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from memsnap.identity import process_token
+from memsnap.inplace.assignment import Assignment
 from memsnap.inplace.group import PeerLost, RecoverableGroup, connect, os_threads
 from memsnap.inplace.heartbeat import Beater
 from memsnap.inplace.report import MemberReport
@@ -366,15 +367,15 @@ class Member:
         gen = first_gen
         while True:
             assignment = self._await(gen)
-            if assignment.get("done"):
+            if assignment.done:
                 return {**self.info(), "outcome": "done", "result": None}
-            rank = assignment["members"].get(self.name)
+            rank = assignment.rank_of(self.name)
             if rank is None:
                 if self.rank is not None:  # fenced: the job goes on without this process
                     return {**self.info(), "outcome": "fenced", "result": None}
                 gen += 1  # still a standby
                 continue
-            world = int(assignment["world"])
+            world = assignment.world
             if self.rank is not None and rank != self.rank and world == self.world:
                 raise RuntimeError(f"member {self.name}: rank {self.rank} cannot become rank {rank} in place")
             outcome = self._generation(gen, rank, world)
@@ -457,10 +458,10 @@ class Member:
         self.snap.close()
         self.snap = None
 
-    def _await(self, gen: int) -> dict:
+    def _await(self, gen: int) -> Assignment:
         key = gen_key(self.job, gen)
         self.store.wait([key], timedelta(seconds=self.assign_timeout_s))
-        return json.loads(self.store.get(key))
+        return Assignment.from_json(self.store.get(key))
 
     # --- what ``Context`` tells ------------------------------------------------------------------
     def restored(self, step: int | None) -> None:

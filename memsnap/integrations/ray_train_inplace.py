@@ -33,7 +33,6 @@ generation of new processes, restored the same way.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import uuid
@@ -131,6 +130,7 @@ class _InplaceBackend(_TorchBackend):
         import ray
         from ray.train.v2._internal.execution.worker_group import ReplicaGroup
 
+        from memsnap.inplace.assignment import Assignment
         from memsnap.inplace.member import fenced_key, gen_key
 
         if not hasattr(worker_group, "get_workers"):
@@ -174,9 +174,7 @@ class _InplaceBackend(_TorchBackend):
         ]
         ray.get(refs, timeout=120)
         members = {name: rank for rank, name in self.members.items()}
-        self.store.set(
-            gen_key(self.job, self.gen), json.dumps({"world": self.world, "members": members, "done": False})
-        )
+        self.store.set(gen_key(self.job, self.gen), Assignment(self.world, members).to_json())
         self.store.set(fenced_key(self.job, self.gen), "1")  # (the lost nodes were fenced above)
         (log.warning if self.gen else log.info)("memsnap job %r: generation %d: %s", self.job, self.gen, members)
 

@@ -54,6 +54,7 @@ from memsnap.records import (
     Inventory,
     LastRestore,
     NodeReady,
+    Placed,
     RankPlan,
     RankRestore,
     RoundResult,
@@ -315,7 +316,7 @@ class CoordinatorCore:
         self.membership.epoch = old.epoch
         self.rounds = RestoreRounds(world)
 
-    def answer(self, node: str) -> dict:
+    def answer(self, node: str) -> Placed:
         with self.lock:
             return self.membership.answer(node)
 

@@ -25,6 +25,7 @@ from memsnap.config import SnapshotConfig
 from memsnap.errors import CommitError
 from memsnap.identity import Claim
 from memsnap.job.placement import NodeInfo, Placement, place, place_local, replace_node
+from memsnap.records import Holders, Placed
 
 log = logging.getLogger("memsnap.coordinator")
 
@@ -219,26 +220,26 @@ class Membership:
     def decided(self) -> bool:
         return self.placement is not None or self.place_error is not None
 
-    def answer(self, node: str) -> dict:
+    def answer(self, node: str) -> Placed:
         """What a node's agent learns once placed: its ranks, whether pieces go to peers, and
         its holders (the layout it sends by, cached until ``epoch`` changes)."""
         if self.placement is None:
             raise CommitError(self.place_error or "not placed yet")
-        return {
-            "ranks": list(self.by_node().get(node, [])),
-            "peers": self.peered,
-            "why": self.no_peers_why,
-            "epoch": self.epoch,
-            "world": self.world,
-            "layout": self.layout(node) if node in self.placement.holders else None,
-        }
+        return Placed(
+            tuple(self.by_node().get(node, [])),
+            self.peered,
+            self.no_peers_why,
+            self.epoch,
+            self.world,
+            self.holders_of(node) if node in self.placement.holders else None,
+        )
 
-    def layout(self, node: str) -> dict:
+    def holders_of(self, node: str) -> Holders:
         """``node``'s ``k+m`` holders and their addresses (none without peers)."""
         if self.placement is None or node not in self.placement.holders:
             raise CommitError(f"node {node[:12]} is not placed yet; every rank must register first")
-        holders = list(self.placement.holders[node])
-        return {"holders": holders, "addrs": [self.addrs.get(h) for h in holders], "epoch": self.epoch}
+        holders = tuple(self.placement.holders[node])
+        return Holders(holders, tuple(self.addrs.get(h) for h in holders), self.epoch)
 
     def live_nodes(self) -> list[str]:
         """Every node with an agent of the job (ranks or spare) that Ray still sees alive."""

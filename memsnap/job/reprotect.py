@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass, field
 
 import ray
 
@@ -36,35 +37,46 @@ def new_holders(
     return out
 
 
+@dataclass
+class Progress:
+    """What re-protection is doing and has done (``status()["reprotect"]``)."""
+
+    running: bool = False
+    again: bool = False  # asked again while it ran: one more round
+    rebuilt_chunks: int = 0
+    local_copies: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
 class Reprotector:
     """``core``: the ``CoordinatorCore`` (its lock, membership, commit log, agents)."""
 
     def __init__(self, core):
         self.core = core
-        self.state = {"running": 0, "again": False, "rebuilt_chunks": 0, "local_copies": 0, "errors": []}
+        self.state = Progress()
 
     def kick(self) -> None:
         """Start the thread unless it runs (then it goes round once more)."""
         with self.core.lock:
-            if self.state["running"]:
-                self.state["again"] = True
+            if self.state.running:
+                self.state.again = True
                 return
-            self.state["running"] = 1
+            self.state.running = True
         threading.Thread(target=self._loop, name="memsnap-reprotect", daemon=True).start()
 
     def _loop(self) -> None:
         try:
             self.core.wait_for_a_restore(tunable("reprotect_defer_s"))
             while True:
-                self.state["again"] = False
+                self.state.again = False
                 for step in sorted(self.core.log.records):
                     self._step(step)
                 self._local_copies()
-                if not self.state["again"]:
+                if not self.state.again:
                     return
         finally:
             with self.core.lock:
-                self.state["running"] = 0
+                self.state.running = False
 
     def _step(self, step: int) -> None:
         core = self.core
@@ -102,14 +114,14 @@ class Reprotector:
                 timeout=tunable("push_timeout_s"),
             )
         except Exception as exc:
-            self.state["errors"].append(f"step {record.step} owner {owner[:12]} shard {j}: {exc}")
+            self.state.errors.append(f"step {record.step} owner {owner[:12]} shard {j}: {exc}")
             log.warning("re-protection of step %d owner %s shard %d failed: %s", record.step, owner[:12], j, exc)
             return
         with core.lock:
             live = core.log.records.get(record.step)
             if live is not None:
                 core.log.records[record.step] = live.with_holder(owner, j, new)
-            self.state["rebuilt_chunks"] += n
+            self.state.rebuilt_chunks += n
         log.info("re-protected step %d owner %s shard %d on %s (%d chunks)", record.step, owner[:12], j, new[:12], n)
 
     def _local_copies(self) -> None:
@@ -146,12 +158,19 @@ class Reprotector:
                 timeout=tunable("push_timeout_s"),
             )
         except Exception as exc:
-            self.state["errors"].append(f"local copy of rank {rank} at step {step}: {exc}")
+            self.state.errors.append(f"local copy of rank {rank} at step {step}: {exc}")
             log.warning("could not rebuild rank %s's local copy of step %d: %s", rank, step, exc)
             return
         if ok:
             with self.core.lock:
-                self.state["local_copies"] += 1
+                self.state.local_copies += 1
 
     def status(self) -> dict:
-        return dict(self.state, errors=list(self.state["errors"][-5:]))
+        st = self.state
+        return {
+            "running": int(st.running),
+            "again": st.again,
+            "rebuilt_chunks": st.rebuilt_chunks,
+            "local_copies": st.local_copies,
+            "errors": list(st.errors[-5:]),
+        }

@@ -65,10 +65,11 @@ from memsnap.node.sender import Sender
 from memsnap.node.slots import Slots
 from memsnap.node.versions import CAPTURING, FAILED, SlotPolicy, Version, Versions
 from memsnap.policy import agent_ram
-from memsnap.records import AgentState, CommitNotice, Inventory, NodeReady, RankSource
+from memsnap.records import AgentState, CommitNotice, Holders, Inventory, NodeReady, Placed, RankSource
 from memsnap.transport import make_transport
 
 if TYPE_CHECKING:
+    from memsnap.device.runtime import AgentDevice
     from memsnap.node.spill import Spiller
 
 log = logging.getLogger("memsnap.agent")
@@ -158,7 +159,7 @@ class AgentCore:
         self.gen = 0
         self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="memsnap-agent")
         self.spiller: Spiller | None = None
-        self._device = None  # the device tier (memsnap.device.runtime), made on first use when on
+        self._device: AgentDevice | None = None  # the device tier (memsnap.device.runtime), made on first use when on
 
     # --- the device tier (opt-in: cfg.device_buffer) ---------------------------------------------
     @property
@@ -192,15 +193,6 @@ class AgentCore:
             v = self.versions.get(step)
             nbytes = None if v is None else v.sizes.get(rank)
             return None if v is None or nbytes is None else (self.slots.arena(rank, v.slot, nbytes), nbytes)
-
-    def device_begin(self, step: int, rank: int, device: str, nbytes: int) -> str | None:
-        return self.device.begin(step, rank, device, nbytes)
-
-    def device_captured(self, step: int, rank: int, device: str, manifest_json: str, local_ranks: list[int]) -> None:
-        self.device.captured(step, rank, device, manifest_json, local_ranks)
-
-    def device_source(self, rank: int, step: int) -> list | None:
-        return None if self._device is None else self._device.source(rank, step)
 
     def _transport_opts(self) -> dict:
         if self.cfg.transport == "objstore":
@@ -447,25 +439,11 @@ class AgentCore:
                 self.holders[rank] = {"run": claim.get("run"), "process": claim.get("process", "")}
                 self.run = claim.get("run") or self.run
 
-    @staticmethod
-    def running(tokens: list[str]) -> list[str]:
-        """The process tokens (``identity.process_token``) whose process still runs here."""
-        from memsnap.identity import running
-
-        return running(tokens)
-
-    @staticmethod
-    def working(tokens: list[str]) -> list[str]:
-        """The process tokens whose process runs here and is not stopped (``identity.working``)."""
-        from memsnap.identity import working
-
-        return working(tokens)
-
-    def placed(self, answer: dict) -> None:
-        """The coordinator's placement answer: cache this node's layout for its sends."""
+    def placed(self, answer: Placed) -> None:
+        """The coordinator's placement answer: cache this node's holders for its sends."""
         with self.lock:
-            self.world = answer.get("world", self.world)
-            self.sender.layout = answer.get("layout") or {"holders": [], "addrs": [], "epoch": answer.get("epoch")}
+            self.world = answer.world
+            self.sender.holders = answer.holders or Holders((), (), answer.epoch)
 
     def spilled(self, step: int, ranks: list[int]) -> None:
         """The spill thread wrote ``ranks`` of ``step``: tell the coordinator; in lean mode the
@@ -530,32 +508,14 @@ class AgentCore:
             assert arena is not None  # holds() checked it
             return {"path": arena.path, "nbytes": v.sizes[rank], "manifest": v.manifests[rank]}
 
-    # --- repair and re-protection (repair.py) ----------------------------------------------------
-    def prepare(self, rank: int, nbytes: int) -> bool:
-        return self.slots.prepare(rank, nbytes)
-
+    # --- slots and repair (slots.py, repair.py: the Ray face calls them straight) ---------------
     def ready_slots(self, rank: int, nbytes: int) -> int:
         with self.lock:
             self.ranks.add(rank)
         return self.slots.ready_slots(rank, nbytes)
 
-    def recover(self, step: int, rank: int, src: RankSource) -> dict:
-        return self.repair.recover(step, rank, src)
-
     def rebuild_local(self, step: int, rank: int, src: RankSource, replace: bool = False) -> bool:
         return self.repair.rebuild_local(step, rank, src, replace)
-
-    def rebuild(self, step: int, k: int, m: int, info: dict, addrs: dict, shard: int) -> int:
-        return self.repair.rebuild(step, k, m, info, addrs, shard)
-
-    def manifest_for(self, step: int, rank: int, src: RankSource) -> str:
-        return self.repair.manifest_for(step, rank, src)
-
-    def hold_manifests(self, step: int, owner: str, info: dict, manifests: dict) -> None:
-        self.repair.hold_manifests(step, owner, info, manifests)
-
-    def held_manifests(self, step: int, owner: str) -> dict[int, str]:
-        return self.repair.held_manifests(step, owner)
 
     # --- introspection -----------------------------------------------------------------------
     def inventory(self) -> Inventory:

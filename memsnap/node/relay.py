@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from memsnap.config import tunable
 from memsnap.errors import CommitError, JobInUseError
-from memsnap.records import RankPlan, RankRestore, RankSource, RoundResult
+from memsnap.records import Placed, RankPlan, RankRestore, RankSource, RoundResult
 from memsnap.waiting import Batch, Signal
 
 log = logging.getLogger("memsnap.agent")
@@ -50,7 +50,7 @@ class RelayedNode(Protocol):
 
     def joined(self, rank: int, world: int, claim: dict | None = None) -> None: ...
 
-    def placed(self, answer: dict) -> None: ...
+    def placed(self, answer: Placed) -> None: ...
 
     def resolved(self, step: int) -> bool: ...
 
@@ -117,12 +117,12 @@ class NodeRelay:
             unclaimed = {"run": None, "process": ""}
             await self._send_joins([(r, world, self.core.holders.get(r) or unclaimed) for r in ranks])
 
-    async def answer(self, timeout: float) -> dict:
+    async def answer(self, timeout: float) -> Placed:
         """The node's placement answer (its ranks, peers or not, its holders), asked once for
         every rank of the node and kept until the node's ranks or the placement change."""
         if self._answer is None or (self._answer.done() and self._answer.exception() is not None):
             self._answer = asyncio.ensure_future(self.call("answer", self.node, timeout, timeout=timeout + 30))
-        answer = await asyncio.shield(self._answer)
+        answer = Placed.from_wire(await asyncio.shield(self._answer))
         self.core.placed(answer)
         return answer
 

@@ -2,8 +2,8 @@
 shard ``j`` of every stripe pushed to holder ``j``, the ranks' manifests handed to the
 holders with the chunks, and the node's ``NodeReady`` report to the coordinator.
 
-One snapshot is sent at a time (one parity scratch buffer); the node's layout (its holders
-and their addresses) is cached until the placement changes or a send fails.
+One snapshot is sent at a time (one parity scratch buffer); the node's holders (and their
+addresses) is cached until the placement changes or a send fails.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import xxhash
@@ -23,7 +23,7 @@ from memsnap.config import tunable
 from memsnap.errors import CommitError, StepGivenUp, TransportError
 from memsnap.memory.arena import OwnedBuffer
 from memsnap.node.versions import Version
-from memsnap.records import NodeReady, Region
+from memsnap.records import Holders, NodeReady, Region
 from memsnap.state.checksum import fill_checksums
 from memsnap.state.manifest import Manifest
 
@@ -85,7 +85,7 @@ class Sender:
         self.call, self.tell, self.call_all, self.world = call, tell, call_all, world
         self.lock = threading.Lock()  # one snapshot is encoded and sent at a time
         self.parity: OwnedBuffer | None = None
-        self.layout: dict | None = None  # this node's holders and addresses, until the placement changes
+        self.holders: Holders | None = None  # this node's holders and addresses, until the placement changes
         self.throughput = Throughput()
 
     def send(self, v: Version, local_ranks: list[int]) -> None:
@@ -106,7 +106,7 @@ class Sender:
             return
         except Exception as exc:  # reported, never raised into the pool
             with self.agent_lock:
-                self.layout = None  # a holder may be gone: ask for the layout again
+                self.holders = None  # a holder may be gone: ask for them again
                 if not self.versions.held(v):
                     return  # the job gave it up (or resumed below it) while it was sent: no news
                 log.warning("node %s: step %d not sent: %s", self.node[:12], v.step, exc)
@@ -121,15 +121,15 @@ class Sender:
                 self.slots.release(v)
         self.call("node_ready", info.to_wire())
 
-    def _layout(self) -> dict:
-        layout = self.layout
-        if layout is None:
-            layout = self.layout = self.call("node_layout", self.node)
-        return layout
+    def _holders(self) -> Holders:
+        holders = self.holders
+        if holders is None:
+            holders = self.holders = Holders.from_wire(self.call("node_holders", self.node))
+        return holders
 
     def _encode_and_push(self, v: Version, local_ranks: list[int]) -> NodeReady:
         cfg = self.cfg
-        layout = self._layout()
+        holders = self._holders()
         sizes = {r: v.sizes[r] for r in local_ranks}
         chunk = cfg.chunk or _choose_chunk(max(sizes.values(), default=0), cfg.k)
         regs = encode.regions(sizes, cfg.k, chunk)
@@ -146,12 +146,12 @@ class Sender:
             v.gen,
             chunk,
             tuple(Region(r.rank, r.nbytes, r.stripe_base) for r in regs),
-            tuple(layout["holders"]),
+            holders.holders,
             digest.hexdigest(),
             self.world() or 0,
         )
-        if layout["holders"]:  # without peers the local copy (and the spill) is all there is
-            self._push_all(v.step, encs, layout["addrs"], chunk, layout["holders"])
+        if holders.holders:  # without peers the local copy (and the spill) is all there is
+            self._push_all(v.step, encs, holders.addrs, chunk, holders.holders)
             self._hand_manifests(info, {r: v.manifests[r] for r in local_ranks})
         return info
 
@@ -171,7 +171,7 @@ class Sender:
         if missing:
             raise CommitError(f"step {info.step}: holders {[h[:12] for h in missing]} did not take the manifests")
 
-    def _push_all(self, step: int, encs: list, addrs: list[dict], chunk: int, holders: list[str]) -> None:
+    def _push_all(self, step: int, encs: list, addrs: Sequence[dict], chunk: int, holders: Sequence[str]) -> None:
         """Data shards stream to their holders straight from the arenas while parity is encoded
         a batch of stripes at a time into two halves of a small scratch buffer: a half is
         reused once the pushes of the batch it held are acknowledged."""

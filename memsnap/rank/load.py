@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from memsnap.config import SnapshotConfig, tcp_options
 from memsnap.errors import ChecksumError, ConfigError
@@ -32,6 +32,9 @@ from memsnap.rank.client import AgentClient, HeldCopy
 from memsnap.rank.maps import ArenaMaps
 from memsnap.records import RankPlan, RankSource
 from memsnap.state.manifest import Manifest
+
+if TYPE_CHECKING:
+    from memsnap.coding.receive import Peers
 
 log = logging.getLogger("memsnap")
 
@@ -60,7 +63,7 @@ class Loader:
         # of the last load, for its report (the agent acts on them): chunks repaired at holders,
         # and whether the node's own copy was corrupt (the agent then reads it back)
         self.repaired, self.rebuild = 0, False
-        self._peers = None
+        self._peers: Peers | None = None
 
     def load(self, plan: RankPlan, state: Mapping[str, Any], seconds: dict) -> str:
         """Read ``plan`` into ``state``; the tier it came from (``seconds``: where time went)."""

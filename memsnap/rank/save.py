@@ -25,6 +25,7 @@ from memsnap.rank.client import AgentClient, get
 from memsnap.rank.maps import ArenaMaps
 
 if TYPE_CHECKING:
+    from memsnap.device.runtime import RankDevice
     from memsnap.state.cuda_capture import SideStreamCapture
 
 log = logging.getLogger("memsnap")
@@ -45,7 +46,7 @@ class Capture:
         self.plan = plan if plan is not None else PlanCache()  # the layout, again only when the tensors change
         self._cuda: SideStreamCapture | None = None
         self._pins: dict[str, Any] = {}
-        self._device = None  # the device tier's rank side, when device_buffer is on
+        self._device: RankDevice | None = None  # the device tier's rank side, when device_buffer is on
 
     def take(self, step: int, state: Mapping[str, Any], local: list[int], wait_s: float = 0.0) -> bool:
         """Capture ``step`` into this node's agent; False when the agent skipped it (busy, and

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
+from memsnap import identity
 from memsnap.coding.codec import codec_for
 from memsnap.coding.receive import Peers
 from memsnap.coding.restore import gather
@@ -45,7 +46,7 @@ class Face:
         self.core.commit(CommitNotice.from_wire(notice))
 
     def layout_changed(self) -> None:
-        self.core.sender.layout = None
+        self.core.sender.holders = None
 
     def inventory(self) -> dict:
         return self.core.inventory().to_wire()
@@ -55,6 +56,23 @@ class Face:
 
     def rebuild_local(self, step: int, rank: int, source: dict, replace: bool = False) -> bool:
         return self.core.rebuild_local(step, rank, RankSource.from_wire(source), replace)
+
+    def rebuild(self, step: int, k: int, m: int, info: dict, addrs: dict, shard: int) -> int:
+        return self.core.repair.rebuild(step, k, m, info, addrs, shard)
+
+    def hold_manifests(self, step: int, owner: str, info: dict, manifests: dict) -> None:
+        self.core.repair.hold_manifests(step, owner, info, manifests)
+
+    def held_manifests(self, step: int, owner: str) -> dict:
+        return self.core.repair.held_manifests(step, owner)
+
+    @staticmethod
+    def running(tokens: list[str]) -> list[str]:
+        return identity.running(tokens)
+
+    @staticmethod
+    def working(tokens: list[str]) -> list[str]:
+        return identity.working(tokens)
 
     def __getattr__(self, name: str):
         return getattr(self.core, name)
@@ -130,9 +148,9 @@ class Job:
         return core
 
     def _coordinator_call(self, method: str, *args):
-        if method == "node_layout":  # (the Ray face reads it under the coordinator's lock)
+        if method == "node_holders":  # (the Ray face reads it under the coordinator's lock)
             with self.coord.lock:
-                return self.coord.membership.layout(*args)
+                return self.coord.membership.holders_of(*args).to_wire()
         return getattr(self.coord, method)(*args)
 
     def join(self, node: str, ranks: list[int]) -> None:
@@ -192,7 +210,7 @@ class Job:
         ``layout_changed`` broadcast arrived)."""
         epoch = self.coord.membership.epoch
         wait_for(
-            lambda: all(c.sender.layout is None or c.sender.layout.get("epoch") == epoch for c in self.live().values()),
+            lambda: all(c.sender.holders is None or c.sender.holders.epoch == epoch for c in self.live().values()),
             timeout=timeout,
             what="the new layout to reach every agent",
         )
