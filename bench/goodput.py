@@ -35,7 +35,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import threading
@@ -53,7 +52,7 @@ import psutil  # noqa: E402
 from goodput_timeline import HEALTH_CHECKS, NODES, RunResult, analyse, poisson_schedule  # noqa: E402
 
 from memsnap import goodput_model as gm  # noqa: E402
-from memsnap.localcluster import LocalCluster, wait_for  # noqa: E402
+from memsnap.localcluster import LocalCluster, free_port, wait_for  # noqa: E402
 from memsnap.policy import agent_ram  # noqa: E402
 
 if TYPE_CHECKING:
@@ -290,12 +289,6 @@ class RunSpec:
         return self.label or f"{self.system}/{self.interval}"
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_actor():
     import ray
 
@@ -368,7 +361,7 @@ def run_own(
 
     def start(attempt: int):
         for tries in range(4):
-            port = _port()
+            port = free_port()
             ranks = [
                 Rank.options(resources={f"memsnap_node_{nodes.slots[r]}": 0.01}, max_restarts=0).remote(
                     r, NODES, cfg, port

@@ -176,11 +176,9 @@ class DcpAsync:
         import torch.distributed as dist
 
         if not dist.is_initialized():
-            import socket
+            from memsnap.localcluster import free_port
 
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
+            port = free_port()
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
         self.root = root
         self.future: Future | None = None
