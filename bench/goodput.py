@@ -458,6 +458,10 @@ def run_torchft(spec: RunSpec, cfg: dict, nodes: Nodes, schedule: list[dict], ho
     state. Its lighthouse and managers bind to loopback; the lighthouse forms a quorum as soon
     as it can (``join_timeout_ms``) and drops a silent manager after ``heartbeat_timeout_ms``
     (1 s each: the best setting here, as fast as memsnap's own detection)."""
+    try:
+        import torchft  # noqa: F401  (its workers import it: without it they fail at once, again and again)
+    except ImportError as exc:
+        raise RuntimeError(f"torchft is not installed ({exc}): pip install -e '.[bench]'") from exc
     from goodput_job import torchft_loop
     from ray.train.v2.torch.torch_trainer import TorchTrainer
     from ray.train.v2.torch.torchft_config import TorchftConfig
@@ -890,8 +894,10 @@ def measure(
         if system == "torchft":  # no saves: a new worker is sent a live replica's state
             if args.workload != "ddp":
                 raise ValueError(
-                    f"--workload {args.workload}: torchft shards only inside a replica group (HSDP); with "
-                    f"{NODES} ranks that is two groups of two, whose FSDP2 this bench does not build"
+                    f"--workload {args.workload}: torchft shards only inside a replica group (HSDP: here two "
+                    f"groups of {NODES // 2}), and Ray Train's TorchftConfig makes every worker a replica group "
+                    "of its own (replica groups of one: ray.train.v2's worker_group.py, 'support replica groups "
+                    "of size > 1' is a TODO in Ray 2.60)"
                 )
             one(nodes, RunSpec("torchft", "0", False), args.baseline_s)
             one(nodes, RunSpec("torchft", "0", True), args.horizon_s)

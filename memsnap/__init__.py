@@ -3,7 +3,8 @@
 The packages follow a snapshot's path (each package's docstring names its modules):
 
     rank/        the user's side: Snapshotter (save, restore, status), its save path, its load
-                 tiers (rank/load.py) and every call it makes to its node's agent (client.py)
+                 tiers (rank/load.py), every call it makes to its node's agent (client.py) and
+                 the recovery loop of a rank that recovers in place (member.py)
     state/       what a snapshot is: the state captured into flat bytes and a manifest
                  (capture.py), read back into the live objects (apply.py), RNGs, checks
     coding/      how the bytes survive lost nodes: stripes, Reed-Solomon parity (codec.py with
@@ -14,7 +15,9 @@ The packages follow a snapshot's path (each package's docstring names its module
     job/         the coordinator: membership and placement, the two-phase commit, the restore
                  decision (coverage.py), liveness and re-protection
     durable/     the disk format (save, load) and the storage it spills to (pyarrow.fs)
-    inplace/     recovery in place: re-formed process groups, standbys, live takeover
+    collective/  the process group that outlives a lost peer: re-formed per generation,
+                 heartbeats, DDP and FSDP2 on it, the live takeover
+    inplace/     recovery in place, the job's side: InplaceJob decides, fences, re-forms
     device/      the device tier (CUDA IPC buffers) and Reed-Solomon on the GPU
     memory/      host memory the agent owns: shared-memory arenas, their directory, pinning
 

@@ -24,7 +24,7 @@ instead of waiting for the cluster manager::
       R_inplace = detect_inplace + reform + max(S / peer restore, S / local restore)
 
 Where the ranks are replicas (data parallel), an in-place recovery rolls nothing back
-(``memsnap.inplace.live``): the survivors keep their live state and the standby receives it
+(``memsnap.collective.live``): the survivors keep their live state and the standby receives it
 from them, so a failure loses only the step in flight (half a step on average), not half a
 period plus the lag, and the recovery moves a node's state from the replicas::
 

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
+from memsnap.collective.report import MemberReport
 from memsnap.errors import ConfigError
 from memsnap.inplace import InplaceJob, Recovery
-from memsnap.inplace.report import MemberReport
 
 
 def make(**kwargs) -> InplaceJob:
@@ -105,7 +105,7 @@ def test_a_sharded_member_refuses_to_shrink_naming_the_fix():
     sharded model cannot become a rank of a smaller job in place."""
     import types
 
-    from memsnap.inplace.member import Member
+    from memsnap.rank.member import Member
 
     closed = []
     member = types.SimpleNamespace(

@@ -1,4 +1,4 @@
-"""FSDP2 through the re-formable group (``memsnap.inplace.fsdp``), two gloo processes and no Ray:
+"""FSDP2 through the re-formable group (``memsnap.collective.fsdp``), two gloo processes and no Ray:
 its collectives give what FSDP2's own give, bitwise, across a re-formed generation; a lost
 peer mid-step never raises inside FSDP2 (the step runs out on zeros, the generation is over)
 and the same sharded model trains on in the next generation."""
@@ -20,8 +20,8 @@ import hashlib, json, os, sys
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from memsnap.inplace.fsdp import reshard, shard
-from memsnap.inplace.group import RecoverableGroup
+from memsnap.collective.fsdp import reshard, shard
+from memsnap.collective.group import RecoverableGroup
 
 rank, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 torch.set_num_threads(1)

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 import pytest
 from support.pg_members import Members
 
-from memsnap.inplace.group import _sockets, _Wires, failed_key, over_key, publish_failure
+from memsnap.collective.group import _sockets, _Wires, failed_key, over_key, publish_failure
 
 BACKEND_TIMEOUT_S = 120.0  # gloo's own bound: no wait below comes near it
 WAIT_S = 30.0  # the deadline of every answer a member gives after it is up

@@ -9,7 +9,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from memsnap.inplace.heartbeat import Beater, Monitor, beat_key
+from memsnap.collective.heartbeat import Beater, Monitor, beat_key
 from memsnap.localcluster import wait_for
 
 JOB = "hbtest"
@@ -89,7 +89,7 @@ def test_a_member_beats_while_its_process_group_waits_on_the_store(master):
     """Forming a group waits on the rendezvous store until every member has come (gloo's
     rendezvous, through the group's store client); a client serves one call at a time. The
     member's beats must go on meanwhile, or a member waiting for a slow peer looks lost."""
-    from memsnap.inplace.member import Member
+    from memsnap.rank.member import Member
 
     member = Member(
         JOB,

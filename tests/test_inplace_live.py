@@ -1,6 +1,6 @@
 """Live takeover's parts, without Ray: the verdict every member reaches from the same table,
 the step boundary a member rebuilds after a step cut short, the optimizer guard, and the
-exchange itself between processes of a real gloo group (``memsnap.inplace.live``)."""
+exchange itself between processes of a real gloo group (``memsnap.collective.live``)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from memsnap.inplace.group import PeerLost
-from memsnap.inplace.live import STREAMS, Live, Row, decide, take_over
+from memsnap.collective.group import PeerLost
+from memsnap.collective.live import STREAMS, Live, Row, decide, take_over
 
 
 def row(step, digest=7, rng=(1, 2, 3, 4), static=(), refusal=0, nbytes=100):
@@ -150,7 +150,7 @@ def _member(port: int, rank: int, fresh: bool, out, damage: bool = False) -> Non
     step in flight (their RNGs moved, their optimizer refused)."""
     import torch.distributed as dist
 
-    from memsnap.inplace.group import RecoverableGroup
+    from memsnap.collective.group import RecoverableGroup
 
     torch.set_num_threads(1)
     group = RecoverableGroup("livetest", ("127.0.0.1", port), timeout_s=60)
@@ -163,7 +163,7 @@ def _member(port: int, rank: int, fresh: bool, out, damage: bool = False) -> Non
             live.mark(step, state)
         torch.rand(7)  # the lost step's draws
     if damage and rank == 2:  # its slice is damaged on the way (one byte)
-        from memsnap.inplace import live as live_mod
+        from memsnap.collective import live as live_mod
 
         cut = live_mod._slice
 

@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from memsnap.inplace import group as pg
-from memsnap.inplace.group import PeerLost, RecoverableGroup, failed_key
+from memsnap.collective import group as pg
+from memsnap.collective.group import PeerLost, RecoverableGroup, failed_key
 
 
 def test_a_member_runs_nccl_with_memsnap_not_the_watchdog_handling_failures():

@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from memsnap.inplace.assignment import Assignment
+from memsnap.collective.assignment import Assignment
 
 pytest.importorskip("ray.train.v2")
 
@@ -55,7 +55,7 @@ def _group(workers):
 
 
 def _gen(b, gen: int) -> Assignment:
-    from memsnap.inplace.member import gen_key
+    from memsnap.collective.assignment import gen_key
 
     return Assignment.from_json(b.store.get(gen_key(b.job, gen)))
 
@@ -67,7 +67,7 @@ def _env(worker) -> dict:
 
 
 def test_the_backend_writes_generation_0_then_gives_a_replacement_the_lost_rank(backend):
-    from memsnap.inplace.group import failed_key
+    from memsnap.collective.group import failed_key
     from memsnap.integrations import ray_train_inplace as rti
 
     b, config = backend

@@ -49,6 +49,7 @@ NEVER = {
     "job": ("transport", "node", "rank", "inplace", "actors"),
     "node": ("job", "rank", "inplace"),
     "rank": ("inplace",),
+    "collective": ("coding", "transport", "node", "job", "durable", "rank", "inplace", "actors"),
     "memory": ("state", "coding", "transport", "node", "job", "durable", "rank", "inplace", "actors", "device"),
 }
 

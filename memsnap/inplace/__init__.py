@@ -1,14 +1,13 @@
 """Recovery in place: the surviving ranks keep their processes when a peer is lost.
 
-``group``: a process group re-formed per generation on a store that outlives every rank;
-``heartbeat``: members' beats and the controller's view of them; ``member``: one rank or
-standby process; ``assignment``: what the controller writes for each generation (who is which
-rank); ``report``: what a member tells of one; ``live``: a live takeover (the survivors' state
-straight to a standby); ``ddp``, ``fsdp``: the models on the re-formed group; ``controller``:
-``InplaceJob``, which decides, fences and re-forms."""
+``controller``: ``InplaceJob``, which runs the job's members on Ray actors, decides who is
+lost, fences it, writes the next generation and warms the next standby. What it drives lies
+below it: each member's recovery loop is ``memsnap.rank.member`` (a rank, or a standby waiting
+to become one), and the process group that survives a lost peer, its heartbeats, DDP and FSDP2
+on it and the live takeover are ``memsnap.collective``."""
 
+from memsnap.collective.group import PeerLost, RecoverableGroup
 from memsnap.inplace.controller import InplaceJob, Recovery, RecoveryError
-from memsnap.inplace.group import PeerLost, RecoverableGroup
-from memsnap.inplace.member import Context
+from memsnap.rank.member import Context
 
 __all__ = ["Context", "InplaceJob", "PeerLost", "RecoverableGroup", "Recovery", "RecoveryError"]

@@ -40,12 +40,12 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+from memsnap.collective.assignment import Assignment, fenced_key, gen_key, report_key
+from memsnap.collective.group import failed_key, publish_failure
+from memsnap.collective.heartbeat import Monitor
+from memsnap.collective.report import MemberReport
 from memsnap.errors import ConfigError, MemsnapError
-from memsnap.inplace.assignment import Assignment
-from memsnap.inplace.group import failed_key, publish_failure
-from memsnap.inplace.heartbeat import Monitor
-from memsnap.inplace.member import Member, fenced_key, gen_key, report_key
-from memsnap.inplace.report import MemberReport
+from memsnap.rank.member import Member
 
 if TYPE_CHECKING:
     from torch.distributed import TCPStore
@@ -187,7 +187,7 @@ class InplaceJob:
 
     ``live_takeover``: where the ranks hold replicas of one state (data parallel), a recovery
     rolls nobody back: the survivors keep their live state and the standby takes it from them
-    (``memsnap.inplace.live``). ``"verified"`` (default) does so when two survivors show the
+    (``memsnap.collective.live``). ``"verified"`` (default) does so when two survivors show the
     same state; ``"trusted"`` when one does; ``"off"`` always rolls back to the newest
     committed step. Sharded state (``ctx.fully_shard``) always rolls back."""
 
@@ -214,7 +214,7 @@ class InplaceJob:
     ):
         if not rank_nodes:
             raise ConfigError("rank_nodes=[]: give the Ray node id of every rank")
-        from memsnap.inplace.live import MODES
+        from memsnap.collective.live import MODES
 
         if live_takeover not in MODES:
             raise ConfigError(
@@ -482,7 +482,7 @@ class InplaceJob:
     def hand_over(self, rank: int) -> None:
         """Move ``rank`` to a standby at its next step boundary, with nothing rolled back (what
         a preemption notice on its node does by itself)."""
-        from memsnap.inplace.member import leave_key
+        from memsnap.collective.assignment import leave_key
 
         assert self.store is not None, "a rank leaves a running job"
         self.store.set(leave_key(self.job, self._ranks[rank].name), "1")

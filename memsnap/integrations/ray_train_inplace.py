@@ -21,7 +21,7 @@ How it works: the backend (``InplaceTorchConfig``) declares replica groups of on
 each, so Ray Train's controller replaces only a failed worker (not the whole group) when
 the others still run. It runs in Ray Train's controller process and hosts the job's
 rendezvous store there (no worker's loss takes it), writes each generation's membership
-(``memsnap.inplace.member``) and, instead of Ray Train's own ``init_process_group``, leaves
+(``memsnap.rank.member``) and, instead of Ray Train's own ``init_process_group``, leaves
 the process group to the workers' ``RecoverableGroup``, which forms it again per generation.
 On a replacement it ends the current generation for the survivors (those blocked in a
 collective get out at once), fences the lost worker's node if its memsnap agent is silent,
@@ -130,8 +130,7 @@ class _InplaceBackend(_TorchBackend):
         import ray
         from ray.train.v2._internal.execution.worker_group import ReplicaGroup
 
-        from memsnap.inplace.assignment import Assignment
-        from memsnap.inplace.member import fenced_key, gen_key
+        from memsnap.collective.assignment import Assignment, fenced_key, gen_key
 
         if not hasattr(worker_group, "get_workers"):
             raise RuntimeError(
@@ -190,7 +189,7 @@ class _InplaceBackend(_TorchBackend):
     def _end_generation(self, why: str, lost) -> None:
         """Tell the current generation's members it is over; let the coordinator fence the
         lost workers' nodes whose agent is silent and leave any restore round in flight."""
-        from memsnap.inplace.group import failed_key, publish_failure
+        from memsnap.collective.group import failed_key, publish_failure
 
         assert self.job is not None
         if self.store.check([failed_key(self.job, self.gen)]):
@@ -230,7 +229,7 @@ def run(setup: Callable, train: Callable, *, live_takeover: str = "verified", **
 
     from memsnap.identity import run_identity
     from memsnap.inplace.controller import pin_coordinator
-    from memsnap.inplace.member import Member
+    from memsnap.rank.member import Member
 
     missing = [k for k in (STORE_ENV, JOB_ENV, GEN_ENV, MEMBER_ENV) if k not in os.environ]
     if missing:

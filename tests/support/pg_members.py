@@ -74,7 +74,7 @@ def serve(port: int, name: str, backend_timeout_s: float) -> None:
     import torch
     import torch.distributed as dist
 
-    from memsnap.inplace.group import RecoverableGroup
+    from memsnap.collective.group import RecoverableGroup
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=300))
@@ -118,7 +118,7 @@ class Members:
         self.procs: dict[str, BaseProcess] = {}
         self._sent: dict[str, int] = {}
         self._ctx = multiprocessing.get_context("forkserver")
-        self._ctx.set_forkserver_preload(["torch", "torch.distributed", "memsnap.inplace.group", __name__])
+        self._ctx.set_forkserver_preload(["torch", "torch.distributed", "memsnap.collective.group", __name__])
         for name in names:
             self.start(name)
 

@@ -39,41 +39,25 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+from memsnap.collective.assignment import (
+    Assignment,
+    done_key,
+    fenced_key,
+    gen_key,
+    handover_key,
+    leave_key,
+    report_key,
+)
+from memsnap.collective.group import PeerLost, RecoverableGroup, connect, os_threads
+from memsnap.collective.heartbeat import Beater
+from memsnap.collective.report import MemberReport
 from memsnap.identity import process_token
-from memsnap.inplace.assignment import Assignment
-from memsnap.inplace.group import PeerLost, RecoverableGroup, connect, os_threads
-from memsnap.inplace.heartbeat import Beater
-from memsnap.inplace.report import MemberReport
 
 if TYPE_CHECKING:
-    from memsnap.inplace.live import Takeover
+    from memsnap.collective.live import Takeover
     from memsnap.rank import Snapshotter
 
 log = logging.getLogger("memsnap.inplace")
-
-
-def gen_key(job: str, gen: int) -> str:
-    return f"memsnap/{job}/gen/{gen}"
-
-
-def report_key(job: str, gen: int, rank: int) -> str:
-    return f"memsnap/{job}/gen/{gen}/report/{rank}"
-
-
-def fenced_key(job: str, gen: int) -> str:
-    return f"memsnap/{job}/gen/{gen}/fenced"
-
-
-def done_key(job: str, rank: int) -> str:
-    return f"memsnap/{job}/done/{rank}"
-
-
-def leave_key(job: str, member: str) -> str:
-    return f"memsnap/{job}/leave/{member}"
-
-
-def handover_key(job: str, gen: int) -> str:
-    return f"memsnap/{job}/gen/{gen}/handover"
 
 
 class HandedOver(Exception):
@@ -119,18 +103,18 @@ class Context:
 
     def restore(self, state) -> int:
         """(collective) The step to train next, with ``state`` at the step before it. In a
-        recovery, where the ranks are replicas (``memsnap.inplace.live``), the survivors keep
+        recovery, where the ranks are replicas (``memsnap.collective.live``), the survivors keep
         their live state and the others take it from them: nothing is rolled back; otherwise
         every rank rolls ``state`` back to the newest committed step (a survivor from its own
         node's RAM, a standby from its peers)."""
         m = self._m
         if m.recoveries:
-            from memsnap.inplace.fsdp import reshard
+            from memsnap.collective.fsdp import reshard
 
             for model in m.sharded:  # a step cut short may have left parameters gathered
                 reshard(model)
         if m.current_gen > 0 and m.live.mode != "off" and not m.sharded:
-            from memsnap.inplace.live import take_over
+            from memsnap.collective.live import take_over
 
             done, refused = take_over(m.live, state, m.current_rank, m.world or 0, resized=m.resized)
             if done is not None:
@@ -176,8 +160,8 @@ class Context:
 
     def ddp(self, model, **ddp_options):
         """``model`` in DistributedDataParallel whose gradients go through the re-formable
-        group (``memsnap.inplace.ddp``): build it once, in ``setup``; it is never rebuilt."""
-        from memsnap.inplace.ddp import replicate
+        group (``memsnap.collective.ddp``): build it once, in ``setup``; it is never rebuilt."""
+        from memsnap.collective.ddp import replicate
 
         return replicate(model, self._m.group, **ddp_options)
 
@@ -190,9 +174,9 @@ class Context:
 
     def fully_shard(self, model, *, modules=(), **options):
         """FSDP2's ``fully_shard`` of each of ``modules`` and then ``model``, its all-gathers
-        and reduce-scatters through the re-formable group (``memsnap.inplace.fsdp``): call it
+        and reduce-scatters through the re-formable group (``memsnap.collective.fsdp``): call it
         once, in a function given to ``on_rank``; it is never redone."""
-        from memsnap.inplace.fsdp import shard
+        from memsnap.collective.fsdp import shard
 
         sharded = shard(model, self._m.group, modules=modules, **options)
         self._m.sharded.append(sharded)
@@ -222,7 +206,7 @@ class Member:
     ):
         import torch.distributed as dist
 
-        from memsnap.inplace.live import Live
+        from memsnap.collective.live import Live
 
         self.job, self.name = job, name
         self.setup_fn, self.train_fn = setup, train
@@ -351,7 +335,7 @@ class Member:
 
         warm_s = 0.0
         if self.on_rank_fns:  # it shards when it has a rank: FSDP2's first-call costs, paid now
-            from memsnap.inplace.fsdp import warm_up
+            from memsnap.collective.fsdp import warm_up
 
             try:
                 warm_s = warm_up()

@@ -26,7 +26,7 @@ go to the generation the model was sharded on: use ``ctx.all_reduce`` instead.
 
 from __future__ import annotations
 
-from memsnap.inplace.group import PeerLost, RecoverableGroup
+from memsnap.collective.group import PeerLost, RecoverableGroup
 
 
 def _comm_classes():

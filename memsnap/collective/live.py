@@ -42,7 +42,7 @@ from typing import Any
 
 import xxhash
 
-from memsnap.inplace.group import PeerLost, RecoverableGroup
+from memsnap.collective.group import PeerLost, RecoverableGroup
 
 log = logging.getLogger("memsnap.inplace")
 

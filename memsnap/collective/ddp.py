@@ -17,7 +17,7 @@ a replayed step is bitwise equal to its first run.
 
 from __future__ import annotations
 
-from memsnap.inplace.group import PeerLost, RecoverableGroup
+from memsnap.collective.group import PeerLost, RecoverableGroup
 
 
 def local_group():
