@@ -347,6 +347,31 @@ def test_a_node_lost_while_a_step_is_encoded_fails_it_by_node_failed_and_the_pre
     assert_whole(job, 3, survivors + [E])
 
 
+def test_a_rank_that_joins_without_a_restore_round_takes_the_jobs_generation_and_its_steps_commit(inproc):
+    """A standby that takes a survivor's live state joins a running job with no restore round
+    of its own: the join brings its node's agent the job's restore generation, or every step it
+    sends would be ignored as older than the last restore and no step would commit again."""
+    job = inproc({A: [0], B: [1], C: [2], D: [3]})
+    job.coord.log.resume(None)  # the job's first restore round (a fresh start): generation 1
+    for core in job.cores.values():
+        core.resume(None, job.coord.log.gen)
+    states = {r: model_state(r) for r in range(4)}
+    job.save(1, states)
+    job.resolved(1)
+    assert job.coord.newest() == 1
+    job.lose(D)
+    job.start_agent(E)  # the standby's node: a new agent, of restore generation 0
+    job.join(E, job.ranks[D])
+    job.cores[E].placed(job.coord.answer(E))
+    assert job.cores[E].gen == job.coord.log.gen == 1
+    job.layouts_current()
+    for step in (2, 3):  # (two in a row: no slot stays held by a step that never commits)
+        job.save(step, states)
+        job.resolved(step)
+        assert job.coord.newest() == step, f"step {step}: {job.coord.log.failed.get(step)}"
+    assert sorted(job.coord.log.records[3].nodes) == sorted([A, B, C, E])
+
+
 def test_a_spare_node_lost_leaves_every_step_restorable_and_reprotection_rebuilds_its_shards(inproc):
     job = inproc({A: [0], B: [1], C: [2], D: [], E: []})  # D and E: spare agents, no rank
     spare = D

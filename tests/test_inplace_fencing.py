@@ -46,6 +46,32 @@ def test_a_fenced_node_leaves_the_live_nodes_at_once_while_ray_still_sees_it(cor
     assert B not in core.membership.live_nodes()
 
 
+def test_the_steps_in_flight_a_lost_node_never_reported_fail_so_their_slots_are_freed(core):
+    """A and C sent step 5 and 6; B was lost before it reported either (its ranks' bytes are gone
+    with it): both fail at once, and every agent is told to drop them. Nothing else would end
+    them (a newer step cannot commit while they hold the agents' slots)."""
+    core.node_ready(ready(core, 4, B, 1))  # B reported 4 before it was lost: 4 waits on A and C
+    for step in (5, 6):
+        for rank, node in ((0, A), (2, C)):
+            core.node_ready(ready(core, step, node, rank))
+    assert sorted(core.log.pending) == [4, 5, 6]
+    core.sent.clear()
+    assert core.node_lost(B, "rank 1: its process ended") is True
+    assert sorted(core.log.failed) == [5, 6] and "node" in core.log.failed[5] and "is lost" in core.log.failed[5]
+    assert sorted(core.log.pending) == [4] and core.sent.count("abandon") == 2
+    assert core.node_lost(B, "Ray declared it dead") is False and core.sent.count("abandon") == 2
+    core.join(D, address(D), [1], 3)  # the standby takes rank 1; the job goes on at step 7
+    for rank, node in enumerate([A, D, C]):
+        core.node_ready(ready(core, 7, node, rank))
+    assert core.newest() == 7
+
+
+def test_a_lost_spare_fails_no_step_in_flight(core):
+    core.node_ready(ready(core, 5, A, 0))
+    assert core.node_lost(E, "its agent stopped answering") is True  # a spare never reports a step
+    assert 5 in core.log.pending and not core.log.failed
+
+
 def test_a_fenced_nodes_report_is_ignored_so_a_step_never_commits_because_of_it(core):
     core.node_lost(B, "rank 1: its process ended")
     for rank, node in enumerate([A, B, C]):

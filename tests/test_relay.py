@@ -26,7 +26,7 @@ class Node:
         self.counters: dict[str, int] = {}
         self.done: list[str] = []  # what the node was told, in order
 
-    def joined(self, rank, world, claim=None):
+    def joined(self, rank, world, claim=None, gen=0):
         self.ranks.add(rank)
 
     def placed(self, answer):

@@ -615,8 +615,8 @@ def test_a_refused_rank_leaves_the_agent_as_the_live_run_left_it(core):
 
     core.joined(0, 2, {"run": "trial-a", "process": "p0"})
     answers = {
-        4: {"hints": {}, "run": "trial-a", "refused": {0: "job 'unit-agent': rank 0 of run 'trial-b' ..."}},
-        2: {"hints": {1: 64}, "run": "trial-a", "refused": {}},
+        4: {"hints": {}, "run": "trial-a", "refused": {0: "job 'unit-agent': rank 0 of run 'trial-b' ..."}, "gen": 0},
+        2: {"hints": {1: 64}, "run": "trial-a", "refused": {}, "gen": 0},
     }
 
     async def call(method, node, address, ranks, world, claims, timeout):

@@ -93,6 +93,12 @@ class CommitLog:
         self.pending.pop(step, None)
         return True
 
+    def lost(self, node: str, why: str) -> list[int]:
+        """``node``, which runs ranks, is lost: every step in flight it has not reported can never
+        commit (its ranks' bytes are gone with it). Those steps fail; the news, oldest first."""
+        steps = sorted(s for s, ready in self.pending.items() if node not in ready)
+        return [s for s in steps if self.fail(s, why)]
+
     def skip(self, step: int, why: str) -> bool:
         """A node skipped ``step`` or replaced it with a newer capture; True if this is news."""
         if step in self.records or step in self.skipped or step in self.failed:

@@ -105,8 +105,8 @@ class CoordinatorCore:
         """memsnap's own verdict that ``node`` is lost (its ranks' process group saw it go, or
         its heartbeats stopped): it is fenced for good. Its agent is never asked again (the
         restore plan, placement and re-protection use the live nodes less the fenced ones),
-        its phase-one reports are ignored, and a placement that holds it as a spare is
-        redone without it. A node id is never un-fenced: a paused host that comes back has
+        its phase-one reports are ignored, the steps in flight it has not reported fail (they
+        can never commit), and a placement that holds it as a spare is redone without it. A node id is never un-fenced: a paused host that comes back has
         to join as a new node. False when ``node`` was fenced already (idempotent: Ray
         declaring the same node dead later changes nothing)."""
         with self.lock:
@@ -115,9 +115,14 @@ class CoordinatorCore:
             self.fenced.add(node)
             self.liveness.fenced(node, why)
             self.dir.forget(node)
+            # the steps in flight it never reported: nothing else would end them (their slots
+            # on the other nodes stay held, and with every slot held no later step is taken)
+            failed = self.log.lost(node, f"node {node[:12]} is lost: {why}") if node in self.membership.owners() else []
             replaced = self.membership.drop_lost_spares()
             self.changed()
         log.warning("job %r: node %s is lost (%s): fenced", self.cfg.job, node[:12], why)
+        for step in failed:
+            self.broadcast("abandon", step, f"node {node[:12]} is lost", True)
         if replaced:
             self.broadcast("layout_changed")
             if self.log.records:
@@ -202,17 +207,20 @@ class CoordinatorCore:
     ) -> dict:
         """Ranks ``ranks`` (of ``world``) run on ``node``; ``claims``: each rank's
         ``identity.Claim`` on the wire (none: a claim that never conflicts). Answers
-        ``{"hints": {rank: nbytes}, "run": run id, "refused": {rank: why}}``: hints for those ranks
-        whose newest committed bytes this node has no copy of (it is new to them: its agent can
-        back the memory a restore will fill before the restore starts); refused, the ranks a
-        live rank of another run holds (they are not registered)."""
+        ``{"hints": {rank: nbytes}, "run": run id, "refused": {rank: why}, "gen": restore
+        generation}``: hints for those ranks whose newest committed bytes this node has no copy of
+        (it is new to them: its agent can back the memory a restore will fill before the restore
+        starts); refused, the ranks a live rank of another run holds (they are not registered);
+        gen, the job's restore generation, which a node new to the job takes (its snapshots are
+        of the job as it runs now: a rank that joined without a restore round, such as a standby
+        that took a survivor's live state, would otherwise send steps the commit ignores)."""
         claims = {rank: Claim.from_wire((claims or {}).get(rank)) for rank in ranks}
         refused = self.refusals(claims, world)
         if refused:
             log.warning("job %r: refused ranks %s: %s", self.cfg.job, sorted(refused), next(iter(refused.values())))
         ranks = [rank for rank in ranks if rank not in refused]
         if not ranks:
-            return {"hints": {}, "run": self.run, "refused": refused}
+            return {"hints": {}, "run": self.run, "refused": refused, "gen": self.log.gen}
         with self.lock:
             if node in self.fenced:  # refused before it holds a rank or resizes the job
                 raise CommitError(
@@ -241,12 +249,12 @@ class CoordinatorCore:
                     assert region is not None  # owner_of found the rank among its regions
                     hints[rank] = region.nbytes
             placed = self.membership.placement is not None
-            run = self.run
+            run, gen = self.run, self.log.gen
         if replaced or resized:
             self.broadcast("layout_changed")
         if placed and self.log.records:
             self.reprotect.kick()
-        return {"hints": hints, "run": run, "refused": refused}
+        return {"hints": hints, "run": run, "refused": refused, "gen": gen}
 
     def refusals(self, claims: dict[int, Claim], world: int | None = None) -> dict[int, str]:
         """``{rank: why}`` for the newcomers ``claims`` whose rank (any rank, for another world

@@ -427,9 +427,13 @@ class AgentCore:
                 {r: (h.get("run"), h.get("process", "")) for r, h in self.holders.items()},
             )
 
-    def joined(self, rank: int, world: int, claim: dict | None = None) -> None:
-        """The coordinator accepted ``rank`` (of ``world``) here; ``claim``: its run id and process."""
+    def joined(self, rank: int, world: int, claim: dict | None = None, gen: int = 0) -> None:
+        """The coordinator accepted ``rank`` (of ``world``) here; ``claim``: its run id and process;
+        ``gen``: the job's restore generation now. The steps this node takes from here on carry
+        it: a node that joins a running job without a restore round (a standby that took a live
+        state) must not send steps the commit ignores as older than the last restore."""
         with self.lock:
+            self.gen = max(self.gen, gen)
             if self.world is not None and world != self.world:
                 self.ranks = set()  # the job came back with another world size: its ranks are new
                 self.holders = {}

@@ -48,7 +48,7 @@ class RelayedNode(Protocol):
     holders: dict[int, dict]  # rank -> the claim ({"run", "process"}) it registered with
     newest: int | None  # the newest committed step this node heard of
 
-    def joined(self, rank: int, world: int, claim: dict | None = None) -> None: ...
+    def joined(self, rank: int, world: int, claim: dict | None = None, gen: int = 0) -> None: ...
 
     def placed(self, answer: Placed) -> None: ...
 
@@ -85,13 +85,13 @@ class NodeRelay:
         got = await self._joins.add((rank, world, claim))
         if rank in got["refused"]:
             raise JobInUseError(got["refused"][rank])
-        self.core.joined(rank, world, dict(claim, run=got["run"]))
+        self.core.joined(rank, world, dict(claim, run=got["run"]), got["gen"])
         self._answer = None  # the node's ranks changed: ask for the placement again
         return got["hints"].get(rank), got["run"]
 
     async def _send_joins(self, items: list[tuple[int, int, dict]]) -> dict:
         """One join call per world size among ``items`` (``(rank, world, claim)``); the answers merged."""
-        out: dict = {"hints": {}, "refused": {}, "run": None}
+        out: dict = {"hints": {}, "refused": {}, "run": None, "gen": 0}
         by_world: dict[int, dict[int, dict]] = {}
         for rank, world, claim in items:
             by_world.setdefault(world, {})[rank] = claim
@@ -108,6 +108,7 @@ class NodeRelay:
             out["hints"].update(got["hints"])
             out["refused"].update(got["refused"])
             out["run"] = got["run"]
+            out["gen"] = max(out["gen"], got["gen"])
         return out
 
     async def rejoin(self) -> None:

@@ -154,10 +154,12 @@ class Job:
         return getattr(self.coord, method)(*args)
 
     def join(self, node: str, ranks: list[int]) -> None:
+        """``ranks`` register on ``node`` as the node's relay does it: the coordinator first,
+        then the agent learns the answer (the job's run and restore generation)."""
+        got = self.coord.join(node, self.cores[node].address, ranks, self.world)
         for rank in ranks:
-            self.cores[node].joined(rank, self.world)
+            self.cores[node].joined(rank, self.world, None, got["gen"])
         self.ranks[node] = list(ranks)
-        self.coord.join(node, self.cores[node].address, ranks, self.world)
 
     def placed_agents(self) -> list[str]:
         return sorted(set(self.cores) - self.dir.lost)
