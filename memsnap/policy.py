@@ -25,6 +25,14 @@ any failure, ``T`` is a lower bound on ``M``, which starts the job with short, s
 that grow as it survives. Until the first cost is known (``initial_cost_seconds`` unset), the
 first step is due so that a snapshot measures it.
 
+A snapshot saves work only for a failure that rolls the job back to it. A job that recovers
+in place where its ranks are replicas goes on from the survivors' live state instead
+(``memsnap.collective.live``): such a recovery loses no work a snapshot would have saved. So
+the interval is set against the failures that roll back, ``M / p``, with the share of
+recoveries that rolled back estimated as ``p = (r + 1) / (n + 1)`` after ``n`` recoveries of
+which ``r`` rolled back (``set_recoveries``): 1 before any recovery (every failure is assumed
+to roll back), 1/4 after three recoveries that all went on live (the interval doubles).
+
 RAM snapshots and durable spills each get their own ``Policy`` and ``Scheduler``
 (``tier="ram"`` / ``tier="spill"``): a spill costs more and protects against rarer events
 (more node losses in a group than the code tolerates, or a whole-job restart), so its MTBF
@@ -181,6 +189,7 @@ class Scheduler:
         self._start = clock()
         self._cost = policy.initial_cost_seconds
         self._failures: list[float] = []
+        self._rollback_share = 1.0  # p: the share of recoveries that rolled back (set_recoveries)
         self._failure_keys: set[str] = set()
         self._timed = policy.every_seconds is not None or policy.auto
         self._step_s: float | None = None  # this rank's smoothed seconds per step
@@ -241,6 +250,20 @@ class Scheduler:
         self._regrid()
         return True
 
+    def set_recoveries(self, total: int, rolled_back: int) -> None:
+        """The job has recovered ``total`` times, ``rolled_back`` of them by rolling back to a
+        snapshot (the others went on from live state): the interval is set against the failures
+        that roll back (see the module docstring). Every rank must be told the same."""
+        if not 0 <= rolled_back <= total:
+            raise ConfigError(f"rolled_back={rolled_back!r} must be in [0, total={total!r}]")
+        self._rollback_share = (rolled_back + 1) / (total + 1)
+        self._regrid()
+
+    @property
+    def rollback_share(self) -> float:
+        """``p``: the estimated share of failures that roll the job back to a snapshot."""
+        return self._rollback_share
+
     @property
     def cost_seconds(self) -> float | None:
         """The smoothed snapshot cost, or None before the first measurement."""
@@ -275,7 +298,7 @@ class Scheduler:
             return self.policy.every_seconds
         if self._cost is None:
             return 0.0
-        return young_daly_interval(self._cost, self.mtbf_seconds())
+        return young_daly_interval(self._cost, self.mtbf_seconds() / self._rollback_share)
 
     def describe(self) -> dict[str, float | int | str | None]:
         """The scheduler's state as JSON-ready numbers, for logs and status reports."""
@@ -285,6 +308,7 @@ class Scheduler:
             "cost_s": self._cost,
             "failures": len(self._failures),
             "mtbf_s": self.mtbf_seconds(),
+            "rollback_share": self._rollback_share,
             "interval_s": self.interval_seconds(),
             "step_s": self._step_s,
             "grid_steps": g,

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from memsnap.collective.assignment import Assignment
 from memsnap.collective.report import MemberReport
 from memsnap.errors import ConfigError
 from memsnap.inplace import InplaceJob, Recovery
@@ -87,6 +88,13 @@ def test_split_measures_each_phase_up_to_the_last_member_to_finish_it():
     assert json.loads(json.dumps(out))["lost"] == {"1": "r1"}  # the events file is JSON
 
 
+def test_a_recovery_rolled_back_unless_every_rank_kept_or_took_live_state():
+    live = {0: {"tier": "kept"}, 1: {"tier": "live"}, 2: {"tier": "kept"}}
+    assert recovery(live).rolled_back() is False
+    assert recovery({**live, 1: {"tier": "peer"}}).rolled_back() is True
+    assert recovery({}).rolled_back() is True  # not known (no rank reported): taken as a rollback
+
+
 def test_split_leaves_a_phase_unmeasured_until_every_member_reported_it():
     rec = recovery(
         {0: {"formed": 100.5, "restored": 101.0, "first_step": 101.5}, 1: {"formed": 101.0, "restored": 102.5}}
@@ -127,3 +135,10 @@ def test_a_member_report_travels_as_json_with_only_the_phases_it_reached():
     assert back == rep and back.first_step is None
     # a report from a newer member with a field this one does not know still reads
     assert MemberReport.from_wire(wire | {"newer": 1}) == rep
+
+
+def test_a_generation_travels_as_json_with_the_recoveries_before_it():
+    a = Assignment(4, {"r0": 0, "s1": 1, "r2": 2, "r3": 3}, False, 3, 1)
+    assert Assignment.from_json(a.to_json()) == a and a.rank_of("s1") == 1 and a.rank_of("s0") is None
+    old = json.dumps({"world": 2, "members": {"r0": 0, "r1": 1}, "done": True})  # written before the counts
+    assert Assignment.from_json(old) == Assignment(2, {"r0": 0, "r1": 1}, True, 0, 0)

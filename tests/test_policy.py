@@ -125,6 +125,29 @@ def test_auto_matches_young_daly_with_the_user_mtbf():
     assert taken == [31, 63, 95, 127, 159, 191] and sched.grid_steps == 32
 
 
+def test_auto_sets_its_interval_against_the_failures_that_roll_back():
+    """Recoveries that went on from live state (replicas, in place) lose no work a snapshot
+    saves: with p = (rolled back + 1) / (recoveries + 1), the interval is Young/Daly of M / p."""
+    clock = FakeClock()
+    sched = Scheduler(Policy(auto=True, mtbf_hours=500.0, nodes=50), clock)
+    sched.due(0)
+    sched.taken(0, cost_seconds=3.0)
+
+    def base() -> float:  # Young/Daly of the job's own MTBF now (it grows as the job survives)
+        return young_daly_interval(3.0, sched.mtbf_seconds())
+
+    assert sched.interval_seconds() == base() and sched.rollback_share == 1.0  # before any recovery every failure is taken to roll back
+    assert run_steps(sched, clock, range(1, 100), 10.0)[:2] == [31, 63] and sched.grid_steps == 32
+    sched.set_recoveries(3, 0)  # three recoveries, each from live state: p = 1/4
+    assert sched.rollback_share == 0.25 and sched.describe()["rollback_share"] == 0.25
+    assert sched.interval_seconds() == pytest.approx(2 * base(), rel=1e-12)
+    assert sched.grid_steps == 64  # 93 steps of 10 s fit: every 64th
+    sched.set_recoveries(4, 4)  # then every one rolled back: p = 1
+    assert sched.interval_seconds() == pytest.approx(base(), rel=1e-12) and sched.grid_steps == 32
+    with pytest.raises(ConfigError, match="rolled_back=5"):
+        sched.set_recoveries(4, 5)
+
+
 def test_auto_cost_is_exponentially_weighted():
     clock = FakeClock()
     policy = Policy(auto=True, mtbf_hours=100.0, cost_smoothing=0.5, initial_cost_seconds=4.0)

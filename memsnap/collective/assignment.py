@@ -15,18 +15,34 @@ class Assignment:
     world: int
     members: Mapping[str, int] = field(default_factory=dict)  # member name -> its rank
     done: bool = False
+    recoveries: int = 0  # the job's recoveries before this generation
+    rollbacks: int = 0  # of those, the ones that rolled back (the rest went on from live state)
 
     def rank_of(self, member: str) -> int | None:
         """``member``'s rank in this generation, or None: a standby, or left out."""
         return self.members.get(member)
 
     def to_json(self) -> str:
-        return json.dumps({"world": self.world, "members": dict(self.members), "done": self.done})
+        return json.dumps(
+            {
+                "world": self.world,
+                "members": dict(self.members),
+                "done": self.done,
+                "recoveries": self.recoveries,
+                "rollbacks": self.rollbacks,
+            }
+        )
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Assignment:
         d = json.loads(text)
-        return cls(int(d["world"]), {str(m): int(r) for m, r in d["members"].items()}, bool(d.get("done", False)))
+        return cls(
+            int(d["world"]),
+            {str(m): int(r) for m, r in d["members"].items()},
+            bool(d.get("done", False)),
+            int(d.get("recoveries", 0)),
+            int(d.get("rollbacks", 0)),
+        )
 
 
 def gen_key(job: str, gen: int) -> str:

@@ -75,6 +75,11 @@ class Recovery:
     reports: dict[int, MemberReport] = dataclasses.field(default_factory=dict)
     sent: bool = False  # reported to the coordinator and the event log
 
+    def rolled_back(self) -> bool:
+        """Whether the ranks rolled back to a snapshot in this recovery (or it is not known: a
+        recovery that failed before every rank reported), rather than went on from live state."""
+        return len(self.reports) == 0 or any(r.tier not in ("kept", "live") for r in self.reports.values())
+
     def split(self) -> dict[str, float | None]:
         """``detect`` (first sign -> decision), ``reform`` (decision -> every member formed the
         group), ``restore`` (-> every rank restored), ``first_step`` (-> every rank took a step)."""
@@ -360,11 +365,14 @@ class InplaceJob:
         return _Slot(name, node, actor)
 
     def _assign(self, gen: int, members: dict[str, int], done: bool = False, fenced: bool = True) -> None:
-        """Write generation ``gen``; ``fenced``: its restore may start at once (else once
+        """Write generation ``gen``, with how the recoveries so far went (every member's
+        snapshot interval reads it); ``fenced``: its restore may start at once (else once
         ``_fenced_for(gen)`` is written)."""
         self.gen = gen
         assert self.store is not None
-        self.store.set(gen_key(self.job, gen), Assignment(self.world, members, done).to_json())
+        recs = self.recoveries
+        rollbacks = sum(rec.rolled_back() for rec in recs)
+        self.store.set(gen_key(self.job, gen), Assignment(self.world, members, done, len(recs), rollbacks).to_json())
         if fenced:
             self.store.set(fenced_key(self.job, gen), "1")
 
@@ -529,6 +537,7 @@ class InplaceJob:
         gen = self.gen + 1
         # the generation first: the members re-form and a standby registers while the lost
         # nodes are fenced (a silent agent takes agent_ping_s to tell); restores wait for it
+        self.collect()  # the earlier recoveries' reports: which rolled back (the members' interval)
         self._assign(gen, members, fenced=False)
         decided = time.time()
         try:

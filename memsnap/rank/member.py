@@ -119,6 +119,7 @@ class Context:
             done, refused = take_over(m.live, state, m.current_rank, m.world or 0, resized=m.resized)
             if done is not None:
                 m.took_over(done)
+                m.recovered(live=True)
                 return done.step + 1
             m.live_refused(refused)
         m.await_fenced()
@@ -131,6 +132,8 @@ class Context:
             # a member was lost while the others restored: the round was cancelled
             raise PeerLost(f"generation {m.gen} is over during the restore: {why} ({exc})", m.current_gen) from None
         m.restored(step)
+        if m.current_gen > 0:
+            m.recovered(live=False)
         if step is not None:
             m.live.mark(step, state)
         return 0 if step is None else step + 1
@@ -230,6 +233,7 @@ class Member:
         self.snap: Snapshotter | None = None
         self.state = None
         self.recoveries = 0
+        self.history = (0, 0)  # the job's recoveries before this generation, and how many rolled back
         self.on_rank_fns: list[Callable] = []  # ctx.on_rank: run once, when this process first has a rank
         self.sharded: list = []  # the models ctx.fully_shard sharded
         self._report = MemberReport("", os.getpid(), -1, -1, False, time.time())
@@ -351,6 +355,7 @@ class Member:
         gen = first_gen
         while True:
             assignment = self._await(gen)
+            self.history = (assignment.recoveries, assignment.rollbacks)
             if assignment.done:
                 return {**self.info(), "outcome": "done", "result": None}
             rank = assignment.rank_of(self.name)
@@ -448,6 +453,13 @@ class Member:
         return Assignment.from_json(self.store.get(key))
 
     # --- what ``Context`` tells ------------------------------------------------------------------
+    def recovered(self, live: bool) -> None:
+        """This generation's recovery went on from live state (``live``) or rolled back: with
+        the job's earlier recoveries (its assignment), every rank's snapshot interval is set
+        against the failures that roll back (``Snapshotter.recovered``)."""
+        total, rollbacks = self.history
+        self.snapshotter.recovered(total + 1, rollbacks + (0 if live else 1))
+
     def restored(self, step: int | None) -> None:
         rep = self._report
         last = self.snapshotter.last_restore
