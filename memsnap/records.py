@@ -4,6 +4,7 @@ Sizes are independent of the tensor count: manifests stay with the agents that h
 bytes (the owner, and its holders), so the coordinator sees per node per step one
 ``NodeReady`` of a few hundred bytes and answers each node with a ``CommitNotice``.
 
+    Registered    coordinator -> agent   a node's ranks registered (or refused), the run, the generation
     Placed        coordinator -> agent   a node's placement: its ranks, peers or not, its holders
     Holders       coordinator -> agent   the k+m holders a node sends its stream to (and their addresses)
     NodeReady     agent -> coordinator   phase one: a node's stream is acknowledged by its holders
@@ -32,6 +33,37 @@ class Region:
     rank: int
     nbytes: int
     stripe_base: int
+
+
+@dataclass(frozen=True)
+class Registered:
+    """The coordinator's answer to a node's ranks registering: ``hints`` (rank -> the bytes a
+    restore of it will fill on this node, which holds no copy of its newest committed step),
+    ``refused`` (rank -> why: a live rank of another run holds it), the job's ``run`` id and its
+    restore ``gen``eration, which a node new to the job takes."""
+
+    hints: Mapping[int, int] = field(default_factory=dict)
+    refused: Mapping[int, str] = field(default_factory=dict)
+    run: str | None = None
+    gen: int = 0
+
+    def merged(self, other: Registered) -> Registered:
+        """Two answers to one node (one call per world size) as one."""
+        return Registered(
+            {**self.hints, **other.hints}, {**self.refused, **other.refused}, other.run, max(self.gen, other.gen)
+        )
+
+    def to_wire(self) -> dict:
+        return {"hints": dict(self.hints), "refused": dict(self.refused), "run": self.run, "gen": self.gen}
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> Registered:
+        return cls(
+            {int(r): int(n) for r, n in d["hints"].items()},
+            {int(r): str(w) for r, w in d["refused"].items()},
+            d.get("run"),
+            int(d.get("gen", 0)),
+        )
 
 
 @dataclass(frozen=True)

@@ -184,10 +184,10 @@ def test_a_rebuilt_coordinator_knows_which_run_holds_each_rank_and_what_run_spil
     assert second.run == "trial-a" and second.membership.holders[2].node == NODES[2]
     assert second.membership.holders[2].process == live
     got = second.join(NODES[0], {"port": 0}, [0], 4, {0: {"run": "trial-b", "process": "1-1"}})
-    assert "held by run 'trial-a', still running" in got["refused"][0]
+    assert "held by run 'trial-a', still running" in got.refused[0]
     gone = {r: {"run": "trial-b", "process": "1-1"} for r in range(4)}  # pid 1, started at tick 1: no such process
     first.running_holders = lambda holders: set()  # trial-a's processes have exited
-    assert first.join(NODES[0], {"port": 0}, [0, 1, 2, 3], 4, gone)["refused"] == {} and first.run == "trial-b"
+    assert first.join(NODES[0], {"port": 0}, [0, 1, 2, 3], 4, gone).refused == {} and first.run == "trial-b"
     store = Store.open(cfg.spill)
     man, raw = capture({"w": torch.ones(4)})
     for rank in range(4):

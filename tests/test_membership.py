@@ -98,8 +98,8 @@ def test_a_rank_of_a_second_live_run_is_refused_naming_both_runs_and_the_fix():
     core.join("a", {"port": 1}, [0], 2, {0: claim("trial-a", "pa0")})
     core.join("b", {"port": 1}, [1], 2, {1: claim("trial-a", "pa1")})
     got = core.join("c", {"port": 2}, [0], 2, {0: claim("trial-b", "pb0")})
-    why = got["refused"][0]
-    assert list(got["refused"]) == [0] and got["hints"] == {}
+    why = got.refused[0]
+    assert list(got.refused) == [0] and got.hints == {}
     assert "rank 0 of run 'trial-b'" in why and "held by run 'trial-a', still running (process pa0" in why
     assert "its own job name" in why and "run='trial-a'" in why and "memsnap.shutdown('unit-runs')" in why
     assert core.membership.members == {0: "a", 1: "b"} and core.run == "trial-a"  # the first run untouched
@@ -110,7 +110,7 @@ def test_a_restart_of_the_same_run_takes_its_ranks_back_on_any_node_even_before_
     core = job_of_runs(2, live={"pa0", "pa1"})
     core.join("a", {"port": 1}, [0, 1], 2, {0: claim("trial-a", "pa0"), 1: claim("trial-a", "pa0")})
     got = core.join("c", {"port": 2}, [0, 1], 2, {0: claim("trial-a", "new0"), 1: claim("trial-a", "new1")})
-    assert got["refused"] == {} and got["run"] == "trial-a"
+    assert got.refused == {} and got.run == "trial-a"
     assert core.membership.members == {0: "c", 1: "c"} and core.membership.holders[1].process == "new1"
 
 
@@ -118,23 +118,23 @@ def test_a_run_whose_holders_are_gone_takes_over_and_becomes_the_jobs_run():
     live = {"pa0"}
     core = job_of_runs(1, live)
     core.join("a", {"port": 1}, [0], 1, {0: claim("trial-a", "pa0")})
-    assert core.join("b", {"port": 1}, [0], 1, {0: claim("trial-b", "pb0")})["refused"]
+    assert core.join("b", {"port": 1}, [0], 1, {0: claim("trial-b", "pb0")}).refused
     live.clear()  # trial A's process is gone: its job name is free to resume from
     got = core.join("b", {"port": 1}, [0], 1, {0: claim("trial-b", "pb0")})
-    assert got["refused"] == {} and got["run"] == core.run == "trial-b"
+    assert got.refused == {} and got.run == core.run == "trial-b"
 
 
 def test_without_run_ids_the_first_registration_makes_one_that_every_rank_and_restart_carries():
     live = {"p0", "p1"}
     core = job_of_runs(2, live)
-    run = core.join("a", {"port": 1}, [0], 2, {0: claim(None, "p0")})["run"]
-    assert run.startswith("run-") and core.join("b", {"port": 1}, [1], 2, {1: claim(None, "p1")})["run"] == run
-    second = core.join("c", {"port": 1}, [0], 2, {0: claim(None, "q0")})["refused"]
+    run = core.join("a", {"port": 1}, [0], 2, {0: claim(None, "p0")}).run
+    assert run.startswith("run-") and core.join("b", {"port": 1}, [1], 2, {1: claim(None, "p1")}).run == run
+    second = core.join("c", {"port": 1}, [0], 2, {0: claim(None, "q0")}).refused
     assert "rank 0 of a process with no run id" in second[0] and f"held by run {run!r}" in second[0]
-    assert core.join("a", {"port": 1}, [0], 2, {0: claim(None, "p0")})["refused"] == {}  # the same process again
+    assert core.join("a", {"port": 1}, [0], 2, {0: claim(None, "p0")}).refused == {}  # the same process again
     live.clear()  # the run's processes died: new ones are its restart
     got = core.join("c", {"port": 1}, [0, 1], 2, {0: claim(None, "q0"), 1: claim(None, "q1")})
-    assert got["refused"] == {} and got["run"] == run and core.membership.holders[1].run == run
+    assert got.refused == {} and got.run == run and core.membership.holders[1].run == run
 
 
 def test_an_elastic_restart_needs_every_holder_of_another_run_gone():
@@ -142,10 +142,10 @@ def test_an_elastic_restart_needs_every_holder_of_another_run_gone():
     for rank in range(4):
         core.join("abc"[rank % 3], {"port": 1}, [rank], 4, {rank: claim("r", f"p{rank}")})
     got = core.join("a", {"port": 1}, [0, 1], 2, {0: claim("other", "x0"), 1: claim("other", "x1")})
-    assert sorted(got["refused"]) == [0, 1] and "rank 3 is held by run 'r'" in got["refused"][1]
+    assert sorted(got.refused) == [0, 1] and "rank 3 is held by run 'r'" in got.refused[1]
     assert core.world == 4 and len(core.membership.members) == 4  # not resized
     got = core.join("a", {"port": 1}, [0, 1], 2, {0: claim("r", "y0"), 1: claim("r", "y1")})
-    assert got["refused"] == {} and core.world == 2 and core.membership.members == {0: "a", 1: "a"}
+    assert got.refused == {} and core.world == 2 and core.membership.members == {0: "a", 1: "a"}
 
 
 def test_a_spare_started_after_the_placement_joins_it_and_can_take_a_rank_over():

@@ -136,7 +136,9 @@ def test_auto_sets_its_interval_against_the_failures_that_roll_back():
     def base() -> float:  # Young/Daly of the job's own MTBF now (it grows as the job survives)
         return young_daly_interval(3.0, sched.mtbf_seconds())
 
-    assert sched.interval_seconds() == base() and sched.rollback_share == 1.0  # before any recovery every failure is taken to roll back
+    assert (
+        sched.interval_seconds() == base() and sched.rollback_share == 1.0
+    )  # before any recovery every failure is taken to roll back
     assert run_steps(sched, clock, range(1, 100), 10.0)[:2] == [31, 63] and sched.grid_steps == 32
     sched.set_recoveries(3, 0)  # three recoveries, each from live state: p = 1/4
     assert sched.rollback_share == 0.25 and sched.describe()["rollback_share"] == 0.25

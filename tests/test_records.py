@@ -19,6 +19,7 @@ from memsnap.records import (
     RankRestore,
     RankSource,
     Region,
+    Registered,
     RoundResult,
 )
 
@@ -37,6 +38,7 @@ def through_json(record):
         CommitNotice(7, (6, 7), True, {"node-a": ("node-d",)}),
         Placed((0, 1), True, None, 3, 8, Holders(("node-b", "node-c"), ({"port": 1}, None), 3)),
         Placed((), False, "1 node(s) < k+m+1=4", 1, 8, None),
+        Registered({1: 4096}, {0: "rank 0 is held by run 'r'"}, "run-1", 2),
         SOURCE,
         RankPlan(7, "peer", "ram", "/nfs/ck", SOURCE, (SOURCE,)),
         RankRestore.loaded("local", {"plan": 0.01, "fetch": 0.2, "total": 0.3}),

@@ -51,7 +51,7 @@ class Coordinator:
         rivals_left = await self._rivals_gone(ranks, world, claims or {})
         if not rivals_left and world in (None, self.core.world) and self.core.membership.needs_a_dead_node(node):
             await self._a_dead_node()
-        return await self.pool.run(self.core.join, node, address, ranks, world, claims)
+        return (await self.pool.run(self.core.join, node, address, ranks, world, claims)).to_wire()
 
     async def _rivals_gone(self, ranks: list[int], world: int | None, claims: dict) -> bool:
         """Ranks a live rank of another run holds: wait (bounded) until those processes are

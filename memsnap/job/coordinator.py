@@ -57,6 +57,7 @@ from memsnap.records import (
     Placed,
     RankPlan,
     RankRestore,
+    Registered,
     RoundResult,
 )
 
@@ -204,23 +205,22 @@ class CoordinatorCore:
     # --- 1-2. membership ------------------------------------------------------------------------
     def join(
         self, node: str, address: dict, ranks: list[int], world: int | None = None, claims: dict | None = None
-    ) -> dict:
+    ) -> Registered:
         """Ranks ``ranks`` (of ``world``) run on ``node``; ``claims``: each rank's
-        ``identity.Claim`` on the wire (none: a claim that never conflicts). Answers
-        ``{"hints": {rank: nbytes}, "run": run id, "refused": {rank: why}, "gen": restore
-        generation}``: hints for those ranks whose newest committed bytes this node has no copy of
-        (it is new to them: its agent can back the memory a restore will fill before the restore
-        starts); refused, the ranks a live rank of another run holds (they are not registered);
-        gen, the job's restore generation, which a node new to the job takes (its snapshots are
-        of the job as it runs now: a rank that joined without a restore round, such as a standby
-        that took a survivor's live state, would otherwise send steps the commit ignores)."""
+        ``identity.Claim`` on the wire (none: a claim that never conflicts). The answer's hints
+        name those ranks whose newest committed bytes this node has no copy of (it is new to
+        them: its agent can back the memory a restore will fill before the restore starts); its
+        refused, the ranks a live rank of another run holds (they are not registered); its gen,
+        the job's restore generation, which a node new to the job takes (its snapshots are of the
+        job as it runs now: a rank that joined without a restore round, such as a standby that
+        took a survivor's live state, would otherwise send steps the commit ignores)."""
         claims = {rank: Claim.from_wire((claims or {}).get(rank)) for rank in ranks}
         refused = self.refusals(claims, world)
         if refused:
             log.warning("job %r: refused ranks %s: %s", self.cfg.job, sorted(refused), next(iter(refused.values())))
         ranks = [rank for rank in ranks if rank not in refused]
         if not ranks:
-            return {"hints": {}, "run": self.run, "refused": refused, "gen": self.log.gen}
+            return Registered({}, refused, self.run, self.log.gen)
         with self.lock:
             if node in self.fenced:  # refused before it holds a rank or resizes the job
                 raise CommitError(
@@ -254,7 +254,7 @@ class CoordinatorCore:
             self.broadcast("layout_changed")
         if placed and self.log.records:
             self.reprotect.kick()
-        return {"hints": hints, "run": run, "refused": refused, "gen": gen}
+        return Registered(hints, refused, run, gen)
 
     def refusals(self, claims: dict[int, Claim], world: int | None = None) -> dict[int, str]:
         """``{rank: why}`` for the newcomers ``claims`` whose rank (any rank, for another world

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from memsnap.config import tunable
 from memsnap.errors import CommitError, JobInUseError
-from memsnap.records import Placed, RankPlan, RankRestore, RankSource, RoundResult
+from memsnap.records import Placed, RankPlan, RankRestore, RankSource, Registered, RoundResult
 from memsnap.waiting import Batch, Signal
 
 log = logging.getLogger("memsnap.agent")
@@ -83,15 +83,15 @@ class NodeRelay:
         if self.core.world is None:  # a new agent: the coordinator it may have to start needs the size
             self.core.world = world
         got = await self._joins.add((rank, world, claim))
-        if rank in got["refused"]:
-            raise JobInUseError(got["refused"][rank])
-        self.core.joined(rank, world, dict(claim, run=got["run"]), got["gen"])
+        if rank in got.refused:
+            raise JobInUseError(got.refused[rank])
+        self.core.joined(rank, world, dict(claim, run=got.run), got.gen)
         self._answer = None  # the node's ranks changed: ask for the placement again
-        return got["hints"].get(rank), got["run"]
+        return got.hints.get(rank), got.run
 
-    async def _send_joins(self, items: list[tuple[int, int, dict]]) -> dict:
+    async def _send_joins(self, items: list[tuple[int, int, dict]]) -> Registered:
         """One join call per world size among ``items`` (``(rank, world, claim)``); the answers merged."""
-        out: dict = {"hints": {}, "refused": {}, "run": None, "gen": 0}
+        out = Registered()
         by_world: dict[int, dict[int, dict]] = {}
         for rank, world, claim in items:
             by_world.setdefault(world, {})[rank] = claim
@@ -105,10 +105,7 @@ class NodeRelay:
                 claims,
                 timeout=tunable("membership_timeout_s") + tunable("claim_wait_s") + 30,
             )
-            out["hints"].update(got["hints"])
-            out["refused"].update(got["refused"])
-            out["run"] = got["run"]
-            out["gen"] = max(out["gen"], got["gen"])
+            out = out.merged(Registered.from_wire(got))
         return out
 
     async def rejoin(self) -> None:

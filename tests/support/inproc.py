@@ -158,7 +158,7 @@ class Job:
         then the agent learns the answer (the job's run and restore generation)."""
         got = self.coord.join(node, self.cores[node].address, ranks, self.world)
         for rank in ranks:
-            self.cores[node].joined(rank, self.world, None, got["gen"])
+            self.cores[node].joined(rank, self.world, None, got.gen)
         self.ranks[node] = list(ranks)
 
     def placed_agents(self) -> list[str]:
