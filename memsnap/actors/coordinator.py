@@ -199,19 +199,23 @@ class Coordinator:
     async def cancel_restore(self, why: str) -> list[int]:
         return self.core.cancel_restore(why)
 
-    def _not_cancelled(self, attempt: int) -> None:
-        why = self.core.rounds.cancelled(attempt)
+    async def _round_reached(self, attempt: int, table: str) -> None:
+        """Until every rank of restore round ``attempt`` has ``arrived`` or is ``done`` (``table``);
+        a ``CommitError`` naming the ranks missing at the deadline, or why the round was cancelled."""
+        timeout = tunable("restore_timeout_s")
+        rounds = self.core.rounds
+        reached = rounds.all_arrived if table == "arrived" else rounds.all_done
+        if not await self.signal.wait_for(lambda: reached(attempt) or rounds.cancelled(attempt), timeout):
+            raise CommitError(
+                f"restore: timed out after {timeout:.0f} s waiting for ranks {rounds.missing(attempt, table)}"
+                + (" to finish" if table == "done" else "")
+            )
+        why = rounds.cancelled(attempt)
         if why is not None:
             raise CommitError(f"restore: the round was cancelled: {why}")
 
     async def restore_plans(self, node: str, attempt: int) -> dict:
-        timeout = tunable("restore_timeout_s")
-        rounds = self.core.rounds
-        if not await self.signal.wait_for(lambda: rounds.all_arrived(attempt) or rounds.cancelled(attempt), timeout):
-            raise CommitError(
-                f"restore: timed out after {timeout:.0f} s waiting for ranks {self.core.rounds.missing(attempt)}"
-            )
-        self._not_cancelled(attempt)
+        await self._round_reached(attempt, "arrived")
         async with self.planning.setdefault(attempt, asyncio.Lock()):  # one plan, made once
             await self.pool.run(self.core.plan, attempt)
         return await self.pool.run(self.core.plans_for, node, attempt)
@@ -220,13 +224,7 @@ class Coordinator:
         self.core.restore_report(attempt, {int(r): RankRestore.from_wire(rep) for r, rep in reports.items()})
 
     async def restore_result(self, node: str, attempt: int) -> dict:
-        timeout = tunable("restore_timeout_s")
-        rounds = self.core.rounds
-        if not await self.signal.wait_for(lambda: rounds.all_done(attempt) or rounds.cancelled(attempt), timeout):
-            raise CommitError(
-                f"restore: timed out waiting for ranks {self.core.rounds.missing(attempt, 'done')} to finish"
-            )
-        self._not_cancelled(attempt)
+        await self._round_reached(attempt, "done")
         return self.core.restore_result(attempt).to_wire()
 
     async def spilled(self, step: int, ranks: list[int]) -> bool:
