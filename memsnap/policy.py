@@ -10,20 +10,27 @@ the same step (a step commits only once every rank took it): see ``Scheduler``.
 
     interval = sqrt(2 * C * M)
 
-where ``C`` is the cost of one snapshot in seconds (measured: an exponentially weighted mean
-of ``record_cost`` with weight ``cost_smoothing`` on the newest value) and ``M`` the mean
-time between failures of the job in seconds, estimated as::
+where ``C`` is the cost of one snapshot in seconds and ``M`` the mean time between failures
+of the job in seconds. ``C`` is an exponentially weighted mean (weight ``cost_smoothing`` on
+the newest value) of what each snapshot cost the training loop: not only its stall but the
+steps its background work (encoding, sending, committing) slowed down, where that work shares
+the rank's cores or memory bandwidth. It is measured per snapshot period: the wall time from
+one snapshot to the next, less as many *quiet* steps (steps at least two after the last
+snapshot, or before the first) take; the stall alone until a quiet step time is known. So the
+first two steps after a start run without a snapshot, and the third is snapshotted to measure
+the cost. ``M`` is estimated as::
 
     M = (M0 + T) / (1 + n)     with a user prior M0 = mtbf_hours * 3600 / nodes
     M = T / max(n, 1)          without one
 
 ``T`` is the time the scheduler has watched the job (from its start, or from the earliest
-failure recorded, if that is earlier) and ``n`` the failures recorded with
-``record_failure``. The prior counts as one failure seen after ``M0`` seconds, so observed
+failure recorded, if that is earlier; ``set_recoveries`` may give the job's age, so that a
+standby that took over late agrees with the others) and ``n`` the failures recorded with
+``record_failure``, or the job's recoveries told by ``set_recoveries``, whichever is more. The prior counts as one failure seen after ``M0`` seconds, so observed
 failures pull the estimate towards what the cluster really does. Without a prior and before
 any failure, ``T`` is a lower bound on ``M``, which starts the job with short, safe intervals
-that grow as it survives. Until the first cost is known (``initial_cost_seconds`` unset), the
-first step is due so that a snapshot measures it.
+that grow as it survives. With ``initial_cost_seconds`` given, no snapshot is taken to measure
+the cost: the first is due on the grid.
 
 A snapshot saves work only for a failure that rolls the job back to it. A job that recovers
 in place where its ranks are replicas goes on from the survivors' live state instead
@@ -49,6 +56,7 @@ from dataclasses import dataclass
 from memsnap.errors import ConfigError, StalenessError
 
 TIERS = ("ram", "spill")
+QUIET_AFTER = 2  # a step at least this many steps after the last snapshot is quiet: its work is done
 
 
 def young_daly_interval(cost_seconds: float, mtbf_seconds: float) -> float:
@@ -196,21 +204,33 @@ class Scheduler:
         self._last: tuple[int, float] | None = None  # (step, clock) of the last due() call
         self._grid = policy.every_steps  # G; None until a timed policy knows the step time
         self._after = start_step  # the job (re)started after this step, or took it
-        self._measure = policy.auto and self._cost is None  # the first step measures the cost
+        self._measure = policy.auto and self._cost is None  # a snapshot measures the cost soon
+        self._recoveries = 0  # the job's recoveries, told by set_recoveries
+        self._quiet_s: float | None = None  # smoothed seconds of a quiet step (auto)
+        self._period: tuple[int, float] | None = None  # (step, clock) of the last snapshot (auto)
+        self._warm = False  # a step seen since the (re)start: the first may be slow (warm-up)
 
     def due(self, step: int) -> bool:
         """Whether ``step`` should be snapshotted: the same answer on every rank of the job.
         Cheap: without a time interval, two compares and no clock read."""
         if self._timed:
             self._observe(step)
-            if self._measure:
-                return step >= self._after
+            if self._measure:  # a quiet step measured (or known), then a snapshot's cost
+                return step >= self._after and self._quiet_s is not None
         g = self._grid
         return g is not None and step > self._after and (step + 1) % g == 0
 
     def taken(self, step: int, cost_seconds: float | None = None) -> None:
-        """A snapshot of ``step`` succeeded (costing ``cost_seconds``)."""
+        """A snapshot of ``step`` succeeded, stalling the loop ``cost_seconds`` (None: not
+        measured, no cost recorded). With ``auto``, the cost recorded is what the period since the last snapshot took beyond as many quiet steps
+        (see the module docstring), and at least the stall."""
         self._measure = False
+        if self.policy.auto:
+            now = self._clock()
+            last, self._period = self._period, (step, now)
+            if cost_seconds is not None and last is not None and self._quiet_s is not None and step > last[0]:
+                spent = (now - last[1]) - (step - last[0]) * self._quiet_s
+                cost_seconds = max(spent, cost_seconds)
         if cost_seconds is not None:
             self.record_cost(cost_seconds)
         self._after = max(self._after, step)
@@ -219,6 +239,8 @@ class Scheduler:
         """The job (re)starts after ``step`` (-1 for a fresh start)."""
         self._after = step
         self._last = None
+        self._period = None
+        self._warm = False
 
     def record_cost(self, seconds: float) -> None:
         """Fold one measured snapshot cost into the exponentially weighted mean."""
@@ -250,12 +272,17 @@ class Scheduler:
         self._regrid()
         return True
 
-    def set_recoveries(self, total: int, rolled_back: int) -> None:
+    def set_recoveries(self, total: int, rolled_back: int, age_s: float | None = None) -> None:
         """The job has recovered ``total`` times, ``rolled_back`` of them by rolling back to a
-        snapshot (the others went on from live state): the interval is set against the failures
+        snapshot (the others went on from live state), and has run ``age_s`` seconds: each
+        recovery counts as a failure of the job, and the interval is set against the failures
         that roll back (see the module docstring). Every rank must be told the same."""
         if not 0 <= rolled_back <= total:
             raise ConfigError(f"rolled_back={rolled_back!r} must be in [0, total={total!r}]")
+        if age_s is not None:
+            age = require_positive_float("age_s", age_s, "give the job's age in seconds", allow_zero=True)
+            self._start = min(self._start, self._clock() - age)
+        self._recoveries = max(self._recoveries, total)
         self._rollback_share = (rolled_back + 1) / (total + 1)
         self._regrid()
 
@@ -271,7 +298,13 @@ class Scheduler:
 
     @property
     def failures(self) -> int:
-        return len(self._failures)
+        """``n``: the job's failures counted (recorded, or its recoveries, whichever is more)."""
+        return max(len(self._failures), self._recoveries)
+
+    @property
+    def quiet_step_seconds(self) -> float | None:
+        """The smoothed time of a step no snapshot work slowed (``auto``), or None."""
+        return self._quiet_s
 
     @property
     def step_seconds(self) -> float | None:
@@ -288,9 +321,10 @@ class Scheduler:
         origin = min([self._start, *self._failures])
         watched = max(self._clock() - origin, 0.0)
         prior = self.policy.mtbf_prior_seconds
+        n = self.failures
         if prior is None:
-            return watched / max(len(self._failures), 1)
-        return (prior + watched) / (1 + len(self._failures))
+            return watched / max(n, 1)
+        return (prior + watched) / (1 + n)
 
     def interval_seconds(self) -> float | None:
         """Seconds between snapshots now: ``every_seconds``, the auto value, or None."""
@@ -306,11 +340,12 @@ class Scheduler:
         return {
             "tier": self.policy.tier,
             "cost_s": self._cost,
-            "failures": len(self._failures),
+            "failures": self.failures,
             "mtbf_s": self.mtbf_seconds(),
             "rollback_share": self._rollback_share,
             "interval_s": self.interval_seconds(),
             "step_s": self._step_s,
+            "quiet_step_s": self._quiet_s,
             "grid_steps": g,
             "next_step": None if g is None else ((self._after + 1) // g + 1) * g - 1,
         }
@@ -323,6 +358,10 @@ class Scheduler:
             return
         dt = (now - last[1]) / (step - last[0])
         self._step_s = dt if self._step_s is None else 0.3 * dt + 0.7 * self._step_s
+        quiet = self._period is None or last[0] - self._period[0] >= QUIET_AFTER
+        if self.policy.auto and quiet and self._warm:
+            self._quiet_s = dt if self._quiet_s is None else 0.3 * dt + 0.7 * self._quiet_s
+        self._warm = True
         self._regrid()
 
     def _regrid(self) -> None:

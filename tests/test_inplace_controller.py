@@ -138,7 +138,7 @@ def test_a_member_report_travels_as_json_with_only_the_phases_it_reached():
 
 
 def test_a_generation_travels_as_json_with_the_recoveries_before_it():
-    a = Assignment(4, {"r0": 0, "s1": 1, "r2": 2, "r3": 3}, False, 3, 1)
+    a = Assignment(4, {"r0": 0, "s1": 1, "r2": 2, "r3": 3}, False, 3, 1, 75.5)
     assert Assignment.from_json(a.to_json()) == a and a.rank_of("s1") == 1 and a.rank_of("s0") is None
     old = json.dumps({"world": 2, "members": {"r0": 0, "r1": 1}, "done": True})  # written before the counts
-    assert Assignment.from_json(old) == Assignment(2, {"r0": 0, "r1": 1}, True, 0, 0)
+    assert Assignment.from_json(old) == Assignment(2, {"r0": 0, "r1": 1}, True, 0, 0, 0.0)

@@ -107,47 +107,95 @@ def test_ranks_that_measure_different_step_times_and_costs_still_take_common_ste
     grids = sorted(r.grid_steps for r in ranks)
     assert grids[0] != grids[1] and grids[1] == 2 * grids[0], grids  # they straddle a power of two
     common = sorted(taken[0] & taken[1])
-    assert common[0] == 0  # the measuring snapshot of the first step
+    assert common[0] == 2  # the measuring snapshot, after two steps that measured a quiet step
     gaps = [b - a for a, b in zip(common[1:], common[2:])]
     assert len(common) > 5 and max(gaps) <= grids[1], (grids, common)  # never more than 2G apart
 
 
 def test_auto_matches_young_daly_with_the_user_mtbf():
     clock = FakeClock()
-    sched = Scheduler(Policy(auto=True, mtbf_hours=500.0, nodes=50), clock)
-    assert sched.due(0), "the first step is due so its snapshot measures the cost"
-    sched.taken(0, cost_seconds=3.0)
-    job_mtbf = 500.0 * 3600.0 / 50
+    sched = Scheduler(Policy(auto=True, mtbf_hours=500.0, nodes=50), clock, start_step=-1)
+    # the first two steps measure a quiet step (the first may be a slow warm-up), the third's
+    # snapshot measures the cost
+    assert not sched.due(0)
+    clock.t += 10.0
+    assert not sched.due(1)
+    clock.t += 10.0
+    assert sched.due(2) and sched.quiet_step_seconds == 10.0
+    sched.taken(2, cost_seconds=3.0)
+    job_mtbf = 500.0 * 3600.0 / 50 + 20.0  # the prior, and the 20 s watched without a failure
     expected = math.sqrt(2 * 3.0 * job_mtbf)  # 465 s
     assert sched.interval_seconds() == pytest.approx(expected, rel=1e-12)
     # 10 s steps: 46 fit in the interval, so every 32nd step
-    taken = run_steps(sched, clock, range(1, 200), 10.0)
+    clock.t += 10.0
+    taken = run_steps(sched, clock, range(3, 200), 10.0)
     assert taken == [31, 63, 95, 127, 159, 191] and sched.grid_steps == 32
 
 
 def test_auto_sets_its_interval_against_the_failures_that_roll_back():
-    """Recoveries that went on from live state (replicas, in place) lose no work a snapshot
-    saves: with p = (rolled back + 1) / (recoveries + 1), the interval is Young/Daly of M / p."""
+    """Every recovery is a failure of the job (``n``), but one that went on from live state
+    (replicas, in place) loses no work a snapshot saves: with p = (rolled back + 1) / (n + 1),
+    the interval is Young/Daly of M / p = (M0 + T) / (rolled back + 1)."""
     clock = FakeClock()
-    sched = Scheduler(Policy(auto=True, mtbf_hours=500.0, nodes=50), clock)
-    sched.due(0)
-    sched.taken(0, cost_seconds=3.0)
+    sched = Scheduler(Policy(auto=True, mtbf_hours=500.0, nodes=50, initial_cost_seconds=3.0), clock)
 
-    def base() -> float:  # Young/Daly of the job's own MTBF now (it grows as the job survives)
-        return young_daly_interval(3.0, sched.mtbf_seconds())
+    def with_rollbacks(r: int) -> float:  # Young/Daly after r failures that rolled back
+        return young_daly_interval(3.0, (500.0 * 3600.0 / 50 + watched()) / (r + 1))
 
-    assert (
-        sched.interval_seconds() == base() and sched.rollback_share == 1.0
-    )  # before any recovery every failure is taken to roll back
+    def watched() -> float:
+        return clock.t - 100.0
+
+    assert sched.rollback_share == 1.0  # before any recovery every failure is taken to roll back
+    assert sched.interval_seconds() == pytest.approx(with_rollbacks(0), rel=1e-12)
     assert run_steps(sched, clock, range(1, 100), 10.0)[:2] == [31, 63] and sched.grid_steps == 32
     sched.set_recoveries(3, 0)  # three recoveries, each from live state: p = 1/4
     assert sched.rollback_share == 0.25 and sched.describe()["rollback_share"] == 0.25
-    assert sched.interval_seconds() == pytest.approx(2 * base(), rel=1e-12)
-    assert sched.grid_steps == 64  # 93 steps of 10 s fit: every 64th
+    assert sched.failures == 3 and sched.mtbf_seconds() == pytest.approx((36000.0 + watched()) / 4)
+    assert sched.interval_seconds() == pytest.approx(with_rollbacks(0), rel=1e-12)  # as if none failed
+    assert sched.grid_steps == 32  # 47 steps of 10 s fit: every 32nd
     sched.set_recoveries(4, 4)  # then every one rolled back: p = 1
-    assert sched.interval_seconds() == pytest.approx(base(), rel=1e-12) and sched.grid_steps == 32
+    assert sched.interval_seconds() == pytest.approx(with_rollbacks(4), rel=1e-12)
+    assert sched.grid_steps == 16  # 21 steps fit
     with pytest.raises(ConfigError, match="rolled_back=5"):
         sched.set_recoveries(4, 5)
+
+
+def test_auto_cost_counts_the_steps_a_snapshot_slows_not_only_its_stall():
+    """A snapshot whose background work shares the rank's cores slows the steps after it: its
+    cost is the period's wall time less as many quiet steps, so the interval grows with it."""
+    clock = FakeClock()
+    sched = Scheduler(Policy(auto=True, mtbf_hours=1.0, cost_smoothing=1.0), clock, start_step=-1)
+    stall_only = Scheduler(Policy(auto=True, mtbf_hours=1.0, cost_smoothing=1.0), FakeClock(), start_step=-1)
+    last = None
+    for step in range(0, 200):
+        if sched.due(step):
+            clock.t += 0.1  # the stall
+            sched.taken(step, cost_seconds=0.1)
+            stall_only.taken(step, cost_seconds=0.1)
+            last = step
+        busy = last is not None and step - last < 2  # the two steps after a snapshot: 0.6 s slower
+        clock.t += 1.0 + (0.6 if busy else 0.0)
+    # each snapshot costs 0.1 + 2 * 0.6 = 1.3 s, whatever the grid
+    assert sched.quiet_step_seconds == pytest.approx(1.0)
+    assert sched.grid_steps >= 2 and sched.cost_seconds == pytest.approx(1.3), sched.describe()
+    assert stall_only.cost_seconds == pytest.approx(0.1)
+    assert sched.interval_seconds() > 3 * stall_only.interval_seconds()
+
+
+def test_a_recovery_counts_as_a_failure_and_every_rank_agrees_on_the_job_age():
+    """A standby that took over late, told the job's recoveries and age, estimates the same
+    MTBF (and so the same interval) as a rank that ran from the start."""
+    clock = FakeClock(t=0.0)
+    survivor = Scheduler(Policy(auto=True, mtbf_hours=1.0, initial_cost_seconds=1.0), clock)
+    clock.t = 900.0
+    standby = Scheduler(Policy(auto=True, mtbf_hours=1.0, initial_cost_seconds=1.0), clock)
+    clock.t = 1200.0
+    for sched in (survivor, standby):
+        sched.set_recoveries(2, 2, age_s=1200.0)
+    assert survivor.failures == standby.failures == 2
+    assert survivor.mtbf_seconds() == standby.mtbf_seconds() == pytest.approx((3600.0 + 1200.0) / 3)
+    with pytest.raises(ConfigError, match="age_s=-1"):
+        standby.set_recoveries(2, 2, age_s=-1.0)
 
 
 def test_auto_cost_is_exponentially_weighted():

@@ -17,6 +17,7 @@ class Assignment:
     done: bool = False
     recoveries: int = 0  # the job's recoveries before this generation
     rollbacks: int = 0  # of those, the ones that rolled back (the rest went on from live state)
+    age_s: float = 0.0  # how long the job had run when this generation was written
 
     def rank_of(self, member: str) -> int | None:
         """``member``'s rank in this generation, or None: a standby, or left out."""
@@ -30,6 +31,7 @@ class Assignment:
                 "done": self.done,
                 "recoveries": self.recoveries,
                 "rollbacks": self.rollbacks,
+                "age_s": self.age_s,
             }
         )
 
@@ -42,6 +44,7 @@ class Assignment:
             bool(d.get("done", False)),
             int(d.get("recoveries", 0)),
             int(d.get("rollbacks", 0)),
+            float(d.get("age_s", 0.0)),
         )
 
 

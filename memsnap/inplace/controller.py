@@ -269,6 +269,7 @@ class InplaceJob:
         self.agent_ping_s = float(agent_ping_s)
         self.recoveries: list[Recovery] = []
         self.gen = 0
+        self._started = time.monotonic()  # the job's age in each generation counts from here (run)
         self._ranks: dict[int, _Slot] = {}
         self._standbys: list[_Slot] = []
         self._lock = threading.Lock()
@@ -284,6 +285,7 @@ class InplaceJob:
         import torch.distributed as dist
 
         host = ray.util.get_node_ip_address()
+        self._started = time.monotonic()
         self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
         self.monitor = Monitor(self.store, self.job)
         try:
@@ -372,7 +374,10 @@ class InplaceJob:
         assert self.store is not None
         recs = self.recoveries
         rollbacks = sum(rec.rolled_back() for rec in recs)
-        self.store.set(gen_key(self.job, gen), Assignment(self.world, members, done, len(recs), rollbacks).to_json())
+        age = time.monotonic() - self._started
+        self.store.set(
+            gen_key(self.job, gen), Assignment(self.world, members, done, len(recs), rollbacks, age).to_json()
+        )
         if fenced:
             self.store.set(fenced_key(self.job, gen), "1")
 

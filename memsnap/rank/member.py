@@ -233,7 +233,7 @@ class Member:
         self.snap: Snapshotter | None = None
         self.state = None
         self.recoveries = 0
-        self.history = (0, 0)  # the job's recoveries before this generation, and how many rolled back
+        self.history = (0, 0, 0.0)  # the job's recoveries before this generation, how many rolled back, its age
         self.on_rank_fns: list[Callable] = []  # ctx.on_rank: run once, when this process first has a rank
         self.sharded: list = []  # the models ctx.fully_shard sharded
         self._report = MemberReport("", os.getpid(), -1, -1, False, time.time())
@@ -355,7 +355,7 @@ class Member:
         gen = first_gen
         while True:
             assignment = self._await(gen)
-            self.history = (assignment.recoveries, assignment.rollbacks)
+            self.history = (assignment.recoveries, assignment.rollbacks, assignment.age_s)
             if assignment.done:
                 return {**self.info(), "outcome": "done", "result": None}
             rank = assignment.rank_of(self.name)
@@ -457,8 +457,8 @@ class Member:
         """This generation's recovery went on from live state (``live``) or rolled back: with
         the job's earlier recoveries (its assignment), every rank's snapshot interval is set
         against the failures that roll back (``Snapshotter.recovered``)."""
-        total, rollbacks = self.history
-        self.snapshotter.recovered(total + 1, rollbacks + (0 if live else 1))
+        total, rollbacks, age_s = self.history
+        self.snapshotter.recovered(total + 1, rollbacks + (0 if live else 1), age_s)
 
     def restored(self, step: int | None) -> None:
         rep = self._report

@@ -352,11 +352,12 @@ class Snapshotter:
         except Exception as exc:  # only a head start: the first saves make what is missing
             log.info("rank %d: arena slots not made ahead: %s", self.rank, exc)
 
-    def recovered(self, total: int, rolled_back: int) -> None:
+    def recovered(self, total: int, rolled_back: int, age_s: float | None = None) -> None:
         """The job has recovered in place ``total`` times, ``rolled_back`` of them by rolling
-        back to a snapshot (``memsnap.inplace`` tells every rank the same): with ``auto``, the
-        interval is set against the failures that roll back (``policy.Scheduler.set_recoveries``)."""
-        self._policy.set_recoveries(total, rolled_back)
+        back to a snapshot, and has run ``age_s`` seconds (``memsnap.inplace`` tells every rank
+        the same): with ``auto``, each recovery counts as a failure and the interval is set
+        against the failures that roll back (``policy.Scheduler.set_recoveries``)."""
+        self._policy.set_recoveries(total, rolled_back, age_s)
 
     def _restored(self, plan: RankPlan, tier: str, seconds: dict) -> int | None:
         # a durable step names the run that spilled it (its COMMITTED metadata)
