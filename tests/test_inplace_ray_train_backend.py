@@ -89,7 +89,9 @@ def test_the_backend_writes_generation_0_then_gives_a_replacement_the_lost_rank(
     # ... and starts a new worker in its place: generation 1, the same ranks, the new member
     new = FakeWorker(1, 3, "n3")
     b.on_start(_group([new]), config)
-    assert _gen(b, 1) == Assignment(3, {"w0g0": 0, "w1g1": 1, "w2g0": 2})
+    one = _gen(b, 1)
+    assert (one.world, dict(one.members), one.done) == (3, {"w0g0": 0, "w1g1": 1, "w2g0": 2}, False)
+    assert (one.recoveries, one.rollbacks) == (0, 0) and one.age_s >= 0.0  # the ranks add this recovery
     assert _env(new)[rti.GEN_ENV] == "1" and _env(new)[rti.MEMBER_ENV] == "w1g1"
     assert all(len(w.calls) == 1 for w in workers)  # the survivors are told nothing but the store's keys
     assert b.nodes == {0: "n0", 1: "n3", 2: "n2"}
@@ -124,3 +126,34 @@ def test_run_outside_an_inplace_trainer_says_what_is_missing(monkeypatch):
         monkeypatch.delenv(key, raising=False)
     with pytest.raises(RuntimeError, match="torch_config=InplaceTorchConfig"):
         rti.run(lambda ctx: None, lambda ctx, state: None)
+
+
+def test_each_generation_carries_the_recoveries_before_it_which_rolled_back_and_the_job_age(backend, monkeypatch):
+    """What every rank's ``auto`` interval is set from: generation g follows g recoveries, g-1 of
+    them before it; one rolled back unless every member reported a live takeover (``kept`` or
+    ``live``); a recovery no member reported counts as a rollback (the safe side)."""
+    from memsnap.collective.assignment import report_key
+    from memsnap.collective.report import MemberReport
+    from memsnap.integrations import ray_train_inplace as rti
+
+    clock = [1000.0]
+    monkeypatch.setattr(rti.time, "monotonic", lambda: clock[0])
+    b, config = backend
+    workers = [FakeWorker(r, 2, f"n{r}") for r in range(2)]
+    whole = types.SimpleNamespace(
+        get_workers=lambda: workers, execute_single_async=lambda i, fn, *a: workers[i].execute_async(fn, *a)
+    )
+    b.on_start(whole, config)
+    assert (_gen(b, 0).recoveries, _gen(b, 0).rollbacks, _gen(b, 0).age_s) == (0, 0, 0.0)
+
+    def report(gen: int, rank: int, tier: str) -> None:
+        rep = MemberReport(member=f"m{rank}", pid=1, rank=rank, gen=gen, takeover=False, assigned=0.0, tier=tier)
+        b.store.set(report_key("unit-rt", gen, rank), rep.to_json())
+
+    tiers = {1: ("kept", "live"), 2: ("local", "peer"), 3: None}  # live takeover, rollback, no report
+    for gen, clock[0] in ((1, 1030.0), (2, 1075.5), (3, 1100.0), (4, 1200.0)):
+        b.on_start(_group([FakeWorker(1, 2, f"n{gen + 1}")]), config)
+        for rank, tier in enumerate(tiers.get(gen) or ()):
+            report(gen, rank, tier)
+    got = [(_gen(b, g).recoveries, _gen(b, g).rollbacks, _gen(b, g).age_s) for g in range(1, 5)]
+    assert got == [(0, 0, 30.0), (1, 0, 75.5), (2, 1, 100.0), (3, 2, 200.0)]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,3 +55,10 @@ class MemberReport:
     @classmethod
     def from_json(cls, text: str | bytes) -> MemberReport:
         return cls.from_wire(json.loads(text))
+
+
+def rolled_back(reports: Collection[MemberReport]) -> bool:
+    """Whether a recovery rolled its ranks back to a snapshot, from the members' reports of the
+    generation it formed: yes when any rank restored from a tier (not ``kept`` / ``live``), and
+    when no rank reported (not known: counted as a rollback, the safe side for the interval)."""
+    return len(reports) == 0 or any(r.tier not in ("kept", "live") for r in reports)

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 from memsnap.collective.assignment import Assignment, fenced_key, gen_key, report_key
 from memsnap.collective.group import failed_key, publish_failure
 from memsnap.collective.heartbeat import Monitor
-from memsnap.collective.report import MemberReport
+from memsnap.collective.report import MemberReport, rolled_back
 from memsnap.errors import ConfigError, MemsnapError
 from memsnap.rank.member import Member
 
@@ -78,7 +78,7 @@ class Recovery:
     def rolled_back(self) -> bool:
         """Whether the ranks rolled back to a snapshot in this recovery (or it is not known: a
         recovery that failed before every rank reported), rather than went on from live state."""
-        return len(self.reports) == 0 or any(r.tier not in ("kept", "live") for r in self.reports.values())
+        return rolled_back(self.reports.values())
 
     def split(self) -> dict[str, float | None]:
         """``detect`` (first sign -> decision), ``reform`` (decision -> every member formed the

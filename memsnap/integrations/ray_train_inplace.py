@@ -21,7 +21,8 @@ How it works: the backend (``InplaceTorchConfig``) declares replica groups of on
 each, so Ray Train's controller replaces only a failed worker (not the whole group) when
 the others still run. It runs in Ray Train's controller process and hosts the job's
 rendezvous store there (no worker's loss takes it), writes each generation's membership
-(``memsnap.rank.member``) and, instead of Ray Train's own ``init_process_group``, leaves
+(``memsnap.rank.member``), with the recoveries before it, which of them rolled back (from the
+members' reports) and the job's age, which every rank's ``auto`` interval reads, and, instead of Ray Train's own ``init_process_group``, leaves
 the process group to the workers' ``RecoverableGroup``, which forms it again per generation.
 On a replacement it ends the current generation for the survivors (those blocked in a
 collective get out at once), fences the lost worker's node if its memsnap agent is silent,
@@ -35,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 import uuid
 from collections.abc import Callable
 from datetime import timedelta
@@ -113,6 +115,7 @@ class _InplaceBackend(_TorchBackend):
         self.world = 0
         self.members: dict[int, str] = {}  # world rank -> member name
         self.nodes: dict[int, str] = {}  # world rank -> Ray node id
+        self.started: float | None = None  # the first generation was written (monotonic clock)
 
     def _ensure_store(self, config: BackendConfig, worker_group) -> None:
         if self.store is not None:
@@ -173,9 +176,31 @@ class _InplaceBackend(_TorchBackend):
         ]
         ray.get(refs, timeout=120)
         members = {name: rank for rank, name in self.members.items()}
-        self.store.set(gen_key(self.job, self.gen), Assignment(self.world, members).to_json())
+        recoveries, rollbacks, age = self._history()
+        self.store.set(
+            gen_key(self.job, self.gen), Assignment(self.world, members, False, recoveries, rollbacks, age).to_json()
+        )
         self.store.set(fenced_key(self.job, self.gen), "1")  # (the lost nodes were fenced above)
         (log.warning if self.gen else log.info)("memsnap job %r: generation %d: %s", self.job, self.gen, members)
+
+    def _history(self) -> tuple[int, int, float]:
+        """For the generation being written: the job's recoveries before it (each generation
+        after the first followed one), how many of those rolled back (from the members' reports
+        of the generation each formed, as ``InplaceJob``'s controller reads them) and the job's
+        age in seconds: every rank's ``auto`` interval is set from them."""
+        from memsnap.collective.assignment import report_key
+        from memsnap.collective.report import MemberReport, rolled_back
+
+        assert self.job is not None
+        now = time.monotonic()
+        if self.started is None:
+            self.started = now
+        rollbacks = 0
+        for gen in range(1, self.gen):
+            keys = [report_key(self.job, gen, rank) for rank in range(self.world)]
+            reports = [MemberReport.from_json(self.store.get(k)) for k in keys if self.store.check([k])]
+            rollbacks += rolled_back(reports)
+        return max(self.gen - 1, 0), rollbacks, now - self.started
 
     def on_shutdown(self, worker_group, backend_config):
         """A replica group is shut down before it is replaced (its worker may be dead): its
