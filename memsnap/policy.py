@@ -17,8 +17,8 @@ steps its background work (encoding, sending, committing) slowed down, where tha
 the rank's cores or memory bandwidth. It is measured per snapshot period: the wall time from
 one snapshot to the next, less as many *quiet* steps (steps at least two after the last
 snapshot, or before the first) take; the stall alone until a quiet step time is known. So the
-first two steps after a start run without a snapshot, and the third is snapshotted to measure
-the cost. ``M`` is estimated as::
+first step after a start is snapshotted (it protects the start, and its stall is a first cost),
+and the next snapshot waits until a quiet step has been measured. ``M`` is estimated as::
 
     M = (M0 + T) / (1 + n)     with a user prior M0 = mtbf_hours * 3600 / nodes
     M = T / max(n, 1)          without one
@@ -204,7 +204,7 @@ class Scheduler:
         self._last: tuple[int, float] | None = None  # (step, clock) of the last due() call
         self._grid = policy.every_steps  # G; None until a timed policy knows the step time
         self._after = start_step  # the job (re)started after this step, or took it
-        self._measure = policy.auto and self._cost is None  # a snapshot measures the cost soon
+        self._measure = policy.auto and self._cost is None  # the first step is snapshotted to measure the cost
         self._recoveries = 0  # the job's recoveries, told by set_recoveries
         self._quiet_s: float | None = None  # smoothed seconds of a quiet step (auto)
         self._period: tuple[int, float] | None = None  # (step, clock) of the last snapshot (auto)
@@ -215,8 +215,10 @@ class Scheduler:
         Cheap: without a time interval, two compares and no clock read."""
         if self._timed:
             self._observe(step)
-            if self._measure:  # a quiet step measured (or known), then a snapshot's cost
-                return step >= self._after and self._quiet_s is not None
+            if self._measure:  # the first step: protected at once, its stall a first cost
+                return step >= self._after
+            if self.policy.auto and self._quiet_s is None and self._period is not None:
+                return False  # the next snapshot waits for a quiet step, to count what it slows
         g = self._grid
         return g is not None and step > self._after and (step + 1) % g == 0
 

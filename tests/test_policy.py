@@ -107,7 +107,7 @@ def test_ranks_that_measure_different_step_times_and_costs_still_take_common_ste
     grids = sorted(r.grid_steps for r in ranks)
     assert grids[0] != grids[1] and grids[1] == 2 * grids[0], grids  # they straddle a power of two
     common = sorted(taken[0] & taken[1])
-    assert common[0] == 2  # the measuring snapshot, after two steps that measured a quiet step
+    assert common[0] == 0  # the measuring snapshot: the first step is protected at once
     gaps = [b - a for a, b in zip(common[1:], common[2:])]
     assert len(common) > 5 and max(gaps) <= grids[1], (grids, common)  # never more than 2G apart
 
@@ -115,21 +115,35 @@ def test_ranks_that_measure_different_step_times_and_costs_still_take_common_ste
 def test_auto_matches_young_daly_with_the_user_mtbf():
     clock = FakeClock()
     sched = Scheduler(Policy(auto=True, mtbf_hours=500.0, nodes=50), clock, start_step=-1)
-    # the first two steps measure a quiet step (the first may be a slow warm-up), the third's
-    # snapshot measures the cost
-    assert not sched.due(0)
+    # the first step is snapshotted at once: it protects the start, and its stall is a first cost
+    assert sched.due(0)
+    sched.taken(0, cost_seconds=3.0)
+    job_mtbf = 500.0 * 3600.0 / 50  # the prior (no time watched yet)
+    assert sched.interval_seconds() == pytest.approx(math.sqrt(2 * 3.0 * job_mtbf), rel=1e-12)  # 465 s
+    # 10 s steps: 46 fit in the interval, so every 32nd step (a quiet step is measured long before)
     clock.t += 10.0
-    assert not sched.due(1)
-    clock.t += 10.0
-    assert sched.due(2) and sched.quiet_step_seconds == 10.0
-    sched.taken(2, cost_seconds=3.0)
-    job_mtbf = 500.0 * 3600.0 / 50 + 20.0  # the prior, and the 20 s watched without a failure
-    expected = math.sqrt(2 * 3.0 * job_mtbf)  # 465 s
-    assert sched.interval_seconds() == pytest.approx(expected, rel=1e-12)
-    # 10 s steps: 46 fit in the interval, so every 32nd step
-    clock.t += 10.0
-    taken = run_steps(sched, clock, range(3, 200), 10.0)
+    taken = run_steps(sched, clock, range(1, 200), 10.0)
     assert taken == [31, 63, 95, 127, 159, 191] and sched.grid_steps == 32
+    assert sched.quiet_step_seconds == pytest.approx(10.0)
+    expected = math.sqrt(2 * 3.0 * (job_mtbf + clock.t - 100.0))
+    assert sched.interval_seconds() == pytest.approx(expected, rel=1e-12)
+
+
+def test_after_its_first_snapshot_auto_waits_for_a_quiet_step_before_the_next():
+    """With a short interval (a grid of one step), the second snapshot still waits until a step
+    two after the first has been timed: otherwise no step would ever be quiet, and the cost
+    would stay the stall alone."""
+    clock = FakeClock()
+    sched = Scheduler(Policy(auto=True, mtbf_hours=0.01, nodes=1), clock, start_step=-1)
+    taken = []
+    for step in range(8):
+        if sched.due(step):
+            sched.taken(step, cost_seconds=0.01)
+            taken.append(step)
+        clock.t += 1.0
+    # step 2 -> 3 is the first quiet interval (0 -> 1 is a warm-up, 1 -> 2 follows the snapshot)
+    assert taken[:2] == [0, 3] and sched.grid_steps == 1, (taken, sched.describe())
+    assert taken == [0, *range(3, 8)] and sched.quiet_step_seconds == pytest.approx(1.0)
 
 
 def test_auto_sets_its_interval_against_the_failures_that_roll_back():
