@@ -171,12 +171,22 @@ def test_a_newcomer_to_a_full_handshake_pool_evicts_the_oldest(served):
 
 
 class SilentFlood:
-    """An attacker without the secret: keeps ``per_source`` connections open from each of the
-    loopback ``sources`` that send nothing, and re-opens each one the server closes. Bounded: it
-    opens at most ``budget`` connections and stops after ``limit`` seconds, or at ``stop()``."""
+    """An attacker without the secret: keeps ``per_source`` connections open for each of the
+    ``sources`` that send nothing, and re-opens each one the server closes. Every connection is
+    from 127.0.0.1; ``labels`` maps each open one's local port to its source, for the server's
+    ``source_of`` (patched by the test) to tell the sources apart. Bounded: it opens at most
+    ``budget`` connections and stops after ``limit`` seconds, or at ``stop()``."""
 
-    def __init__(self, port: int, sources: list[str], per_source: int, budget: int = 2000, limit: float = 60):
-        self.port, self.budget, self.limit = port, budget, limit
+    def __init__(
+        self,
+        port: int,
+        sources: list[str],
+        per_source: int,
+        labels: dict[int, str],
+        budget: int = 2000,
+        limit: float = 60,
+    ):
+        self.port, self.budget, self.limit, self.labels = port, budget, limit, labels
         self.wanted = [src for src in sources for _ in range(per_source)]
         self.lock, self.opened, self.reopened = threading.Lock(), 0, 0
         self.live: dict[socket.socket, bool] = {}
@@ -193,9 +203,16 @@ class SilentFlood:
         if self.opened >= self.budget:
             return
         self.opened += 1
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
-            sock = socket.create_connection(("127.0.0.1", self.port), timeout=5, source_address=(source, 0))
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+            self.labels[port] = source  # before the server can accept it
+            sock.settimeout(5)
+            sock.connect(("127.0.0.1", self.port))
         except OSError:
+            self.labels.pop(sock.getsockname()[1], None)
+            sock.close()
             return
         with self.lock:
             self.live[sock] = False
@@ -219,6 +236,7 @@ class SilentFlood:
                         continue
                     del self.live[sock]
                 sel.unregister(sock)
+                self.labels.pop(sock.getsockname()[1], None)  # before its port can be reused
                 sock.close()
                 self.reopened += 1
                 self._open(sel, key.data)
@@ -229,15 +247,20 @@ class SilentFlood:
         self.thread.join(timeout=10)
         with self.lock:
             for sock in self.live:
+                self.labels.pop(sock.getsockname()[1], None)
                 sock.close()
             self.live.clear()
 
 
-def test_silent_connections_reopened_as_they_close_do_not_lock_new_peers_out(served):
-    """The pool full of silent connections from two other addresses, each re-opened as the
+def test_silent_connections_reopened_as_they_close_do_not_lock_new_peers_out(served, monkeypatch):
+    """The pool full of silent connections from two other sources, each re-opened as the
     server closes it: a fresh client still pushes, and another fetches."""
+    from memsnap.transport import server
+
     store, _, addr = served(tcp_max_unauthenticated=8, tcp_max_unauthenticated_per_source=4, tcp_handshake_timeout_s=30)
-    flood = SilentFlood(addr["port"], ["127.0.0.2", "127.0.0.3"], per_source=4)
+    labels: dict[int, str] = {}  # the flood's local ports -> its two sources; the rest by address
+    monkeypatch.setattr(server, "source_of", lambda peer: labels.get(peer[1], peer[0]))
+    flood = SilentFlood(addr["port"], ["flood-a", "flood-b"], per_source=4, labels=labels)
     out = bytearray(5)
     try:
         wait_for(lambda: flood.greeted() == 8, timeout=20, what="the attack to fill the handshake pool")

@@ -88,6 +88,12 @@ def _at_least_one(name: str) -> int:
     return value
 
 
+def source_of(addr) -> str:
+    """The source a connection counts against in the handshake pool (``Admission``): its peer's
+    IP address, without the port."""
+    return addr[0]
+
+
 class Admission:
     """The pool of connections still in their handshake, by source address and age: decides
     whom a newcomer evicts. A newcomer is always admitted; it evicts the oldest connection of
@@ -204,7 +210,7 @@ class Server:
     def _admit(self, sock: socket.socket, addr) -> None:
         """Serve ``sock`` on its own thread, evicting whom the pool says (its thread then ends)."""
         with self.lock:
-            victim = self.pool.admit(sock, addr[0])
+            victim = self.pool.admit(sock, source_of(addr))
             self.conns.add(sock)
         if victim is not None:
             with contextlib.suppress(OSError):
