@@ -14,6 +14,8 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from memsnap.collective.assignment import report_key
+
 
 @dataclass
 class MemberReport:
@@ -62,3 +64,13 @@ def rolled_back(reports: Collection[MemberReport]) -> bool:
     generation it formed: yes when any rank restored from a tier (not ``kept`` / ``live``), and
     when no rank reported (not known: counted as a rollback, the safe side for the interval)."""
     return len(reports) == 0 or any(r.tier not in ("kept", "live") for r in reports)
+
+
+def read_reports(store, job: str, gen: int, world: int, into: dict[int, MemberReport]) -> dict[int, MemberReport]:
+    """Add to ``into`` (rank -> report) the reports of generation ``gen`` that the ranks not in
+    it have written to the job's ``store`` since; return ``into``."""
+    for rank in range(world):
+        key = report_key(job, gen, rank)
+        if rank not in into and store.check([key]):
+            into[rank] = MemberReport.from_json(store.get(key))
+    return into

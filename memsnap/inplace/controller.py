@@ -40,10 +40,10 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from memsnap.collective.assignment import Assignment, fenced_key, gen_key, report_key
+from memsnap.collective.assignment import Assignment, fenced_key, gen_key
 from memsnap.collective.group import failed_key, publish_failure
 from memsnap.collective.heartbeat import Monitor
-from memsnap.collective.report import MemberReport, rolled_back
+from memsnap.collective.report import MemberReport, read_reports, rolled_back
 from memsnap.errors import ConfigError, MemsnapError
 from memsnap.rank.member import Member
 
@@ -701,11 +701,9 @@ class InplaceJob:
     # --- reporting -------------------------------------------------------------------------------
     def collect(self) -> list[dict]:
         """Every recovery so far, with the members' reports of the generation it formed."""
-        for rec in self.recoveries:
-            for rank in range(self.world):
-                key = report_key(self.job, rec.gen, rank)
-                if rank not in rec.reports and self.store is not None and self.store.check([key]):
-                    rec.reports[rank] = MemberReport.from_json(self.store.get(key))
+        if self.store is not None:
+            for rec in self.recoveries:
+                read_reports(self.store, self.job, rec.gen, self.world, rec.reports)
         return [rec.to_dict() for rec in self.recoveries]
 
     def _report_finished(self) -> None:

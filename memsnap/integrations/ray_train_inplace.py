@@ -40,10 +40,13 @@ import time
 import uuid
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ray.train.backend import BackendConfig
 from ray.train.torch.config import TorchConfig, _TorchBackend
+
+if TYPE_CHECKING:
+    from memsnap.collective.report import MemberReport
 
 log = logging.getLogger("memsnap.inplace")
 
@@ -116,6 +119,9 @@ class _InplaceBackend(_TorchBackend):
         self.members: dict[int, str] = {}  # world rank -> member name
         self.nodes: dict[int, str] = {}  # world rank -> Ray node id
         self.started: float | None = None  # the first generation was written (monotonic clock)
+        self.reports: dict[
+            int, dict[int, MemberReport]
+        ] = {}  # generation -> rank -> its member's report, as read so far
 
     def _ensure_store(self, config: BackendConfig, worker_group) -> None:
         if self.store is not None:
@@ -188,8 +194,7 @@ class _InplaceBackend(_TorchBackend):
         after the first followed one), how many of those rolled back (from the members' reports
         of the generation each formed, as ``InplaceJob``'s controller reads them) and the job's
         age in seconds: every rank's ``auto`` interval is set from them."""
-        from memsnap.collective.assignment import report_key
-        from memsnap.collective.report import MemberReport, rolled_back
+        from memsnap.collective.report import read_reports, rolled_back
 
         assert self.job is not None
         now = time.monotonic()
@@ -197,9 +202,8 @@ class _InplaceBackend(_TorchBackend):
             self.started = now
         rollbacks = 0
         for gen in range(1, self.gen):
-            keys = [report_key(self.job, gen, rank) for rank in range(self.world)]
-            reports = [MemberReport.from_json(self.store.get(k)) for k in keys if self.store.check([k])]
-            rollbacks += rolled_back(reports)
+            reports = read_reports(self.store, self.job, gen, self.world, self.reports.setdefault(gen, {}))
+            rollbacks += rolled_back(reports.values())
         return max(self.gen - 1, 0), rollbacks, now - self.started
 
     def on_shutdown(self, worker_group, backend_config):
