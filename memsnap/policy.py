@@ -213,14 +213,27 @@ class Scheduler:
     def due(self, step: int) -> bool:
         """Whether ``step`` should be snapshotted: the same answer on every rank of the job.
         Cheap: without a time interval, two compares and no clock read."""
+        self.observe(step)
+        return self.next_due(step) == step
+
+    def observe(self, step: int) -> None:
+        """``step`` is done: fold its time into the step time (timed policies; ``due`` does
+        this, a rank that follows a ``SharedPlan`` calls it itself)."""
         if self._timed:
             self._observe(step)
-            if self._measure:  # the first step: protected at once, its stall a first cost
-                return step >= self._after
-            if self.policy.auto and self._quiet_s is None and self._period is not None:
-                return False  # the next snapshot waits for a quiet step, to count what it slows
+
+    def next_due(self, first: int) -> int | None:
+        """The first step from ``first`` on that is due as things stand now, or None while none
+        can be named (no step time yet; ``auto`` waiting for a quiet step to be timed)."""
+        if self._measure and self._timed:  # the first step: protected at once, its stall a first cost
+            return max(first, self._after)
+        if self._timed and self.policy.auto and self._quiet_s is None and self._period is not None:
+            return None  # the next snapshot waits for a quiet step, to count what it slows
         g = self._grid
-        return g is not None and step > self._after and (step + 1) % g == 0
+        if g is None:
+            return None
+        n = max(first, self._after + 1)
+        return -((n + 1) // -g) * g - 1
 
     def taken(self, step: int, cost_seconds: float | None = None) -> None:
         """A snapshot of ``step`` succeeded, stalling the loop ``cost_seconds`` (None: not
@@ -243,6 +256,19 @@ class Scheduler:
         self._last = None
         self._period = None
         self._warm = False
+
+    def adopt(self, cost_s: float | None, quiet_step_s: float | None) -> None:
+        """Take another rank's figures where this scheduler has none of its own yet (a standby
+        that became the rank whose scheduler decides: ``collective.plan``): no snapshot to
+        measure the cost, no wait for a quiet step."""
+        if self._cost is None and cost_s is not None:
+            self._cost = require_positive_float("cost_s", cost_s, "pass a measured snapshot cost", allow_zero=True)
+            self._measure = False
+        if self._quiet_s is None and quiet_step_s is not None:
+            self._quiet_s = require_positive_float(
+                "quiet_step_s", quiet_step_s, "pass a measured step time", allow_zero=True
+            )
+        self._regrid()
 
     def record_cost(self, seconds: float) -> None:
         """Fold one measured snapshot cost into the exponentially weighted mean."""

@@ -11,8 +11,10 @@ import psutil
 import pytest
 import ray
 from support import inplace_job
+from torch.distributed import TCPStore
 
 from memsnap import naming
+from memsnap.inplace import InplaceJob
 from memsnap.localcluster import LocalCluster, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
@@ -31,9 +33,8 @@ def kill_hard(lc: LocalCluster, node) -> None:
     lc.kill_node_hard(node)
 
 
-def test_a_killed_node_is_replaced_by_the_standby_and_the_survivors_keep_their_processes_under_ddp(cluster):
+def test_a_killed_node_is_replaced_by_the_standby_and_the_survivors_keep_their_processes_under_ddp(cluster) -> None:
     import memsnap
-    from memsnap.inplace import InplaceJob
 
     lc = cluster
     ranks = lc.nodes[-4:-1]
@@ -55,7 +56,9 @@ def test_a_killed_node_is_replaced_by_the_standby_and_the_survivors_keep_their_p
         runner.start()
         wait_for(
             lambda: (
-                j.store is not None and j.store.check(["test/progress/1"]) and int(j.store.get("test/progress/1")) >= 10
+                j.store is not None
+                and store_of(j).check(["test/progress/1"])
+                and int(store_of(j).get("test/progress/1")) >= 10
             ),
             timeout=300,
             what="rank 1 to train 10 steps",
@@ -64,7 +67,7 @@ def test_a_killed_node_is_replaced_by_the_standby_and_the_survivors_keep_their_p
         # the coordinator runs beside the controller, on no rank's node (so no rank node's loss takes it)
         coord = ray.get_actor(naming.coordinator(job), namespace=naming.NAMESPACE)
         assert ray.get(coord.status.remote(), timeout=60)["coordinator_node"] == ray.get_runtime_context().get_node_id()
-        at_kill = int(j.store.get("test/progress/1"))
+        at_kill = int(store_of(j).get("test/progress/1"))
         kill_hard(lc, ranks[1])
         runner.join(timeout=600)
         assert not runner.is_alive(), "the job did not finish"
@@ -82,8 +85,8 @@ def test_a_killed_node_is_replaced_by_the_standby_and_the_survivors_keep_their_p
         print("went on from step", rec["steps"], "rank 1 had trained", at_kill)
         assert rec["steps"][0] >= at_kill
         # every step trained again after the rollback gave the digest it gave the first time
-        assert int(j.store.get("test/replayed")) > 0 if j.store.check(["test/replayed"]) else True
-        mismatched = [(r, s) for r in range(3) for s in range(steps) if j.store.check([f"test/mismatch/{r}/{s}"])]
+        assert int(store_of(j).get("test/replayed")) > 0 if store_of(j).check(["test/replayed"]) else True
+        mismatched = [(r, s) for r in range(3) for s in range(steps) if store_of(j).check([f"test/mismatch/{r}/{s}"])]
         assert mismatched == [], (mismatched, rec)
         # and the three ranks end identical (data parallel), each having trained every step
         assert len({v["digest"] for v in out["results"].values()}) == 1
@@ -102,6 +105,12 @@ def test_a_killed_node_is_replaced_by_the_standby_and_the_survivors_keep_their_p
         memsnap.shutdown(job, timeout=30)
 
 
+def store_of(j: InplaceJob) -> TCPStore:
+    """The running job's store (the test's keys are written there by its ranks)."""
+    assert j.store is not None, "the job is not running"
+    return j.store
+
+
 def run_in_thread(j, out):
     t = threading.Thread(target=lambda: out.update(results=j.run(timeout_s=600)), daemon=True)
     t.start()
@@ -111,20 +120,19 @@ def run_in_thread(j, out):
 def assert_replayed_bitwise(j, out: dict, steps: int, replicas: bool = True) -> None:
     """Every step trained again after a rollback gave the digest it gave the first time, and
     the three ranks end identical (``replicas``: data parallel) or each with its own shards."""
-    assert not any(j.store.check([f"test/mismatch/{r}/{s}"]) for r in range(3) for s in range(steps))
+    assert not any(store_of(j).check([f"test/mismatch/{r}/{s}"]) for r in range(3) for s in range(steps))
     assert len({v["digest"] for v in out["results"].values()}) == (1 if replicas else 3)
 
 
 def progress(j, rank: int, at_least: int) -> bool:
     key = f"test/progress/{rank}"
-    return j.store is not None and j.store.check([key]) and int(j.store.get(key)) >= at_least
+    return j.store is not None and store_of(j).check([key]) and int(store_of(j).get(key)) >= at_least
 
 
-def test_a_killed_node_under_fsdp2_is_restored_from_its_peers_and_the_survivors_from_their_ram(cluster):
+def test_a_killed_node_under_fsdp2_is_restored_from_its_peers_and_the_survivors_from_their_ram(cluster) -> None:
     """FSDP2: no rank holds a replica of another's shards, so the lost rank's parameters and
     optimizer moments exist only in memsnap's erasure-coded snapshot."""
     import memsnap
-    from memsnap.inplace import InplaceJob
 
     lc = cluster
     while len(lc.nodes) < 5:
@@ -154,17 +162,16 @@ def test_a_killed_node_under_fsdp2_is_restored_from_its_peers_and_the_survivors_
         assert rec["pids"][0] == pids_before[0]["pid"] and rec["pids"][1] == pids_before[1]["pid"]
         # every rank's rolled-back state, the standby's decoded from its peers included, was
         # checked against the digest the first run recorded after that step
-        assert all(int(j.store.get(f"test/restore_checked/{r}")) >= 1 for r in range(3))
+        assert all(int(store_of(j).get(f"test/restore_checked/{r}")) >= 1 for r in range(3))
         assert_replayed_bitwise(j, out, steps, replicas=False)
     finally:
         runner.join(timeout=60)
         memsnap.shutdown(job, timeout=30)
 
 
-def test_a_hung_rank_is_noticed_by_its_heartbeat_fenced_and_replaced(cluster):
+def test_a_hung_rank_is_noticed_by_its_heartbeat_fenced_and_replaced(cluster) -> None:
     """SIGSTOP: no socket closes, no collective error; only the beats stop."""
     import memsnap
-    from memsnap.inplace import InplaceJob
 
     lc = cluster
     while len(lc.nodes) < 5:
@@ -215,22 +222,22 @@ def test_a_hung_rank_is_noticed_by_its_heartbeat_fenced_and_replaced(cluster):
 
 
 @pytest.mark.parametrize("how", ["sleeps", "holds_the_gil"])
-def test_a_slow_rank_is_not_taken_for_a_lost_one(cluster, caplog, how):
+def test_a_slow_rank_is_not_taken_for_a_lost_one(cluster, caplog, how) -> None:
     """One step of one rank takes 3x the time after which silent beats mean a loss, with no
     standby (a false verdict would end the job). Sleeping, its beats go on from their own
     thread; holding the GIL, they stop, and its node's agent says the process runs (not
     stopped): it is waited for up to ``slow_limit_s``. Nothing is recovered."""
     import memsnap
-    from memsnap.inplace import InplaceJob
 
     lc = cluster
     ranks = lc.nodes[-3:]
     job = f"inplace-{uuid.uuid4().hex[:6]}"
-    slow = {"sleeps": {"slow": (1, 5, 3.0)}, "holds_the_gil": {"gil": (1, 5, 3.0)}}[how]
+    once = (1, 5, 3.0)  # rank 1, step 5, 3 s
+    train = inplace_job.make_train(20, slow=once) if how == "sleeps" else inplace_job.make_train(20, gil=once)
     j = InplaceJob(
         job,
         inplace_job.setup,
-        inplace_job.make_train(20, **slow),
+        train,
         rank_nodes=[n.node_id for n in ranks],
         options=OPTIONS,
         lost_after_s=1.0,
@@ -243,7 +250,7 @@ def test_a_slow_rank_is_not_taken_for_a_lost_one(cluster, caplog, how):
             runner = run_in_thread(j, out)
             runner.join(timeout=600)
         assert not runner.is_alive() and sorted(out["results"]) == [0, 1, 2]
-        assert j.store.check(["test/slow" if how == "sleeps" else "test/gil"])  # the slow step happened
+        assert store_of(j).check(["test/slow" if how == "sleeps" else "test/gil"])  # the slow step happened
         assert j.collect() == []
         waited = [r.getMessage() for r in caplog.records if "its process runs" in r.getMessage()]
         if how == "holds_the_gil":
@@ -258,7 +265,6 @@ def test_a_training_function_that_raises_ends_the_job_naming_the_rank_and_the_er
     """A bug is not a lost node: every process would raise again, so no standby is spent on
     it and no generation is formed again; run() ends with the rank's error."""
     import memsnap
-    from memsnap.inplace import InplaceJob
     from memsnap.inplace.controller import RecoveryError
 
     lc = cluster
@@ -282,11 +288,10 @@ def test_a_training_function_that_raises_ends_the_job_naming_the_rank_and_the_er
         memsnap.shutdown(job, timeout=30)
 
 
-def test_a_standby_that_dies_as_it_takes_over_is_replaced_by_the_next(cluster):
+def test_a_standby_that_dies_as_it_takes_over_is_replaced_by_the_next(cluster) -> None:
     """The survivors wait in the restore round for the first standby, which dies: the round
     is cancelled (no 300 s wait), and the second standby takes the rank."""
     import memsnap
-    from memsnap.inplace import InplaceJob
 
     lc = cluster
     while len(lc.nodes) < 6:
@@ -306,7 +311,7 @@ def test_a_standby_that_dies_as_it_takes_over_is_replaced_by_the_next(cluster):
     runner = run_in_thread(j, out)
     try:
         wait_for(lambda: progress(j, 1, 8), timeout=300, what="rank 1 to train 8 steps")
-        j.store.set("test/die_on_takeover", "1")
+        store_of(j).set("test/die_on_takeover", "1")
         kill_hard(lc, ranks[1])
         runner.join(timeout=600)
         assert not runner.is_alive() and sorted(out["results"]) == [0, 1, 2]
@@ -322,11 +327,10 @@ def test_a_standby_that_dies_as_it_takes_over_is_replaced_by_the_next(cluster):
         memsnap.shutdown(job, timeout=30)
 
 
-def test_a_handover_moves_a_rank_to_the_standby_with_nothing_rolled_back(cluster):
+def test_a_handover_moves_a_rank_to_the_standby_with_nothing_rolled_back(cluster) -> None:
     """A preemption notice (here asked of the controller, as a drain of the node would): the
     rank hands over at the next step boundary; every rank restores the step it just took."""
     import memsnap
-    from memsnap.inplace import InplaceJob
 
     lc = cluster
     while len(lc.nodes) < 5:
@@ -356,19 +360,18 @@ def test_a_handover_moves_a_rank_to_the_standby_with_nothing_rolled_back(cluster
         assert rec["fenced_nodes"] == []  # the node was still there: it left cleanly
         assert rec["pids"][0] == pids[0]["pid"] and rec["pids"][1] == pids[1]["pid"]
         # nothing rolled back: no step was trained twice
-        assert not j.store.check(["test/replayed"])
+        assert not store_of(j).check(["test/replayed"])
         assert len({v["digest"] for v in out["results"].values()}) == 1
     finally:
         runner.join(timeout=60)
         memsnap.shutdown(job, timeout=30)
 
 
-def test_a_node_lost_after_the_coordinator_was_lost_recovers_through_its_rebuild(cluster):
+def test_a_node_lost_after_the_coordinator_was_lost_recovers_through_its_rebuild(cluster) -> None:
     """The coordinator's process dies (Ray restarts it beside the controller; it rebuilds its
     state from the agents), then a rank's node is killed: the recovery goes through the rebuilt
     coordinator, the survivors roll back in place, and the replayed steps are bitwise equal."""
     import memsnap
-    from memsnap.inplace import InplaceJob
 
     lc = cluster
     while len(lc.nodes) < 5:
@@ -392,7 +395,7 @@ def test_a_node_lost_after_the_coordinator_was_lost_recovers_through_its_rebuild
         pids = j.members()
         coord = ray.get_actor(naming.coordinator(job), namespace=naming.NAMESPACE)
         ray.kill(coord, no_restart=False)  # its process dies; Ray starts it again
-        at = int(j.store.get("test/progress/1"))
+        at = int(store_of(j).get("test/progress/1"))
         wait_for(lambda: progress(j, 1, at + 3), timeout=300, what="training to go on past the coordinator's loss")
         kill_hard(lc, ranks[1])
         runner.join(timeout=600)
@@ -409,14 +412,13 @@ def test_a_node_lost_after_the_coordinator_was_lost_recovers_through_its_rebuild
         memsnap.shutdown(job, timeout=30)
 
 
-def test_with_no_standby_and_no_free_node_the_job_waits_for_a_node_and_recovers_on_it(cluster, caplog):
+def test_with_no_standby_and_no_free_node_the_job_waits_for_a_node_and_recovers_on_it(cluster, caplog) -> None:
     """``on_no_standby="wait"`` with no standby at all and every node in use: a rank's node is
     lost, the controller says it waits for a node, and once one joins the cluster a standby is
     warmed there and takes the rank; the survivors stay in place."""
     import logging
 
     import memsnap
-    from memsnap.inplace import InplaceJob
 
     lc = cluster
     while len(lc.nodes) < 4:
@@ -456,12 +458,11 @@ def test_with_no_standby_and_no_free_node_the_job_waits_for_a_node_and_recovers_
         memsnap.shutdown(job, timeout=30)
 
 
-def test_with_no_standby_and_shrink_allowed_the_survivors_go_on_as_a_smaller_job_in_place(cluster):
+def test_with_no_standby_and_shrink_allowed_the_survivors_go_on_as_a_smaller_job_in_place(cluster) -> None:
     """``on_no_standby="shrink"``: a rank's node is killed and no standby is left; the two
     survivors go on at once as ranks 0 and 1 of 2 in the processes they had, and load the
     newest committed step of the 3-rank job (rank 1 the lost rank's state, from its peers)."""
     import memsnap
-    from memsnap.inplace import InplaceJob
 
     lc = cluster
     ranks = lc.nodes[-3:]
@@ -491,12 +492,15 @@ def test_with_no_standby_and_shrink_allowed_the_survivors_go_on_as_a_smaller_job
         assert len(set(rec["steps"].values())) == 1 and rec["steps"][0] >= 5, rec
         assert set(rec["tiers"].values()) == {"elastic"}, rec  # the 3-rank step into 2 ranks
         # each rank's state right after the restore is the committed state of the rank it now is
-        assert int(j.store.get("test/restore_checked/0")) >= 1 and int(j.store.get("test/restore_checked/1")) >= 1
+        assert (
+            int(store_of(j).get("test/restore_checked/0")) >= 1 and int(store_of(j).get("test/restore_checked/1")) >= 1
+        )
         restored_wrong = [
             (r, st)
             for r in range(3)
             for st in range(steps)
-            if j.store.check([f"test/mismatch/{r}/{st}"]) and j.store.get(f"test/mismatch/{r}/{st}") == b"restored"
+            if store_of(j).check([f"test/mismatch/{r}/{st}"])
+            and store_of(j).get(f"test/mismatch/{r}/{st}") == b"restored"
         ]
         assert restored_wrong == []
         assert len({v["digest"] for v in out["results"].values()}) == 1  # two replicas again
@@ -512,12 +516,11 @@ def six_nodes(lc: LocalCluster) -> list:
     return lc.nodes[-5:]
 
 
-def test_a_second_node_lost_while_the_job_re_forms_is_recovered_too(cluster):
+def test_a_second_node_lost_while_the_job_re_forms_is_recovered_too(cluster) -> None:
     """A second rank's node is killed the moment the controller has decided the first loss,
     while the survivors re-form and restore. With two replicas of each rank (m=2) both lost
     ranks come back from the one node left; that node's rank keeps its process throughout."""
     import memsnap
-    from memsnap.inplace import InplaceJob
 
     lc = cluster
     nodes = six_nodes(lc)
@@ -559,12 +562,11 @@ def test_a_second_node_lost_while_the_job_re_forms_is_recovered_too(cluster):
         memsnap.shutdown(job, timeout=30)
 
 
-def test_more_losses_than_the_code_survives_roll_everyone_back_to_the_durable_step(cluster, tmp_path):
+def test_more_losses_than_the_code_survives_roll_everyone_back_to_the_durable_step(cluster, tmp_path) -> None:
     """A rank's node and both nodes holding its pieces (k=1, m=1: two replicas) are killed at
     once: its steps in RAM are on no live node. The job rolls every rank back together to the
     newest spilled step, the other rank in the process it had, and trains on bitwise."""
     import memsnap
-    from memsnap.inplace import InplaceJob
 
     lc = cluster
     nodes = six_nodes(lc)

@@ -85,7 +85,7 @@ def _unit_imports() -> dict[str, set[str]]:
     return units
 
 
-def test_no_two_units_of_the_package_import_each_other_even_through_others():
+def test_no_two_units_of_the_package_import_each_other_even_through_others() -> None:
     graph = _unit_imports()
     assert {"node", "job", "coding", "memory", "records"} <= set(graph)  # it read the tree
     cycles = []

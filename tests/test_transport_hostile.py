@@ -252,7 +252,7 @@ class SilentFlood:
             self.live.clear()
 
 
-def test_silent_connections_reopened_as_they_close_do_not_lock_new_peers_out(served, monkeypatch):
+def test_silent_connections_reopened_as_they_close_do_not_lock_new_peers_out(served, monkeypatch) -> None:
     """The pool full of silent connections from two other sources, each re-opened as the
     server closes it: a fresh client still pushes, and another fetches."""
     from memsnap.transport import server

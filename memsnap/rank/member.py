@@ -19,6 +19,8 @@ Store keys (the controller writes the first, members the rest):
   ``memsnap/<job>/done/<r>``           JSON: rank r finished training (the result's summary)
   ``memsnap/<job>/leave/<member>``     set by ``InplaceJob.hand_over``: that member is to leave
   ``memsnap/<job>/gen/<g>/handover``   the step after which generation g ends for a handover
+  ``memsnap/<job>/gen/<g>/plan``       rank 0's next snapshot step, which every rank follows
+                                       (``collective/plan.py``), and ``memsnap/<job>/plan/figures``
 
 **Handover** (a preemption notice: SIGTERM, a Ray drain of the node, or ``hand_over(rank)``):
 the leaving member, at its next ``save(S)``, names ``S+1`` as the generation's last step. Every
@@ -50,6 +52,7 @@ from memsnap.collective.assignment import (
 )
 from memsnap.collective.group import PeerLost, RecoverableGroup, connect, os_threads
 from memsnap.collective.heartbeat import Beater
+from memsnap.collective.plan import SharedPlan
 from memsnap.collective.report import MemberReport
 from memsnap.identity import process_token
 
@@ -120,6 +123,7 @@ class Context:
             if done is not None:
                 m.took_over(done)
                 m.recovered(live=True)
+                m.plan_snapshots(done.step)
                 return done.step + 1
             m.live_refused(refused)
         m.await_fenced()
@@ -136,6 +140,7 @@ class Context:
             m.recovered(live=False)
         if step is not None:
             m.live.mark(step, state)
+        m.plan_snapshots(step)
         return 0 if step is None else step + 1
 
     def save(self, step: int, state, **kwargs: Any):
@@ -383,6 +388,8 @@ class Member:
             self._resize(rank, world)
         self.rank, self.world, self.gen = rank, world, gen
         self._report = MemberReport(self.name, os.getpid(), rank, gen, takeover, t_assigned)
+        if self.snap is not None:
+            self.snap.steer(None)  # the last generation's plan; ctx.restore names this one's
         try:
             self.group.configure(gen, rank, world)
             self._report.formed = time.time()
@@ -459,6 +466,12 @@ class Member:
         against the failures that roll back (``Snapshotter.recovered``)."""
         total, rollbacks, age_s = self.history
         self.snapshotter.recovered(total + 1, rollbacks + (0 if live else 1), age_s)
+
+    def plan_snapshots(self, after: int | None) -> None:
+        """The generation trains from the step after ``after``: its snapshot steps are named by
+        rank 0's scheduler for every rank (``collective.plan``), so that they commit."""
+        plan = SharedPlan(self.store, self.job, self.current_gen, lead=self.current_rank == 0)
+        self.snapshotter.steer(plan, after)
 
     def restored(self, step: int | None) -> None:
         rep = self._report

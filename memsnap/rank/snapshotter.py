@@ -47,6 +47,7 @@ from memsnap.records import LastRestore, RankPlan, RankRestore
 from memsnap.secret import job_secret
 
 if TYPE_CHECKING:
+    from memsnap.collective.plan import SharedPlan
     from memsnap.preempt import PreemptionWatcher
 
 log = logging.getLogger("memsnap")
@@ -139,6 +140,7 @@ class Snapshotter:
             ),
             start_step=-1,
         )
+        self._plan: SharedPlan | None = None  # steps named by rank 0 (an in-place job), else the policy's
         self._guard = (
             None
             if fail.max_staleness_steps is None
@@ -211,9 +213,17 @@ class Snapshotter:
         ``force=True`` (every rank, the same step: the last step of a run, say) snapshots
         whatever the policy says, and where the node's pipeline is busy waits for a slot (up
         to the ``forced_save_wait_s`` tunable) instead of skipping the step."""
+        try:
+            return self._save_if_due(step, state, force)
+        finally:
+            if self._plan is not None:
+                self._plan.passed(step, self._policy)
+
+    def _save_if_due(self, step: int, state: Mapping[str, Any], force: bool) -> bool:
         if self._watcher is not None and self._watcher.preempted:
             self._final_save(step, state)
-        if not force and not self._policy.due(step):
+        due = self._policy.due(step) if self._plan is None else self._plan.due(step, self._policy)
+        if not force and not due:
             self.counters["skipped_saves"] += 1
             metrics.training_step(self.config.job, self.node, step, every_s=1.0)
             return False
@@ -351,6 +361,14 @@ class Snapshotter:
             self.client.ready_slots(self.capture.nbytes(state))
         except Exception as exc:  # only a head start: the first saves make what is missing
             log.info("rank %d: arena slots not made ahead: %s", self.rank, exc)
+
+    def steer(self, plan: SharedPlan | None, after: int | None = None) -> None:
+        """Let ``plan`` name the steps to snapshot instead of this rank's own policy (None: the
+        policy again): every rank of an in-place generation follows rank 0's scheduler
+        (``collective.plan``); the generation trains from the step after ``after``."""
+        self._plan = plan
+        if plan is not None:
+            plan.start(self._policy, after)
 
     def recovered(self, total: int, rolled_back: int, age_s: float | None = None) -> None:
         """The job has recovered in place ``total`` times, ``rolled_back`` of them by rolling
