@@ -77,6 +77,8 @@ def test_a_killed_node_is_replaced_by_the_standby_and_the_survivors_keep_their_p
         rec = recs[0]
         assert rec["lost"] == {1: "r1"} and rec["takeover"] == {1: "s0"}
         assert rec["fenced_nodes"] == [ranks[1].node_id]
+        # its process's lifeline closed with it: named lost without waiting out its heartbeats
+        assert "lifeline closed" in rec["why"], rec["why"]
         # replicas: the survivors kept their live state, in the processes they had, and the
         # standby took theirs; nothing rolled back but the step in flight
         assert rec["tiers"] == {0: "kept", 1: "live", 2: "kept"} and rec["live_refused"] is None

@@ -5,9 +5,11 @@ plus warm standbys on spare nodes. It hosts the rendezvous store (never a rank: 
 survive any rank's loss), watches every member's heartbeat and the Ray tasks of the members,
 and on a loss:
 
-  1. decides who is lost: a member whose task ended with an error (its actor died) or whose
-     beats stopped (``lost_after_s``; ``suspect_after_s`` once a collective failure was
-     published, so a killed peer is named in a fraction of a second). A member silent with
+  1. decides who is lost: a member whose process ended (its lifeline, a TCP connection to
+     the controller, closed without a goodbye and its beats stopped for two beat periods:
+     ``collective/lifeline.py``; milliseconds after a kill or crash), whose task ended with an
+     error (its actor died), or whose beats stopped (``lost_after_s``; ``suspect_after_s``
+     once a collective failure was published: a host that vanished without closing anything). A member silent with
      no failed collective is first asked after on its node: a process that runs there and is
      not stopped (holding the GIL, in a swap storm) is waited for up to ``slow_limit_s``; a
      stopped or gone process, or a node whose agent does not answer, is lost at once;
@@ -43,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 from memsnap.collective.assignment import Assignment, fenced_key, gen_key
 from memsnap.collective.group import failed_key, publish_failure
 from memsnap.collective.heartbeat import Monitor
+from memsnap.collective.lifeline import Lifelines
 from memsnap.collective.report import MemberReport, read_reports, rolled_back
 from memsnap.errors import ConfigError, MemsnapError
 from memsnap.rank.member import Member
@@ -288,6 +291,7 @@ class InplaceJob:
         self._started = time.monotonic()
         self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
         self.monitor = Monitor(self.store, self.job)
+        self.lifelines = Lifelines(host)
         try:
             import memsnap
 
@@ -342,6 +346,7 @@ class InplaceJob:
         assert self.store is not None, "ranks start from run()"
         host, port = self.store.host, self.store.port
         self.monitor.watch(name)
+        ticket = self.lifelines.expect(name)
         actor = (
             ray.remote(Member)
             .options(
@@ -361,6 +366,7 @@ class InplaceJob:
                 backend=self.backend,
                 backend_timeout_s=self.backend_timeout_s,
                 live_takeover=self.live_takeover,
+                lifeline=ticket,
             )
         )
         self._used_nodes.add(node)
@@ -418,19 +424,27 @@ class InplaceJob:
                     lost[rank] = "handed over (a preemption notice)"
             if self.store is not None and self.store.check([failed_key(self.job, self.gen)]) and reported_at is None:
                 reported_at = time.time()
-            ages = self.monitor.poll()
+            ages, gone = self.monitor.poll(), self.lifelines.gone()
+            dead = {
+                rank: slot
+                for rank, slot in self._ranks.items()
+                if rank not in results and rank not in lost and self._dead(slot.name, ages, gone)
+            }
             limit = self.suspect_after_s if reported_at is not None else self.lost_after_s
             silent = {
                 rank: slot
                 for rank, slot in self._ranks.items()
-                if rank not in results and rank not in lost and ages.get(slot.name, 0.0) > limit
+                if rank not in results and rank not in lost and rank not in dead and ages.get(slot.name, 0.0) > limit
             }
             slow = self._still_working(silent, ages) if silent and reported_at is None else set()
+            for rank, slot in dead.items():
+                lost[rank] = f"its process ended: its lifeline closed, no heartbeat for {ages[slot.name]:.2f} s"
             for rank, slot in silent.items():
                 if slot.name not in slow:
                     lost[rank] = f"no heartbeat for {ages[slot.name]:.1f} s"
             if lost:
-                noticed = reported_at or time.time()
+                signs = [t for t in (reported_at, *(gone[s.name] for s in dead.values())) if t is not None]
+                noticed = min(signs) if signs else time.time()
                 self._recover(lost, noticed)
                 reported_at = None
                 results = {r: v for r, v in results.items() if r not in lost}
@@ -441,6 +455,11 @@ class InplaceJob:
                 self._recover({}, reported_at)
                 reported_at = None
                 results = {}
+
+    def _dead(self, member: str, ages: dict[str, float], gone: dict[str, float]) -> bool:
+        """``member``'s process ended: its lifeline closed without a goodbye, and it has not
+        beaten for two beat periods since (a live process whose connection broke goes on beating)."""
+        return member in gone and ages.get(member, 0.0) > 2 * self.beat_s
 
     def _still_working(self, silent: dict[int, _Slot], ages: dict[str, float]) -> set[str]:
         """Those of the ``silent`` members (beats stopped, no collective failed) to wait for:
@@ -509,7 +528,7 @@ class InplaceJob:
         publish_failure(self.store, self.job, self.gen, f"controller: {why}")
         lost_slots = {rank: self._ranks[rank] for rank in lost}
         for slot in lost_slots.values():
-            self.monitor.forget(slot.name)
+            self._forget(slot.name)
             try:
                 ray.kill(slot.actor, no_restart=True)
             except Exception:
@@ -631,7 +650,7 @@ class InplaceJob:
         the generation it joins waits for it until its heartbeat times out)."""
         import ray
 
-        ages = self.monitor.poll()
+        ages, gone = self.monitor.poll(), self.lifelines.gone()
         with self._lock:
             slots = list(self._standbys)
         ended = set()
@@ -639,18 +658,26 @@ class InplaceJob:
         if refs:
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
             ended = set(ready)
-        dead = [s for s in slots if s.ref in ended or ages.get(s.name, 0.0) > self.suspect_after_s]
+        dead = [
+            s
+            for s in slots
+            if s.ref in ended or ages.get(s.name, 0.0) > self.suspect_after_s or self._dead(s.name, ages, gone)
+        ]
         if not dead:
             return
         with self._lock:
             self._standbys = [s for s in self._standbys if s not in dead]
         for slot in dead:
             log.warning("job %r: standby %s is gone: it takes no rank", self.job, slot.name)
-            self.monitor.forget(slot.name)
+            self._forget(slot.name)
             try:
                 ray.kill(slot.actor, no_restart=True)
             except Exception:
                 pass
+
+    def _forget(self, member: str) -> None:
+        self.monitor.forget(member)
+        self.lifelines.forget(member)
 
     def _free_node(self) -> str | None:
         import ray
@@ -686,7 +713,7 @@ class InplaceJob:
             except Exception as exc:
                 log.warning("job %r: no new standby on node %s: %s", self.job, node[:12], exc)
                 if slot is not None:
-                    self.monitor.forget(slot.name)
+                    self._forget(slot.name)
                     try:
                         ray.kill(slot.actor, no_restart=True)
                     except Exception:
@@ -766,6 +793,7 @@ class InplaceJob:
                 ray.kill(s.actor, no_restart=True)
             except Exception:
                 pass
+        self.lifelines.close()
 
 
 def _why(exc: BaseException) -> str:

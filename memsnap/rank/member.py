@@ -52,6 +52,7 @@ from memsnap.collective.assignment import (
 )
 from memsnap.collective.group import PeerLost, RecoverableGroup, connect, os_threads
 from memsnap.collective.heartbeat import Beater
+from memsnap.collective.lifeline import Lifeline
 from memsnap.collective.plan import SharedPlan
 from memsnap.collective.report import MemberReport
 from memsnap.identity import process_token
@@ -211,6 +212,7 @@ class Member:
         handover_commit_s: float = 120.0,
         watch_preemption: bool = True,
         live_takeover: str = "verified",
+        lifeline: tuple[str, int, str] | None = None,
     ):
         import torch.distributed as dist
 
@@ -232,6 +234,7 @@ class Member:
         # a client of its own: one client serves one call at a time, and the group's waits
         # on it (a rendezvous waiting for a slow peer) would stop the beats behind them
         self._beater = Beater(connect(host, port, 30.0), job, name, beat_s)
+        self._lifeline = self._hold_lifeline(lifeline)  # its close tells the controller this process ended
         self.rank: int | None = None
         self.world: int | None = None
         self.gen: int | None = None
@@ -246,6 +249,17 @@ class Member:
         self._leaving = threading.Event()  # a preemption notice: hand over at the next step boundary
         # off where another runner owns the preemption notice (Ray Train's own watcher)
         self._watcher = self._watch_preemption(preemption_poll_s) if watch_preemption else None
+
+    def _hold_lifeline(self, ticket: tuple[str, int, str] | None) -> Lifeline | None:
+        if ticket is None:
+            return None
+        try:
+            return Lifeline(self.name, ticket)
+        except OSError as exc:  # the heartbeats still tell the controller; only slower
+            log.warning(
+                "member %s: no lifeline to the controller (%s): its loss is noticed by heartbeats", self.name, exc
+            )
+            return None
 
     def _watch_preemption(self, poll_s: float | None):
         from memsnap.preempt import PreemptionWatcher
@@ -515,6 +529,9 @@ class Member:
                 self._watcher.stop()
             except ValueError:  # its signals were installed by another thread: Ray's worker keeps them
                 pass
+        if self._lifeline is not None:
+            self._lifeline.close()  # a goodbye: this process leaves, it is not lost
+            self._lifeline = None
         self._beater.close()
         if self.snap is not None:
             self.snap.close()
