@@ -64,10 +64,11 @@ GIB = 1 << 30
 
 # --- the fault schedule and the one place a fault is injected ------------------------------------
 def _node_processes(node) -> list[psutil.Process]:
-    """The worker processes (``ray::...``: ranks, agents) of one simulated node's raylet."""
+    """One simulated node's raylet and its worker processes (``ray::...``: ranks, agents)."""
     out = []
     for info in node.all_processes.get("raylet", []):
         try:
+            out += [psutil.Process(info.process.pid)]
             out += [
                 c
                 for c in psutil.Process(info.process.pid).children(recursive=True)
@@ -105,12 +106,14 @@ class Nodes:
         index = self.slots[1 + victim]
         on_node = _node_processes(self.live[index])
         t_kill = time.time()
-        self.cluster.kill_node(self.live[index])
-        for p in on_node:  # a worker whose raylet died can linger, holding its memory: a lost node keeps nothing
+        # the raylet and its workers at once, as a host goes; Ray's teardown of the node after
+        # (a worker whose raylet died would linger, holding its memory: a lost node keeps nothing)
+        for p in on_node:
             try:
                 p.kill()
             except psutil.Error:
                 pass
+        self.cluster.kill_node(self.live[index])
         node, new = self._replace(index)
         wait_for(
             lambda: any(n["NodeID"] == node.node_id and not n["Alive"] for n in ray.nodes()),

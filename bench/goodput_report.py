@@ -339,8 +339,10 @@ def write_report(data: dict, out: Path) -> None:
         "",
         f"Faults: one Poisson schedule, job MTBF {a['mtbf_s']:g} s, seed {a['seed']}: "
         f"{', '.join(format(f['at_s'], '.1f') + ' s' for f in data['schedule'])} after the first step. At each, a node "
-        "that runs a rank (never the head) is killed abruptly (`ray.cluster_utils.Cluster.remove_node`, "
-        "no grace: raylet, workers and memsnap agent gone) and a replacement node is added. A fault that "
+        "that runs a rank (never the head) is killed abruptly (its raylet and every worker under it, ranks "
+        "and memsnap agent, SIGKILLed at once, then `ray.cluster_utils.Cluster.remove_node` with no grace; "
+        "until 2026-12-06 07:30 UTC the workers were killed after `remove_node`, which let them live a "
+        "few tenths of a second past the kill time) and a replacement node is added. A fault that "
         "falls while the job is still recovering from the previous one lands when it trains again, so the "
         "kill times (in the table's runs) differ a little between systems. After a kill the whole job "
         "restarts, as Ray Train restarts its worker group: the surviving ranks are killed, 4 ranks start "
