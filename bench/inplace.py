@@ -359,7 +359,7 @@ def render(data: dict, out: Path) -> None:
         "fresh node (the controller looks for a free node once, when it decides a recovery, and warms the next "
         "standby there in the background) and waits for a warm standby and "
         f"{a['settle_steps']} steps of the new generation. *kill -> first sign*: the controller's `noticed` "
-        "(a survivor's failed all-reduce published, or a dead actor/heartbeat); *detect*: -> the next "
+        "(a member's lifeline closed as its process died, a survivor's failed all-reduce published, or a dead actor/heartbeat); *detect*: -> the next "
         "generation written (survivors kept, the standby named); *re-form*: -> every member formed the new "
         "gloo group; *restore*: -> every rank restored. The ranks are replicas (data parallel, the same buffer on "
         "every rank), so the default `live_takeover='verified'` applies: the survivors show with one all-reduce "
