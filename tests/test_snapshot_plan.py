@@ -131,3 +131,22 @@ def test_a_follower_before_rank_0_has_named_a_point_takes_no_snapshot():
     assert not follower.due(5, sched)
     store.set(plan_key("j", 3), json.dumps({"prev": None, "next": 6}))
     assert not follower.due(5, sched) and follower.due(6, sched)
+
+
+class FailingStore(DictStore):
+    def set(self, key: str, value: str) -> None:
+        raise ConnectionError("store gone")
+
+    def check(self, keys: list[str]) -> bool:
+        raise ConnectionError("store gone")
+
+
+def test_a_store_that_fails_names_no_point_and_never_stops_training():
+    clock = FakeClock()
+    sched = Scheduler(Policy(every_steps=1), clock)
+    store = FailingStore()
+    lead, follower = SharedPlan(store, "j", 1, lead=True), SharedPlan(store, "j", 1, lead=False)
+    lead.start(sched, 4)  # its write fails: logged
+    assert lead.due(5, sched)  # rank 0 takes the point it named (the others missed it: no commit)
+    lead.passed(5, sched)
+    assert not follower.due(5, sched)

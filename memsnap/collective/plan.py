@@ -86,9 +86,12 @@ class SharedPlan:
             self.prev = self.next
         self.next = point
         figures = {"cost_s": scheduler.cost_seconds, "quiet_step_s": scheduler.quiet_step_seconds}
-        self.store.set(self.key, json.dumps({"prev": self.prev, "next": self.next, **figures}))
-        if figures["cost_s"] is not None:
-            self.store.set(figures_key(self.job), json.dumps(figures))
+        try:
+            self.store.set(self.key, json.dumps({"prev": self.prev, "next": self.next, **figures}))
+            if figures["cost_s"] is not None:
+                self.store.set(figures_key(self.job), json.dumps(figures))
+        except Exception as exc:  # the others miss this point (it does not commit); never stop training
+            log.warning("snapshot plan %s not written: %s", self.key, exc)
 
     # --- every rank -----------------------------------------------------------------------------
     def due(self, step: int, scheduler: Scheduler) -> bool:
@@ -101,10 +104,10 @@ class SharedPlan:
         return step == self.next or step == self.prev
 
     def _read(self, key: str) -> dict | None:
-        if not self.store.check([key]):
-            return None
         try:
+            if not self.store.check([key]):
+                return None
             return json.loads(self.store.get(key))
-        except ValueError as exc:  # written by this module only; never stop training for it
-            log.warning("snapshot plan %s unreadable: %s", key, exc)
+        except Exception as exc:  # a store that fails now: no point named; never stop training for it
+            log.warning("snapshot plan %s not read: %s", key, exc)
             return None
