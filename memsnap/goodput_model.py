@@ -124,7 +124,7 @@ class Measured:
     detect_s: float = 3.0
     restart_s: float = 60.0
     # in place (bench/inplace.py measures them on loopback nodes; bench/results/inplace.md)
-    inplace_detect_s: float = 1.0  # a loss -> memsnap's own verdict (failed collective, heartbeat)
+    inplace_detect_s: float = 1.0  # a loss -> memsnap's own verdict (lifeline, failed collective, heartbeat)
     reform_s: float = 0.05  # the surviving ranks and the standby form the new group
     local_restore_gibps: float = 2.0  # a survivor rolls back from its own node's RAM
     live_move_gibps: float = 0.5  # replicas: a lost node's state sent by the survivors (live takeover)

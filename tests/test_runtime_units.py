@@ -547,7 +547,7 @@ def test_a_forced_save_ignores_the_policy_and_lets_the_agent_wait_for_a_slot(mon
     snap = object.__new__(Snapshotter)
     snap.rank, snap.node, snap.config = 0, "n" * 56, SnapshotConfig("stub-job")
     snap.counters = {"saves": 0, "failed_saves": 0, "skipped_saves": 0, "skipped_busy": 0}
-    snap._watcher, snap._guard = None, None
+    snap._watcher, snap._guard, snap._plan = None, None, None
     snap._policy = type("NeverDue", (), {"due": lambda self, s: False, "taken": lambda self, s, t: None})()
     begun = []
     client = AgentClient(None, 0)
