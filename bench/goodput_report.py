@@ -179,7 +179,8 @@ def measured_figures(data: dict) -> gm.Measured | None:
     store = _med([f["restore_wall"] for r in disk for f in r["failures"] if "restore_wall" in f])
     if not (peer and fails):
         return None
-    if not store:  # no disk run recovered here: the model's illustrative default, said in the text
+    if not store or store < peer:  # none recovered here, or read back from the page cache (faster
+        # than from peers' RAM): the model's illustrative default, said in the text
         store = c["gib"] / gm.Measured().storage_restore_gibps
     live = [
         x["restore"]
@@ -248,14 +249,20 @@ def inplace_rows(data: dict) -> list[str]:
     lines = [
         "## Where the in-place recoveries' time went (memsnap-inplace)",
         "",
-        "Per fault, from the kill: *first sign* (the controller's `noticed`: a survivor's failed all-reduce "
-        "published, or a member's beats or actor gone), *detect* (-> the next generation written: the lost "
+        "Per fault, from the kill: *first sign* (the controller's `noticed`: a member's lifeline closed, a "
+        "survivor's failed all-reduce published, or a member's beats or actor gone), *detect* (-> the next generation written: the lost "
         "rank named, its node fenced, the standby given the rank; the table above's *detect* is kill -> "
         "this decision), *re-form* (-> every member formed the new gloo group), *restore* (-> every rank "
-        "restored: where the ranks are replicas, as here, the survivors keep their live state (`kept`) and "
-        "the standby receives it from them (`live`), nothing rolled back; otherwise the survivors roll back "
-        "from their own node's RAM (`local`), the standby from its peers (`peer`); the standby's "
-        "`Snapshotter` is created first), *first step* (-> every rank completed a step), and the whole: kill -> every "
+        + (
+            "restored: the ranks hold shards, as here, so the survivors roll back from their own node's RAM "
+            "(`local`) and the standby from its peers (`peer`); where they are replicas, the survivors keep "
+            "their live state (`kept`) and the standby receives it from them (`live`); the standby's "
+            if data["args"].get("workload") == "fsdp"
+            else "restored: where the ranks are replicas, as here, the survivors keep their live state (`kept`) "
+            "and the standby receives it from them (`live`), nothing rolled back; otherwise the survivors roll "
+            "back from their own node's RAM (`local`), the standby from its peers (`peer`); the standby's "
+        )
+        + "`Snapshotter` is created first), *first step* (-> every rank completed a step), and the whole: kill -> every "
         "rank's first completed step. *Ray's verdict*: kill -> Ray's GCS declares the node dead (the other "
         "systems' detect; the in-place job does not wait for it). *Survivors' pids*: the pid each surviving "
         "rank reported at the start of the generation before and of the one the recovery formed.",
@@ -352,9 +359,15 @@ def write_report(data: dict, out: Path) -> None:
         "memsnap/1) with one warm standby on a spare node: after a kill nothing restarts: the controller "
         "notices the loss from the survivors' failed all-reduce or the lost member's missing heartbeats, the "
         "survivors keep their processes, the standby takes the lost rank, and the next standby warms on the "
-        "replacement node; the ranks are replicas (data parallel), so nothing is rolled back: the survivors "
-        "keep their live state and the standby receives it from them (`live_takeover`; a sharded job rolls "
-        "back from RAM instead)"
+        "replacement node; "
+        + (
+            "the ranks hold shards, not replicas, so every rank rolls back to the newest committed step: the "
+            "survivors from their own node's RAM, the standby from its peers' erasure-coded pieces"
+            if a.get("workload") == "fsdp"
+            else "the ranks are replicas (data parallel), so nothing is rolled back: the survivors "
+            "keep their live state and the standby receives it from them (`live_takeover`; a sharded job rolls "
+            "back from RAM instead)"
+        )
         + (
             f" (a member is lost after {a.get('lost_after_s') or 1.0:g} s without heartbeats, "
             f"{a.get('suspect_after_s') or 0.3:g} s once a collective failed)"
@@ -371,6 +384,14 @@ def write_report(data: dict, out: Path) -> None:
             "starts one new worker, which joins at a later step. A step of fewer groups averages fewer "
             "samples: torchft's useful steps count each step as the share of the 4 groups that took it."
             if any(r["spec"]["system"] == "torchft" for r in runs)
+            else ""
+        )
+        + (
+            " **torchft** does not run on this workload: it shards only inside a replica group (HSDP; here "
+            "two groups of 2 ranks at the same rank count), and Ray Train 2.60's `TorchftConfig` makes every "
+            "worker a replica group of its own (replica groups of more than one worker are a TODO in "
+            "`ray.train.v2`'s worker group), so a sharded job cannot be laid out under it."
+            if a.get("workload") == "fsdp"
             else ""
         ),
         "",
@@ -476,7 +497,7 @@ def write_report(data: dict, out: Path) -> None:
             f"`memsnap plan --goodput` with the figures measured here (stall {x.stall_s_per_gib:.3f} s/GiB, agent CPU "
             f"{x.agent_cpu_s_per_gib:.2f} core-s/GiB, restore {x.peer_restore_gibps:.2f} GiB/s from peers and "
             f"{x.storage_restore_gibps:.2f} GiB/s from storage"
-            f"{'' if any(r['spec']['system'] == 'torch.save' and r['spec']['faults'] for r in runs) else ' (the model default: no torch.save run recovered here)'}"
+            f"{' (the model default: no torch.save run recovered here, or it read from the page cache)' if x.storage_restore_gibps == gm.Measured().storage_restore_gibps else ''}"
             f", detect {x.detect_s:.1f} s, restart "
             f"{x.restart_s:.1f} s) and the model's default cluster (8 GPUs and 10 GiB of state per GPU, "
             "per-node MTBF from the Llama 3 report's 419 unexpected interruptions in 54 days on 16,384 GPUs, "
