@@ -257,7 +257,7 @@ def inplace_rows(data: dict) -> list[str]:
             "restored: the ranks hold shards, as here, so the survivors roll back from their own node's RAM "
             "(`local`) and the standby from its peers (`peer`); where they are replicas, the survivors keep "
             "their live state (`kept`) and the standby receives it from them (`live`); the standby's "
-            if data["args"].get("workload") == "fsdp"
+            if data.get("args", {}).get("workload") == "fsdp"
             else "restored: where the ranks are replicas, as here, the survivors keep their live state (`kept`) "
             "and the standby receives it from them (`live`), nothing rolled back; otherwise the survivors roll "
             "back from their own node's RAM (`local`), the standby from its peers (`peer`); the standby's "

@@ -247,6 +247,9 @@ def test_the_report_shows_the_in_place_split_and_ranks_goodput():
     assert "2: peers" in cells[10] and cells[11] == "unchanged"
     assert any("3.0 s" in r for r in rows)  # the new standby warm 3 s after the decision
     assert ranking(data) == f"Goodput, best first: memsnap-inplace/1 {run['rate']:.2f}, dcp/5 0.50."
+    assert "the ranks are replicas, as here" in rows[2]  # ddp, the default workload
+    sharded = inplace_rows({**data, "args": {"workload": "fsdp"}})
+    assert "the ranks hold shards, as here" in sharded[2] and "replicas, as here" not in sharded[2]
 
 
 def test_the_model_charges_an_in_place_run_that_went_live_only_the_step_in_flight():
