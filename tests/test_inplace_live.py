@@ -144,7 +144,7 @@ def test_a_state_without_an_optimizer_is_not_guarded_and_offers_nothing():
 
 
 # --- the exchange between processes ------------------------------------------------------------
-def _member(port: int, rank: int, fresh: bool, out, damage: bool = False) -> None:
+def _member(port: int, rank: int, fresh: bool, out, damage: bool = False, direct: bool = False) -> None:
     """Rank ``rank`` of generation 1 of a 3-member group; ``fresh``: a standby that holds
     only its setup's state. The others trained three steps in generation 0 and then lost a
     step in flight (their RNGs moved, their optimizer refused)."""
@@ -153,6 +153,10 @@ def _member(port: int, rank: int, fresh: bool, out, damage: bool = False) -> Non
     from memsnap.collective.group import RecoverableGroup
 
     torch.set_num_threads(1)
+    if direct:  # every tensor goes from the holder's own memory (the toy's are all small)
+        from memsnap.collective import live as live_mod
+
+        live_mod.DIRECT_BYTES = 1
     group = RecoverableGroup("livetest", ("127.0.0.1", port), timeout_s=60)
     live = Live(group)
     state = toy_state()
@@ -187,13 +191,13 @@ def _member(port: int, rank: int, fresh: bool, out, damage: bool = False) -> Non
         dist.destroy_process_group() if dist.is_initialized() else None
 
 
-def _exchange(damage: bool = False) -> dict:
+def _exchange(damage: bool = False, direct: bool = False) -> dict:
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_member, args=(store.port, r, r == 1, out, damage)) for r in range(3)]
+    procs = [ctx.Process(target=_member, args=(store.port, r, r == 1, out, damage, direct)) for r in range(3)]
     for p in procs:
         p.start()
     try:
@@ -209,6 +213,40 @@ def _exchange(damage: bool = False) -> dict:
     return got
 
 
+def test_the_pieces_of_a_holders_slice_tile_it_and_send_large_tensors_whole():
+    from types import SimpleNamespace
+
+    from memsnap.collective import live as live_mod
+    from memsnap.state.capture import RNG_KEY
+
+    big = live_mod.DIRECT_BYTES
+
+    def entry(path, offset, nbytes, alias_of=None):
+        return SimpleNamespace(path=path, offset=offset, nbytes=nbytes, alias_of=alias_of)
+
+    # small, big (after 8 bytes of padding), an alias of it, an RNG stream kept per rank, small
+    tensors = [
+        entry("a", 0, 100),
+        entry("w", 108, 2 * big),
+        entry("w2", 108, 2 * big, alias_of=1),
+        entry(f"{RNG_KEY}/python", 108 + 2 * big, big),
+        entry("b", 108 + 3 * big, 50),
+    ]
+    manifest = SimpleNamespace(tensors=tensors)
+    end = 108 + 3 * big + 50
+    for lo, hi in [(0, end), (0, 150), (150, end), (108 + big, 108 + big + 1)]:
+        pieces = live_mod._pieces(manifest, lo, hi, ("python",))
+        assert pieces[0][0] == lo and pieces[-1][1] == hi  # they tile [lo, hi), in order
+        assert all(p[1] == q[0] and p[0] < p[1] for p, q in zip(pieces, pieces[1:]))
+        assert {i for _, _, i in pieces} - {None} <= {1}  # only the big tensor goes whole
+    assert live_mod._pieces(manifest, 0, end, ("python",)) == [
+        (0, 108, None),
+        (108, 108 + 2 * big, 1),
+        (108 + 2 * big, end, None),
+    ]
+    assert live_mod._pieces(manifest, 0, end, ())[2] == (108 + 2 * big, 108 + 3 * big, 3)  # a stream sent
+
+
 def test_two_survivors_send_their_live_state_to_a_standby_which_ends_bitwise_equal():
     got = _exchange()
     assert got[0][0].role == "kept" and got[2][0].role == "kept", got
@@ -219,6 +257,12 @@ def test_two_survivors_send_their_live_state_to_a_standby_which_ends_bitwise_equ
     assert len({got[r][2] for r in range(3)}) == 1
     assert len({got[r][3] for r in range(3)}) == 1
     assert got[1][0].own_rng == ("python", "numpy")
+
+
+def test_a_live_state_sent_from_the_holders_tensors_themselves_arrives_bitwise_equal():
+    got = _exchange(direct=True)
+    assert got[1][0].role == "live" and got[1][0].holders == (0, 2), got
+    assert len({got[r][2] for r in range(3)}) == 1 and len({got[r][3] for r in range(3)}) == 1
 
 
 def test_a_live_state_damaged_on_the_way_is_refused_and_the_receiver_will_not_take_one_again():

@@ -22,11 +22,12 @@ flight. Three parts make that exact:
    member reaches the same verdict from the same table) goes on from the newest boundary if
    at least two members hold it with one digest (``trust=True``: one is enough); they keep
    their state, and every other member (the standby, a survivor a step behind, one whose
-   optimizer stepped after its boundary) receives it, a slice from each holder at once (laid
-   out from the holder's live tensors), and checks it against the digests the holders agreed
-   on before applying it. Anything else (ranks whose states differ: sharded, per-rank RNG or
-   buffers; nobody clean; the world size changed; a member that refuses) rolls everyone back
-   to the newest committed step, as before, and the verdict says why.
+   optimizer stepped after its boundary) receives it, a slice from each holder at once (each
+   large tensor sent from the holder's own memory, uncopied; the rest laid out between them),
+   and checks it against the digests the holders agreed on before applying it. Anything else
+   (ranks whose states differ: sharded, per-rank RNG or buffers; nobody clean; the world size
+   changed; a member that refuses) rolls everyone back to the newest committed step, as
+   before, and the verdict says why.
 
 Nothing here is pickled: the manifest travels as its JSON, the bytes as a uint8 tensor.
 """
@@ -47,6 +48,7 @@ from memsnap.collective.group import PeerLost, RecoverableGroup
 log = logging.getLogger("memsnap.inplace")
 
 SMALL_BYTES = 1 << 20  # tensors below this are copied at every step boundary
+DIRECT_BYTES = SMALL_BYTES  # a takeover sends a tensor this large from its own memory, uncopied
 MODES = ("verified", "trusted", "off")
 
 
@@ -307,6 +309,43 @@ def _slice(b: Boundary, sources: list, lo: int, hi: int, own: tuple[str, ...]):
     return out[: hi - lo]
 
 
+def _pieces(manifest, lo: int, hi: int, own: tuple[str, ...]) -> list[tuple[int, int, int | None]]:
+    """Bytes ``[lo, hi)`` of the layout as the messages one holder sends, in order: each
+    tensor of ``DIRECT_BYTES`` or more, its part in the range (its entry's index: sent from the
+    tensor's own memory, no copy), and the ranges between them (None: laid out by ``_slice``).
+    Together they tile ``[lo, hi)``; both sides compute them from the manifest alone."""
+    out: list[tuple[int, int, int | None]] = []
+    at = lo
+    for i in sorted(range(len(manifest.tensors)), key=lambda i: manifest.tensors[i].offset):
+        e = manifest.tensors[i]
+        a, z = max(lo, e.offset), min(hi, e.offset + e.nbytes)
+        if e.alias_of is not None or e.nbytes < DIRECT_BYTES or a >= z or a < at:
+            continue
+        if any(_in_stream(e.path, k) for k in own):
+            continue
+        if a > at:
+            out.append((at, a, None))
+        out.append((a, z, i))
+        at = z
+    if hi > at:
+        out.append((at, hi, None))
+    return out
+
+
+def _direct(b: Boundary, sources: list, i: int, a: int, z: int, keep: list):
+    """Bytes ``[a, z)`` of the layout, all inside entry ``i``: a uint8 view of its live tensor
+    (``keep`` holds the tensor until the send is done), or of its recorded bytes."""
+    import torch
+
+    e = b.manifest.tensors[i]
+    got = entry_bytes(b, sources, i)
+    if isinstance(got, bytes):
+        return torch.frombuffer(bytearray(got[a - e.offset : z - e.offset]), dtype=torch.uint8)
+    raw, t = got
+    keep.append(t)
+    return torch.frombuffer(raw[a - e.offset : z - e.offset], dtype=torch.uint8)
+
+
 def _in_stream(path: str, k: str) -> bool:
     """``path`` is a tensor of RNG stream ``k`` (``_is_rng``: of any stream)."""
     from memsnap.state.capture import RNG_KEY
@@ -491,8 +530,13 @@ def _send(group: RecoverableGroup, verdict: Verdict, rank: int, b: Boundary, sou
         group.exchange([(t, r) for r in verdict.receivers for t in (head, body)], [])
     cuts = _slices(verdict.nbytes, len(verdict.holders))
     if j < len(cuts):
-        part = _slice(b, sources, *cuts[j], verdict.own_rng)
-        group.exchange([(part, r) for r in verdict.receivers], [])
+        keep: list = []  # the live tensors behind the views being sent
+        parts = [
+            _slice(b, sources, a, z, verdict.own_rng) if i is None else _direct(b, sources, i, a, z, keep)
+            for a, z, i in _pieces(b.manifest, *cuts[j], verdict.own_rng)
+        ]
+        group.exchange([(part, r) for part in parts for r in verdict.receivers], [])
+        del keep
 
 
 def _receive(live: Live, verdict: Verdict):
@@ -510,7 +554,8 @@ def _receive(live: Live, verdict: Verdict):
     manifest = Manifest.from_json(bytes(body.numpy()), what="live takeover manifest")
     buf = torch.empty(max(verdict.nbytes, 1), dtype=torch.uint8)
     cuts = _slices(verdict.nbytes, len(verdict.holders))
-    group.exchange([], [(buf[lo:hi], verdict.holders[j]) for j, (lo, hi) in enumerate(cuts)])
+    pieces = [(a, z, j) for j, cut in enumerate(cuts) for a, z, _ in _pieces(manifest, *cut, verdict.own_rng)]
+    group.exchange([], [(buf[a:z], verdict.holders[j]) for a, z, j in pieces])
     why = _check(manifest, buf, verdict)
     if why is not None:
         live.refuse = why
