@@ -403,7 +403,8 @@ def train_inplace(ctx, job: Job, cfg: dict) -> int:
     first = ctx.restore(job.state())
     wall = time.perf_counter() - t
     job.take_rank(rank, ctx.world_size, fresh=first == 0)
-    event(cfg["events"], ev="restored", rank=rank, gen=gen, step=first - 1 if first else None, wall=wall)
+    phases = {k: round(v, 4) for k, v in ctx.snapshotter.last_restore.seconds.items()}
+    event(cfg["events"], ev="restored", rank=rank, gen=gen, step=first - 1 if first else None, wall=wall, phases=phases)
     store.wait([DEADLINE_KEY])
 
     def go_on() -> bool:

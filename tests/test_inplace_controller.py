@@ -85,6 +85,9 @@ def test_split_measures_each_phase_up_to_the_last_member_to_finish_it():
     out = rec.to_dict()
     assert out["tiers"] == {0: "local", 1: "peer", 2: "local"} and out["pids"] == {0: 11, 1: 22, 2: 33}
     assert out["steps"] == {0: 9, 1: 9, 2: 9} and out["split"]["total"] == 3.0
+    # each member's own timeline, to see whose wait made a phase long (here rank 1 formed last)
+    assert out["members"][1]["formed"] == 101.0 and out["members"][1]["assigned"] == 100.25
+    assert out["members"][2]["first_step"] == 103.0 and out["members"][0]["member"] == "r0"
     assert json.loads(json.dumps(out))["lost"] == {"1": "r1"}  # the events file is JSON
 
 

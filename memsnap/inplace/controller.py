@@ -117,6 +117,8 @@ class Recovery:
             "pids": {r: rep.pid for r, rep in sorted(self.reports.items())},
             # why the ranks rolled back instead of going on from their live state (None: they did not)
             "live_refused": next((r.live_refused for r in self.reports.values() if r.live_refused is not None), None),
+            # each member's own timeline of the generation (assigned, formed, restored, first step...)
+            "members": {r: rep.to_wire() for r, rep in sorted(self.reports.items())},
         }
 
 
