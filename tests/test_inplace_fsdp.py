@@ -1,7 +1,8 @@
 """FSDP2 through the re-formable group (``memsnap.collective.fsdp``), two gloo processes and no Ray:
 its collectives give what FSDP2's own give, bitwise, across a re-formed generation; a lost
-peer mid-step never raises inside FSDP2 (the step runs out on zeros, the generation is over)
-and the same sharded model trains on in the next generation."""
+peer mid-step ends the step at once in ``PeerLost`` (where torch can reset FSDP2's iteration;
+with an older torch the step runs out on zeros), the cut step leaves no trace once the
+rollback's ``reshard`` ran, and the same sharded model trains on in the next generation."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import hashlib, json, os, sys
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from memsnap.collective.fsdp import reshard, shard
+from memsnap.collective.fsdp import can_cut_a_step, reshard, shard
 from memsnap.collective.group import RecoverableGroup
 
 rank, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
@@ -31,11 +32,11 @@ def build():
     model = torch.nn.Sequential(torch.nn.Linear(8, 13), torch.nn.ReLU(), torch.nn.Linear(13, 5))  # 13, 5 rows: uneven
     return model
 
-def step(model, opt, i):
+def step(model, opt, i):  # gradients zeroed after the step: a cut step's must not carry over
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * rank + i))
-    opt.zero_grad()
     model(x).square().mean().backward()
     opt.step()
+    opt.zero_grad()
 
 def digest(model, opt):
     h = hashlib.blake2b(digest_size=16)
@@ -58,29 +59,44 @@ ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
 for i in range(6):
     step(ref, ref_opt, i)
 
-model = build()
+model, twin = build(), build()  # twin: trains the same steps, but never the cut one
 shard(model, group, modules=[m for m in model if isinstance(m, torch.nn.Linear)])
+shard(twin, group, modules=[m for m in twin if isinstance(m, torch.nn.Linear)])
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+twin_opt = torch.optim.AdamW(twin.parameters(), lr=1e-2)
 for i in range(3):
     step(model, opt, i)
+    step(twin, twin_opt, i)
 group.configure(1, rank, 2)  # re-formed in the same process: the model is not rebuilt
 for i in range(3, 6):
     step(model, opt, i)
-result = {"ref": digest(ref, ref_opt), "rec": digest(model, opt)}
-# a peer lost mid-step: rank 1 reports it and does not take part; rank 0's collectives see it
-if rank == 1:
-    group.fail("lost (test)")
+    step(twin, twin_opt, i)
+result = {"ref": digest(ref, ref_opt), "rec": digest(model, opt), "cut": can_cut_a_step()}
+before = digest(model, opt)
+# a peer lost mid-backward, once the last layer's gradients are reduce-scattered: rank 1
+# reports it as the backward reaches the first layer and takes no further part; rank 0's next
+# collective sees it
+def lose(module, grad):
+    if rank == 1:
+        group.fail("lost (test)")
+
+hook = model[0].register_full_backward_pre_hook(lose)
 raised = None
 try:
     step(model, opt, 6)
 except Exception as exc:
     raised = repr(exc)
+hook.remove()
+result["partial_grads"] = any(p.grad is not None for p in model.parameters())
 result["raised"] = raised
 result["failure"] = group.failure()
 reshard(model)
+result["untouched"] = digest(model, opt) == before  # no optimizer step on a cut step's zeros
 group.configure(2, rank, 2)
 step(model, opt, 7)
+step(twin, twin_opt, 7)
 result["trained_on"] = group.failure() is None
+result["as_twin"] = digest(model, opt) == digest(twin, twin_opt)
 group.close()
 open(out, "w").write(json.dumps(result))
 # out at once: generation 1's abandoned all-gather is still kept (its peer never joined it), and
@@ -96,7 +112,7 @@ def store():
     yield port, s
 
 
-def test_fsdp2_through_the_reformable_group_is_bitwise_fsdp2_and_a_lost_peer_never_raises(store, tmp_path):
+def test_fsdp2_through_the_reformable_group_is_bitwise_and_a_cut_step_leaves_no_trace(store, tmp_path):
     port, _keep = store
     script = tmp_path / "child.py"
     script.write_text(CHILD)
@@ -113,7 +129,12 @@ def test_fsdp2_through_the_reformable_group_is_bitwise_fsdp2_and_a_lost_peer_nev
     res = [json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(2)]
     for r in res:
         assert r["rec"] == r["ref"]  # sharded shapes and sums as FSDP2's own, across a re-form
-        assert r["raised"] is None  # the lost peer never reached the training step as an exception
         assert r["failure"] and "lost (test)" in r["failure"]
         assert r["trained_on"]
+        if r["cut"]:  # the step ended at its first collective, and left nothing behind
+            assert r["raised"] and r["raised"].startswith("PeerLost(")
+            assert r["partial_grads"]  # (the last layer's were reduce-scattered before the cut)
+            assert r["untouched"] and r["as_twin"]
+        else:  # an older torch: the step ran out on zeros (the rollback undoes it)
+            assert r["raised"] is None
     assert res[0]["rec"] != res[1]["rec"]  # each rank holds its own shards (no replica)

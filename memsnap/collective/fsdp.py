@@ -14,11 +14,19 @@ becomes a rank, after its group is formed.
 FSDP2 is given its own communication objects (``set_custom_all_gather`` and
 ``set_custom_reduce_scatter``), which ignore the group FSDP2 holds (the generation it was
 sharded on, left when the group is re-formed) and use the current generation. A member keeps
-its rank across generations and the world its size, so every shard keeps its shape. As with
-``ddp``, a lost peer never raises inside FSDP2's hooks (that would leave its parameters
-unsharded mid-step): the collective leaves zeros, the generation is marked over, the step's
-``ctx.save`` ends it in ``PeerLost`` and the rollback undoes it. Each collective runs on
-buffers of its own (an abandoned one may still write into them until the backend's timeout).
+its rank across generations and the world its size, so every shard keeps its shape.
+
+A lost peer ends the step at the next all-gather or reduce-scatter: ``PeerLost`` goes up
+through FSDP2's hooks and out of the training function (the member catches it; the user's
+code never handles it), so the survivors stop within one layer instead of computing the rest
+of the step on zeros (on a GPU, up to a whole step before they could join the recovery).
+The rollback (``reshard``) then resets FSDP2's per-iteration state
+(``FSDPModule.reset_iter_state``: every group resharded, the iteration's trackers cleared)
+and drops the cut step's gradients; no optimizer step was taken. With a torch that has no
+``reset_iter_state`` (before 2.13), raising would leave FSDP2 mid-iteration, so there the
+collective leaves zeros instead, the step runs out and its ``ctx.save`` ends it in
+``PeerLost``. Each collective runs on buffers of its own (an abandoned one may still write
+into them until the backend's timeout).
 
 Collectives over the parameters' device mesh (``clip_grad_norm_`` on DTensors, ``full_tensor``)
 go to the generation the model was sharded on: use ``ctx.all_reduce`` instead.
@@ -29,9 +37,19 @@ from __future__ import annotations
 from memsnap.collective.group import PeerLost, RecoverableGroup
 
 
+def can_cut_a_step() -> bool:
+    """Whether FSDP2 can be left mid-iteration and reset (``FSDPModule.reset_iter_state``):
+    then a lost peer's ``PeerLost`` is raised through its hooks."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return hasattr(FSDPModule, "reset_iter_state")
+
+
 def _comm_classes():
     import torch
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+    cut = can_cut_a_step()
 
     class RecoverableAllGather(AllGather):
         def __init__(self, group: RecoverableGroup):
@@ -46,6 +64,8 @@ def _comm_classes():
                 self.group.all_gather_single(out, input_tensor.clone())
                 output_tensor.copy_(out)
             except PeerLost:
+                if cut:
+                    raise
                 output_tensor.zero_()  # the generation is over; the step's save ends it
             return None
 
@@ -62,6 +82,8 @@ def _comm_classes():
                 self.group.reduce_scatter_single(out, input_tensor.clone(), op)
                 output_tensor.copy_(out)
             except PeerLost:
+                if cut:
+                    raise
                 output_tensor.zero_()
             return None
 
@@ -97,10 +119,17 @@ def shard(model, group: RecoverableGroup, *, modules=(), **options):
 
 
 def reshard(model) -> None:
-    """Every FSDP2 module of ``model`` back to its sharded parameters (a step cut short by a
-    lost peer may have left some gathered) before the rollback writes into them."""
+    """``model`` (the root ``shard`` returned) back to a step boundary before the rollback
+    writes into it: FSDP2's iteration state reset and the cut step's gradients dropped where
+    the step was cut (``can_cut_a_step``), every FSDP2 module back to its sharded parameters
+    otherwise (a step run out on zeros may have left some gathered)."""
     from torch.distributed.fsdp import FSDPModule
 
+    if can_cut_a_step() and isinstance(model, FSDPModule):
+        model.reset_iter_state()
+        for p in model.parameters():  # type: ignore[attr-defined]  # (an FSDPModule is an nn.Module)
+            p.grad = None  # partial: a backward cut at a layer (no optimizer step took them)
+        return
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()

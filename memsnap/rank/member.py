@@ -115,7 +115,7 @@ class Context:
         if m.recoveries:
             from memsnap.collective.fsdp import reshard
 
-            for model in m.sharded:  # a step cut short may have left parameters gathered
+            for model in m.sharded:  # a step cut short: FSDP2 back to a step boundary
                 reshard(model)
         if m.current_gen > 0 and m.live.mode != "off" and not m.sharded:
             from memsnap.collective.live import take_over
