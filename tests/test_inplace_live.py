@@ -247,6 +247,30 @@ def test_the_pieces_of_a_holders_slice_tile_it_and_send_large_tensors_whole():
     assert live_mod._pieces(manifest, 0, end, ())[2] == (108 + 2 * big, 108 + 3 * big, 3)  # a stream sent
 
 
+def test_the_layout_finds_exactly_the_entries_a_byte_range_touches():
+    from types import SimpleNamespace
+
+    from memsnap.collective import live as live_mod
+
+    def entry(offset, nbytes, alias_of=None):
+        return SimpleNamespace(path="p", offset=offset, nbytes=nbytes, alias_of=alias_of)
+
+    # out of order, with padding, an alias (the same range) and an empty entry between two
+    tensors = [entry(40, 30), entry(0, 16), entry(24, 16), entry(0, 16, alias_of=1), entry(70, 0), entry(72, 8)]
+    layout = live_mod._Layout(SimpleNamespace(tensors=tensors))
+    assert layout.sorted_ends
+    for lo in range(0, 81):
+        for hi in range(lo + 1, 81):
+            touched = {i for i, e in enumerate(tensors) if max(lo, e.offset) < min(hi, e.offset + e.nbytes)}
+            found = layout.within(lo, hi)
+            assert touched <= set(found), (lo, hi)  # every entry with bytes in the range
+            assert all(tensors[i].nbytes == 0 or i in touched for i in found), (lo, hi)  # and no other
+            assert [tensors[i].offset for i in found] == sorted(tensors[i].offset for i in found)
+    # entries that overlap without being aliases: no search, every entry (as a scan would)
+    odd = live_mod._Layout(SimpleNamespace(tensors=[entry(0, 100), entry(10, 5), entry(50, 10)]))
+    assert not odd.sorted_ends and sorted(odd.within(60, 70)) == [0, 1, 2]
+
+
 def test_two_survivors_send_their_live_state_to_a_standby_which_ends_bitwise_equal():
     got = _exchange()
     assert got[0][0].role == "kept" and got[2][0].role == "kept", got
