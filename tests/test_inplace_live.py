@@ -166,26 +166,29 @@ def _member(port: int, rank: int, fresh: bool, out, damage: bool = False, direct
             one_step(state, torch.randn(16, 8, generator=g)).step()
             live.mark(step, state)
         torch.rand(7)  # the lost step's draws
-    if damage and rank == 2:  # its slice is damaged on the way (one byte)
+    if damage and rank == 2:  # a piece of its slice is damaged on the way (one byte)
         from memsnap.collective import live as live_mod
 
-        cut = live_mod._slice
+        name = "_direct" if direct else "_slice"
+        cut = getattr(live_mod, name)
 
         def damaged(*args):
-            part = cut(*args)
+            part = cut(*args).clone()  # (a direct piece is a view of the holder's own tensor)
             part[-1] ^= 1
             return part
 
-        live_mod._slice = damaged
+        setattr(live_mod, name, damaged)
+    storages = {n: p.data_ptr() for n, p in state["model"].state_dict().items()}
     try:
         group.configure(1, rank, 3)
         try:
             done, why = take_over(live, state, rank, 3)
         except PeerLost as exc:
-            out.put((rank, None, f"{exc} | refuse: {live.refuse}", None, None))
+            out.put((rank, None, f"{exc} | refuse: {live.refuse} | dirty: {live.dirty}", None, None))
             return
         digest = hashlib.sha256(whole(state, rng=False)).hexdigest()
-        out.put((rank, done, why, digest, torch.rand(1).item()))
+        kept = storages == {n: p.data_ptr() for n, p in state["model"].state_dict().items()}
+        out.put((rank, done, f"{why}{'' if kept else ' | the model has new storage'}", digest, torch.rand(1).item()))
     finally:
         group.close()
         dist.destroy_process_group() if dist.is_initialized() else None
@@ -283,10 +286,23 @@ def test_two_survivors_send_their_live_state_to_a_standby_which_ends_bitwise_equ
     assert got[1][0].own_rng == ("python", "numpy")
 
 
-def test_a_live_state_sent_from_the_holders_tensors_themselves_arrives_bitwise_equal():
+def test_a_live_state_sent_from_the_holders_tensors_themselves_lands_in_the_receivers_own():
     got = _exchange(direct=True)
     assert got[1][0].role == "live" and got[1][0].holders == (0, 2), got
     assert len({got[r][2] for r in range(3)}) == 1 and len({got[r][3] for r in range(3)}) == 1
+    # the standby's model took the bytes in its own tensors (no new storage, nothing staged:
+    # every model tensor in place); its optimizer had no moments yet: those came as new tensors
+    state = toy_state()
+    model_bytes = sum(t.numel() * t.element_size() for t in state["model"].state_dict().values())
+    assert got[1][1] == "" and got[1][0].in_place == model_bytes, got
+    assert got[1][0].nbytes > model_bytes  # (the moments and the rest were received too)
+
+
+def test_a_live_state_damaged_in_a_tensor_received_in_place_is_refused_and_marks_the_state_written():
+    got = _exchange(damage=True, direct=True)
+    assert got[1][0] is None and "refuse: step 2 arrived with" in got[1][1], got
+    assert got[1][1].endswith("dirty: True"), got  # the restore after it refuses a fresh start
+    assert got[0][0].role == "kept" and got[2][0].role == "kept", got
 
 
 def test_a_live_state_damaged_on_the_way_is_refused_and_the_receiver_will_not_take_one_again():

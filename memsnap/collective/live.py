@@ -23,8 +23,10 @@ flight. Three parts make that exact:
    at least two members hold it with one digest (``trust=True``: one is enough); they keep
    their state, and every other member (the standby, a survivor a step behind, one whose
    optimizer stepped after its boundary) receives it, a slice from each holder at once (each
-   large tensor sent from the holder's own memory, uncopied; the rest laid out between them),
-   and checks it against the digests the holders agreed on before applying it. Anything else
+   large tensor sent from the holder's own memory, uncopied, straight into the receiver's own
+   tensor; the rest laid out between them), and checks it against the digests the holders
+   agreed on before applying it (a refused state that was written into leaves the member
+   ``dirty``: a loaded step must follow, never a fresh start). Anything else
    (ranks whose states differ: sharded, per-rank RNG or buffers; nobody clean; the world size
    changed; a member that refuses) rolls everyone back to the newest committed step, as
    before, and the verdict says why.
@@ -125,6 +127,8 @@ class Live:
         self.unguarded = "no optimizer in the state"  # why the state cannot be trusted (or "")
         self._hooked: set[int] = set()
         self.refuse: str | None = None  # set when a takeover's bytes arrived damaged: roll back
+        # a refused takeover had written into the live tensors: only a loaded step may follow
+        self.dirty = False
 
     # --- the guard ------------------------------------------------------------------------------
     def guard(self, state: Mapping[str, Any]) -> None:
@@ -472,7 +476,8 @@ def _slices(nbytes: int, n: int) -> list[tuple[int, int]]:
 class Takeover:
     """What one rank did in a live takeover: went on from ``step``, as a holder that ``kept``
     its state or as a receiver that took the ``live`` state of ``holders`` (``nbytes``),
-    keeping its own RNG streams ``own_rng``; ``phases``: seconds of digest, agree, move, apply."""
+    keeping its own RNG streams ``own_rng``; ``phases``: seconds of digest, agree, move, apply;
+    ``in_place``: of a receiver, the bytes that landed straight in its live tensors."""
 
     step: int
     role: str
@@ -481,6 +486,7 @@ class Takeover:
     holders: tuple[int, ...]
     own_rng: tuple[str, ...]
     phases: Mapping[str, float]
+    in_place: int = 0
 
 
 def take_over(
@@ -512,6 +518,7 @@ def take_over(
     if verdict.step is None:
         return None, verdict.why
     t = time.perf_counter()
+    in_place = 0
     if rank in verdict.holders:
         assert b is not None and sources is not None
         live.roll_back(state, sources)  # the small state and the RNGs, as at the boundary
@@ -520,13 +527,8 @@ def take_over(
         clock["move"] = time.perf_counter() - t - clock["apply"]
         role = "kept"
     else:
-        from memsnap.state import apply as apply_mod
-
-        manifest, buf = _receive(live, verdict)
-        clock["move"] = time.perf_counter() - t
-        apply_mod.apply(state, manifest, buf.numpy(), rng=False, verify=False)
-        _take_rng(manifest, buf, verdict.own_rng)
-        live.refuse = None
+        in_place = _receive(live, verdict, state, clock, t)
+        live.refuse, live.dirty = None, False
         live.mark(verdict.step, state)  # its state is the boundary now: it may hold it next time
         clock["apply"] = time.perf_counter() - t - clock["move"]
         role = "live"
@@ -538,6 +540,7 @@ def take_over(
         tuple(verdict.holders),
         tuple(verdict.own_rng),
         {k: round(v, 4) for k, v in clock.items()},
+        in_place,
     ), ""
 
 
@@ -566,11 +569,20 @@ def _send(group: RecoverableGroup, verdict: Verdict, rank: int, b: Boundary, sou
         del keep
 
 
-def _receive(live: Live, verdict: Verdict):
-    """A receiver's part: the manifest from the first holder, a slice from each, checked
-    against what the holders agreed on (the state's digest and each RNG stream's taken)."""
+def _receive(live: Live, verdict: Verdict, state: Mapping[str, Any], clock: dict, t: float) -> int:
+    """A receiver's part: the manifest from the first holder, then a slice from each, each
+    piece landing where it belongs: a large tensor's bytes straight in the live tensor (or
+    a new one, where the live state lacks it, as for optimizer moments before the first
+    step), the small ones between them in a buffer of their own and copied out. Checked
+    against what the holders agreed on (the state's digest and each RNG stream's) before
+    anything is applied; the bytes received in place (returned) need no copy at all.
+
+    A state the snapshot does not match is received into buffers (the holders' sends must
+    complete) and refused (``StateMismatchError``) with nothing written."""
     import torch
 
+    from memsnap.errors import StateMismatchError
+    from memsnap.state import apply as apply_mod
     from memsnap.state.manifest import Manifest
 
     group, first = live.group, verdict.holders[0]
@@ -579,28 +591,106 @@ def _receive(live: Live, verdict: Verdict):
     body = torch.empty(int(head[0]), dtype=torch.uint8)
     group.recv(body, first)
     manifest = Manifest.from_json(bytes(body.numpy()), what="live takeover manifest")
-    buf = torch.empty(max(verdict.nbytes, 1), dtype=torch.uint8)
-    cuts = _slices(verdict.nbytes, len(verdict.holders))
-    layout = _Layout(manifest)
-    pieces = [(a, z, j) for j, cut in enumerate(cuts) for a, z, _ in _pieces(manifest, *cut, verdict.own_rng, layout)]
-    group.exchange([], [(buf[a:z], verdict.holders[j]) for a, z, j in pieces])
-    why = _check(manifest, buf, verdict)
+    try:
+        pl = apply_mod.plan(state, manifest, rng=False)
+    except StateMismatchError:  # the holders' sends complete first, then the state is refused
+        group.exchange([], _Landing(manifest, {}, verdict).targets())
+        raise
+    from memsnap.coding.receive import destinations
+
+    received, in_place = destinations(pl)
+    landing = _Landing(manifest, received, verdict)
+    group.exchange([], landing.targets())
+    landing.scatter()
+    why = _check(manifest, landing, verdict)
     if why is not None:
         live.refuse = why
+        live.dirty = live.dirty or bool(in_place)  # its live tensors took bytes that were refused
         group.fail(f"a live takeover's state arrived damaged: {why}")
         raise PeerLost(f"generation {group.gen}: {why}", -1 if group.gen is None else group.gen)
-    return manifest, buf
+    clock["move"] = time.perf_counter() - t
+    apply_mod.apply_received(state, pl, received, in_place)
+    _take_rng(manifest, landing, verdict.own_rng)
+    clock["apply"] = time.perf_counter() - t - clock["move"]
+    return sum(manifest.tensors[i].nbytes for i in in_place)
 
 
-def _check(manifest, buf, verdict: Verdict) -> str | None:
+class _Landing:
+    """Where each piece of a receiver's bytes lands. ``received``: the tensor each stored entry
+    is received into (``coding.receive.destinations``); a piece of one large entry goes into
+    its tensor's own bytes, every other piece (the small entries between large ones, RNG
+    states, padding) into a buffer of its own, copied into its entries' tensors afterwards."""
+
+    def __init__(self, manifest, received: dict, verdict: Verdict):
+        self.manifest, self.received = manifest, received
+        self.layout = _Layout(manifest)
+        cuts = _slices(verdict.nbytes, len(verdict.holders))
+        self.pieces = [
+            (a, z, verdict.holders[j], i)
+            for j, cut in enumerate(cuts)
+            for a, z, i in _pieces(manifest, *cut, verdict.own_rng, self.layout)
+        ]
+        self.staged: list[tuple[int, int, Any]] = []  # (lo, hi, uint8 tensor) of the buffered pieces
+
+    def _bytes(self, i: int) -> memoryview:
+        from memsnap.state.capture import tensor_bytes
+
+        return tensor_bytes(self.received[i], self.manifest.tensors[i].nbytes)
+
+    def targets(self) -> list:
+        """``(uint8 tensor, holder)`` for every piece, in the order the holders send them."""
+        import torch
+
+        out = []
+        for a, z, holder, i in self.pieces:
+            if i is not None and i in self.received:
+                off = self.manifest.tensors[i].offset
+                out.append((torch.frombuffer(self._bytes(i)[a - off : z - off], dtype=torch.uint8), holder))
+            else:
+                buf = torch.empty(z - a, dtype=torch.uint8)
+                self.staged.append((a, z, buf))
+                out.append((buf, holder))
+        return out
+
+    def scatter(self) -> None:
+        """The buffered pieces' bytes into the tensors of the entries they hold."""
+        for a, z, buf in self.staged:
+            mv = memoryview(buf.numpy())
+            for i in self.layout.within(a, z):
+                e = self.manifest.tensors[i]
+                lo, hi = max(a, e.offset), min(z, e.offset + e.nbytes)
+                if i in self.received and e.alias_of is None and lo < hi:
+                    self._bytes(i)[lo - e.offset : hi - e.offset] = mv[lo - a : hi - a]
+
+    def entry(self, i: int):
+        """Entry ``i``'s bytes as received (an alias's: those of the entry holding them)."""
+        e = self.manifest.tensors[i]
+        if e.alias_of is None and i in self.received:
+            return self._bytes(i)
+        return self.read(e.offset, e.offset + e.nbytes)
+
+    def read(self, lo: int, hi: int) -> bytes:
+        """Bytes ``[lo, hi)`` of the layout, from the tensors and buffers they landed in."""
+        out = bytearray(hi - lo)
+        for a, z, buf in self.staged:
+            if a < hi and lo < z:
+                out[max(a, lo) - lo : min(z, hi) - lo] = memoryview(buf.numpy())[max(a, lo) - a : min(z, hi) - a]
+        for i in self.layout.within(lo, hi):
+            e = self.manifest.tensors[i]
+            a, z = max(lo, e.offset), min(hi, e.offset + e.nbytes)
+            if i in self.received and e.alias_of is None and a < z:
+                out[a - lo : z - lo] = self._bytes(i)[a - e.offset : z - e.offset]
+        return bytes(out)
+
+
+def _check(manifest, landing: _Landing, verdict: Verdict) -> str | None:
     """Why the received state is not what the holders agreed on, or None."""
     if manifest.nbytes != verdict.nbytes:
         return f"step {verdict.step} arrived as {manifest.nbytes} bytes, not {verdict.nbytes}"
-    got = state_digest(manifest, buf)
+    got = _digest(manifest, landing.entry)
     if got != verdict.digest:
         return f"step {verdict.step} arrived with digest {got:016x}, not {verdict.digest:016x}"
-    mv = memoryview(buf.numpy())
-    small = {i: bytes(mv[e.offset : e.offset + e.nbytes]) for i, e in enumerate(manifest.tensors) if _is_rng(e.path)}
+    small = {i: bytes(landing.entry(i)) for i, e in enumerate(manifest.tensors) if _is_rng(e.path)}
     streams = rng_digests(manifest, small)
     for k, want in zip(STREAMS, verdict.rng):
         if k not in verdict.own_rng and streams[k] != want:
@@ -608,12 +698,20 @@ def _check(manifest, buf, verdict: Verdict) -> str | None:
     return None
 
 
-def _take_rng(manifest, buf, own: tuple[str, ...]) -> None:
+def _take_rng(manifest, landing: _Landing, own: tuple[str, ...]) -> None:
     """The holders' RNG streams, but those each rank keeps its own of."""
-    from memsnap.state import rng as rng_state
-    from memsnap.state.apply import rng_of
+    import torch
 
-    saved = rng_of(manifest, buf.numpy())
+    from memsnap.state import rng as rng_state
+    from memsnap.state.apply import rng_of_entries
+    from memsnap.state.dtypes import dtype_of
+
+    def tensor(i: int):
+        e = manifest.tensors[i]
+        raw = torch.frombuffer(bytearray(landing.entry(i)), dtype=torch.uint8) if e.nbytes else torch.empty(0)
+        return raw.view(dtype_of(e.dtype)).view(e.shape) if e.nbytes else torch.empty(e.shape, dtype=dtype_of(e.dtype))
+
+    saved = rng_of_entries(manifest, tensor)
     if saved is None:
         return
     merged = rng_state.get_state()

@@ -128,6 +128,8 @@ class Context:
                 return done.step + 1
             m.live_refused(refused)
         m.await_fenced()
+        if m.live.dirty:  # a refused takeover wrote into the live tensors: no fresh start on them
+            m.snapshotter.loader.dirty = True
         try:
             step = m.snapshotter.restore(state)
         except Exception as exc:
@@ -136,6 +138,7 @@ class Context:
                 raise
             # a member was lost while the others restored: the round was cancelled
             raise PeerLost(f"generation {m.gen} is over during the restore: {why} ({exc})", m.current_gen) from None
+        m.live.dirty = False
         m.restored(step)
         if m.current_gen > 0:
             m.recovered(live=False)

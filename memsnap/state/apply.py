@@ -476,11 +476,16 @@ def apply_received(state: Mapping[str, Any], pl: Plan, received: dict[int, torch
 
 def rng_of(manifest: Manifest, buf: Any) -> dict[str, Any] | None:
     """The RNG states a snapshot holds (what ``rng.set_state`` takes), or None."""
+    src = _Source(manifest, snapshot_view(buf, manifest.nbytes, writable=False), [])
+    return rng_of_entries(manifest, src.new_tensor)
+
+
+def rng_of_entries(manifest: Manifest, tensor: Any) -> dict[str, Any] | None:
+    """``rng_of`` where ``tensor(i)`` gives entry ``i``'s tensor (its bytes received apart)."""
     saved = _top_level(manifest).get(RNG_KEY)
     if saved is None:
         return None
-    src = _Source(manifest, snapshot_view(buf, manifest.nbytes, writable=False), [])
-    value = tree.decode(saved, lambda i, p: src.new_tensor(i), tree.segment(RNG_KEY))
+    value = tree.decode(saved, lambda i, p: tensor(i), tree.segment(RNG_KEY))
     try:
         rng_state.check_generator_bytes(value)
     except ValueError as exc:
