@@ -88,8 +88,13 @@ def process_token(pid: int | None = None) -> str:
     return f"{pid}-{stat[1] if stat else 0}"
 
 
+PF_EXITING = 0x4  # a task's flag (/proc/<pid>/stat field 9) from the start of its exit
+
+
 def running(tokens) -> list[str]:
-    """The ``tokens`` whose process still runs on this machine (a zombie does not)."""
+    """The ``tokens`` whose process still runs on this machine: not a zombie, and not exiting
+    (a killed process is torn down first and closes its sockets last: with gigabytes of
+    memory to free that takes seconds, and its flag says so from the start)."""
     out = []
     for token in tokens:
         try:
@@ -101,8 +106,8 @@ def running(tokens) -> list[str]:
             if not os.path.exists("/proc/self/stat") and _signalable(pid):
                 out.append(token)  # no /proc: a pid that exists counts
             continue
-        state, started = stat
-        if state not in ("Z", "X") and (start == 0 or started == start):
+        state, started, flags = stat
+        if state not in ("Z", "X") and not flags & PF_EXITING and (start == 0 or started == start):
             out.append(token)
     return out
 
@@ -119,13 +124,21 @@ def working(tokens) -> list[str]:
     return out
 
 
-def _stat(pid: int) -> tuple[str, int] | None:
-    """(state, start time in clock ticks) of ``pid`` from /proc, or None."""
+def _stat(pid: int) -> tuple[str, int, int] | None:
+    """(state, start time in clock ticks, flags) of ``pid`` from /proc, or None."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return fields[0], int(fields[19])
-    except (OSError, IndexError, ValueError):
+            return parse_stat(f.read())
+    except OSError:
+        return None
+
+
+def parse_stat(text: str) -> tuple[str, int, int] | None:
+    """(state, start time, flags) from the text of a /proc/<pid>/stat, or None."""
+    try:
+        fields = text.rsplit(")", 1)[1].split()
+        return fields[0], int(fields[19]), int(fields[6])
+    except (IndexError, ValueError):
         return None
 
 

@@ -89,6 +89,9 @@ def test_split_measures_each_phase_up_to_the_last_member_to_finish_it():
     assert out["members"][1]["formed"] == 101.0 and out["members"][1]["assigned"] == 100.25
     assert out["members"][2]["first_step"] == 103.0 and out["members"][0]["member"] == "r0"
     assert json.loads(json.dumps(out))["lost"] == {"1": "r1"}  # the events file is JSON
+    assert out["left"] == {}  # (no report of the generation before read yet)
+    rec.before = {0: report(0, gen=2, lost=100.125), 1: report(1, gen=2), 2: report(2, gen=2, lost=100.5)}
+    assert rec.to_dict()["left"] == {0: 100.125, 2: 100.5}  # when each survivor left the failed one
 
 
 def test_a_recovery_rolled_back_unless_every_rank_kept_or_took_live_state():
@@ -145,3 +148,46 @@ def test_a_generation_travels_as_json_with_the_recoveries_before_it():
     assert Assignment.from_json(a.to_json()) == a and a.rank_of("s1") == 1 and a.rank_of("s0") is None
     old = json.dumps({"world": 2, "members": {"r0": 0, "r1": 1}, "done": True})  # written before the counts
     assert Assignment.from_json(old) == Assignment(2, {"r0": 0, "r1": 1}, True, 0, 0, 0.0)
+
+
+# --- asking a silent member's node (inplace/ending.py) ------------------------------------------
+class FakeAgents:
+    """Asks that answer when told to: ``running[node]`` lists the tokens that still run there."""
+
+    def __init__(self, running: dict[str, list[str]]):
+        self.running, self.asked, self.ready = running, [], set()
+
+    def ask(self, node, tokens):
+        handle = (node, len(self.asked))
+        self.asked.append((node, sorted(tokens)))
+        return handle
+
+    def poll(self, handles):
+        return {h: self.running[h[0]] for h in handles if h in self.ready}
+
+
+def test_a_silent_member_whose_node_says_its_process_ended_is_named_once_the_answer_comes():
+    from memsnap.inplace.ending import EndedAsks
+
+    agents = FakeAgents({"n1": ["t2"], "n2": RuntimeError("unreachable")})
+    asks = EndedAsks(agents.ask, agents.poll)
+    silent = {"r1": ("n1", "t1"), "r2": ("n1", "t2"), "r3": ("n2", "t3")}
+    assert asks.ended(silent) == []  # asked (one ask per node), no answer yet
+    assert agents.asked == [("n1", ["t1", "t2"]), ("n2", ["t3"])]
+    assert asks.ended(silent) == [] and len(agents.asked) == 2  # not asked again while it waits
+    agents.ready = {("n1", 0), ("n2", 1)}
+    # r1's process no longer runs on n1; r2's does (slow, not lost); n2's ask failed: no verdict
+    assert asks.ended(silent) == ["r1"]
+    assert asks.ended(silent) == [] and len(agents.asked) == 2  # once per silence
+    # r2 beat again; its next silence asks again (r3 and r1 stay silent: not asked again)
+    assert asks.ended({"r1": ("n1", "t1"), "r3": ("n2", "t3")}) == []
+    assert asks.ended(silent) == [] and agents.asked[-1] == ("n1", ["t2"])
+
+
+def test_a_member_with_no_agent_to_ask_is_left_to_its_lifeline_and_heartbeats():
+    from memsnap.inplace.ending import EndedAsks
+
+    asked = []
+    asks = EndedAsks(lambda node, tokens: asked.append(node), lambda handles: pytest.fail("nothing to poll"))
+    assert asks.ended({"r1": ("n1", "t1")}) == [] and asks.ended({"r1": ("n1", "t1")}) == []
+    assert asked == ["n1"]

@@ -4,6 +4,7 @@ that leaves on purpose, a stranger, or a connection that never says who it is is
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -25,19 +26,27 @@ def lines():
         lifelines.close()
 
 
-def member_process(member: str, ticket: tuple[str, int, str]) -> subprocess.Popen:
-    """A process that holds a lifeline and then waits to be killed; it prints ``ready``."""
+def member_process(member: str, ticket: tuple[str, int, str], fork: bool = False) -> subprocess.Popen:
+    """A process that holds a lifeline and then waits to be killed; it prints ``ready`` (with
+    ``fork``: ``ready <pid>`` of a child it forked after, as a data loader forks its workers,
+    which lives on once its parent is killed)."""
     code = textwrap.dedent(
         f"""
-        import sys, time
+        import os, sys, time
         from memsnap.collective.lifeline import Lifeline
         line = Lifeline({member!r}, {tuple(ticket)!r})
-        print("ready", flush=True)
+        child = os.fork() if {fork!r} else 0
+        if {fork!r} and child == 0:
+            time.sleep(600)
+            os._exit(0)
+        print("ready", child or "", flush=True)
         time.sleep(600)
         """
     )
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    assert proc.stdout is not None
+    proc.ready = proc.stdout.readline().split()  # type: ignore[attr-defined]
+    assert proc.ready[:1] == ["ready"], proc.ready  # type: ignore[attr-defined]
     return proc
 
 
@@ -55,6 +64,23 @@ def test_a_killed_member_process_is_named_gone(lines):
             other.wait(timeout=30)
     finally:
         proc.kill()
+
+
+def test_a_killed_member_is_named_gone_while_a_child_it_forked_lives_on(lines):
+    proc = member_process("r1", lines.expect("r1"), fork=True)
+    child = int(proc.ready[1])  # type: ignore[attr-defined]
+    try:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        # the child holds every other descriptor it was forked with, but not the lifeline
+        wait_for(lambda: "r1" in lines.gone(), timeout=10, what="the killed member named gone")
+        os.kill(child, 0)  # (raises if the child is gone: then the test proved nothing)
+    finally:
+        proc.kill()
+        try:
+            os.kill(child, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def test_a_member_that_says_bye_has_left_and_is_not_gone(lines):

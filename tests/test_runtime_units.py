@@ -581,6 +581,23 @@ def test_a_process_token_runs_until_its_process_is_gone_and_a_zombie_or_reused_p
     assert running([token]) == []
 
 
+def test_a_process_that_has_begun_to_exit_no_longer_runs(monkeypatch):
+    """A killed process frees its memory before it closes its sockets; its stat's flags say it
+    is exiting (PF_EXITING) from the start: its node answers at once that it has ended."""
+    from memsnap import identity
+
+    me = identity.process_token()
+    state, start, flags = identity.parse_stat(open("/proc/self/stat").read())
+    assert state == "R" and f"{os.getpid()}-{start}" == me and not flags & identity.PF_EXITING
+    monkeypatch.setattr(identity, "_stat", lambda pid: (state, start, flags | identity.PF_EXITING))
+    assert identity.running([me]) == [] and identity.working([me]) == []
+    monkeypatch.setattr(identity, "_stat", lambda pid: (state, start, flags))
+    assert identity.running([me]) == [me]
+    # a command name with ') ' in it does not shift the fields
+    line = "12 (a) b) R 1 12 12 0 -1 4194564 0 0 0 0 0 0 0 0 20 0 1 0 777 0 0"
+    assert identity.parse_stat(line) == ("R", 777, 4194564) and identity.parse_stat("12 (x") is None
+
+
 def test_a_stopped_process_runs_but_is_not_working_until_it_is_continued():
     """What the in-place controller asks a silent member's node: a stopped process (SIGSTOP)
     will not beat again by itself; a running one, however slow, may."""

@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import secrets
 import selectors
 import socket
 import threading
 import time
+import weakref
 
 log = logging.getLogger("memsnap.inplace")
 
@@ -193,13 +195,31 @@ class Lifelines:
             self._drop(conn)
 
 
+_HELD: weakref.WeakSet = weakref.WeakSet()  # this process's lifelines, closed in a forked child
+
+
+def _close_in_child() -> None:
+    """In a child forked from a member (a data loader's workers, ``multiprocessing``'s fork):
+    its copies of the member's lifelines are closed, so that the member's own death closes
+    them. A child that kept one open would hide that death until the child ended too (a
+    loader's worker notices its parent's death only seconds later)."""
+    for line in list(_HELD):
+        line._sock.close()  # (the child's copy of the descriptor: the parent's stays open)
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_close_in_child)
+
+
 class Lifeline:
-    """A member's end: connect, say who it is, hold the connection; ``close`` says bye."""
+    """A member's end: connect, say who it is, hold the connection; ``close`` says bye. A
+    process forked from the member does not hold it (``_close_in_child``)."""
 
     def __init__(self, member: str, ticket: tuple[str, int, str], timeout_s: float = 10.0):
         host, port, nonce = ticket  # what ``Lifelines.expect(member)`` gave
         self._sock = socket.create_connection((host, port), timeout=timeout_s)
         self._sock.sendall(json.dumps({"member": member, "nonce": nonce}).encode() + b"\n")
+        _HELD.add(self)
 
     def close(self) -> None:
         try:

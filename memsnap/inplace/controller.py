@@ -7,7 +7,10 @@ and on a loss:
 
   1. decides who is lost: a member whose process ended (its lifeline, a TCP connection to
      the controller, closed without a goodbye and its beats stopped for two beat periods:
-     ``collective/lifeline.py``; milliseconds after a kill or crash), whose task ended with an
+     ``collective/lifeline.py``; milliseconds after a kill or crash, once the process's memory
+     is freed; or, sooner where that takes long, its node's agent answered that the process
+     is exiting or gone, asked once its beats stopped for ``suspect_after_s``:
+     ``ending.py``), whose task ended with an
      error (its actor died), or whose beats stopped (``lost_after_s``; ``suspect_after_s``
      once a collective failure was published: a host that vanished without closing anything). A member silent with
      no failed collective is first asked after on its node: a process that runs there and is
@@ -48,6 +51,7 @@ from memsnap.collective.heartbeat import Monitor
 from memsnap.collective.lifeline import Lifelines
 from memsnap.collective.report import MemberReport, read_reports, rolled_back
 from memsnap.errors import ConfigError, MemsnapError
+from memsnap.inplace.ending import EndedAsks
 from memsnap.rank.member import Member
 
 if TYPE_CHECKING:
@@ -76,6 +80,7 @@ class Recovery:
     fenced: float | None = None  # the lost nodes were fenced: the restores could start
     shrunk: tuple[int, int] | None = None  # (world before, world after) when no standby was left
     reports: dict[int, MemberReport] = dataclasses.field(default_factory=dict)
+    before: dict[int, MemberReport] = dataclasses.field(default_factory=dict)  # of the failed generation
     sent: bool = False  # reported to the coordinator and the event log
 
     def rolled_back(self) -> bool:
@@ -119,6 +124,8 @@ class Recovery:
             "live_refused": next((r.live_refused for r in self.reports.values() if r.live_refused is not None), None),
             # each member's own timeline of the generation (assigned, formed, restored, first step...)
             "members": {r: rep.to_wire() for r, rep in sorted(self.reports.items())},
+            # when each survivor left the failed generation (its step cut, or run out to a collective)
+            "left": {r: rep.lost for r, rep in sorted(self.before.items()) if rep.lost is not None},
         }
 
 
@@ -133,6 +140,20 @@ def pin_coordinator(job: str, options: dict, world: int, node: str) -> None:
 
     cfg = job_config(job, resolve_options({k: v for k, v in options.items() if k != "run"}))
     ray.get(actors.coordinator_for(cfg, world, node=node).config.remote(), timeout=120)
+
+
+def _answers(refs: list) -> dict:
+    """``{ref: its value, or the exception it raised}`` of those of ``refs`` done now."""
+    import ray
+
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+    out: dict = {}
+    for ref in ready:
+        try:
+            out[ref] = ray.get(ref)
+        except Exception as exc:
+            out[ref] = exc
+    return out
 
 
 def silent_nodes(job: str, nodes: Sequence[str], ping_s: float) -> list[str]:
@@ -280,6 +301,7 @@ class InplaceJob:
         self._lock = threading.Lock()
         self._used_nodes: set[str] = set()
         self._fenced: set[str] = set()
+        self._ended = EndedAsks(self._ask_running, _answers)  # a silent member's node, asked early
         self._warming: list[threading.Thread] = []
         self.store: TCPStore | None = None  # the job's store, from run() on
 
@@ -444,8 +466,21 @@ class InplaceJob:
             for rank, slot in silent.items():
                 if slot.name not in slow:
                     lost[rank] = f"no heartbeat for {ages[slot.name]:.1f} s"
+            quiet = {
+                slot.name: (rank, slot)
+                for rank, slot in self._ranks.items()
+                if rank not in results and rank not in lost and slot.token is not None
+                if ages.get(slot.name, 0.0) > self.suspect_after_s
+            }
+            ended = self._ended.ended({name: (slot.node, slot.token) for name, (_, slot) in quiet.items()})
+            for name in ended:
+                lost[quiet[name][0]] = (
+                    f"its process ended: its node says so, no heartbeat for {ages[name]:.2f} s (its lifeline "
+                    "not closed yet: a killed process closes its sockets last)"
+                )
             if lost:
                 signs = [t for t in (reported_at, *(gone[s.name] for s in dead.values())) if t is not None]
+                signs += [time.time()] if ended else []
                 noticed = min(signs) if signs else time.time()
                 self._recover(lost, noticed)
                 reported_at = None
@@ -512,6 +547,13 @@ class InplaceJob:
             if name not in {s.name for s in silent.values()}:
                 del self._working[name]
         return wait
+
+    def _ask_running(self, node: str, tokens: list[str]):
+        """Ask ``node``'s agent which of these member processes still run (``EndedAsks``)."""
+        from memsnap.directory import find_agent
+
+        agent = find_agent(self.job, node)
+        return None if agent is None else agent.running.remote(tokens)
 
     def hand_over(self, rank: int) -> None:
         """Move ``rank`` to a standby at its next step boundary, with nothing rolled back (what
@@ -733,6 +775,11 @@ class InplaceJob:
         if self.store is not None:
             for rec in self.recoveries:
                 read_reports(self.store, self.job, rec.gen, self.world, rec.reports)
+                if not rec.sent:  # the survivors' reports of the generation they left, once final
+                    for rank in [r for r, rep in rec.before.items() if rep.lost is None and r not in rec.lost]:
+                        del rec.before[rank]  # written at its first step: read again once it left
+                    world = self.world if rec.shrunk is None else rec.shrunk[0]
+                    read_reports(self.store, self.job, rec.gen - 1, world, rec.before)
         return [rec.to_dict() for rec in self.recoveries]
 
     def _report_finished(self) -> None:
