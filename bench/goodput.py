@@ -2,7 +2,7 @@
 torch.save, DCP async_save and Ray Train checkpoints, one data-parallel job, one seeded fault
 schedule, each system in turn.
 
-    python bench/goodput.py [--workload ddp|fsdp] [--state-mb 256] [--compute sleep|model] [--step-s 1.0]
+    python bench/goodput.py [--workload ddp|fsdp] [--state-mb 256] [--compute sleep|layers|model] [--step-s 1.0]
         [--horizon-s 120] [--baseline-s 15] [--mtbf-s 50] [--seed 21] [--common-n 10]
         [--systems memsnap memsnap-inplace torch.save dcp ray.train torchft] [--append]
         -> bench/results/goodput.md, goodput.png and goodput.json (goodput_fsdp.* for fsdp)
@@ -675,8 +675,14 @@ def main() -> None:
         help="ddp: the model replicated, gradients all-reduced; fsdp: FSDP2 fully_shard, no replica "
         "(results in goodput_fsdp.md unless --out)",
     )
-    ap.add_argument("--compute", choices=("sleep", "model"), default="sleep")
-    ap.add_argument("--step-s", type=float, default=1.0, help="simulated compute per step (--compute sleep)")
+    ap.add_argument(
+        "--compute",
+        choices=("sleep", "layers", "model"),
+        default="sleep",
+        help="sleep: step-s slept after the backward; layers: step-s slept in equal parts in each layer's "
+        "forward and backward (between FSDP2's per-layer collectives); model: model-passes passes on the CPU",
+    )
+    ap.add_argument("--step-s", type=float, default=1.0, help="simulated compute per step (sleep, layers)")
     ap.add_argument("--model-passes", type=int, default=40, help="forward/backward passes per step (--compute model)")
     ap.add_argument("--horizon-s", type=float, default=120.0, help="wall seconds of each run with faults")
     ap.add_argument("--baseline-s", type=float, default=15.0, help="wall seconds of each failure-free run")

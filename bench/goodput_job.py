@@ -60,6 +60,8 @@ class Job:
         for _ in range(4):
             layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
         self.model = torch.nn.Sequential(*layers[:-1])
+        if cfg["compute"] == "layers":
+            _compute_in_layers(self.model, cfg["step_s"])
         self.gen = torch.Generator().manual_seed(cfg["seed"] * 1000 + rank)
         # the frozen buffer brings the rank's state to state_mb (its model part as sharded)
         full = sum(p.numel() * 4 * 3 for p in self.model.parameters())
@@ -118,7 +120,8 @@ class Job:
             loss = self.model(x).square().mean()
             self.optim.zero_grad(set_to_none=True)
             loss.backward()
-            time.sleep(self.cfg["step_s"])
+            if self.cfg["compute"] == "sleep":
+                time.sleep(self.cfg["step_s"])  # ("layers": slept in the forward and backward)
         if self.sharded:
             pass  # FSDP2 reduce-scattered the gradients in the backward
         elif average is not None:
@@ -160,6 +163,27 @@ class Job:
             self.optim.load_state_dict(sd["optim"])
         self.bulk.copy_(sd["bulk"])
         return int(sd["step"])
+
+
+def _compute_in_layers(model, step_s: float) -> None:
+    """``--compute layers``: the step's simulated compute, ``step_s`` in all, slept in equal
+    parts in each linear layer's forward and backward, between the collectives FSDP2 runs per
+    layer (where a GPU's compute is), instead of in one block after the backward."""
+    linears = [m for m in model if isinstance(m, torch.nn.Linear)]
+    part = step_s / (2 * len(linears))
+
+    def backward(grad):
+        time.sleep(part)
+        return grad
+
+    def forward(module, args, out):
+        time.sleep(part)
+        if out.requires_grad:
+            out.register_hook(backward)  # runs as the layer's backward begins
+        return out
+
+    for m in linears:
+        m.register_forward_hook(forward)
 
 
 def _fully_shard(model, modules) -> None:

@@ -339,6 +339,11 @@ def write_report(data: dict, out: Path) -> None:
             f"{a['step_s']} s standing in for GPU time (the CPU is left to the agents, as on a GPU node), plus the "
             "model's forward, backward, all-reduce and optimizer step."
             if a["compute"] == "sleep"
+            else "Each step's compute is "
+            f"{a['step_s']} s of sleep standing in for GPU time (the CPU is left to the agents, as on a GPU node), "
+            "slept in equal parts in each layer's forward and backward, between the collectives FSDP2 runs per "
+            "layer, plus the model's own forward, backward and optimizer step."
+            if a["compute"] == "layers"
             else f"Each step runs the model {a['model_passes']} times on the CPU."
         )
         + f" Each system runs {a['horizon_s']:g} wall seconds from its first step with the faults and "
