@@ -25,9 +25,8 @@ from memsnap.coding.restore import gather
 from memsnap.errors import ChecksumError, SnapshotBufferError
 from memsnap.records import RankSource
 from memsnap.state import apply as applying
-from memsnap.state.capture import local_tensor, tensor_bytes
+from memsnap.state.capture import tensor_bytes
 from memsnap.state.checksum import checksum
-from memsnap.state.dtypes import dtype_of
 from memsnap.state.manifest import Manifest
 
 
@@ -36,39 +35,6 @@ class Peers:
 
     def __init__(self, transport, codec):
         self.transport, self.codec = transport, codec
-
-
-def _in_place(t: torch.Tensor | None) -> bool:
-    return (
-        t is not None
-        and t.device.type == "cpu"
-        and t.is_contiguous()
-        and not (t.is_conj() or t.is_neg())
-        and t.numel() > 0
-    )
-
-
-def destinations(pl: applying.Plan) -> tuple[dict[int, torch.Tensor], set[int]]:
-    """``(received, live)``: the tensor each stored entry of the snapshot is received into,
-    and which of those are live tensors of the state (the rest are new)."""
-    man = pl.manifest
-    want: dict[int, torch.Tensor | None] = {}
-    for i, live in pl.tensor_entries():
-        e = man.tensors[i]
-        if not e.alias_of and e.nbytes and i not in want:
-            t = None if live is None else local_tensor(live)
-            want[i] = t if _in_place(t) else None
-    spans, ends = sorted((t.data_ptr(), i) for i, t in want.items() if t is not None), 0
-    for ptr, i in spans:  # two entries on one live storage (tied live, untied saved): one is new
-        if ptr < ends:
-            want[i] = None
-        else:
-            ends = ptr + man.tensors[i].nbytes
-    received = {
-        i: t if t is not None else torch.empty(man.tensors[i].shape, dtype=dtype_of(man.tensors[i].dtype))
-        for i, t in want.items()
-    }
-    return received, {i for i, t in want.items() if t is not None}
 
 
 def _verify_decoded(man: Manifest, received: dict[int, torch.Tensor], decoded: list[tuple[int, int]]) -> None:
@@ -99,7 +65,7 @@ def into_state(peers: Peers, src: RankSource, manifest_json: str | bytes, state:
             f"{src.step} holds {src.nbytes}; the manifest or the plan is damaged"
         )
     pl = applying.plan(state, man)
-    received, live = destinations(pl)
+    received, live = applying.destinations(pl)
     landing = Spans([(man.tensors[i].offset, tensor_bytes(t)) for i, t in received.items()], src.nbytes)
     stats = gather(peers, src, landing)
     _verify_decoded(man, received, stats["decoded"])

@@ -596,9 +596,7 @@ def _receive(live: Live, verdict: Verdict, state: Mapping[str, Any], clock: dict
     except StateMismatchError:  # the holders' sends complete first, then the state is refused
         group.exchange([], _Landing(manifest, {}, verdict).targets())
         raise
-    from memsnap.coding.receive import destinations
-
-    received, in_place = destinations(pl)
+    received, in_place = apply_mod.destinations(pl)
     landing = _Landing(manifest, received, verdict)
     group.exchange([], landing.targets())
     landing.scatter()
@@ -617,7 +615,7 @@ def _receive(live: Live, verdict: Verdict, state: Mapping[str, Any], clock: dict
 
 class _Landing:
     """Where each piece of a receiver's bytes lands. ``received``: the tensor each stored entry
-    is received into (``coding.receive.destinations``); a piece of one large entry goes into
+    is received into (``state.apply.destinations``); a piece of one large entry goes into
     its tensor's own bytes, every other piece (the small entries between large ones, RNG
     states, padding) into a buffer of its own, copied into its entries' tensors afterwards."""
 

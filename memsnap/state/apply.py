@@ -469,6 +469,40 @@ def apply_plan(state: Mapping[str, Any], pl: Plan, buf: Any) -> None:
     finish(pl, _Source(pl.manifest, mv, pl.meshes), state)
 
 
+def _in_place(t: torch.Tensor | None) -> bool:
+    return (
+        t is not None
+        and t.device.type == "cpu"
+        and t.is_contiguous()
+        and not (t.is_conj() or t.is_neg())
+        and t.numel() > 0
+    )
+
+
+def destinations(pl: Plan) -> tuple[dict[int, torch.Tensor], set[int]]:
+    """``(received, live)``: the tensor each stored entry of the snapshot is received into
+    (``memsnap.coding.receive``, a live takeover), and which of those are live tensors of the
+    state (the rest are new: where the live one is missing, not on the CPU or not contiguous)."""
+    man = pl.manifest
+    want: dict[int, torch.Tensor | None] = {}
+    for i, live in pl.tensor_entries():
+        e = man.tensors[i]
+        if not e.alias_of and e.nbytes and i not in want:
+            t = None if live is None else local_tensor(live)
+            want[i] = t if _in_place(t) else None
+    spans, ends = sorted((t.data_ptr(), i) for i, t in want.items() if t is not None), 0
+    for ptr, i in spans:  # two entries on one live storage (tied live, untied saved): one is new
+        if ptr < ends:
+            want[i] = None
+        else:
+            ends = ptr + man.tensors[i].nbytes
+    received = {
+        i: t if t is not None else torch.empty(man.tensors[i].shape, dtype=dtype_of(man.tensors[i].dtype))
+        for i, t in want.items()
+    }
+    return received, {i for i, t in want.items() if t is not None}
+
+
 def apply_received(state: Mapping[str, Any], pl: Plan, received: dict[int, torch.Tensor], live: set[int]) -> None:
     """Finish ``pl`` from tensors received one by one (see ``memsnap.coding.receive``)."""
     finish(pl, _Received(pl.manifest, received, live, pl.meshes), state)
