@@ -184,6 +184,24 @@ def test_a_silent_member_whose_node_says_its_process_ended_is_named_once_the_ans
     assert asks.ended(silent) == [] and agents.asked[-1] == ("n1", ["t2"])
 
 
+def test_an_ask_still_out_is_counted_by_the_fencing_ping_until_its_node_answers_or_is_fenced():
+    from memsnap.inplace.ending import EndedAsks
+
+    now = [10.0]
+    agents = FakeAgents({"n1": ["t2"], "n2": ["t3"]})
+    asks = EndedAsks(agents.ask, agents.poll, clock=lambda: now[0])
+    asks.ended({"r1": ("n1", "t1"), "r3": ("n2", "t3")})
+    now[0] = 10.5
+    asks.ended({"r1": ("n1", "t1"), "r3": ("n2", "t3"), "r2": ("n1", "t2")})  # n1 asked again, later
+    # the oldest ask out to each node, with when it was sent (n1 has had since 10.0 to answer)
+    assert asks.unanswered() == {"n1": (("n1", 0), 10.0), "n2": (("n2", 1), 10.0)}
+    agents.ready = {("n2", 1)}
+    asks.ended({"r1": ("n1", "t1")})  # r3 beat again: its ask is still read, and n2 answered
+    assert set(asks.unanswered()) == {"n1"}
+    asks.forget("n1")  # fenced: its asks never answer
+    assert asks.unanswered() == {}
+
+
 def test_a_member_with_no_agent_to_ask_is_left_to_its_lifeline_and_heartbeats():
     from memsnap.inplace.ending import EndedAsks
 

@@ -156,27 +156,42 @@ def _answers(refs: list) -> dict:
     return out
 
 
-def silent_nodes(job: str, nodes: Sequence[str], ping_s: float) -> list[str]:
+def silent_nodes(job: str, nodes: Sequence[str], ping_s: float, asked: dict | None = None) -> list[str]:
     """Those of ``nodes`` whose memsnap agent does not answer within ``ping_s`` (a rank's
     process can die on a healthy node: a node whose agent answers keeps its place, and the
-    RAM it holds for its peers)."""
+    RAM it holds for its peers). ``asked``: ``node -> (ref, time.monotonic() sent)`` of a
+    question already out to a node's agent (``EndedAsks``, sent when its member fell silent):
+    an answer to either counts, and such a node is waited for only until ``ping_s`` after
+    that question was sent, not after this ping."""
     import ray
 
     from memsnap.directory import find_agent
 
-    pings = {}
+    now = time.monotonic()
+    pings, deadline = {}, {}
     for node in nodes:
+        deadline[node] = now + ping_s
         agent = find_agent(job, node)
         if agent is not None:
             pings[agent.address.remote()] = node
-    ready, _ = ray.wait(list(pings), num_returns=len(pings), timeout=ping_s) if pings else ([], [])
-    answered = set()
-    for ref in ready:
-        try:
-            ray.get(ref)
-            answered.add(pings[ref])
-        except Exception:
-            pass
+        if asked and node in asked:
+            ref, sent = asked[node]
+            pings[ref] = node
+            deadline[node] = min(deadline[node], sent + ping_s)
+    answered: set[str] = set()
+    while True:
+        now = time.monotonic()
+        waiting = {ref: n for ref, n in pings.items() if n not in answered and now < deadline[n]}
+        if not waiting:
+            break
+        ready, _ = ray.wait(list(waiting), num_returns=1, timeout=min(deadline[n] for n in waiting.values()) - now)
+        for ref in ready:
+            node = pings.pop(ref)
+            try:
+                ray.get(ref)
+                answered.add(node)
+            except Exception:
+                pass
     return [n for n in nodes if n not in answered]
 
 
@@ -638,11 +653,12 @@ class InplaceJob:
         fences them."""
         live_ranks = {s.node for s in survivors.values()}
         candidates = sorted({s.node for s in lost.values()} - live_ranks)
-        nodes = silent_nodes(self.job, candidates, self.agent_ping_s)
+        nodes = silent_nodes(self.job, candidates, self.agent_ping_s, self._ended.unanswered())
         if not nodes:
             return []
         for node in nodes:
             self._coordinator_call("node_lost", node, why)
+            self._ended.forget(node)
         self._fenced.update(nodes)
         return nodes
 

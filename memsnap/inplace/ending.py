@@ -12,6 +12,7 @@ be lost (its process will never beat again): no false positive is possible, only
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -21,9 +22,15 @@ class EndedAsks:
     ``poll(handles)``: the answers that have come, ``{handle: tokens still running, or the
     exception the ask raised}``, without waiting."""
 
-    def __init__(self, ask: Callable[[str, list[str]], Any], poll: Callable[[list], dict]):
-        self.ask, self.poll = ask, poll
+    def __init__(
+        self,
+        ask: Callable[[str, list[str]], Any],
+        poll: Callable[[list], dict],
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.ask, self.poll, self.clock = ask, poll, clock
         self._asked: dict[str, Any] = {}  # member -> its pending ask's handle; None once answered
+        self._out: dict[int, tuple[str, Any, float]] = {}  # id(handle) -> (node, handle, when sent)
 
     def ended(self, silent: dict[str, tuple[str, str]]) -> list[str]:
         """``silent``: ``member -> (node, process token)`` of every member silent for
@@ -39,11 +46,27 @@ class EndedAsks:
             handle = self.ask(node, [silent[m][1] for m in members])
             for m in members:
                 self._asked[m] = handle
-        handles = list({id(h): h for h in self._asked.values() if h is not None}.values())
+            if handle is not None:
+                self._out[id(handle)] = (node, handle, self.clock())
+        handles = [h for _, h, _ in self._out.values()]  # (every ask not yet answered)
         out = []
         for handle, answer in (self.poll(handles) if handles else {}).items():
+            self._out.pop(id(handle), None)
             for member in [m for m, h in self._asked.items() if h is handle]:
                 self._asked[member] = None
                 if not isinstance(answer, BaseException) and silent[member][1] not in set(answer):
                     out.append(member)
         return out
+
+    def unanswered(self) -> dict[str, tuple[Any, float]]:
+        """``node -> (handle, when sent)`` of the oldest ask still out to each node: a node
+        asked this long ago and still silent has had that long to answer (the fencing ping
+        counts it), whether or not its member is still silent."""
+        out: dict[str, tuple[Any, float]] = {}
+        for node, handle, sent in sorted(self._out.values(), key=lambda x: x[2], reverse=True):
+            out[node] = (handle, sent)
+        return out
+
+    def forget(self, node: str) -> None:
+        """Stop counting the asks out to ``node`` (fenced: it never answers)."""
+        self._out = {k: v for k, v in self._out.items() if v[0] != node}
