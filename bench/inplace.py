@@ -446,9 +446,10 @@ def render(data: dict, out: Path) -> None:
             "Where each live takeover's *restore* went, per rank (s): *digest* (a holder's digest of its state at "
             "the step boundary, read in place), *agree* (the all-reduce of every rank's boundary and digests: it "
             "waits for the slowest member, the standby creating its `Snapshotter` included), *move* (each holder "
-            "lays its slice out from its live tensors and sends it; the standby receives and checks them), "
-            "*apply* (a holder: its small state and RNGs put back to the boundary; the standby: the whole state "
-            "into its live objects).",
+            "lays its slice out from its live tensors and sends it; the standby receives each large tensor's "
+            "bytes straight into its own tensor and checks them), *apply* (a holder: its small state and RNGs put "
+            "back to the boundary; the standby: the received state handed to its objects, the small tensors "
+            "copied in, the RNGs set).",
             "",
             "| kill | " + " | ".join(f"rank {r}" for r in range(RANKS)) + " |",
             "| ---: |" + " --- |" * RANKS,
