@@ -155,7 +155,9 @@ class FakeAgents:
     """Asks that answer when told to: ``running[node]`` lists the tokens that still run there."""
 
     def __init__(self, running: dict[str, list[str]]):
-        self.running, self.asked, self.ready = running, [], set()
+        self.running = running
+        self.asked: list[tuple[str, list[str]]] = []
+        self.ready: set[tuple[str, int]] = set()
 
     def ask(self, node, tokens):
         handle = (node, len(self.asked))

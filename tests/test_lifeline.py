@@ -68,7 +68,7 @@ def test_a_killed_member_process_is_named_gone(lines):
 
 def test_a_killed_member_is_named_gone_while_a_child_it_forked_lives_on(lines):
     proc = member_process("r1", lines.expect("r1"), fork=True)
-    child = int(proc.ready[1])  # type: ignore[attr-defined]
+    child = int(proc.ready[1])
     try:
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)

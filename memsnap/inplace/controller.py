@@ -487,7 +487,7 @@ class InplaceJob:
                 if rank not in results and rank not in lost and slot.token is not None
                 if ages.get(slot.name, 0.0) > self.suspect_after_s
             }
-            ended = self._ended.ended({name: (slot.node, slot.token) for name, (_, slot) in quiet.items()})
+            ended = self._ended.ended({name: (slot.node, str(slot.token)) for name, (_, slot) in quiet.items()})
             for name in ended:
                 lost[quiet[name][0]] = (
                     f"its process ended: its node says so, no heartbeat for {ages[name]:.2f} s (its lifeline "
