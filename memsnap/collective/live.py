@@ -205,11 +205,8 @@ class Live:
     def roll_back(self, state: Mapping[str, Any], sources: list) -> None:
         """Put ``state`` back to the boundary: its small tensors, its skeleton values and its
         RNGs as recorded; its large tensors are already what they were (nothing is copied)."""
-        import torch
-
         from memsnap.state.apply import apply_received
         from memsnap.state.apply import plan as plan_apply
-        from memsnap.state.dtypes import dtype_of
 
         b = self.boundary
         assert b is not None
@@ -218,12 +215,22 @@ class Live:
             if e.alias_of is not None or not e.nbytes:
                 continue
             if i in b.small:
-                raw = torch.frombuffer(bytearray(b.small[i]), dtype=torch.uint8)
-                received[i] = raw.view(dtype_of(e.dtype)).view(e.shape)
+                received[i] = _as_tensor(e, b.small[i])
             else:
                 received[i] = sources[i]
                 live.add(i)
         apply_received(state, plan_apply(state, b.manifest), received, live)
+
+
+def _as_tensor(e, raw):
+    """A new tensor of entry ``e``'s dtype and shape holding the bytes ``raw``."""
+    import torch
+
+    from memsnap.state.dtypes import dtype_of
+
+    if not e.nbytes:
+        return torch.empty(e.shape, dtype=dtype_of(e.dtype))
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype_of(e.dtype)).view(e.shape)
 
 
 def entry_bytes(b: Boundary, sources: list, i: int):
@@ -657,14 +664,14 @@ class _Landing:
             for i in self.layout.within(a, z):
                 e = self.manifest.tensors[i]
                 lo, hi = max(a, e.offset), min(z, e.offset + e.nbytes)
-                if i in self.received and e.alias_of is None and lo < hi:
+                if i in self.received and lo < hi:
                     self._bytes(i)[lo - e.offset : hi - e.offset] = mv[lo - a : hi - a]
 
     def entry(self, i: int):
-        """Entry ``i``'s bytes as received (an alias's: those of the entry holding them)."""
-        e = self.manifest.tensors[i]
-        if e.alias_of is None and i in self.received:
+        """Entry ``i``'s bytes as received (``received`` never holds an alias: it has none)."""
+        if i in self.received:
             return self._bytes(i)
+        e = self.manifest.tensors[i]
         return self.read(e.offset, e.offset + e.nbytes)
 
     def read(self, lo: int, hi: int) -> bytes:
@@ -676,7 +683,7 @@ class _Landing:
         for i in self.layout.within(lo, hi):
             e = self.manifest.tensors[i]
             a, z = max(lo, e.offset), min(hi, e.offset + e.nbytes)
-            if i in self.received and e.alias_of is None and a < z:
+            if i in self.received and a < z:
                 out[a - lo : z - lo] = self._bytes(i)[a - e.offset : z - e.offset]
         return bytes(out)
 
@@ -698,18 +705,10 @@ def _check(manifest, landing: _Landing, verdict: Verdict) -> str | None:
 
 def _take_rng(manifest, landing: _Landing, own: tuple[str, ...]) -> None:
     """The holders' RNG streams, but those each rank keeps its own of."""
-    import torch
-
     from memsnap.state import rng as rng_state
     from memsnap.state.apply import rng_of_entries
-    from memsnap.state.dtypes import dtype_of
 
-    def tensor(i: int):
-        e = manifest.tensors[i]
-        raw = torch.frombuffer(bytearray(landing.entry(i)), dtype=torch.uint8) if e.nbytes else torch.empty(0)
-        return raw.view(dtype_of(e.dtype)).view(e.shape) if e.nbytes else torch.empty(e.shape, dtype=dtype_of(e.dtype))
-
-    saved = rng_of_entries(manifest, tensor)
+    saved = rng_of_entries(manifest, lambda i: _as_tensor(manifest.tensors[i], landing.entry(i)))
     if saved is None:
         return
     merged = rng_state.get_state()

@@ -63,8 +63,9 @@ class EndedAsks:
         asked this long ago and still silent has had that long to answer (the fencing ping
         counts it), whether or not its member is still silent."""
         out: dict[str, tuple[Any, float]] = {}
-        for node, handle, sent in sorted(self._out.values(), key=lambda x: x[2], reverse=True):
-            out[node] = (handle, sent)
+        for node, handle, sent in self._out.values():
+            if node not in out or sent < out[node][1]:
+                out[node] = (handle, sent)
         return out
 
     def forget(self, node: str) -> None:

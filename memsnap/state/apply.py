@@ -508,14 +508,9 @@ def apply_received(state: Mapping[str, Any], pl: Plan, received: dict[int, torch
     finish(pl, _Received(pl.manifest, received, live, pl.meshes), state)
 
 
-def rng_of(manifest: Manifest, buf: Any) -> dict[str, Any] | None:
-    """The RNG states a snapshot holds (what ``rng.set_state`` takes), or None."""
-    src = _Source(manifest, snapshot_view(buf, manifest.nbytes, writable=False), [])
-    return rng_of_entries(manifest, src.new_tensor)
-
-
 def rng_of_entries(manifest: Manifest, tensor: Any) -> dict[str, Any] | None:
-    """``rng_of`` where ``tensor(i)`` gives entry ``i``'s tensor (its bytes received apart)."""
+    """The RNG states a snapshot holds (what ``rng.set_state`` takes), or None; ``tensor(i)``
+    gives entry ``i``'s tensor (a live takeover receives its bytes apart)."""
     saved = _top_level(manifest).get(RNG_KEY)
     if saved is None:
         return None
