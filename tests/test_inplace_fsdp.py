@@ -73,11 +73,17 @@ for i in range(3, 6):
     step(twin, twin_opt, i)
 result = {"ref": digest(ref, ref_opt), "rec": digest(model, opt), "cut": can_cut_a_step()}
 before = digest(model, opt)
-# a peer lost mid-backward, once the last layer's gradients are reduce-scattered: rank 1
-# reports it as the backward reaches the first layer and takes no further part; rank 0's next
-# collective sees it
+# a peer lost mid-backward, once the last layer's gradients are reduce-scattered on both ranks:
+# rank 1 reports it as the backward reaches the first layer (after rank 0's has too: a failure
+# published earlier may end rank 0's last reduce-scatter before it sees its result) and takes no
+# further part; rank 0's next collective sees it
+from datetime import timedelta
+marks = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
 def lose(module, grad):
-    if rank == 1:
+    if rank == 0:
+        marks.set("rank0-past-the-last-layer", "1")
+    else:
+        marks.wait(["rank0-past-the-last-layer"])
         group.fail("lost (test)")
 
 hook = model[0].register_full_backward_pre_hook(lose)
