@@ -35,6 +35,8 @@ TUNABLES: dict[str, float] = {
     "agent_lost_after_s": 0.5,  # an agent silent this long is pinged (liveness.py) ...
     "agent_ping_s": 0.4,  # ... and its node is declared lost (fenced) if the ping is not answered by then;
     # both are floors: each node's limits grow with its own recent beat gaps and ping answers
+    "doubt_wait_s": 10.0,  # a restore plan that a doubted node could make better waits this long at
+    # most for its verdict (``Coordinator.doubt``), then asks its agent anyway
     "preemption_poll_s": 5.0,  # how often a rank asks Ray whether its node is draining
     "reprotect_defer_s": 20.0,  # re-protection waits this long at most for a restore to go first
     "metrics_interval_s": 15.0,  # how often the coordinator records its job's gauges (memsnap.metrics)

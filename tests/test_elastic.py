@@ -198,7 +198,7 @@ def test_the_coordinator_takes_the_new_world_size_plans_elastic_and_frees_the_ol
     join(core, {"a": 2, "b": 2, "c": 2}, {"a", "b", "c"}, world=6)
     assert core.world == 6 and sorted(core.membership.members) == list(range(6))
     assert core.answer("a").ranks == (0, 1) and core.answer("a").peers is False  # 3 nodes < k+m+1
-    core.inventories = lambda: inventories(record, ["a", "b", "c"])
+    core.inventories = lambda **_: inventories(record, ["a", "b", "c"])
     core._durable_step = lambda: None
     core.restore_arrive(0, list(range(6)))
     assert core.rounds.all_arrived(0)

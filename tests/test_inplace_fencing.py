@@ -8,10 +8,11 @@ from __future__ import annotations
 import pytest
 from support.directory import NODES, Nodes, address
 
+from memsnap.coding.stripes import stripes_of
 from memsnap.config import SnapshotConfig
 from memsnap.errors import CommitError
 from memsnap.job.coordinator import CoordinatorCore
-from memsnap.records import NodeReady, Region
+from memsnap.records import Inventory, NodeReady, Region
 
 A, B, C, D, E = NODES  # ranks 0, 1, 2 on A, B, C; D and E are spares
 
@@ -129,3 +130,80 @@ def test_node_lost_twice_is_false_and_ray_declaring_the_node_dead_later_changes_
     assert core.node_lost(B, "ray: node dead") is False
     assert core._alive() == {A, C, D, E} and core.dir.forgotten == [B]
     assert core.membership.placement is placement and core.membership.epoch == epoch and core.sent == sent
+
+
+# --- a doubt: the lost node's verdict pending, the restore plan made without it -----------------
+
+
+def commit(core, step: int) -> None:
+    for rank, node in enumerate([A, B, C]):
+        core.node_ready(ready(core, step, node, rank))
+    assert core.newest() == step
+
+
+def agents_holding(core, step: int, nodes, lost_pieces_of=None) -> list[list[str]]:
+    """Every one of ``nodes``' agents answers ``inventory`` with its committed copy of ``step``
+    and the pieces it holds of the others (none of ``lost_pieces_of``'s); returns the list of
+    the node lists each call asked."""
+    record, asked = core.log.records[step], []
+    inventories = {}
+    for node in nodes:
+        held = {
+            owner: {info.holders.index(node): stripes_of(info.regions, 2, info.chunk)}
+            for owner, info in record.nodes.items()
+            if node in info.holders and owner != lost_pieces_of
+        }
+        versions = {step: ("committed", tuple(record.ranks_of(node)))} if node in record.nodes else {}
+        inventories[node] = Inventory(node, address(node), versions, {step: held}).to_wire()
+    answer = core.dir.call_all
+
+    def call_all(call_nodes, method, *args, timeout):
+        if method != "inventory":
+            return answer(call_nodes, method, *args, timeout=timeout)
+        asked.append(sorted(call_nodes))
+        return {n: inventories[n] for n in call_nodes if n in inventories}
+
+    core.dir.call_all = call_all
+    core._durable_step = lambda: None
+    return asked
+
+
+def test_a_doubted_node_is_not_asked_and_the_plan_is_made_at_once_when_the_others_hold_the_newest_step(core):
+    commit(core, 5)
+    assert core.doubt([B], "rank 1: its process ended") == [B]
+    core.join(D, address(D), [1], 3)  # the standby on D takes rank 1 while B's verdict is pending
+    asked = agents_holding(core, 5, NODES)  # (B's agent would answer too, if asked)
+    core.restore_arrive(0, [0, 1, 2])
+    plan = core.plan_early(0)
+    assert plan is not None and plan.step == 5 and plan.plan == "ram"
+    assert plan.ranks == {0: "local", 1: "peer", 2: "local"}  # rank 1 decoded from B's holders
+    assert asked and all(B not in nodes for nodes in asked)
+    assert core.status()["doubted"] == [B] and B in core._alive()  # not fenced, and still placed
+    assert core.node_lost(B, "rank 1: its agent did not answer") is True
+    assert core.doubted == {} and core.doubt([B], "again") == []  # fenced: never doubted again
+
+
+def test_a_plan_the_doubted_node_could_better_waits_for_its_verdict_and_then_asks_it(core):
+    commit(core, 5)
+    core.doubt([B], "rank 1: its process ended")
+    core.join(D, address(D), [1], 3)
+    # B's holders lost its pieces: only B's own copy of rank 1 can serve step 5 from RAM
+    asked = agents_holding(core, 5, NODES, lost_pieces_of=B)
+    core.restore_arrive(0, [0, 1, 2])
+    assert core.plan_early(0) is None  # without B the plan could not load step 5
+    assert asked == [[A, C, D, E]] and core.rounds.rounds[0].plan is None
+    assert core.cleared(B) is True  # its agent answered: a process was lost, not the node
+    plan = core.plan(0)
+    assert plan.step == 5 and plan.ranks == {0: "local", 1: "copy", 2: "local"}
+    assert asked[-1] == [A, B, C, D, E]
+    assert core.plan_early(0) is plan  # one plan per round
+
+
+def test_a_late_plan_asks_a_node_still_doubted_when_its_verdict_never_came(core):
+    commit(core, 5)
+    core.doubt([B], "rank 1: its process ended")
+    core.join(D, address(D), [1], 3)
+    asked = agents_holding(core, 5, NODES, lost_pieces_of=B)
+    core.restore_arrive(0, [0, 1, 2])
+    assert core.plan_early(0) is None
+    assert core.plan(0).ranks[1] == "copy" and B in asked[-1]  # (the actor waits doubt_wait_s first)

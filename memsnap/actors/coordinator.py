@@ -103,6 +103,12 @@ class Coordinator:
     async def spare_joined(self, node: str, address: dict) -> bool:
         return await self.pool.run(self.core.spare_joined, node, address)  # (asks the spares' agents)
 
+    async def doubt(self, nodes: list[str], why: str) -> list[str]:
+        return self.core.doubt(nodes, why)
+
+    async def cleared(self, node: str) -> bool:
+        return self.core.cleared(node)
+
     async def node_lost(self, node: str, why: str) -> bool:
         fenced = await self.pool.run(self.core.node_lost, node, why)
         if fenced:
@@ -217,7 +223,12 @@ class Coordinator:
     async def restore_plans(self, node: str, attempt: int) -> dict:
         await self._round_reached(attempt, "arrived")
         async with self.planning.setdefault(attempt, asyncio.Lock()):  # one plan, made once
-            await self.pool.run(self.core.plan, attempt)
+            if await self.pool.run(self.core.plan_early, attempt) is None:  # a doubted node might better it
+                rounds = self.core.rounds
+                await self.signal.wait_for(
+                    lambda: not self.core.doubted or rounds.cancelled(attempt), tunable("doubt_wait_s")
+                )
+                await self.pool.run(self.core.plan, attempt)
         return await self.pool.run(self.core.plans_for, node, attempt)
 
     async def restore_report(self, node: str, attempt: int, reports: dict) -> None:

@@ -19,11 +19,12 @@ and on a loss:
   2. kills its actor, and writes the next generation: the survivors keep their ranks, a
      standby takes each lost rank. Every member forms the group again in the same process and
      rolls back (survivors from their own node's RAM, the standby from its peers);
-  3. meanwhile fences the lost nodes: a node all of whose ranks were lost and whose agent is
-     silent is declared lost to the memsnap coordinator (``Coordinator.node_lost``), so the
-     restore plan and the placement never wait on its agent or on Ray's verdict about it. The
-     members' restores wait for it (``gen/<g>/fenced``), not their re-forming or a standby's
-     registration;
+  3. meanwhile fences the lost nodes: a node all of whose ranks were lost is first doubted at
+     the memsnap coordinator (``Coordinator.doubt``: a restore plan leaves it out when the
+     other nodes hold the newest committed step, else waits for the verdict), and then, if its
+     agent is silent, declared lost (``Coordinator.node_lost``), else cleared; so the restore
+     plan and the placement never wait on its agent or on Ray's verdict about it. The
+     members' restores wait only for the doubt (``gen/<g>/fenced``), not for the verdict;
   4. starts a new standby on a free node in the background, if there is one.
 
 Without a standby, ``on_no_standby="wait"`` waits (bounded) for Ray to offer a free node and
@@ -77,7 +78,8 @@ class Recovery:
     why: str
     noticed: float  # the controller saw the first sign
     decided: float  # the next generation was written
-    fenced: float | None = None  # the lost nodes were fenced: the restores could start
+    doubted: float | None = None  # the lost nodes were doubted at the coordinator: the restores could start
+    fenced: float | None = None  # the coordinator had its verdict on them (fenced or cleared)
     shrunk: tuple[int, int] | None = None  # (world before, world after) when no standby was left
     reports: dict[int, MemberReport] = dataclasses.field(default_factory=dict)
     before: dict[int, MemberReport] = dataclasses.field(default_factory=dict)  # of the failed generation
@@ -114,6 +116,7 @@ class Recovery:
             "why": self.why,
             "noticed": self.noticed,
             "decided": self.decided,
+            "doubted": self.doubted,
             "fenced": self.fenced,
             "shrunk": self.shrunk,
             "split": self.split(),
@@ -303,6 +306,7 @@ class InplaceJob:
         self.beat_s, self.lost_after_s, self.suspect_after_s = beat_s, lost_after_s, suspect_after_s
         self.slow_limit_s = slow_limit_s
         self._working: dict[str, float] = {}  # member -> when its node last said its process works
+        self._agent_answers: dict[str, float] = {}  # node -> when its agent last answered about a member
         self.backend, self.backend_timeout_s = backend, backend_timeout_s
         self.on_no_standby, self.wait_for_node_s = on_no_standby, wait_for_node_s
         self.events = events
@@ -541,6 +545,8 @@ class InplaceJob:
                 tokens = set(ray.get(ref))
             except Exception:
                 continue
+            for slot in refs[ref]:
+                self._agent_answers[slot.node] = time.monotonic()
             confirmed |= {s.name for s in refs[ref] if s.token in tokens}
         for slot in ask:
             if slot.name in confirmed:
@@ -619,14 +625,26 @@ class InplaceJob:
         members = {s.name: rank for rank, s in self._ranks.items()}
         gen = self.gen + 1
         # the generation first: the members re-form and a standby registers while the lost
-        # nodes are fenced (a silent agent takes agent_ping_s to tell); restores wait for it
+        # nodes are doubted at the coordinator (restores may start: their plans leave those
+        # nodes out, or wait for the verdict where they might matter) and then fenced or
+        # cleared (a silent agent takes agent_ping_s to tell)
         self.collect()  # the earlier recoveries' reports: which rolled back (the members' interval)
         self._assign(gen, members, fenced=False)
         decided = time.time()
+        candidates = self._lost_nodes(lost_slots, survivors)
+        # a node whose agent answered lately (a rank's process lost on a healthy node) is not
+        # doubted: its agent is asked as before, once the verdict has it alive
+        quiet = [n for n in candidates if not self._answered_lately(n)]
+        doubted = None
+        assert self.store is not None  # (run() made it)
         try:
-            fenced = self._fence_nodes(lost_slots, survivors, why)
+            if quiet:
+                self._coordinator_call("doubt", quiet, why)
+            if len(quiet) == len(candidates):
+                doubted = time.time()
+                self.store.set(fenced_key(self.job, gen), "1")
+            fenced = self._fence_nodes(candidates, why)
         finally:
-            assert self.store is not None
             self.store.set(fenced_key(self.job, gen), "1")
         busy = {s.node for s in self._ranks.values()} | {s.node for s in self._standbys}
         for slot in lost_slots.values():  # a healthy node a lost process leaves free can warm a standby
@@ -640,6 +658,7 @@ class InplaceJob:
             why=why,
             noticed=noticed,
             decided=decided,
+            doubted=doubted,
             fenced=time.time(),
             shrunk=shrunk,
         )
@@ -648,14 +667,26 @@ class InplaceJob:
         for _ in lost_slots:
             self._warm_a_standby()
 
-    def _fence_nodes(self, lost: dict[int, _Slot], survivors: dict[int, _Slot], why: str) -> list[str]:
-        """Nodes all of whose ranks were lost and whose agent is silent: memsnap's coordinator
-        fences them."""
-        live_ranks = {s.node for s in survivors.values()}
-        candidates = sorted({s.node for s in lost.values()} - live_ranks)
-        nodes = silent_nodes(self.job, candidates, self.agent_ping_s, self._ended.unanswered())
-        if not nodes:
+    def _answered_lately(self, node: str) -> bool:
+        """``node``'s agent answered one of this controller's questions within the last
+        ``lost_after_s + agent_ping_s`` (it was asked about a silent member)."""
+        at = max(self._ended.answered.get(node, -1e9), self._agent_answers.get(node, -1e9))
+        return time.monotonic() - at <= self.lost_after_s + self.agent_ping_s
+
+    @staticmethod
+    def _lost_nodes(lost: dict[int, _Slot], survivors: dict[int, _Slot]) -> list[str]:
+        """The nodes all of whose ranks were lost (their agents may be lost too)."""
+        return sorted({s.node for s in lost.values()} - {s.node for s in survivors.values()})
+
+    def _fence_nodes(self, candidates: list[str], why: str) -> list[str]:
+        """Those of ``candidates`` whose agent is silent: memsnap's coordinator fences them;
+        the others (a process lost on a healthy node) are cleared of the doubt."""
+        if not candidates:
             return []
+        nodes = silent_nodes(self.job, candidates, self.agent_ping_s, self._ended.unanswered())
+        for node in candidates:
+            if node not in nodes:
+                self._coordinator_call("cleared", node)
         for node in nodes:
             self._coordinator_call("node_lost", node, why)
             self._ended.forget(node)

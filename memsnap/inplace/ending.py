@@ -31,6 +31,7 @@ class EndedAsks:
         self.ask, self.poll, self.clock = ask, poll, clock
         self._asked: dict[str, Any] = {}  # member -> its pending ask's handle; None once answered
         self._out: dict[int, tuple[str, Any, float]] = {}  # id(handle) -> (node, handle, when sent)
+        self.answered: dict[str, float] = {}  # node -> when its agent last answered (the clock's time)
 
     def ended(self, silent: dict[str, tuple[str, str]]) -> list[str]:
         """``silent``: ``member -> (node, process token)`` of every member silent for
@@ -51,7 +52,9 @@ class EndedAsks:
         handles = [h for _, h, _ in self._out.values()]  # (every ask not yet answered)
         out = []
         for handle, answer in (self.poll(handles) if handles else {}).items():
-            self._out.pop(id(handle), None)
+            entry = self._out.pop(id(handle), None)
+            if entry is not None and not isinstance(answer, BaseException):
+                self.answered[entry[0]] = self.clock()
             for member in [m for m, h in self._asked.items() if h is handle]:
                 self._asked[member] = None
                 if not isinstance(answer, BaseException) and silent[member][1] not in set(answer):

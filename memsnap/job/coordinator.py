@@ -76,6 +76,9 @@ class CoordinatorCore:
         self.changed = lambda: None  # the Ray face wakes its waiters with this
         self.dir = directory or Directory(self.cfg.job)
         self.fenced: set[str] = set()  # nodes memsnap declared lost (``node_lost``); never un-fenced
+        # nodes whose every rank was just lost, their agents' verdict pending (``doubt``): a
+        # restore plan is made without them when they could not make it better
+        self.doubted: dict[str, str] = {}
         self.liveness = Liveness(  # every agent's heartbeats (liveness.py)
             tunable("agent_lost_after_s"), tick_s=tunable("heartbeat_s") or 0.25
         )
@@ -102,6 +105,29 @@ class CoordinatorCore:
             self.recoveries = [*self.recoveries, dict(record)][-20:]
         metrics.recovered(self.cfg.job, dict(record.get("split") or {}))
 
+    def doubt(self, nodes: list[str], why: str) -> list[str]:
+        """Every rank of ``nodes`` was just lost, and whether their agents are lost too is not
+        known yet (the in-place controller pings them, ``agent_ping_s``): until ``node_lost``
+        or ``cleared`` says, a restore plan is made without asking them when the other nodes
+        hold the newest committed step (no plan can be better), so that the ranks' restores
+        need not wait for the verdict; else it waits for it. The nodes keep their place
+        meanwhile (no placement changes on a doubt). The doubted nodes."""
+        with self.lock:
+            new = [n for n in nodes if n not in self.fenced and n not in self.doubted]
+            for node in new:
+                self.doubted[node] = why
+            self.changed()
+        if new:
+            log.warning("job %r: node(s) %s doubted (%s)", self.cfg.job, [n[:12] for n in new], why)
+        return new
+
+    def cleared(self, node: str) -> bool:
+        """A doubted ``node``'s agent answered: it is asked again, like any live node."""
+        with self.lock:
+            found = self.doubted.pop(node, None) is not None
+            self.changed()
+        return found
+
     def node_lost(self, node: str, why: str) -> bool:
         """memsnap's own verdict that ``node`` is lost (its ranks' process group saw it go, or
         its heartbeats stopped): it is fenced for good. Its agent is never asked again (the
@@ -111,6 +137,7 @@ class CoordinatorCore:
         to join as a new node. False when ``node`` was fenced already (idempotent: Ray
         declaring the same node dead later changes nothing)."""
         with self.lock:
+            self.doubted.pop(node, None)
             if node in self.fenced:
                 return False
             self.fenced.add(node)
@@ -421,13 +448,31 @@ class CoordinatorCore:
             self.changed()
 
     def plan(self, attempt: int) -> coverage.JobPlan:
-        """The round's one plan for every rank (made once, by the first node to ask)."""
+        """The round's one plan for every rank (made once, by the first node to ask); a doubted
+        node's agent is asked too (its verdict was waited for)."""
+        plan = self._plan(attempt, early=False)
+        assert plan is not None  # (only an early plan is refused)
+        return plan
+
+    def plan_early(self, attempt: int) -> coverage.JobPlan | None:
+        """As ``plan``, but while nodes are doubted (``doubt``) made without them, and only if it
+        loads the newest committed step from RAM; else None (wait for their verdict, then
+        ``plan``)."""
+        return self._plan(attempt, early=True)
+
+    def _plan(self, attempt: int, early: bool) -> coverage.JobPlan | None:
         with self.lock:
             rnd = self.rounds.rounds[attempt]
             if rnd.plan is not None:
                 return rnd.plan
             records, members, bad = dict(self.log.records), dict(self.membership.members), set(self.rounds.bad)
-        plan = coverage.decide(records, members, self.inventories(), self._durable_step(), bad, self.cfg.local_copy)
+            doubted = bool(self.doubted)
+        durable = self._durable_step()
+        inventories = self.inventories(ask_doubted=not early)  # (a late plan: the verdict's wait is over)
+        plan = coverage.decide(records, members, inventories, durable, bad, self.cfg.local_copy)
+        best = coverage.best_step(records, durable, bad)
+        if early and doubted and best is not None and (plan.plan, plan.step) != ("ram", best):
+            return None  # the doubted nodes might hold what makes it better
         with self.lock:
             if rnd.plan is None:
                 rnd.plan = plan
@@ -494,9 +539,11 @@ class CoordinatorCore:
     def _note_restore(self, rnd) -> None:
         self.last_restore = LastRestore.of_round(rnd.plan.step, list(rnd.done.values()))
 
-    def inventories(self) -> dict[str, Inventory]:
+    def inventories(self, ask_doubted: bool = False) -> dict[str, Inventory]:
+        """What every live agent holds; a doubted node's only with ``ask_doubted`` (its agent
+        may be gone: a call to it waits for Ray's verdict)."""
         with self.lock:
-            nodes = self.membership.live_nodes()
+            nodes = [n for n in self.membership.live_nodes() if ask_doubted or n not in self.doubted]
         answers = self.dir.call_all(nodes, "inventory", timeout=tunable("call_timeout_s"))
         return {node: Inventory.from_wire(wire) for node, wire in answers.items()}
 
@@ -558,6 +605,7 @@ class CoordinatorCore:
                 "last_restore": self.last_restore.to_wire(),
                 "recoveries": list(self.recoveries),
                 "fenced": sorted(self.fenced),
+                "doubted": sorted(self.doubted),
                 "liveness": self.liveness.status(),
                 "reprotect": self.reprotect.status(),
                 "agents": {

@@ -121,6 +121,13 @@ def decide(
     return JobPlan(None, "none", {r: "none" for r in members})
 
 
+def best_step(records: Mapping[int, CommitRecord], durable_step: int | None, bad=frozenset()) -> int | None:
+    """The step ``decide`` would plan from RAM if every node answered: the first committed
+    step it tries (None: it tries none, and no node's RAM could change its plan)."""
+    steps = [s for s in records if s not in bad and (durable_step is None or s >= durable_step)]
+    return max(steps) if steps else None
+
+
 def owner_margin(
     record: CommitRecord,
     owner: str,
