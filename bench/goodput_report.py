@@ -262,7 +262,7 @@ def inplace_rows(data: dict) -> list[str]:
             "and the standby receives it from them (`live`), nothing rolled back; otherwise the survivors roll "
             "back from their own node's RAM (`local`), the standby from its peers (`peer`); the standby's "
         )
-        + "`Snapshotter` is created first), *first step* (-> every rank completed a step), and the whole: kill -> every "
+        + "`Snapshotter` registers beside its `on_rank`), *first step* (-> every rank completed a step), and the whole: kill -> every "
         "rank's first completed step. *Ray's verdict*: kill -> Ray's GCS declares the node dead (the other "
         "systems' detect; the in-place job does not wait for it). *Survivors' pids*: the pid each surviving "
         "rank reported at the start of the generation before and of the one the recovery formed.",
@@ -301,7 +301,51 @@ def inplace_rows(data: dict) -> list[str]:
                 "background on the replacement node): " + ", ".join(f"{g:.1f} s" for g in gaps) + ". A loss that "
                 "finds no standby warm yet waits for the one warming (its *detect* includes that wait).",
             ]
-    return lines + [""]
+    return lines + _rollback_rows(runs) + [""]
+
+
+def _rollback_rows(runs: list[dict]) -> list[str]:
+    """Where a rollback's *restore* went, per recovery that rolled back: the standby's path
+    (its group formed, its ``on_rank`` and its ``Snapshotter``'s registration done side by
+    side, the restore plan, the fetch from its peers) and the survivors' (their local read,
+    then the wait for the round's last rank), seconds from the generation's assignment."""
+    rows = []
+    for run in runs:
+        for rec in run.get("extra", {}).get("recoveries") or []:
+            members = rec.get("members") or {}
+            standby = [m for m in members.values() if m.get("takeover") and m.get("tier") == "peer"]
+            survivors = [m for m in members.values() if not m.get("takeover") and m.get("tier") == "local"]
+            if len(standby) != 1 or not survivors or "restore_phases" not in standby[0]:
+                continue
+            sb, t0 = standby[0], standby[0]["assigned"]
+
+            def at(m, key, t0=t0):
+                return _s(m[key] - t0) if m.get(key) is not None else "-"
+
+            ph = sb["restore_phases"]
+            applies = [m.get("restore_phases", {}).get("apply") for m in survivors]
+            waits = [m.get("restore_phases", {}).get("done") for m in survivors]
+            rows.append(
+                f"| {_name(run)} | {rec['gen']} | {at(sb, 'formed')} | {at(sb, 'on_rank')} | {at(sb, 'registered')} | "
+                f"{_s(ph.get('plan'))} | {_s(ph.get('fetch'))} | {at(sb, 'restored')} | "
+                f"{_s(max((a for a in applies if a is not None), default=None))} | "
+                f"{_s(max((w for w in waits if w is not None), default=None))} |"
+            )
+    if not rows:
+        return []
+    return [
+        "",
+        "Where a rollback's *restore* went (seconds; the standby's columns from the generation's assignment): "
+        "the standby forms the group, runs `on_rank` (FSDP2's `fully_shard`, the optimizer) while its "
+        "`Snapshotter` registers with its node's agent, then asks for the restore plan (made at once: the lost "
+        "node is doubted, not waited for) and fetches its shards from its peers; the survivors read their own "
+        "node's copy (*local read*) and wait for the round's last rank.",
+        "",
+        "| run | generation | standby: formed | on_rank done | registered | plan | fetch from peers | restored "
+        "| survivors: local read (slowest) | waiting for the round (longest) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        *rows,
+    ]
 
 
 def write_report(data: dict, out: Path) -> None:

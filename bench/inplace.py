@@ -367,7 +367,8 @@ def render(data: dict, out: Path) -> None:
         "receives it from them over the re-formed group, a slice from each (tier `live`); nothing is rolled "
         "back. Where they could not show it, every rank would roll back to the newest committed step instead, "
         "survivors from their own node's RAM (`local`), the standby from its peers (`peer`), after the lost "
-        "node is fenced at the coordinator. The standby's *restore* includes creating its `Snapshotter`. "
+        "node is doubted at the coordinator (its restore plan made without asking that node's agent). The standby's "
+        "`Snapshotter` registers while it forms the group (and runs `on_rank`), and its *restore* waits for it. "
         "*first step*: -> every rank completed a step; the last row is kill -> every rank's first completed step.",
         "* **steps lost**: steps trained twice (the newest step completed before the kill minus the step restored).",
         "",

@@ -198,8 +198,10 @@ def test_an_ask_still_out_is_counted_by_the_fencing_ping_until_its_node_answers_
     # the oldest ask out to each node, with when it was sent (n1 has had since 10.0 to answer)
     assert asks.unanswered() == {"n1": (("n1", 0), 10.0), "n2": (("n2", 1), 10.0)}
     agents.ready = {("n2", 1)}
+    now[0] = 10.7
     asks.ended({"r1": ("n1", "t1")})  # r3 beat again: its ask is still read, and n2 answered
     assert set(asks.unanswered()) == {"n1"}
+    assert asks.answered == {"n2": 10.7}  # (its node is not doubted at a recovery: its agent is alive)
     asks.forget("n1")  # fenced: its asks never answer
     assert asks.unanswered() == {}
 
@@ -211,3 +213,33 @@ def test_a_member_with_no_agent_to_ask_is_left_to_its_lifeline_and_heartbeats():
     asks = EndedAsks(lambda node, tokens: asked.append(node), lambda handles: pytest.fail("nothing to poll"))
     assert asks.ended({"r1": ("n1", "t1")}) == [] and asks.ended({"r1": ("n1", "t1")}) == []
     assert asked == ["n1"]
+
+
+def test_a_new_ranks_snapshotter_registers_on_a_thread_of_its_own_and_its_error_is_raised(monkeypatch):
+    """A standby's Snapshotter registers with its node's agent while its thread forms the group
+    and runs ``on_rank``: ``result`` hands it over, or raises what the registration raised."""
+    import threading
+    import types
+
+    import memsnap
+    from memsnap.errors import ConfigError
+    from memsnap.rank.member import _Registering
+
+    made = []
+
+    class Registered:
+        def __init__(self, job, rank, world_size, **options):
+            made.append((threading.current_thread().name, job, rank, world_size, options))
+
+    monkeypatch.setattr(memsnap, "Snapshotter", Registered)
+    member = types.SimpleNamespace(job="j", options={"k": 2, "preemption": False})
+    snap = _Registering(member, 1, 4).result()
+    assert isinstance(snap, Registered)
+    assert made == [("memsnap-register", "j", 1, 4, {"k": 2, "preemption": False})]
+
+    def refused(**_):
+        raise ConfigError("job 'j' runs under another run id")
+
+    monkeypatch.setattr(memsnap, "Snapshotter", refused)
+    with pytest.raises(ConfigError, match="another run id"):
+        _Registering(member, 1, 4).result()

@@ -32,6 +32,7 @@ class MemberReport:
     step: int | None = None  # the step restored (None: a fresh start)
     tier: str | None = None  # the restore tier, or ``kept`` / ``live`` for a live takeover
     restore_s: float | None = None
+    restore_phases: dict[str, float] | None = None  # its restore's seconds: plan, fetch, apply, total
     live_holders: list[int] | None = None  # the ranks a live takeover's state came from
     live_phases: dict[str, float] | None = None  # a live takeover's seconds: digest, agree, move, apply
     live_refused: str | None = None  # why the ranks rolled back instead of going on live

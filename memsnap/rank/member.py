@@ -11,10 +11,10 @@ again, whose ``ctx.restore(state)`` rolls the live objects back to the newest co
 Store keys (the controller writes the first, members the rest):
 
   ``memsnap/<job>/gen/<g>``            JSON of an ``assignment.Assignment``: world, member -> rank, done
-  ``memsnap/<job>/gen/<g>/fenced``     the nodes lost before generation g are fenced at the
-                                       coordinator: its restore may start (the controller
-                                       writes the generation first, so a standby registers
-                                       while the lost nodes are fenced)
+  ``memsnap/<job>/gen/<g>/fenced``     the nodes lost before generation g are doubted (or
+                                       fenced) at the coordinator: its restore may start (the
+                                       controller writes the generation first, so a standby
+                                       registers meanwhile; the fencing verdict comes later)
   ``memsnap/<job>/gen/<g>/report/<r>`` JSON: what rank r's member did in generation g
   ``memsnap/<job>/done/<r>``           JSON: rank r finished training (the result's summary)
   ``memsnap/<job>/leave/<member>``     set by ``InplaceJob.hand_over``: that member is to leave
@@ -93,6 +93,7 @@ class Context:
 
     @property
     def snapshotter(self):
+        self._m._registered()  # (a new rank's, once it has registered)
         return self._m.snap
 
     @property
@@ -245,6 +246,7 @@ class Member:
         self.state = None
         self.recoveries = 0
         self.history = (0, 0, 0.0)  # the job's recoveries before this generation, how many rolled back, its age
+        self._registering: _Registering | None = None  # a new rank's Snapshotter, being made
         self.on_rank_fns: list[Callable] = []  # ctx.on_rank: run once, when this process first has a rank
         self.sharded: list = []  # the models ctx.fully_shard sharded
         self._report = MemberReport("", os.getpid(), -1, -1, False, time.time())
@@ -291,6 +293,7 @@ class Member:
 
     @property
     def snapshotter(self) -> Snapshotter:
+        self._registered()
         if self.snap is None:
             raise RuntimeError(f"member {self.name} is not a rank of a generation yet")
         return self.snap
@@ -407,17 +410,16 @@ class Member:
         self._report = MemberReport(self.name, os.getpid(), rank, gen, takeover, t_assigned)
         if self.snap is not None:
             self.snap.steer(None)  # the last generation's plan; ctx.restore names this one's
+        # a new rank's Snapshotter registers with its node's agent (calls to Ray actors) while
+        # this thread forms the group and runs on_rank (CPU): side by side, not in turn
+        self._registering = _Registering(self, rank, world) if self.snap is None else None
         try:
             self.group.configure(gen, rank, world)
             self._report.formed = time.time()
             while self.on_rank_fns:  # once per process (a standby's at its takeover)
                 self.on_rank_fns.pop(0)(Context(self), self.state)
                 self._report.on_rank = time.time()
-            if self.snap is None:
-                import memsnap
-
-                self.snap = memsnap.Snapshotter(job=self.job, rank=rank, world_size=world, **self.options)
-                self._report.registered = time.time()
+            self._registered()
             result = self.train_fn(Context(self), self.state)
         except HandedOver as exc:
             log.warning("%s", exc)
@@ -425,6 +427,10 @@ class Member:
             self._publish()
             return HandedOver
         except Exception as exc:
+            try:
+                self._registered()  # (a rank keeps its Snapshotter across generations)
+            except Exception as reg:
+                log.warning("member %s: its Snapshotter did not register: %s", self.name, reg)
             # a lost peer ends a generation in PeerLost; anything else raised while the
             # generation was failing (a collective inside a library, a cancelled restore) too
             # (a failure named by the controller after a silent peer's heartbeat stops: within
@@ -443,9 +449,18 @@ class Member:
         self.store.set(done_key(self.job, rank), json.dumps({"member": self.name, "gen": gen}))
         return result
 
+    def _registered(self) -> None:
+        """Wait for the Snapshotter being registered for this generation, if one is; its
+        error, if it failed."""
+        registering, self._registering = self._registering, None
+        if registering is not None:
+            self.snap = registering.result()
+            self._report.registered = registering.done_at
+
     def await_fenced(self) -> None:
-        """Wait until the nodes lost before this generation are fenced at the coordinator (its
-        restore plan must not wait on their agents), or the generation fails meanwhile."""
+        """Wait until the nodes lost before this generation are doubted (or fenced) at the
+        coordinator (its restore plan must not wait on their agents), or the generation fails
+        meanwhile."""
         key = fenced_key(self.job, self.current_gen)
         deadline = time.monotonic() + self.assign_timeout_s
         while not self.store.check([key]):
@@ -494,6 +509,7 @@ class Member:
         rep = self._report
         last = self.snapshotter.last_restore
         rep.restored, rep.step, rep.tier, rep.restore_s = time.time(), step, last.tier, last.total_s
+        rep.restore_phases = {k: round(v, 4) for k, v in last.seconds.items()}
 
     def took_over(self, done: Takeover) -> None:
         """A recovery with nothing rolled back: this rank kept its live state ("kept") or
@@ -536,9 +552,42 @@ class Member:
             self._lifeline.close()  # a goodbye: this process leaves, it is not lost
             self._lifeline = None
         self._beater.close()
+        try:
+            self._registered()
+        except Exception:  # (it closes with nothing to close)
+            pass
         if self.snap is not None:
             self.snap.close()
         self.group.close()
+
+
+class _Registering:
+    """A Snapshotter for ``rank`` of ``world`` made on a thread of its own (``result`` waits)."""
+
+    def __init__(self, member: Member, rank: int, world: int):
+        self._member, self._rank, self._world = member, rank, world
+        self._snap: Snapshotter | None = None
+        self._error: BaseException | None = None
+        self.done_at: float | None = None
+        self._thread = threading.Thread(target=self._make, name="memsnap-register", daemon=True)
+        self._thread.start()
+
+    def _make(self) -> None:
+        import memsnap
+
+        m = self._member
+        try:
+            self._snap = memsnap.Snapshotter(job=m.job, rank=self._rank, world_size=self._world, **m.options)
+        except BaseException as exc:
+            self._error = exc
+        self.done_at = time.time()  # (its report's ``registered``)
+
+    def result(self) -> Snapshotter:
+        self._thread.join()  # (the Snapshotter's own calls have deadlines)
+        if self._error is not None:
+            raise self._error
+        assert self._snap is not None
+        return self._snap
 
 
 def _rss() -> int:

@@ -336,7 +336,9 @@ class Snapshotter:
                 log.warning("rank %d: restore of step %s failed: %s", self.rank, plan.step, exc)
                 report, tier = RankRestore.failed(exc, self.loader.repaired), None
                 error = exc
+            t = time.perf_counter()
             result = self.client.restore_done(attempt, report)
+            seconds["done"] = time.perf_counter() - t  # until every rank of the round loaded
             if result.ok and self.loader.dirty and plan.tier == "none":
                 raise MemsnapError(
                     f"rank {self.rank}: a restore from peers failed after it had begun writing into the "
