@@ -394,6 +394,29 @@ def test_every_slot_of_a_rank_is_made_and_backed_ahead_of_its_first_saves(core):
     assert core.ready_slots(1, 600 << 10) == 1  # a 1 MiB budget: one more slot fits, then it stops
 
 
+def test_a_standbys_arenas_made_before_it_has_a_rank_become_the_slots_of_the_rank_it_takes(core):
+    """A warm standby's node backs keep+1 arenas for whichever rank it takes (at most the
+    largest rank's size): the taken rank's first saves and its ``ready_slots`` only rename them."""
+    assert core.ready_standby(8192) == 3 and core.budget.used == 3 * 8192
+    assert core.ready_standby(8192) == 0  # made once
+    made = list(core.slots.standby)
+    info = core.begin(1, 2, 4096)  # the standby took rank 2 (smaller than the largest): its first save
+    assert core.arenas[(2, info["slot"])] is made[0] and "-sstandby" not in info["path"]
+    assert os.path.exists(info["path"]) and core.budget.used == 3 * 8192  # nothing new backed
+    assert core.ready_slots(2, 4096) == 2 and core.budget.used == 3 * 8192  # the other two, renamed
+    assert {id(core.arenas[(2, s)]) for s in range(3)} == {id(a) for a in made} and core.slots.standby == []
+    assert core.ready_standby(8192) == 0  # a node with a rank makes none
+
+
+def test_a_standbys_arenas_too_small_for_the_rank_it_took_are_let_go(core):
+    core.ready_standby(4096)
+    info = core.begin(1, 0, 8192)  # the state grew since: a new arena, and the small ones go
+    assert info["nbytes"] == 8192 and len(core.slots.standby) == 3
+    core.ready_slots(0, 8192)
+    assert core.slots.standby == [] and core.budget.used == 3 * 8192
+    assert not [n for n in os.listdir(os.path.dirname(info["path"])) if "-sstandby" in n and core.cfg.job in n]
+
+
 def test_a_save_that_arrives_while_its_slot_is_made_ahead_waits_for_it_and_uses_it(core, monkeypatch) -> None:
     """The first save can come before ``ready_slots`` has backed slot 0 (it runs in the
     background after ``restore``): the save waits for that arena and captures into it, rather

@@ -157,6 +157,10 @@ class SnapshotAgent:
         """Back ``rank``'s arena slots for ``nbytes`` now, ahead of its first saves."""
         return await self.pool.run(self.core.ready_slots, rank, nbytes)
 
+    async def ready_standby(self, nbytes: int) -> int:
+        """Back the arena slots of the warm standby on this node (any rank of at most ``nbytes``)."""
+        return await self.pool.run(self.core.ready_standby, nbytes)
+
     async def begin(self, step: int, rank: int, nbytes: int, wait_s: float = 0.0) -> dict:
         return await begin_waiting(self.pool.run, self.core, self.signal, step, rank, nbytes, wait_s)
 

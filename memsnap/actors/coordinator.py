@@ -103,6 +103,9 @@ class Coordinator:
     async def spare_joined(self, node: str, address: dict) -> bool:
         return await self.pool.run(self.core.spare_joined, node, address)  # (asks the spares' agents)
 
+    async def rank_bytes(self) -> int | None:
+        return self.core.rank_bytes()
+
     async def doubt(self, nodes: list[str], why: str) -> list[str]:
         return self.core.doubt(nodes, why)
 

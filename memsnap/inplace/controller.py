@@ -218,6 +218,7 @@ class _Slot:
     actor: Any
     ref: Any = None  # its run() task
     token: str | None = None  # its process, as its node's agent knows it (from prepare)
+    arenas_asked: bool = False  # a standby: its node's agent was asked to back its arena slots ahead
 
 
 class InplaceJob:
@@ -307,6 +308,7 @@ class InplaceJob:
         self.slow_limit_s = slow_limit_s
         self._working: dict[str, float] = {}  # member -> when its node last said its process works
         self._agent_answers: dict[str, float] = {}  # node -> when its agent last answered about a member
+        self._rank_bytes: Any = None  # the coordinator's answer pending: a rank's snapshot size
         self.backend, self.backend_timeout_s = backend, backend_timeout_s
         self.on_no_standby, self.wait_for_node_s = on_no_standby, wait_for_node_s
         self.events = events
@@ -439,6 +441,7 @@ class InplaceJob:
         while True:
             if time.monotonic() >= next_report:
                 self._report_finished()
+                self._ready_standby_arenas()
                 next_report = time.monotonic() + 0.5
             if time.monotonic() > deadline:
                 raise RecoveryError(f"job {self.job!r} did not finish within its timeout")
@@ -815,6 +818,42 @@ class InplaceJob:
         t.start()
         if wait:
             t.join(timeout=self.wait_for_node_s)
+
+    def _ready_standby_arenas(self) -> None:
+        """Once the job has committed a step (its ranks' snapshot size known), ask each warm
+        standby's node agent to back the arena slots of whichever rank it will take
+        (``Slots.ready_standby``): its first saves after a takeover then touch no fresh pages.
+        Never waits: the size is asked for once and read on a later call."""
+        import ray
+
+        from memsnap import naming
+        from memsnap.directory import find_agent
+
+        with self._lock:
+            pending = [s for s in self._standbys if not s.arenas_asked]
+        if not pending:
+            return
+        if self._rank_bytes is None:
+            try:
+                coord = ray.get_actor(naming.coordinator(self.job), namespace=naming.NAMESPACE)
+                self._rank_bytes = coord.rank_bytes.remote()
+            except ValueError:  # no coordinator yet
+                return
+        ready, _ = ray.wait([self._rank_bytes], timeout=0)
+        if not ready:
+            return
+        try:
+            nbytes = ray.get(self._rank_bytes)
+        except Exception:
+            nbytes = None
+        self._rank_bytes = None  # (asked again next time if no step was committed yet)
+        if not nbytes:
+            return
+        for slot in pending:
+            agent = find_agent(self.job, slot.node)
+            if agent is not None:
+                agent.ready_standby.remote(int(nbytes))  # (in the background, on the standby's node)
+                slot.arenas_asked = True
 
     # --- reporting -------------------------------------------------------------------------------
     def collect(self) -> list[dict]:

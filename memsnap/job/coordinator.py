@@ -407,6 +407,15 @@ class CoordinatorCore:
         with self.lock:
             return self.log.newest()
 
+    def rank_bytes(self) -> int | None:
+        """The largest snapshot of one rank in the newest committed step (None: none committed):
+        what a warm standby's arenas are made for (``Slots.ready_standby``)."""
+        with self.lock:
+            step = self.log.newest()
+            if step is None:
+                return None
+            return max(r.nbytes for info in self.log.records[step].nodes.values() for r in info.regions)
+
     def broadcast(self, method: str, *args) -> None:
         """``method(*args)`` on every live agent, in order, from one sender thread (every
         agent of one broadcast at once, one deadline for all)."""

@@ -518,6 +518,9 @@ class AgentCore:
             self.ranks.add(rank)
         return self.slots.ready_slots(rank, nbytes)
 
+    def ready_standby(self, nbytes: int) -> int:
+        return self.slots.ready_standby(nbytes)
+
     def rebuild_local(self, step: int, rank: int, src: RankSource, replace: bool = False) -> bool:
         return self.repair.rebuild_local(step, rank, src, replace)
 

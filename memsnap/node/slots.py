@@ -43,6 +43,7 @@ class Slots:
         self.prepared: dict[int, Arena] = {}  # rank -> a touched arena its peer restore will fill
         self.preparing: dict[int, threading.Event] = {}
         self.making: dict[int, threading.Event] = {}  # rank -> set when the slot being made ahead is in
+        self.standby: list[Arena] = []  # made ahead on a warm standby's node, for whichever rank it takes
 
     # --- which slot (the version table decides) --------------------------------------------------
     def free_slot(self, step: int) -> int | None:
@@ -73,9 +74,13 @@ class Slots:
             return arena
         path = naming.arena_path(self.cfg.job, self.node, rank, slot, self.drop_arena(rank, slot))
         ready = self.prepared.pop(rank, None)
+        spare = None if ready is not None else self._take_standby(nbytes)
         if ready is not None and ready.nbytes == nbytes:
             ready.rename(path)  # already charged and touched
             arena = ready
+        elif spare is not None:
+            spare.rename(path)  # made ahead for the standby that is now this rank: charged, touched
+            arena = spare
         else:
             if ready is not None:
                 self._discard(ready)
@@ -130,6 +135,11 @@ class Slots:
             with self.lock:
                 if (rank, slot) in self.arenas:
                     continue
+                spare = self._take_standby(nbytes)
+                if spare is not None:  # made before the takeover: only renamed
+                    self.install(rank, slot, spare)
+                    made += 1
+                    continue
                 try:
                     self.budget.charge(nbytes, f"the arena of rank {rank} (slot {slot}), made ahead")
                 except MemoryBudgetError as exc:
@@ -142,6 +152,10 @@ class Slots:
                 with self.lock:
                     self.making.pop(rank, None)
                 done.set()
+        with self.lock:  # (a standby's arenas too small for the rank it took: never used now)
+            for arena in self.standby:
+                self._discard(arena)
+            self.standby.clear()
         if made:
             log.info(
                 "rank %d: %d arena slot(s) of %.1f MiB made and backed ahead of its saves in %.2f s",
@@ -151,6 +165,43 @@ class Slots:
                 time.monotonic() - started,
             )
         return made
+
+    def ready_standby(self, nbytes: int) -> int:
+        """This node runs a warm standby, which takes a lost rank of at most ``nbytes`` per
+        snapshot: make and back ``cfg.slots`` arenas now, before any rank is known, so that its
+        first saves after a takeover cost what later ones do (``arena`` and ``ready_slots``
+        rename them to the rank's slots). Not once a rank has arenas here; stops (logged) at
+        the memory budget. Returns how many were made."""
+        made = 0
+        for i in range(self.cfg.slots):
+            with self.lock:
+                if self.arenas or len(self.standby) >= self.cfg.slots:
+                    break
+                try:
+                    self.budget.charge(nbytes, f"a standby's arena (slot {i}), made ahead")
+                except MemoryBudgetError as exc:
+                    log.info("not making the standby's arena slots ahead: %s", exc)
+                    break
+            try:
+                arena = Arena.create(naming.arena_path(self.cfg.job, self.node, 0, f"standby{i}", 0), nbytes)
+            except OSError as exc:  # (a full /dev/shm): the takeover's saves make them as before
+                self.budget.release(nbytes)
+                log.warning("not making the standby's arena slots ahead: %s", exc)
+                break
+            except BaseException:
+                self.budget.release(nbytes)
+                raise
+            with self.lock:
+                self.standby.append(arena)
+            made += 1
+        return made
+
+    def _take_standby(self, nbytes: int) -> Arena | None:
+        """One of the standby's arenas made ahead that holds ``nbytes``, taken (under the lock)."""
+        for i, arena in enumerate(self.standby):
+            if arena.nbytes >= nbytes:
+                return self.standby.pop(i)
+        return None
 
     def _make_ahead(self, rank: int, slot: int, nbytes: int) -> int:
         """Back one arena (already charged) and install it as ``rank``'s ``slot``; 0 when a save
@@ -225,7 +276,8 @@ class Slots:
                 arena.release()
 
     def close_all(self) -> None:
-        for arena in [*self.arenas.values(), *self.prepared.values()]:
+        for arena in [*self.arenas.values(), *self.prepared.values(), *self.standby]:
             arena.close(unlink=True)
         self.arenas.clear()
         self.prepared.clear()
+        self.standby.clear()
