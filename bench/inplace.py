@@ -253,7 +253,7 @@ def summarise_inplace(rec: dict) -> dict:
         "detect": split["detect"],
         "reform": split["reform"],
         "restore": split["restore"],
-        "register": max(r["registered"] - r["formed"] for r in taken) if taken else None,
+        "register": max(max(0.0, r["registered"] - r["formed"]) for r in taken) if taken else None,
         "first_step": split["first_step"],
         "kill_to_all_stepped": stepped - rec["t_kill"],
         "tiers": {int(r): reps[r].get("tier") for r in reps},
@@ -384,7 +384,7 @@ def render(data: dict, out: Path) -> None:
         ("detect", "detect (noticed -> decided)"),
         ("reform", "re-form (every member formed the group)"),
         ("restore", "restore (every rank)"),
-        ("register", "  of which: the standby creates its `Snapshotter`"),
+        ("register", "  of which: the standby's `Snapshotter` still registering once the group formed"),
         ("first_step", "first step (every rank)"),
         ("kill_to_all_stepped", "**kill -> every rank's first completed step**"),
     ]:
@@ -446,7 +446,7 @@ def render(data: dict, out: Path) -> None:
             "",
             "Where each live takeover's *restore* went, per rank (s): *digest* (a holder's digest of its state at "
             "the step boundary, read in place), *agree* (the all-reduce of every rank's boundary and digests: it "
-            "waits for the slowest member, the standby creating its `Snapshotter` included), *move* (each holder "
+            "waits for the slowest member, the standby's `Snapshotter` registration included), *move* (each holder "
             "lays its slice out from its live tensors and sends it; the standby receives each large tensor's "
             "bytes straight into its own tensor and checks them), *apply* (a holder: its small state and RNGs put "
             "back to the boundary; the standby: the received state handed to its objects, the small tensors "

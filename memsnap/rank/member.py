@@ -113,6 +113,9 @@ class Context:
         every rank rolls ``state`` back to the newest committed step (a survivor from its own
         node's RAM, a standby from its peers)."""
         m = self._m
+        # a new rank's Snapshotter registered first: a live takeover's receive would share
+        # the CPU with it (on a busy host that cost the move more than the registration took)
+        m._registered()
         if m.recoveries:
             from memsnap.collective.fsdp import reshard
 
