@@ -168,12 +168,21 @@ def agents_holding(core, step: int, nodes, lost_pieces_of=None) -> list[list[str
     return asked
 
 
-def test_a_doubted_node_is_not_asked_and_the_plan_is_made_at_once_when_the_others_hold_the_newest_step(core):
+def restoring_with_b_doubted(core, lost_pieces_of=None) -> tuple[list[str], list[list[str]]]:
+    """Step 5 committed; B doubted (its rank 1 lost); the standby on D takes rank 1 while B's
+    verdict is pending; every agent would answer (``agents_holding``); every rank arrived in
+    restore round 0. The nodes the doubt named, and the node lists the inventories asked."""
     commit(core, 5)
-    assert core.doubt([B], "rank 1: its process ended") == [B]
-    core.join(D, address(D), [1], 3)  # the standby on D takes rank 1 while B's verdict is pending
-    asked = agents_holding(core, 5, NODES)  # (B's agent would answer too, if asked)
+    doubted = core.doubt([B], "rank 1: its process ended")
+    core.join(D, address(D), [1], 3)
+    asked = agents_holding(core, 5, NODES, lost_pieces_of=lost_pieces_of)
     core.restore_arrive(0, [0, 1, 2])
+    return doubted, asked
+
+
+def test_a_doubted_node_is_not_asked_and_the_plan_is_made_at_once_when_the_others_hold_the_newest_step(core):
+    doubted, asked = restoring_with_b_doubted(core)
+    assert doubted == [B]
     plan = core.plan_early(0)
     assert plan is not None and plan.step == 5 and plan.plan == "ram"
     assert plan.ranks == {0: "local", 1: "peer", 2: "local"}  # rank 1 decoded from B's holders
@@ -184,12 +193,8 @@ def test_a_doubted_node_is_not_asked_and_the_plan_is_made_at_once_when_the_other
 
 
 def test_a_plan_the_doubted_node_could_better_waits_for_its_verdict_and_then_asks_it(core):
-    commit(core, 5)
-    core.doubt([B], "rank 1: its process ended")
-    core.join(D, address(D), [1], 3)
     # B's holders lost its pieces: only B's own copy of rank 1 can serve step 5 from RAM
-    asked = agents_holding(core, 5, NODES, lost_pieces_of=B)
-    core.restore_arrive(0, [0, 1, 2])
+    _, asked = restoring_with_b_doubted(core, lost_pieces_of=B)
     assert core.plan_early(0) is None  # without B the plan could not load step 5
     assert asked == [[A, C, D, E]] and core.rounds.rounds[0].plan is None
     assert core.cleared(B) is True  # its agent answered: a process was lost, not the node
@@ -200,10 +205,6 @@ def test_a_plan_the_doubted_node_could_better_waits_for_its_verdict_and_then_ask
 
 
 def test_a_late_plan_asks_a_node_still_doubted_when_its_verdict_never_came(core):
-    commit(core, 5)
-    core.doubt([B], "rank 1: its process ended")
-    core.join(D, address(D), [1], 3)
-    asked = agents_holding(core, 5, NODES, lost_pieces_of=B)
-    core.restore_arrive(0, [0, 1, 2])
+    _, asked = restoring_with_b_doubted(core, lost_pieces_of=B)
     assert core.plan_early(0) is None
     assert core.plan(0).ranks[1] == "copy" and B in asked[-1]  # (the actor waits doubt_wait_s first)

@@ -105,9 +105,7 @@ def decide(
 
     A step taken by another world size than ``members`` now has is loaded ``elastic`` by
     every rank (``saved``: ``{saved rank: tier}``), when every saved rank can be read."""
-    for step in sorted(records, reverse=True):
-        if step in bad or (durable_step is not None and durable_step > step):
-            continue
+    for step in ram_candidates(records, durable_step, bad):
         if records[step].world != len(members):
             saved = elastic_tiers(records[step], members, inventories, local_copy)
             if saved is not None:
@@ -121,11 +119,16 @@ def decide(
     return JobPlan(None, "none", {r: "none" for r in members})
 
 
+def ram_candidates(records: Mapping[int, CommitRecord], durable_step: int | None, bad=frozenset()) -> list[int]:
+    """The committed steps ``decide`` tries to load from RAM, newest first: none that a round
+    found bad, none older than the spilled step."""
+    return [s for s in sorted(records, reverse=True) if s not in bad and (durable_step is None or s >= durable_step)]
+
+
 def best_step(records: Mapping[int, CommitRecord], durable_step: int | None, bad=frozenset()) -> int | None:
     """The step ``decide`` would plan from RAM if every node answered: the first committed
     step it tries (None: it tries none, and no node's RAM could change its plan)."""
-    steps = [s for s in records if s not in bad and (durable_step is None or s >= durable_step)]
-    return max(steps) if steps else None
+    return next(iter(ram_candidates(records, durable_step, bad)), None)
 
 
 def owner_margin(
