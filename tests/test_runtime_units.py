@@ -408,6 +408,25 @@ def test_a_standbys_arenas_made_before_it_has_a_rank_become_the_slots_of_the_ran
     assert core.ready_standby(8192) == 0  # a node with a rank makes none
 
 
+def test_a_standby_arena_made_while_a_rank_takes_the_node_is_let_go(core, monkeypatch):
+    """The standby took a rank (its first save made an arena) while its node was still making
+    the standby's arenas: the one in the making is discarded, not kept charged and unused."""
+    from memsnap.node import slots as slots_mod
+
+    real = slots_mod.Arena.create
+
+    def create(path, nbytes, prefault=True):
+        arena = real(path, nbytes, prefault)
+        if "-sstandby1-" in path:
+            core.begin(1, 0, 2 * nbytes)  # (too large for the one already made: a new arena)
+        return arena
+
+    monkeypatch.setattr(slots_mod.Arena, "create", staticmethod(create))
+    assert core.ready_standby(4096) == 1
+    assert len(core.slots.standby) == 1 and core.budget.used == 4096 + 8192
+    assert not [n for n in os.listdir(slots_mod.naming.arena_dir()) if "-sstandby1-" in n and core.cfg.job in n]
+
+
 def test_a_standbys_arenas_too_small_for_the_rank_it_took_are_let_go(core):
     core.ready_standby(4096)
     info = core.begin(1, 0, 8192)  # the state grew since: a new arena, and the small ones go

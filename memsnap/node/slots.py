@@ -192,6 +192,9 @@ class Slots:
                 self.budget.release(nbytes)
                 raise
             with self.lock:
+                if self.arenas:  # a rank took this node while the arena was made: never used now
+                    self._discard(arena)
+                    break
                 self.standby.append(arena)
             made += 1
         return made
