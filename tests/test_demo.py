@@ -169,6 +169,13 @@ def test_summary_shows_both_restores_with_bytes_and_rates_and_explains_a_disk_wi
     assert "1.0 MiB in 0.50 s = 2.0 MiB/s" in demo_cmd.summary(_report(small, _disk(1.0)))
 
 
+def test_summary_says_when_the_disk_holds_an_older_step_than_the_final_one():
+    assert "NOTE" not in demo_cmd.summary(_report(_lost(0.25), _disk(1.0)))  # step 39 of 40: the final one
+    older = dict(_report(_lost(0.25), dict(_disk(1.0), step=30)), final_spill={"committed": 39, "durable": None})
+    text = demo_cmd.summary(older)
+    assert "the disk holds step 30, not the final step 39" in text and "its spill returned None" in text
+
+
 def test_options_size_the_frozen_table():
     ap = __import__("argparse").ArgumentParser()
     demo_cmd.register(ap.add_subparsers())
@@ -219,7 +226,7 @@ def _check_report(r: dict, failures: int, mode: str = "inplace") -> None:
     }[mode]
     assert set(r["recovery_seconds"]) == keys
     assert all(v is not None and v >= 0 for v in r["recovery_seconds"].values())
-    assert r["disk_restore_seconds"] > 0 and r["disk_restore_step"] == r["steps"] - 1
+    assert r["disk_restore_seconds"] > 0 and r["disk_restore_step"] == r["steps"] - 1, r["final_spill"]
     peer, disk_ = r["restore_compare"]["peer"], r["restore_compare"]["disk"]
     assert peer["bytes"] == disk_["bytes"] > r["frozen_mib"] * (1 << 20)  # the same rank's bytes, table included
     assert peer["gib_per_s"] > 0 and disk_["gib_per_s"] > 0 and disk_["rank"] == r["failures"][0]["rank"]

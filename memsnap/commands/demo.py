@@ -199,6 +199,12 @@ def summary(r: dict) -> str:
         f"                               the job's spill directory, page cache dropped ({disk['cache_drop']}): "
         f"{disk['cached_pages_before']} of {disk['pages']} pages cached when the read began",
     ]
+    final = r.get("final_spill") or {}
+    if disk["step"] != r["steps"] - 1:  # the final step's spill did not land: say what the job saw
+        lines.append(
+            f"  NOTE: the disk holds step {disk['step']}, not the final step {r['steps'] - 1}: the final step "
+            f"committed as {final.get('committed')}, its spill returned {final.get('durable')}"
+        )
     if cmp_["why_disk_wins"]:
         close = disk["gib_per_s"] <= 1.1 * peer["gib_per_s"]  # within 10%: a tie, not a win
         lines.append("  why disk keeps up here:" if close else "  why disk is ahead here:")

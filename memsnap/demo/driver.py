@@ -261,6 +261,7 @@ def _report(opts, run, ref, t_end, disk, out, total, job_out=None) -> dict:
         "restore_phases": first.get("restore_phases", {}),
         "disk_restore_seconds": disk["seconds"],
         "disk_restore_step": disk["step"],
+        "final_spill": next((e for e in read_events(run.events_path) if e["ev"] == "final"), None),
         "restore_compare": compare(opts, first, disk),
         "failures": recs,
         "steps": opts.steps,

@@ -10,7 +10,7 @@ import os
 import time
 
 from memsnap.demo.train import TrainConfig, build, rank_parts, run, snapshot_state
-from memsnap.demo.worker import event, failure_due, hold_for_failure
+from memsnap.demo.worker import event, failure_due, hold_for_failure, spill_final
 
 
 def setup(config: dict, ctx) -> dict:
@@ -75,8 +75,6 @@ def train(config: dict, ctx, objs: dict) -> str:
         all_reduce=ctx.all_reduce,
     )
     if rank == 0:
-        final = snap.wait(cfg.steps - 1, timeout=60)
-        if final is not None:  # for the demo's comparison with a restore from disk
-            snap.spill(final, timeout=120)
+        spill_final(snap, config, rank, cfg.steps - 1)  # for the demo's comparison with a restore from disk
         event(config["events"], ev="status", rank=rank, status=snap.status())
     return state_digest(objs)

@@ -47,6 +47,27 @@ def hold_for_failure(snap, step: int, rank: int, config: dict, timeout: float = 
     return True
 
 
+def spill_final(snap, config: dict, rank: int, last: int) -> None:
+    """Make the final step durable for the demo's restore from disk, and log what happened
+    (an ``ev="final"`` event: the step committed, whether it became durable, the waits and the
+    spill thread's status), so that a disk read of an older step says why."""
+    t = time.monotonic()
+    final = snap.wait(last, timeout=60)
+    waited = time.monotonic() - t
+    durable = snap.spill(final, timeout=120) if final is not None else None
+    event(
+        config["events"],
+        ev="final",
+        rank=rank,
+        last=last,
+        committed=final,
+        durable=durable,
+        wait_s=waited,
+        spill_s=time.monotonic() - t - waited,
+        spill={node: a.get("spill") for node, a in snap.status()["agents"].items()},
+    )
+
+
 def failure_due(config: dict, step: int) -> bool:
     """The first failure step not yet injected is ``step`` or earlier."""
     for f in config["failure_steps"]:
@@ -92,8 +113,6 @@ def train_loop_per_worker(config: dict) -> None:
 
     run(cfg, rank, world, first_step=first, objs=objs, after_step=after_step, attempt=0 if restored is None else 1)
     if rank == 0:
-        final = snap.wait(cfg.steps - 1, timeout=60)
-        if final is not None:  # for the demo's comparison with a restore from disk
-            snap.spill(final, timeout=120)
+        spill_final(snap, config, rank, cfg.steps - 1)  # for the demo's comparison with a restore from disk
         event(config["events"], ev="status", rank=rank, status=snap.status())
     snap.close()
