@@ -126,6 +126,7 @@ class Context:
 
             done, refused = take_over(m.live, state, m.current_rank, m.world or 0, resized=m.resized)
             if done is not None:
+                m.snapshotter.forget_prefetch()  # (a read ahead the live state made moot)
                 m.took_over(done)
                 m.recovered(live=True)
                 m.plan_snapshots(done.step)
@@ -419,6 +420,11 @@ class Member:
         try:
             self.group.configure(gen, rank, world)
             self._report.formed = time.time()
+            if takeover and self.on_rank_fns and self._registering is not None:
+                # its rank's bytes are read from the peers while on_rank builds what they go
+                # into; the read leaves out the lost nodes, which are doubted by now
+                self.await_fenced()
+                self._registering.prefetch()
             while self.on_rank_fns:  # once per process (a standby's at its takeover)
                 self.on_rank_fns.pop(0)(Context(self), self.state)
                 self._report.on_rank = time.time()
@@ -571,6 +577,8 @@ class _Registering:
         self._member, self._rank, self._world = member, rank, world
         self._snap: Snapshotter | None = None
         self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._ahead = False  # read the rank's bytes ahead of the restore once registered
         self.done_at: float | None = None
         self._thread = threading.Thread(target=self._make, name="memsnap-register", daemon=True)
         self._thread.start()
@@ -579,11 +587,24 @@ class _Registering:
         import memsnap
 
         m = self._member
+        snap = None
         try:
-            self._snap = memsnap.Snapshotter(job=m.job, rank=self._rank, world_size=self._world, **m.options)
+            snap = memsnap.Snapshotter(job=m.job, rank=self._rank, world_size=self._world, **m.options)
         except BaseException as exc:
             self._error = exc
         self.done_at = time.time()  # (its report's ``registered``)
+        with self._lock:
+            self._snap, ahead = snap, self._ahead
+        if snap is not None and ahead:
+            snap.prefetch()
+
+    def prefetch(self) -> None:
+        """Read the rank's bytes ahead of its restore (``Snapshotter.prefetch``), now or as
+        soon as it has registered."""
+        with self._lock:
+            self._ahead, snap = True, self._snap
+        if snap is not None:
+            snap.prefetch()
 
     def result(self) -> Snapshotter:
         self._thread.join()  # (the Snapshotter's own calls have deadlines)
