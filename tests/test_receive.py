@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 from functools import partial
 from typing import TYPE_CHECKING, cast
 
@@ -181,7 +182,7 @@ def _snapshotter(plans: list[dict], fail_with: Exception, monkeypatch):
     snap.capture = type("Capture", (), {"nbytes": lambda self, state: 0})()
     snap._policy = type("P", (), {"resume": lambda self, s: None})()
     snap._guard = None
-    snap._ahead = None
+    snap._ahead, snap._ahead_lock, snap._restores = None, threading.Lock(), 0
 
     def failing(peers, source, manifest, state):
         raise fail_with
@@ -323,3 +324,13 @@ def test_nothing_is_read_ahead_past_its_size_limit_or_without_a_committed_step(h
     assert big.result(60) is None and "over prefetch_max_gib" in (big.skipped or "")
     none = _ahead(None, "")
     assert none.result(60) is None and "no committed step" in (none.skipped or "")
+
+
+def test_a_read_ahead_serves_the_first_restore_alone_and_is_off_at_zero_gib(monkeypatch):
+    snap = _snapshotter([NONE, NONE], StateMismatchError("unused"), monkeypatch)
+    monkeypatch.setenv("MEMSNAP_PREFETCH_MAX_GIB", "0")
+    assert snap.prefetch() is False and snap._ahead is None  # turned off
+    monkeypatch.delenv("MEMSNAP_PREFETCH_MAX_GIB")
+    assert snap.prefetch() is True and snap.prefetch() is False  # one read at a time
+    assert snap.restore({}) is None and snap._ahead is None  # the restore took it (its plan: none)
+    assert snap.prefetch() is False  # a read begun after a restore would serve nothing
