@@ -327,8 +327,7 @@ def _rollback_rows(runs: list[dict]) -> list[str]:
             waits = [m.get("restore_phases", {}).get("done") for m in survivors]
             rows.append(
                 f"| {_name(run)} | {rec['gen']} | {at(sb, 'formed')} | {at(sb, 'on_rank')} | {at(sb, 'registered')} | "
-                f"{_s(ph.get('prefetch'))} | {_s(ph.get('plan'))} | {_s(ph.get('fetch'))} | {_s(ph.get('apply'))} | "
-                f"{at(sb, 'restored')} | "
+                f"{_s(ph.get('plan'))} | {_s(ph.get('fetch'))} | {at(sb, 'restored')} | "
                 f"{_s(max((a for a in applies if a is not None), default=None))} | "
                 f"{_s(max((w for w in waits if w is not None), default=None))} |"
             )
@@ -338,16 +337,13 @@ def _rollback_rows(runs: list[dict]) -> list[str]:
         "",
         "Where a rollback's *restore* went (seconds; the standby's columns from the generation's assignment): "
         "the standby forms the group, runs `on_rank` (FSDP2's `fully_shard`, the optimizer) while its "
-        "`Snapshotter` registers with its node's agent and then, beside `on_rank`, reads its rank's shards from "
-        "its peers into a staging buffer (*read ahead*: from its start until the bytes were in; `-`: a run from "
-        "before the read ahead, which fetched only after the plan); then it asks for the restore plan (made at "
-        "once: the lost node is doubted, not waited for), *fetch*es (with a read ahead: waits for it to end), "
-        "and checks and *apply*s the bytes read ahead (`-`: they were received straight into the tensors); the "
-        "survivors read their own node's copy (*local read*) and wait for the round's last rank.",
+        "`Snapshotter` registers with its node's agent, then asks for the restore plan (made at once: the lost "
+        "node is doubted, not waited for) and fetches its shards from its peers; the survivors read their own "
+        "node's copy (*local read*) and wait for the round's last rank.",
         "",
-        "| run | generation | standby: formed | on_rank done | registered | read ahead | plan | fetch from peers "
-        "| apply | restored | survivors: local read (slowest) | waiting for the round (longest) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| run | generation | standby: formed | on_rank done | registered | plan | fetch from peers | restored "
+        "| survivors: local read (slowest) | waiting for the round (longest) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         *rows,
     ]
 

@@ -40,8 +40,6 @@ TUNABLES: dict[str, float] = {
     "preemption_poll_s": 5.0,  # how often a rank asks Ray whether its node is draining
     "reprotect_defer_s": 20.0,  # re-protection waits this long at most for a restore to go first
     "metrics_interval_s": 15.0,  # how often the coordinator records its job's gauges (memsnap.metrics)
-    "prefetch_max_gib": 16.0,  # a standby taking a rank reads its bytes from the peers while its
-    # on_rank runs, into host memory of the rank's snapshot size, up to this size (0: never)
     "direct_restore": 1,  # 1: a peer restore reads into the rank's tensors (TCP only);
     # 0: through the agent's arena, then copied (as the objstore does)
     # the TCP data plane's server side (memsnap/transport/server.py)

@@ -162,8 +162,6 @@ def test_a_killed_node_under_fsdp2_is_restored_from_its_peers_and_the_survivors_
         assert rec["lost"] == {2: "r2"} and rec["takeover"] == {2: "s0"}
         assert rec["tiers"] == {0: "local", 1: "local", 2: "peer"}
         assert rec["pids"][0] == pids_before[0]["pid"] and rec["pids"][1] == pids_before[1]["pid"]
-        # the standby read its rank's bytes while on_rank sharded its model, and applied them
-        assert "prefetch" in (rec["members"][2]["restore_phases"] or {}), rec["members"][2]
         # every rank's rolled-back state, the standby's decoded from its peers included, was
         # checked against the digest the first run recorded after that step
         assert all(int(store_of(j).get(f"test/restore_checked/{r}")) >= 1 for r in range(3))

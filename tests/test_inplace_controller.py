@@ -243,36 +243,3 @@ def test_a_new_ranks_snapshotter_registers_on_a_thread_of_its_own_and_its_error_
     monkeypatch.setattr(memsnap, "Snapshotter", refused)
     with pytest.raises(ConfigError, match="another run id"):
         _Registering(member, 1, 4).result()
-
-
-def test_a_standby_reads_ahead_only_once_the_lost_nodes_are_doubted_and_its_registration_does_not_wait(monkeypatch):
-    """``_Registering(..., ahead=key)``: the Snapshotter is handed over as soon as it is made;
-    the read ahead (``Snapshotter.prefetch``) begins only once ``key`` is set in the job's store
-    (the lost nodes doubted: the read must leave them out), on a store client of its own."""
-    import threading
-    import types
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    import memsnap
-    from memsnap.rank.member import _Registering
-
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
-    read = threading.Event()
-
-    class Registered:
-        def __init__(self, job, rank, world_size, **options):
-            pass
-
-        def prefetch(self) -> bool:
-            read.set()
-            return True
-
-    monkeypatch.setattr(memsnap, "Snapshotter", Registered)
-    member = types.SimpleNamespace(job="j", name="s0", options={}, store_addr=("127.0.0.1", store.port))
-    reg = _Registering(member, 1, 4, ahead="j/gen/1/fenced")
-    assert isinstance(reg.result(), Registered)  # handed over before the key is set
-    assert not read.wait(0.3)  # (a read begun before the key would be seen here)
-    store.set("j/gen/1/fenced", "1")
-    assert read.wait(30), "the read ahead never began once the lost nodes were doubted"

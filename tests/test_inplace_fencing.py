@@ -208,19 +208,3 @@ def test_a_late_plan_asks_a_node_still_doubted_when_its_verdict_never_came(core)
     _, asked = restoring_with_b_doubted(core, lost_pieces_of=B)
     assert core.plan_early(0) is None
     assert core.plan(0).ranks[1] == "copy" and B in asked[-1]  # (the actor waits doubt_wait_s first)
-
-
-def test_a_read_ahead_of_the_plan_names_the_newest_step_and_leaves_out_doubted_and_fenced_holders(core):
-    assert core.newest_source(1) is None  # nothing committed: nothing to read ahead
-    commit(core, 5)
-    src = core.newest_source(1)
-    assert src is not None and (src.step, src.owner) == (5, B)
-    assert src.nbytes > 0 and None not in src.addrs  # every holder's address
-    holder = src.holders[0]
-    assert holder != B and core.doubt([holder], "rank lost") == [holder]
-    doubted = core.newest_source(1)
-    assert doubted is not None and doubted.addrs[0] is None  # its shards are rebuilt from parity
-    assert doubted.addrs[1:] == src.addrs[1:] and doubted.holders == src.holders
-    core.node_lost(holder, "its agent did not answer")
-    fenced = core.newest_source(1)
-    assert fenced is not None and fenced.addrs[0] is None

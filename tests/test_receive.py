@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import threading
 from functools import partial
 from typing import TYPE_CHECKING, cast
 
@@ -29,7 +28,6 @@ from memsnap.transport import ChunkKey, make_transport
 
 if TYPE_CHECKING:
     from memsnap.rank.client import AgentClient
-    from memsnap.rank.maps import ArenaMaps
 
 SECRET = os.urandom(32)
 K, M = 2, 1
@@ -182,7 +180,6 @@ def _snapshotter(plans: list[dict], fail_with: Exception, monkeypatch):
     snap.capture = type("Capture", (), {"nbytes": lambda self, state: 0})()
     snap._policy = type("P", (), {"resume": lambda self, s: None})()
     snap._guard = None
-    snap._ahead, snap._ahead_lock, snap._restores = None, threading.Lock(), 0
 
     def failing(peers, source, manifest, state):
         raise fail_with
@@ -233,104 +230,3 @@ def test_a_rank_that_moved_reads_its_whole_copy_from_its_old_node_with_no_decode
         server.close()
     assert digest(live, rng=False) == want
     assert stats["decoded_stripes"] == 0  # every data shard came from the copy: nothing rebuilt
-
-
-class _AheadClient:
-    """What a read ahead of the plan asks the node's agent: the newest committed source and
-    its manifest."""
-
-    rank = 0
-
-    def __init__(self, source: RankSource | None, manifest: str):
-        self.source, self.manifest_json = source, manifest
-        self.manifests = 0
-
-    def newest_source(self) -> RankSource | None:
-        return self.source
-
-    def manifest(self, step, rank, source) -> str:
-        self.manifests += 1
-        return self.manifest_json
-
-
-def _fresh_peers() -> receive.Peers:
-    return receive.Peers(make_transport("tcp", secret=SECRET, host="127.0.0.1"), codec_for(K, M))
-
-
-def _loader():
-    from memsnap.rank.load import Loader
-
-    client = cast("AgentClient", _AheadClient(None, ""))
-    loader = Loader(client, cast("ArenaMaps", None), SnapshotConfig("stub-job"), 1, SECRET, direct=True)  # no maps
-    loader.new_peers = _fresh_peers  # (bound to loopback, not Ray's node address)
-    return loader
-
-
-def _ahead(source: RankSource | None, manifest: str, max_bytes: int = 1 << 30):
-    from memsnap.rank.prefetch import Prefetch
-
-    return Prefetch(cast("AgentClient", _AheadClient(source, manifest)), _fresh_peers, max_bytes)
-
-
-def _plan(source: RankSource, tier: str = "peer", step: int | None = None) -> RankPlan:
-    return RankPlan(source.step if step is None else step, tier, "ram", None, source)
-
-
-def test_bytes_read_ahead_of_the_plan_are_checked_and_applied_without_reading_them_again(holders, monkeypatch):
-    (source, manifest), want = publish(holders, make_state(21), step=9)
-    dead = {"transport": "tcp", "host": "127.0.0.1", "port": 1}  # a doubted holder: read from parity
-    ahead = _ahead(dataclasses.replace(source, addrs=(dead, *source.addrs[1:])), manifest)
-    loader, live, seconds = _loader(), make_state(22), {}
-
-    def no_second_read(*a):
-        raise AssertionError("the plan's bytes were read again")
-
-    monkeypatch.setattr(receive, "into_state", no_second_read)
-    assert loader.load(_plan(source), live, seconds, ahead) == "peer"
-    assert digest(live, rng=False) == want
-    assert seconds["prefetch"] > 0 and seconds["apply"] > 0 and loader.repaired == 0
-
-
-def test_a_plan_of_another_step_or_tier_reads_as_usual_and_the_bytes_read_ahead_are_dropped(holders):
-    (source, manifest), _ = publish(holders, make_state(23), step=10)
-    (newer, newer_manifest), want = publish(holders, make_state(24), step=11)
-    ahead = _ahead(source, manifest)  # step 10 read ahead; the plan loads step 11
-    live, seconds = make_state(25), {}
-    loader = _loader()
-    loader.client = cast("AgentClient", _AheadClient(None, newer_manifest))  # (the plan's manifest)
-    assert loader.load(_plan(newer), live, seconds, ahead) == "peer"
-    assert digest(live, rng=False) == want and "prefetch" in seconds  # waited for, then not used
-    (src12, man12), _ = publish(holders, make_state(26), step=12)
-    skipped = _ahead(src12, man12)
-    assert loader.load(RankPlan(None, "none", "none", None, None), make_state(27), {}, skipped) == "none"
-
-
-def test_bytes_read_ahead_that_do_not_check_are_read_again_and_nothing_was_written_first(holders):
-    (source, manifest), want = publish(holders, make_state(28), step=13)
-    ahead = _ahead(source, manifest)
-    staged = ahead.result(60)
-    assert staged is not None and staged.serves(_plan(source)) and not staged.serves(_plan(source, step=12))
-    staged.buf[len(staged.buf) // 2] ^= 0xFF  # damaged after it was read: its checksum no longer holds
-    ahead._staged = staged
-    loader, live, seconds = _loader(), make_state(29), {}
-    loader.client = cast("AgentClient", _AheadClient(None, manifest))
-    assert loader.load(_plan(source), live, seconds, ahead) == "peer"  # read again from the holders
-    assert digest(live, rng=False) == want and not loader.dirty
-
-
-def test_nothing_is_read_ahead_past_its_size_limit_or_without_a_committed_step(holders):
-    (source, manifest), _ = publish(holders, make_state(30), step=14)
-    big = _ahead(source, manifest, max_bytes=source.nbytes - 1)
-    assert big.result(60) is None and "over prefetch_max_gib" in (big.skipped or "")
-    none = _ahead(None, "")
-    assert none.result(60) is None and "no committed step" in (none.skipped or "")
-
-
-def test_a_read_ahead_serves_the_first_restore_alone_and_is_off_at_zero_gib(monkeypatch):
-    snap = _snapshotter([NONE, NONE], StateMismatchError("unused"), monkeypatch)
-    monkeypatch.setenv("MEMSNAP_PREFETCH_MAX_GIB", "0")
-    assert snap.prefetch() is False and snap._ahead is None  # turned off
-    monkeypatch.delenv("MEMSNAP_PREFETCH_MAX_GIB")
-    assert snap.prefetch() is True and snap.prefetch() is False  # one read at a time
-    assert snap.restore({}) is None and snap._ahead is None  # the restore took it (its plan: none)
-    assert snap.prefetch() is False  # a read begun after a restore would serve nothing

@@ -198,10 +198,6 @@ class SnapshotAgent:
         """``rank``'s manifest of ``step``: from this node, else from a holder of its owner."""
         return await self.pool.run(self.core.repair.manifest_for, step, rank, RankSource.from_wire(source))
 
-    async def newest_source(self, rank: int) -> dict | None:
-        """Where ``rank``'s bytes of the newest committed step live (the coordinator's answer)."""
-        return await self._call("newest_source", rank, timeout=tunable("call_timeout_s"))
-
     async def recover(self, step: int, rank: int, source: dict) -> dict:
         return await self.pool.run(self.core.repair.recover, step, rank, RankSource.from_wire(source))
 

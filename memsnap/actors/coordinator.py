@@ -234,10 +234,6 @@ class Coordinator:
                 await self.pool.run(self.core.plan, attempt)
         return await self.pool.run(self.core.plans_for, node, attempt)
 
-    async def newest_source(self, rank: int) -> dict | None:
-        source = await self.pool.run(self.core.newest_source, rank)
-        return None if source is None else source.to_wire()
-
     async def restore_report(self, node: str, attempt: int, reports: dict) -> None:
         self.core.restore_report(attempt, {int(r): RankRestore.from_wire(rep) for r, rep in reports.items()})
 

@@ -57,7 +57,6 @@ from memsnap.records import (
     Placed,
     RankPlan,
     RankRestore,
-    RankSource,
     Registered,
     RoundResult,
 )
@@ -505,19 +504,6 @@ class CoordinatorCore:
             for rank in ranks:
                 out[rank] = self._plan_of(plan, rank, record, addrs)
         return out
-
-    def newest_source(self, rank: int) -> RankSource | None:
-        """Where ``rank``'s bytes of the newest committed step live, for a read ahead of the
-        restore plan (``rank.prefetch``): its holders on the live nodes, none on a doubted or
-        fenced one (their shards are rebuilt from parity); None when nothing is committed or
-        the step was taken by another world size."""
-        with self.lock:
-            step = self.log.newest()
-            record = self.log.records.get(step) if step is not None else None
-            if record is None or record.world != self.world or rank not in record.ranks:
-                return None
-            addrs = {n: a for n, a in self.membership.addrs.items() if n not in self.doubted and n not in self.fenced}
-            return record.source(rank, addrs)
 
     @staticmethod
     def _saved_source(record, rank: int, tier: str, addrs: dict):

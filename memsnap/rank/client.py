@@ -155,12 +155,6 @@ class AgentClient:
         d = self._call("local", step, self.rank)
         return None if d is None else HeldCopy.from_wire(d)
 
-    def newest_source(self) -> RankSource | None:
-        """Where this rank's bytes of the newest committed step live, on the live nodes (for a
-        read ahead of the restore plan); None when there is none to read."""
-        d = self._call("newest_source", self.rank)
-        return None if d is None else RankSource.from_wire(d)
-
     def manifest(self, step: int, rank: int, source: RankSource) -> str:
         """``rank``'s manifest of ``step`` (JSON), from this node or a holder of its owner."""
         return self._call("manifest", step, rank, source.to_wire())

@@ -9,8 +9,7 @@ source (``records.RankPlan``); ``Loader.load`` reads it:
   ``copy``     the whole copy on the rank's old node (a rank that moved between live nodes);
   ``peer``     ``k`` shards per stripe from the holders, decoded where a shard is lost: over
                TCP straight into the live tensors (``receive.into_state``), else through an
-               arena of the agent (``agent.recover``); a standby's bytes read ahead of the
-               plan (``prefetch.py``) are checked and applied instead, when they are the plan's;
+               arena of the agent (``agent.recover``);
   ``elastic``  the step was taken by another world size: the parts of every saved rank this
                rank needs, from RAM, resharded (``elastic.assemble``);
   ``durable``  the spilled step (``durable.read_step``), resharded if need be;
@@ -36,7 +35,6 @@ from memsnap.state.manifest import Manifest
 
 if TYPE_CHECKING:
     from memsnap.coding.receive import Peers
-    from memsnap.rank.prefetch import Prefetch, Staged
 
 log = logging.getLogger("memsnap")
 
@@ -67,9 +65,8 @@ class Loader:
         self.repaired, self.rebuild = 0, False
         self._peers: Peers | None = None
 
-    def load(self, plan: RankPlan, state: Mapping[str, Any], seconds: dict, ahead: Prefetch | None = None) -> str:
-        """Read ``plan`` into ``state``; the tier it came from (``seconds``: where time went).
-        ``ahead``: this rank's read ahead of the plan, used when it read the plan's bytes."""
+    def load(self, plan: RankPlan, state: Mapping[str, Any], seconds: dict) -> str:
+        """Read ``plan`` into ``state``; the tier it came from (``seconds``: where time went)."""
         tier, step = plan.tier, plan.step
         self.repaired, self.rebuild = 0, False
         if tier == "none":
@@ -94,12 +91,6 @@ class Loader:
         t = time.perf_counter()
         assert plan.source is not None  # a RAM tier names where its bytes live
         read = "copy" if tier == "copy" else "peer"  # copy: the old node's whole copy, else k of k+m
-        staged = self._staged(ahead, seconds)
-        if staged is not None and staged.serves(plan) and self._apply_staged(staged, state, seconds):
-            seconds["fetch"] = time.perf_counter() - t - seconds["apply"]
-            self.rebuild = corrupt
-            return read
-        t = time.perf_counter()
         if self.direct:
             self.receive(plan.source, self.client.manifest(step, self.rank, plan.source), state)
             seconds["fetch"] = time.perf_counter() - t
@@ -110,58 +101,20 @@ class Loader:
         self.apply(held, state, seconds)
         return read
 
-    def _staged(self, ahead: Prefetch | None, seconds: dict) -> Staged | None:
-        """The bytes read ahead, once their read has ended; a read still going after the
-        restore's deadline is left to end alone, on a data-plane client of its own."""
-        if ahead is None:
-            return None
-        from memsnap.config import tunable
-
-        staged = ahead.result(tunable("restore_timeout_s"))
-        if ahead.skipped is not None:
-            log.info("rank %d: nothing read ahead of the restore (%s)", self.rank, ahead.skipped)
-        if staged is not None:
-            seconds["prefetch"] = staged.seconds
-        return staged
-
-    def _apply_staged(self, staged: Staged, state, seconds: dict) -> bool:
-        """Apply the bytes read ahead; False (nothing written) when they do not check."""
-        from memsnap.errors import StateMismatchError
-        from memsnap.state.apply import apply
-
-        t = time.perf_counter()
-        try:
-            apply(state, Manifest.from_json(staged.manifest), staged.buf, verify=True)
-        except (ChecksumError, StateMismatchError) as exc:  # (checked before anything is written)
-            log.warning(
-                "rank %d: the bytes read ahead of step %d do not load (%s); reading them again",
-                self.rank,
-                staged.source.step,
-                exc,
-            )
-            return False
-        seconds["apply"] = time.perf_counter() - t
-        self.repaired += staged.stats.get("repaired", 0)
-        return True
-
     def peers(self):
         """This rank's own data-plane client and codec, made on its first read from peers."""
         if self._peers is None:
-            self._peers = self.new_peers()
+            import ray
+
+            from memsnap.coding import receive
+            from memsnap.coding.codec import codec_for
+            from memsnap.transport import make_transport
+
+            client = make_transport(
+                "tcp", secret=self.secret, host=ray.util.get_node_ip_address(), **tcp_options(self.config)
+            )
+            self._peers = receive.Peers(client, codec_for(self.config.k, self.config.m))
         return self._peers
-
-    def new_peers(self) -> Peers:
-        """A data-plane client and codec of its own (the caller closes its transport)."""
-        import ray
-
-        from memsnap.coding import receive
-        from memsnap.coding.codec import codec_for
-        from memsnap.transport import make_transport
-
-        client = make_transport(
-            "tcp", secret=self.secret, host=ray.util.get_node_ip_address(), **tcp_options(self.config)
-        )
-        return receive.Peers(client, codec_for(self.config.k, self.config.m))
 
     def receive(self, source: RankSource, manifest_json: str, state) -> None:
         """Read this rank's bytes from the holders straight into ``state`` (``receive.py``)."""

@@ -126,7 +126,6 @@ class Context:
 
             done, refused = take_over(m.live, state, m.current_rank, m.world or 0, resized=m.resized)
             if done is not None:
-                m.snapshotter.forget_prefetch()  # (a read ahead the live state made moot)
                 m.took_over(done)
                 m.recovered(live=True)
                 m.plan_snapshots(done.step)
@@ -233,7 +232,6 @@ class Member:
         self.handover_commit_s = float(handover_commit_s)
         self.assign_timeout_s = float(assign_timeout_s)
         host, port = store_addr
-        self.store_addr = (host, port)
         self.group = RecoverableGroup(job, store_addr, backend=backend, timeout_s=backend_timeout_s)
         self.live = Live(self.group, live_takeover)  # step boundaries, for a takeover with no rollback
         self.resized = False  # the current generation has another world size than the last
@@ -417,10 +415,7 @@ class Member:
             self.snap.steer(None)  # the last generation's plan; ctx.restore names this one's
         # a new rank's Snapshotter registers with its node's agent (calls to Ray actors) while
         # this thread forms the group and runs on_rank (CPU): side by side, not in turn
-        # a standby that builds its state in on_rank (FSDP2) reads its rank's bytes from the
-        # peers meanwhile, once the lost nodes are doubted (the read leaves them out)
-        ahead = fenced_key(self.job, gen) if takeover and self.on_rank_fns else None
-        self._registering = _Registering(self, rank, world, ahead) if self.snap is None else None
+        self._registering = _Registering(self, rank, world) if self.snap is None else None
         try:
             self.group.configure(gen, rank, world)
             self._report.formed = time.time()
@@ -570,15 +565,12 @@ class Member:
 
 
 class _Registering:
-    """A Snapshotter for ``rank`` of ``world`` made on a thread of its own (``result`` waits).
-    ``ahead``: a store key; once it is set, the thread reads the rank's bytes ahead of its
-    restore (``Snapshotter.prefetch``)."""
+    """A Snapshotter for ``rank`` of ``world`` made on a thread of its own (``result`` waits)."""
 
-    def __init__(self, member: Member, rank: int, world: int, ahead: str | None = None):
-        self._member, self._rank, self._world, self._ahead = member, rank, world, ahead
+    def __init__(self, member: Member, rank: int, world: int):
+        self._member, self._rank, self._world = member, rank, world
         self._snap: Snapshotter | None = None
         self._error: BaseException | None = None
-        self._made = threading.Event()
         self.done_at: float | None = None
         self._thread = threading.Thread(target=self._make, name="memsnap-register", daemon=True)
         self._thread.start()
@@ -592,27 +584,9 @@ class _Registering:
         except BaseException as exc:
             self._error = exc
         self.done_at = time.time()  # (its report's ``registered``)
-        self._made.set()
-        if self._snap is not None and self._ahead is not None:
-            self._read_ahead(self._snap, self._ahead)
-
-    def _read_ahead(self, snap: Snapshotter, key: str) -> None:
-        """Once ``key`` is set (the lost nodes doubted: gen/<g>/fenced), begin the read; on a
-        store client of its own (the member's serves its main thread). A key not set within
-        ``doubt_wait_s`` (the generation failed first): no read ahead."""
-        from memsnap.config import tunable
-
-        host, port = self._member.store_addr
-        try:
-            store = connect(host, port, tunable("call_timeout_s"))
-            store.wait([key], timedelta(seconds=tunable("doubt_wait_s")))
-        except Exception as exc:  # (a read ahead is an optimisation: never fail a member for it)
-            log.info("member %s: no read ahead of the restore: %s", self._member.name, exc)
-            return
-        snap.prefetch()
 
     def result(self) -> Snapshotter:
-        self._made.wait()  # (the Snapshotter's own calls have deadlines)
+        self._thread.join()  # (the Snapshotter's own calls have deadlines)
         if self._error is not None:
             raise self._error
         assert self._snap is not None

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
 import warnings
 from collections.abc import Mapping
@@ -43,7 +42,6 @@ from memsnap.rank.client import AgentClient
 from memsnap.rank.job import check_same_job, ensure_ray, job_config
 from memsnap.rank.load import Loader
 from memsnap.rank.maps import ArenaMaps
-from memsnap.rank.prefetch import Prefetch
 from memsnap.rank.save import Capture
 from memsnap.records import LastRestore, RankPlan, RankRestore
 from memsnap.secret import job_secret
@@ -128,9 +126,6 @@ class Snapshotter:
             device_restore=self._restore_device if opts["device"].on else None,
         )
         self._maps = maps
-        self._ahead: Prefetch | None = None  # a read of this rank's bytes ahead of the restore plan
-        self._ahead_lock = threading.Lock()
-        self._restores = 0  # restores begun: a read ahead is for the first only
         self.counters = {"saves": 0, "failed_saves": 0, "skipped_saves": 0, "skipped_busy": 0}
         self.last_restore = LastRestore()  # the newest restore this rank took part in
         self.last_plan: RankPlan | None = None  # this rank's part of the last restore plan
@@ -322,25 +317,6 @@ class Snapshotter:
         return self.client.wait(step, timeout)
 
     # --- restore -----------------------------------------------------------------------------
-    def prefetch(self) -> bool:
-        """Begin reading this rank's bytes of the newest committed step from its peers now, on
-        a thread, for the next ``restore`` (``rank.prefetch``): a standby taking a lost rank
-        calls it before it builds the state the bytes go into. False where nothing is read
-        ahead (the objstore transport, ``prefetch_max_gib`` 0, a read already begun, or a
-        restore: a read ahead is for the first restore alone)."""
-        max_bytes = int(tunable("prefetch_max_gib") * (1 << 30))
-        with self._ahead_lock:
-            if not self.loader.direct or max_bytes <= 0 or self._ahead is not None or self._restores:
-                return False
-            self._ahead = Prefetch(self.client, self.loader.new_peers, max_bytes)
-        return True
-
-    def forget_prefetch(self) -> None:
-        """Drop a read ahead (its bytes are not needed); a read still going ends alone."""
-        with self._ahead_lock:
-            self._ahead = None
-            self._restores += 1  # (nor is a later one)
-
     def restore(self, state: Mapping[str, Any]) -> int | None:
         """(collective) Load the newest step every rank can load, through the fastest tier:
         the plan is the job's, one per round; a round in which any rank failed is tried again
@@ -349,15 +325,12 @@ class Snapshotter:
         t0 = time.perf_counter()
         error: Exception | None = None
         result = None
-        with self._ahead_lock:  # (the first round's: a read ahead is of its time)
-            ahead, self._ahead = self._ahead, None
-            self._restores += 1
         for attempt in range(3):
             t = time.perf_counter()
             plan = self.client.restore_plan(attempt)
             seconds = {"plan": time.perf_counter() - t}
             try:
-                tier = self.loader.load(plan, state, seconds, ahead if attempt == 0 else None)
+                tier = self.loader.load(plan, state, seconds)
                 report = RankRestore.loaded(tier, seconds, self.loader.repaired, self.loader.rebuild)
             except Exception as exc:
                 log.warning("rank %d: restore of step %s failed: %s", self.rank, plan.step, exc)
