@@ -55,12 +55,13 @@ class NodeRanks:
     def _all(self, fn) -> dict:
         return dict(zip(self.ranks, self.pool.map(fn, self.ranks)))
 
-    def train_and_save(self, s: int) -> dict:
-        """Every rank trains step ``s`` and saves it at once: ``{rank: (saved, digest)}``."""
+    def train_and_save(self, s: int, force: bool = False) -> dict:
+        """Every rank trains step ``s`` and saves it at once (``force``: as a run's last step is
+        saved, waiting for a busy pipeline's slot): ``{rank: (saved, digest)}``."""
 
         def one(r):
             step(self.states[r], 1000 * s + r)
-            return self.snaps[r].save(s, self.states[r]), digest(self.states[r], rng=False)
+            return self.snaps[r].save(s, self.states[r], force=force), digest(self.states[r], rng=False)
 
         return self._all(one)
 
