@@ -3,16 +3,25 @@ and never rebuilt when members change.
 
 The ``DistributedDataParallel`` module sits on a private one-rank group (its own broadcasts
 and buffer syncs are no-ops), and a communication hook averages each gradient bucket across
-the current generation through ``RecoverableGroup``. A lost peer does not raise inside the
-autograd engine (that would leave DDP's reducer broken for the next step): the hook hands
-the bucket back unaveraged and the generation is marked over, so the step's ``ctx.save``
-ends it in ``PeerLost`` and the rollback undoes whatever the optimizer did with it. Each
-bucket is reduced through a copy: a collective abandoned by a lost peer may still write into
-its tensor until the backend's timeout, and DDP reuses its bucket buffers.
+the current generation through ``RecoverableGroup``.
+
+A lost peer ends the step at the next bucket: ``PeerLost`` goes up from the hook through the
+autograd engine and out of the training function (the member catches it; the user's code
+never handles it), so the survivors stop within one bucket instead of computing the rest of
+the backward (on a GPU, up to a whole backward before they could join the recovery). The
+rollback (``reset``) then resets DDP's reducer (``Reducer._reset_state``: the iteration's
+bucket counting and unused-parameter map cleared, so the next forward starts a fresh
+iteration) and drops the cut step's gradients; no optimizer step was taken. With a torch whose
+reducer has no ``_reset_state``, raising would leave the reducer mid-iteration for good, so
+there the hook hands the bucket back unaveraged, the backward runs out and the step's
+``ctx.save`` ends it in ``PeerLost``. Each bucket is reduced through a copy: a collective
+abandoned by a lost peer may still write into its tensor until the backend's timeout, and DDP
+reuses its bucket buffers.
 
 The buckets are fixed at construction (``find_unused_parameters=True``, as torchft does), so
 every member, a standby built later included, reduces the same buckets in the same order and
-a replayed step is bitwise equal to its first run.
+a replayed step is bitwise equal to its first run. A reset does not re-lay them out (DDP
+rebuilds buckets only where it does not look for unused parameters).
 """
 
 from __future__ import annotations
@@ -33,17 +42,34 @@ def local_group():
     return pg
 
 
-def average_bucket(group: RecoverableGroup, bucket):
+def can_cut_a_step(ddp) -> bool:
+    """Whether ``ddp``'s reducer can be left mid-backward and reset (``Reducer._reset_state``):
+    then a lost peer's ``PeerLost`` is raised through its hook."""
+    return hasattr(ddp.reducer, "_reset_state")
+
+
+class _Hook:
+    """The hook's state: the group, and whether a lost peer may cut the step."""
+
+    def __init__(self, group: RecoverableGroup, cut: bool):
+        self.group, self.cut = group, cut
+
+
+def average_bucket(hook: _Hook, bucket):
     """DDP communication hook: the bucket averaged across the generation's members."""
     import torch
 
+    group = hook.group
     buf = bucket.buffer()
-    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     try:
         reduced = group.all_reduce(buf.clone())
-        buf.copy_(reduced.div_(group.world))
     except PeerLost:
-        pass  # the generation is over (group.failure() says why); the step's save ends it
+        if hook.cut:
+            raise  # out of the backward: the rest of it is not computed (``reset`` repairs DDP)
+        # the generation is over (group.failure() says why); the step's save ends it
+    else:
+        buf.copy_(reduced.div_(group.world))
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(buf)
     return fut
 
@@ -57,5 +83,17 @@ def replicate(model, group: RecoverableGroup, **ddp_options):
     # buckets, in the same order, as the survivors, or the sums differ in their last bits.
     ddp_options.setdefault("find_unused_parameters", True)
     ddp = DistributedDataParallel(model, process_group=local_group(), **ddp_options)
-    ddp.register_comm_hook(group, average_bucket)
+    ddp.register_comm_hook(_Hook(group, can_cut_a_step(ddp)), average_bucket)
     return ddp
+
+
+def reset(ddp) -> None:
+    """``ddp`` back to a step boundary before the rollback (or a live takeover) goes on with
+    it: its reducer reset where a lost peer may have cut the backward (``can_cut_a_step``), and
+    the cut step's gradients dropped (partial, and never averaged: no optimizer step took
+    them). A step that ran out (an older torch) left the reducer finished: nothing to do."""
+    if not can_cut_a_step(ddp):
+        return
+    ddp.reducer._reset_state()
+    for p in ddp.module.parameters():
+        p.grad = None

@@ -116,11 +116,13 @@ class Context:
         # a new rank's Snapshotter registered first: a live takeover's receive would share
         # the CPU with it (on a busy host that cost the move more than the registration took)
         m._registered()
-        if m.recoveries:
-            from memsnap.collective.fsdp import reshard
+        if m.recoveries:  # a step cut short by the loss: DDP and FSDP2 back to a step boundary
+            from memsnap.collective import ddp, fsdp
 
-            for model in m.sharded:  # a step cut short: FSDP2 back to a step boundary
-                reshard(model)
+            for model in m.replicated:
+                ddp.reset(model)
+            for model in m.sharded:
+                fsdp.reshard(model)
         if m.current_gen > 0 and m.live.mode != "off" and not m.sharded:
             from memsnap.collective.live import take_over
 
@@ -179,7 +181,9 @@ class Context:
         group (``memsnap.collective.ddp``): build it once, in ``setup``; it is never rebuilt."""
         from memsnap.collective.ddp import replicate
 
-        return replicate(model, self._m.group, **ddp_options)
+        replicated = replicate(model, self._m.group, **ddp_options)
+        self._m.replicated.append(replicated)
+        return replicated
 
     def on_rank(self, fn: Callable) -> None:
         """Run ``fn(ctx, state)`` once in this process, when it first becomes a rank: after its
@@ -252,6 +256,7 @@ class Member:
         self._registering: _Registering | None = None  # a new rank's Snapshotter, being made
         self.on_rank_fns: list[Callable] = []  # ctx.on_rank: run once, when this process first has a rank
         self.sharded: list = []  # the models ctx.fully_shard sharded
+        self.replicated: list = []  # the DDP modules ctx.ddp built
         self._report = MemberReport("", os.getpid(), -1, -1, False, time.time())
         self._lock = threading.Lock()
         self._leaving = threading.Event()  # a preemption notice: hand over at the next step boundary
