@@ -643,8 +643,11 @@ AGREE = textwrap.dedent("""
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             print("loaded", memsnap.load(os.environ["ROOT"], state), len(seen), flush=True)
-    finally:
+        dist.barrier()  # both ranks done before either leaves
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    os._exit(0)  # without gloo's teardown, which a peer's exit can abort (tests/test_apply.py)
 """)
 
 
