@@ -7,15 +7,7 @@ generation, as a twin that never had the cut step."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from datetime import timedelta
-
-import pytest
-import torch.distributed as dist
-
-from memsnap.localcluster import free_port
+from support.two_ranks import run_pair
 
 CHILD = r"""
 import hashlib, json, os, sys
@@ -51,6 +43,12 @@ def digest(model, opt):
     return h.hexdigest()
 
 group = RecoverableGroup("ddptest", ("127.0.0.1", port), timeout_s=30)
+# both ranks here before either goes on: a re-form publishes the end of the generation it
+# leaves, which would cut a peer still finishing that generation's last collective
+marks = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+def meet(name):
+    marks.set(f"{name}/{rank}", "1")
+    marks.wait([f"{name}/0", f"{name}/1"])
 group.configure(0, rank, 2)
 # the reference: DDP on the generation's own gloo group, with its own all-reduce and averaging
 ref_model = build()
@@ -67,11 +65,12 @@ twin_opt = torch.optim.AdamW(twin_model.parameters(), lr=1e-2)
 for i in range(3):
     step(ddp, opt, i)
     step(twin, twin_opt, i)
+meet("gen0-done")
 group.configure(1, rank, 2)  # re-formed in the same process: DDP is not rebuilt
 for i in range(3, 6):
     step(ddp, opt, i)
     step(twin, twin_opt, i)
-result = {"ref": digest(ref_model, ref_opt), "rec": digest(model, opt), "cut": can_cut_a_step(ddp)}
+result = {"ref": digest(ref_model, ref_opt), "rec": digest(model, opt), "cut": can_cut_a_step()}
 result["buckets"] = len(ddp.reducer._get_zeros_like_grad_buckets())
 before = digest(model, opt)
 
@@ -87,7 +86,6 @@ group.all_reduce = counted
 # reports it as its backward reaches layer 1 (after rank 0's has: a failure published earlier may
 # end rank 0's bucket of layer 2 before it sees its result) and takes no further part; both
 # ranks' bucket of layer 1 sees it
-marks = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
 def lose(module, grad):
     if rank == 0:
         marks.set("rank0-past-the-first-bucket", "1")
@@ -116,6 +114,7 @@ step(twin, twin_opt, 7)
 result["full_calls"] = calls["n"] // 2  # (both modules' buckets)
 result["trained_on"] = group.failure() is None
 result["as_twin"] = digest(model, opt) == digest(twin_model, twin_opt)
+meet("done")  # (no peer still in the last collective when either leaves)
 group.close()
 open(out, "w").write(json.dumps(result))
 # out at once: generation 1's abandoned all-reduce is still kept (its peer never joined it), and
@@ -124,28 +123,8 @@ os._exit(0)
 """
 
 
-@pytest.fixture()
-def store():
-    port = free_port()
-    s = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
-    yield port, s
-
-
-def test_ddp_through_the_reformable_group_is_bitwise_and_a_cut_backward_leaves_no_trace(store, tmp_path):
-    port, _keep = store
-    script = tmp_path / "child.py"
-    script.write_text(CHILD)
-    procs = [
-        subprocess.Popen([sys.executable, str(script), str(r), str(port), str(tmp_path / f"r{r}.json")])
-        for r in range(2)
-    ]
-    try:
-        codes = [p.wait(timeout=120) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert codes == [0, 0]
-    res = [json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(2)]
+def test_ddp_through_the_reformable_group_is_bitwise_and_a_cut_backward_leaves_no_trace(tmp_path):
+    res = run_pair(CHILD, tmp_path)
     for r in res:
         assert r["rec"] == r["ref"]  # the same sums as DDP's own averaging, across a re-form
         assert r["failure"] and "lost (test)" in r["failure"]

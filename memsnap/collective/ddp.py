@@ -42,29 +42,23 @@ def local_group():
     return pg
 
 
-def can_cut_a_step(ddp) -> bool:
-    """Whether ``ddp``'s reducer can be left mid-backward and reset (``Reducer._reset_state``):
-    then a lost peer's ``PeerLost`` is raised through its hook."""
-    return hasattr(ddp.reducer, "_reset_state")
+def can_cut_a_step() -> bool:
+    """Whether DDP's reducer can be left mid-backward and reset (``Reducer._reset_state``):
+    then a lost peer's ``PeerLost`` is raised through the hook."""
+    from torch._C._distributed_c10d import Reducer
+
+    return hasattr(Reducer, "_reset_state")
 
 
-class _Hook:
-    """The hook's state: the group, and whether a lost peer may cut the step."""
-
-    def __init__(self, group: RecoverableGroup, cut: bool):
-        self.group, self.cut = group, cut
-
-
-def average_bucket(hook: _Hook, bucket):
+def average_bucket(group: RecoverableGroup, bucket):
     """DDP communication hook: the bucket averaged across the generation's members."""
     import torch
 
-    group = hook.group
     buf = bucket.buffer()
     try:
         reduced = group.all_reduce(buf.clone())
     except PeerLost:
-        if hook.cut:
+        if can_cut_a_step():
             raise  # out of the backward: the rest of it is not computed (``reset`` repairs DDP)
         # the generation is over (group.failure() says why); the step's save ends it
     else:
@@ -83,7 +77,7 @@ def replicate(model, group: RecoverableGroup, **ddp_options):
     # buckets, in the same order, as the survivors, or the sums differ in their last bits.
     ddp_options.setdefault("find_unused_parameters", True)
     ddp = DistributedDataParallel(model, process_group=local_group(), **ddp_options)
-    ddp.register_comm_hook(_Hook(group, can_cut_a_step(ddp)), average_bucket)
+    ddp.register_comm_hook(group, average_bucket)
     return ddp
 
 
@@ -92,7 +86,7 @@ def reset(ddp) -> None:
     it: its reducer reset where a lost peer may have cut the backward (``can_cut_a_step``), and
     the cut step's gradients dropped (partial, and never averaged: no optimizer step took
     them). A step that ran out (an older torch) left the reducer finished: nothing to do."""
-    if not can_cut_a_step(ddp):
+    if not can_cut_a_step():
         return
     ddp.reducer._reset_state()
     for p in ddp.module.parameters():
