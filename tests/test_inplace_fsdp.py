@@ -6,18 +6,11 @@ rollback's ``reshard`` ran, and the same sharded model trains on in the next gen
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from datetime import timedelta
-
-import pytest
-import torch.distributed as dist
-
-from memsnap.localcluster import free_port
+from support.two_ranks import run_pair
 
 CHILD = r"""
 import hashlib, json, os, sys
+from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -49,6 +42,12 @@ def digest(model, opt):
     return h.hexdigest()
 
 group = RecoverableGroup("fsdptest", ("127.0.0.1", port), timeout_s=30)
+# both ranks here before either goes on: a re-form publishes the end of the generation it
+# leaves, which would cut a peer still finishing that generation's last collective
+marks = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+def meet(name):
+    marks.set(f"{name}/{rank}", "1")
+    marks.wait([f"{name}/0", f"{name}/1"])
 group.configure(0, rank, 2)
 ref = build()
 for m in ref:
@@ -67,6 +66,7 @@ twin_opt = torch.optim.AdamW(twin.parameters(), lr=1e-2)
 for i in range(3):
     step(model, opt, i)
     step(twin, twin_opt, i)
+meet("gen0-done")
 group.configure(1, rank, 2)  # re-formed in the same process: the model is not rebuilt
 for i in range(3, 6):
     step(model, opt, i)
@@ -77,8 +77,6 @@ before = digest(model, opt)
 # rank 1 reports it as the backward reaches the first layer (after rank 0's has too: a failure
 # published earlier may end rank 0's last reduce-scatter before it sees its result) and takes no
 # further part; rank 0's next collective sees it
-from datetime import timedelta
-marks = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
 def lose(module, grad):
     if rank == 0:
         marks.set("rank0-past-the-last-layer", "1")
@@ -103,6 +101,7 @@ step(model, opt, 7)
 step(twin, twin_opt, 7)
 result["trained_on"] = group.failure() is None
 result["as_twin"] = digest(model, opt) == digest(twin, twin_opt)
+meet("done")  # (no peer still in the last collective when either leaves)
 group.close()
 open(out, "w").write(json.dumps(result))
 # out at once: generation 1's abandoned all-gather is still kept (its peer never joined it), and
@@ -111,28 +110,8 @@ os._exit(0)
 """
 
 
-@pytest.fixture()
-def store():
-    port = free_port()
-    s = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
-    yield port, s
-
-
-def test_fsdp2_through_the_reformable_group_is_bitwise_and_a_cut_step_leaves_no_trace(store, tmp_path):
-    port, _keep = store
-    script = tmp_path / "child.py"
-    script.write_text(CHILD)
-    procs = [
-        subprocess.Popen([sys.executable, str(script), str(r), str(port), str(tmp_path / f"r{r}.json")])
-        for r in range(2)
-    ]
-    try:
-        codes = [p.wait(timeout=120) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert codes == [0, 0]
-    res = [json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(2)]
+def test_fsdp2_through_the_reformable_group_is_bitwise_and_a_cut_step_leaves_no_trace(tmp_path):
+    res = run_pair(CHILD, tmp_path)
     for r in res:
         assert r["rec"] == r["ref"]  # sharded shapes and sums as FSDP2's own, across a re-form
         assert r["failure"] and "lost (test)" in r["failure"]
