@@ -5,6 +5,7 @@ node had never been lost."""
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 
 import psutil
@@ -221,6 +222,77 @@ def test_a_hung_rank_is_noticed_by_its_heartbeat_fenced_and_replaced(cluster) ->
                 pass
         runner.join(timeout=60)
         memsnap.shutdown(job, timeout=30)
+
+
+def test_a_killed_rank_whose_sockets_stay_open_is_named_lost_by_its_node(cluster, tmp_path) -> None:
+    """A rank is killed alone, and its sockets stay open (a child holds them, as a teardown that
+    frees many GiB does for a second or more): its lifeline does not close and no collective
+    fails; only its beats stop. Its node's agent, asked once it has been silent for
+    ``suspect_after_s``, says that its process has ended, and it is named lost on that word,
+    long before its silence (``lost_after_s``, set far off here) would name it."""
+    import memsnap
+
+    lc = cluster
+    while len(lc.nodes) < 5:
+        lc.add_node()
+    ranks, spare = lc.nodes[-4:-1], lc.nodes[-1]
+    job = f"inplace-{uuid.uuid4().hex[:6]}"
+    steps = 40
+    release = str(tmp_path / "release")
+    j = InplaceJob(
+        job,
+        inplace_job.setup,
+        inplace_job.make_train(steps, step_s=0.05, hold=(2, release)),
+        rank_nodes=[n.node_id for n in ranks],
+        standby_nodes=[spare.node_id],
+        options=OPTIONS,
+        lost_after_s=60.0,
+        slow_limit_s=60.0,
+        live_takeover="off",
+    )
+    out: dict = {}
+    runner = run_in_thread(j, out)
+    try:
+        wait_for(lambda: progress(j, 2, 8), timeout=300, what="rank 2 to train 8 steps")
+        killed = psutil.Process(j.members()[2]["pid"])
+        held = killed.children()
+        assert held, "rank 2 forked no child"
+        alive = watch_alive(held[0])
+        killed.kill()
+        runner.join(timeout=600)
+        assert not runner.is_alive() and sorted(out["results"]) == [0, 1, 2]
+        (rec,) = j.collect()
+        assert rec["lost"] == {2: "r2"}, rec
+        assert "its node says so" in rec["why"], rec["why"]
+        # the child still held the killed rank's sockets when the loss was decided: no socket
+        # could have told (it is killed as the job ends)
+        assert alive["last"] > rec["decided"], (alive, rec["decided"])
+        # the node lives: not fenced, and the standby reads the rank's whole copy from it
+        assert rec["fenced_nodes"] == []
+        assert rec["tiers"] == {0: "local", 1: "local", 2: "copy"}
+        assert_replayed_bitwise(j, out, steps)
+    finally:
+        with open(release, "w"):
+            pass
+        runner.join(timeout=60)
+        memsnap.shutdown(job, timeout=30)
+
+
+def watch_alive(proc: psutil.Process) -> dict:
+    """``{"last": the last time.time() at which ``proc`` was seen running}``, kept up to date
+    by a thread (every 20 ms) until it is seen gone."""
+    seen = {"last": 0.0}
+
+    def watch() -> None:
+        try:
+            while proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                seen["last"] = time.time()
+                time.sleep(0.02)
+        except psutil.Error:
+            pass
+
+    threading.Thread(target=watch, daemon=True).start()
+    return seen
 
 
 @pytest.mark.parametrize("how", ["sleeps", "holds_the_gil"])

@@ -84,17 +84,42 @@ def hold_gil(seconds: float) -> None:
         sys.setswitchinterval(old)
 
 
+def hold_sockets(release: str, limit_s: float = 600.0) -> int:
+    """Fork a child that keeps this process's sockets open, its lifeline among them, until the
+    file ``release`` exists or for ``limit_s``: once this process is killed, its peers and its
+    controller see no socket close, as for a killed process whose teardown frees many GiB
+    before its kernel closes its sockets. (A forked child is made to close its copy of the
+    lifeline, ``collective.lifeline._close_in_child``: this one keeps a duplicate of it.) The
+    child only sleeps and looks at the file (nothing that could take a lock another thread held
+    at the fork)."""
+    from memsnap.collective import lifeline
+
+    kept = [os.dup(line._sock.fileno()) for line in list(lifeline._HELD)]
+    pid = os.fork()
+    if pid == 0:
+        end = time.monotonic() + limit_s
+        while not os.path.exists(release) and time.monotonic() < end:
+            time.sleep(0.1)
+        os._exit(0)
+    for fd in kept:
+        os.close(fd)
+    return pid
+
+
 def make_train(
     steps: int,
     step_s: float = 0.0,
     slow: tuple[int, int, float] | None = None,
     gil: tuple[int, int, float] | None = None,
     bug: tuple[int, int] | None = None,
+    hold: tuple[int, str] | None = None,
 ):
     """``slow``: (rank, step, seconds) — that rank spends that long in that step, once (a slow
     rank, which must not be taken for a lost one); ``gil``: the same, holding the GIL all along
     (its heartbeat stops: only its node's word keeps it in the job); ``bug``: (rank, step) —
-    that rank raises there (a bug in the training function)."""
+    that rank raises there (a bug in the training function); ``hold``: (rank, path) — as it
+    starts, that rank forks a child that keeps its sockets open until ``path`` exists
+    (``hold_sockets``)."""
 
     def train(ctx, state):
         import torch
@@ -110,6 +135,8 @@ def make_train(
             and store.add("test/takeovers", 1) == 1
         ):
             os.kill(os.getpid(), signal.SIGKILL)  # the first standby dies as it takes over
+        if hold is not None and ctx.rank == hold[0] and ctx.generation == 0:
+            hold_sockets(hold[1])
         start = ctx.restore(state)
         # the rolled-back state is bitwise the state the first run had after that step
         key = f"test/d/{ctx.rank}/{start - 1}"
