@@ -201,7 +201,7 @@ def test_a_restore_that_failed_mid_write_never_starts_fresh_on_mixed_state(monke
     from memsnap.errors import MemsnapError, TooFewShardsError
 
     snap = _snapshotter([PEER, NONE], TooFewShardsError("stripe 4: only 1 of k=2 shards"), monkeypatch)
-    with pytest.raises(MemsnapError, match="begun writing into the live state"):
+    with pytest.raises(MemsnapError, match="the live state was partly written"):
         snap.restore({})
     assert snap.client.done == [False, True]
 
@@ -210,6 +210,19 @@ def test_a_refused_restore_touched_nothing_and_may_start_fresh(monkeypatch):
     snap = _snapshotter([PEER, NONE], StateMismatchError("'model/w': snapshot has float32[4]"), monkeypatch)
     assert snap.restore({}) is None and not snap.loader.dirty
     assert snap.last_restore.tier == "none"
+
+
+def test_a_state_written_outside_a_restore_is_never_handed_back_for_a_fresh_start(monkeypatch):
+    """An in-place takeover refused halfway wrote into the live tensors: a restore that then
+    finds nothing to load raises, as one whose own read failed midway does."""
+    from memsnap.errors import MemsnapError
+
+    snap = _snapshotter([NONE], AssertionError("nothing is received"), monkeypatch)
+    snap.state_written()
+    with pytest.raises(MemsnapError, match="the live state was partly written"):
+        snap.restore({})
+    fresh = _snapshotter([NONE], AssertionError("nothing is received"), monkeypatch)
+    assert fresh.restore({}) is None  # the same plan on an untouched state: a fresh start
 
 
 def test_a_rank_that_moved_reads_its_whole_copy_from_its_old_node_with_no_decode(holders):

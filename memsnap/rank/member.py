@@ -135,7 +135,7 @@ class Context:
             m.live_refused(refused)
         m.await_fenced()
         if m.live.dirty:  # a refused takeover wrote into the live tensors: no fresh start on them
-            m.snapshotter.loader.dirty = True
+            m.snapshotter.state_written()
         try:
             step = m.snapshotter.restore(state)
         except Exception as exc:

@@ -341,8 +341,9 @@ class Snapshotter:
             seconds["done"] = time.perf_counter() - t  # until every rank of the round loaded
             if result.ok and self.loader.dirty and plan.tier == "none":
                 raise MemsnapError(
-                    f"rank {self.rank}: a restore from peers failed after it had begun writing into the "
-                    "live state, and no other copy can be loaded; rebuild the state and call restore again"
+                    f"rank {self.rank}: the live state was partly written (a read from peers or an "
+                    "in-place takeover failed halfway), and no copy can be loaded; rebuild the state and "
+                    "call restore again"
                 )
             if result.ok:
                 self.loader.dirty = False
@@ -363,6 +364,12 @@ class Snapshotter:
             self.client.ready_slots(self.capture.nbytes(state))
         except Exception as exc:  # only a head start: the first saves make what is missing
             log.info("rank %d: arena slots not made ahead: %s", self.rank, exc)
+
+    def state_written(self) -> None:
+        """The live tensors were partly written outside a restore (an in-place takeover that was
+        refused halfway): the next ``restore`` must load a snapshot into them, and raises where
+        none can be loaded instead of handing them back for a fresh start."""
+        self.loader.dirty = True
 
     def steer(self, plan: SharedPlan | None, after: int | None = None) -> None:
         """Let ``plan`` name the steps to snapshot instead of this rank's own policy (None: the
