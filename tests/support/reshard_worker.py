@@ -5,6 +5,7 @@ saved and loaded by gloo ranks on CPU. Run as ``python -m support.reshard_worker
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
@@ -62,7 +63,11 @@ def dump(objs: dict, out: str) -> None:
         save_file({k: v.contiguous() for k, v in full.items()}, out)
 
 
-def _phase(phase: str, rank: int, world: int) -> None:
+def _phase(phase: str, rank: int, world: int, last: bool = False) -> None:
+    """One phase in its own process group. The group is destroyed after a barrier for the next
+    phase to form its own; after the ``last`` the process leaves without gloo's teardown (as
+    the other two-process group tests do: a peer closing its sockets while another still reads
+    its last message must not abort it)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -86,8 +91,14 @@ def _phase(phase: str, rank: int, world: int) -> None:
             memsnap.save(root, state, 2)
         dump(objs, f"{root}/saved_{phase}.safetensors")
         dist.barrier()
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    if last:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    dist.destroy_process_group()
 
 
 def worker() -> None:
@@ -96,7 +107,7 @@ def worker() -> None:
     _phase("A", rank, 4)
     if rank < 2:
         _phase("B", rank, 2)  # ranks 2 and 3 wait in phase C's rendezvous meanwhile
-    _phase("C", rank, 4)
+    _phase("C", rank, 4, last=True)
 
 
 if __name__ == "__main__":
