@@ -208,9 +208,18 @@ class InplaceNodes(Nodes):
 class Injector(threading.Thread):
     """Applies the schedule from ``t0``; a fault waits until training resumed after the last one."""
 
-    def __init__(self, nodes: Nodes, schedule: list[dict], t0: float, deadline: float, events: str):
+    def __init__(
+        self,
+        nodes: Nodes,
+        schedule: list[dict],
+        t0: float,
+        deadline: float,
+        events: str,
+        job: str | None = None,
+    ):
         super().__init__(daemon=True)
         self.nodes, self.schedule, self.t0, self.deadline, self.events = nodes, schedule, t0, deadline, events
+        self.job = job  # memsnap's: its newest committed step is read just before each kill
         self.faults: list[dict] = []
         self.stop = threading.Event()
 
@@ -228,7 +237,25 @@ class Injector(threading.Thread):
                 time.sleep(0.05)
             if self.stop.is_set() or time.time() > self.deadline:
                 return
-            self.faults.append({"at_s": f["at_s"], **self.nodes.inject(f["victim"])})
+            seen = self._committed()
+            self.faults.append({"at_s": f["at_s"], **seen, **self.nodes.inject(f["victim"])})
+
+    def _committed(self) -> dict:
+        """memsnap's newest committed step as the kill lands (the coordinator's answer, asked
+        just before it): a restore must load it, or a newer one committed from pieces already
+        sent. ``{}`` for the other systems, or where the coordinator did not answer."""
+        if self.job is None:
+            return {}
+        import ray
+
+        from memsnap import naming
+
+        try:
+            coord = ray.get_actor(naming.coordinator(self.job), namespace=naming.NAMESPACE)
+            return {"committed_at_kill": ray.get(coord.wait_committed.remote(1 << 62, 0.0), timeout=10)}
+        except Exception as exc:  # noqa: BLE001 (a diagnostic: the kill goes ahead)
+            _say(f"  the newest committed step was not read before the kill: {type(exc).__name__}: {exc}")
+            return {}
 
 
 class StorageMeter(threading.Thread):
@@ -383,7 +410,8 @@ def run_own(
                 _say(f"  restart {attempt} failed (try {tries}); replaced nodes Ray declared dead: {healed}")
         raise RuntimeError(f"{spec.name}: the job could not restart")
 
-    inj = Injector(nodes, schedule if spec.faults else [], 0.0, 0.0, cfg["events"])
+    job = cfg["job"] if spec.system == "memsnap" else None
+    inj = Injector(nodes, schedule if spec.faults else [], 0.0, 0.0, cfg["events"], job)
     ranks, first = start(0)
     inj.faults.clear()  # a node lost before the run began is not the run's fault
     nbytes = ray.get(ranks[0].nbytes.remote())
@@ -606,7 +634,7 @@ def run_inplace(spec: RunSpec, cfg: dict, nodes: Nodes, schedule: list[dict], ho
     th = threading.Thread(target=go, daemon=True)
     th.start()
     inp = InplaceNodes(nodes, j)
-    inj = Injector(inp, schedule if spec.faults else [], 0.0, 0.0, cfg["events"])
+    inj = Injector(inp, schedule if spec.faults else [], 0.0, 0.0, cfg["events"], cfg["job"])
     t0 = 0.0
     try:
         wait_for(
@@ -853,6 +881,12 @@ def measure(
             f"lost {[f.get('lost_steps') for f in a['failures']]}, rto "
             f"{[round(f.get('rto', -1), 1) for f in a['failures']]}, stall {a['stall_steady']}, "
             f"storage {a['storage_bytes'] / GIB:.2f} GiB"
+            + (
+                f", committed at each kill {[f.get('committed_at_kill') for f in a['failures']]}, "
+                f"restored {[f.get('restored_step') for f in a['failures']]}"
+                if any("committed_at_kill" in f for f in a["failures"])
+                else ""
+            )
         )
         runs.append(summary)
         json_path.write_text(json.dumps(result(), indent=1))  # every run is kept as soon as it ends

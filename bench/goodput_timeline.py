@@ -134,6 +134,8 @@ def analyse(r: RunResult) -> dict:
             "t_kill_s": f["t_kill"] - r.t0,
             "detect": f["t_dead"] - f["t_kill"],
         }
+        if "committed_at_kill" in f:  # memsnap: its newest committed step as the kill landed
+            rec["committed_at_kill"] = f["committed_at_kill"]
         if "recovery" in f:  # in place: memsnap's own decision ends detect (inplace_faults)
             rec["inplace"] = _inplace_split(f, r.events)
         progress = before[-1]["step"] + 1 if before else 0
@@ -159,6 +161,7 @@ def analyse(r: RunResult) -> dict:
                 restart=t_built - f["t_dead"],
                 restore=t_rest - t_built,
                 restore_wall=max(e["wall"] for e in restored[:NODES]),
+                restored_step=step,
                 rto=after[0]["t"] - f["t_kill"],
                 lost_steps=progress - resumed,
                 first_step=after[0]["t"] - t_rest,

@@ -72,11 +72,21 @@ def test_one_failure_is_split_into_detect_restart_restore():
     assert f["rto"] == pytest.approx(23.5 - 10.5)
     assert f["first_step"] == pytest.approx(1.0)
     assert f["restore_wall"] == pytest.approx(1.8)
+    assert f["restored_step"] == 4 and "committed_at_kill" not in f  # (asked of memsnap only)
     # progress at the horizon (t0+35): step 16 ended at t0+34.5, so 17 useful steps
     assert a["useful_steps"] == 17 and a["rate"] == pytest.approx(17 / 35.0)
     assert a["stall_first"] == pytest.approx(2.0) and a["stall_steady"] == pytest.approx(0.25)
     assert a["saves"] == 2 and a["storage_bytes"] == 7 << 20
     assert a["curve"][9] == (10.0, 10) and a["curve"][10] == (23.5, 6)  # the rollback shows
+
+
+def test_memsnaps_newest_committed_step_at_the_kill_is_kept_beside_the_step_restored():
+    t0 = 1000.0
+    ev, faults = _events(t0)
+    faults[0]["committed_at_kill"] = 4
+    spec = {"system": "memsnap", "interval": "5", "faults": True, "label": ""}
+    (f,) = analyse(RunResult(spec, t0, 35.0, ev, faults, 0, 256 << 20))["failures"]
+    assert (f["committed_at_kill"], f["restored_step"]) == (4, 4)
 
 
 def test_a_failure_the_job_never_recovered_from_has_no_rto():
