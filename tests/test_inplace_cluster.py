@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from typing import Any
 
 import psutil
 import pytest
@@ -108,6 +109,14 @@ def test_a_killed_node_is_replaced_by_the_standby_and_the_survivors_keep_their_p
         memsnap.shutdown(job, timeout=30)
 
 
+def three_ranks_and_a_spare(lc: LocalCluster) -> tuple[list, Any, str]:
+    """The nodes of three ranks and of a standby (the cluster's last four, nodes added where a
+    test before took some away), and a new job name."""
+    while len(lc.nodes) < 5:
+        lc.add_node()
+    return lc.nodes[-4:-1], lc.nodes[-1], f"inplace-{uuid.uuid4().hex[:6]}"
+
+
 def store_of(j: InplaceJob) -> TCPStore:
     """The running job's store (the test's keys are written there by its ranks)."""
     assert j.store is not None, "the job is not running"
@@ -138,10 +147,7 @@ def test_a_killed_node_under_fsdp2_is_restored_from_its_peers_and_the_survivors_
     import memsnap
 
     lc = cluster
-    while len(lc.nodes) < 5:
-        lc.add_node()
-    ranks, spare = lc.nodes[-4:-1], lc.nodes[-1]
-    job = f"inplace-{uuid.uuid4().hex[:6]}"
+    ranks, spare, job = three_ranks_and_a_spare(lc)
     steps = 40
     j = InplaceJob(
         job,
@@ -177,10 +183,7 @@ def test_a_hung_rank_is_noticed_by_its_heartbeat_fenced_and_replaced(cluster) ->
     import memsnap
 
     lc = cluster
-    while len(lc.nodes) < 5:
-        lc.add_node()
-    ranks, spare = lc.nodes[-4:-1], lc.nodes[-1]
-    job = f"inplace-{uuid.uuid4().hex[:6]}"
+    ranks, spare, job = three_ranks_and_a_spare(lc)
     steps = 40
     j = InplaceJob(
         job,
@@ -233,10 +236,7 @@ def test_a_killed_rank_whose_sockets_stay_open_is_named_lost_by_its_node(cluster
     import memsnap
 
     lc = cluster
-    while len(lc.nodes) < 5:
-        lc.add_node()
-    ranks, spare = lc.nodes[-4:-1], lc.nodes[-1]
-    job = f"inplace-{uuid.uuid4().hex[:6]}"
+    ranks, spare, job = three_ranks_and_a_spare(lc)
     steps = 40
     release = str(tmp_path / "release")
     j = InplaceJob(
@@ -407,10 +407,7 @@ def test_a_handover_moves_a_rank_to_the_standby_with_nothing_rolled_back(cluster
     import memsnap
 
     lc = cluster
-    while len(lc.nodes) < 5:
-        lc.add_node()
-    ranks, spare = lc.nodes[-4:-1], lc.nodes[-1]
-    job = f"inplace-{uuid.uuid4().hex[:6]}"
+    ranks, spare, job = three_ranks_and_a_spare(lc)
     steps = 30
     j = InplaceJob(
         job,
@@ -448,10 +445,7 @@ def test_a_node_lost_after_the_coordinator_was_lost_recovers_through_its_rebuild
     import memsnap
 
     lc = cluster
-    while len(lc.nodes) < 5:
-        lc.add_node()
-    ranks, spare = lc.nodes[-4:-1], lc.nodes[-1]
-    job = f"inplace-{uuid.uuid4().hex[:6]}"
+    ranks, spare, job = three_ranks_and_a_spare(lc)
     steps = 40
     j = InplaceJob(
         job,
