@@ -182,8 +182,7 @@ def test_a_hung_rank_is_noticed_by_its_heartbeat_fenced_and_replaced(cluster) ->
     """SIGSTOP: no socket closes, no collective error; only the beats stop."""
     import memsnap
 
-    lc = cluster
-    ranks, spare, job = three_ranks_and_a_spare(lc)
+    ranks, spare, job = three_ranks_and_a_spare(cluster)
     steps = 40
     j = InplaceJob(
         job,
@@ -235,8 +234,7 @@ def test_a_killed_rank_whose_sockets_stay_open_is_named_lost_by_its_node(cluster
     long before its silence (``lost_after_s``, set far off here) would name it."""
     import memsnap
 
-    lc = cluster
-    ranks, spare, job = three_ranks_and_a_spare(lc)
+    ranks, spare, job = three_ranks_and_a_spare(cluster)
     steps = 40
     release = str(tmp_path / "release")
     j = InplaceJob(
@@ -406,8 +404,7 @@ def test_a_handover_moves_a_rank_to_the_standby_with_nothing_rolled_back(cluster
     rank hands over at the next step boundary; every rank restores the step it just took."""
     import memsnap
 
-    lc = cluster
-    ranks, spare, job = three_ranks_and_a_spare(lc)
+    ranks, spare, job = three_ranks_and_a_spare(cluster)
     steps = 30
     j = InplaceJob(
         job,
