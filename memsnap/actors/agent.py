@@ -15,7 +15,7 @@ import ray
 
 from memsnap import identity, naming
 from memsnap.actors.coordinator import coordinator_for
-from memsnap.actors.pool import LOST, Pool
+from memsnap.actors.pool import LOST, Pool, log_to_stderr
 from memsnap.config import SnapshotConfig, tunable
 from memsnap.directory import find_agent
 from memsnap.node.agent import AgentCore
@@ -49,7 +49,7 @@ class SnapshotAgent:
     """The Ray actor around ``AgentCore`` and ``NodeRelay``; see ``agent.py`` for the protocol."""
 
     def __init__(self, config: dict, node_id: str):
-        logging.basicConfig(level=logging.INFO)
+        log_to_stderr()
         cfg = SnapshotConfig.from_dict(config)
         self.core = AgentCore(config, node_id, job_secret(cfg.job), host=ray.util.get_node_ip_address())
         self.signal = Signal()

@@ -12,7 +12,7 @@ import time
 import ray
 
 from memsnap import metrics, naming
-from memsnap.actors.pool import Pool
+from memsnap.actors.pool import Pool, log_to_stderr
 from memsnap.config import SnapshotConfig, tunable
 from memsnap.directory import find_agent
 from memsnap.errors import CommitError
@@ -30,7 +30,7 @@ class Coordinator:
     """The Ray actor around ``CoordinatorCore``; see ``coordinator.py`` for the protocol."""
 
     def __init__(self, config: dict, world_size: int):
-        logging.basicConfig(level=logging.INFO)
+        log_to_stderr()
         self.core = CoordinatorCore(config, world_size)
         self.signal = Signal()
         self.core.changed = self.signal.notify

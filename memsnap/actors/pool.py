@@ -1,14 +1,23 @@
-"""What both Ray faces share: their own threads for blocking work, and the errors that mean the
-actor on the other end is gone."""
+"""What both Ray faces share: their own threads for blocking work, the errors that mean the
+actor on the other end is gone, and how their logs are written."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from concurrent.futures import ThreadPoolExecutor
 
 import ray
 
 LOST = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+
+
+def log_to_stderr() -> None:
+    """An actor's log lines (Ray keeps its stderr in the session's ``logs/worker-*.err``), each
+    with its wall time to the millisecond, so that a recovery can be read across actors."""
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s.%(msecs)03d %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
+    )
 
 
 class Pool:
