@@ -35,6 +35,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import threading
@@ -258,6 +259,33 @@ class Injector(threading.Thread):
             return {}
 
 
+class CommitWatch(threading.Thread):
+    """memsnap's committed steps as they commit: the coordinator's newest, asked every 0.1 s,
+    kept as ``(wall time, step)`` at each change. A save's commit lag is the time from its
+    capture to the first reading at or past its step (0.1 s resolution)."""
+
+    def __init__(self, job: str):
+        super().__init__(daemon=True)
+        self.job, self.stop = job, threading.Event()
+        self.seen: list[tuple[float, int]] = []
+
+    def run(self) -> None:
+        import ray
+
+        from memsnap import naming
+
+        coord = None
+        while not self.stop.wait(0.1):
+            try:
+                coord = coord or ray.get_actor(naming.coordinator(self.job), namespace=naming.NAMESPACE)
+                step = ray.get(coord.wait_committed.remote(1 << 62, 0.0), timeout=5)
+            except Exception:  # noqa: BLE001 (a diagnostic: a coordinator being rebuilt is asked again)
+                coord = None
+                continue
+            if step is not None and (not self.seen or self.seen[-1][1] != step):
+                self.seen.append((time.time(), step))
+
+
 class StorageMeter(threading.Thread):
     """Bytes written under a directory: the largest size seen of every file (temporaries
     ``*.tmp`` left out, as they become the named file), polled every 0.2 s."""
@@ -412,6 +440,7 @@ def run_own(
 
     job = cfg["job"] if spec.system == "memsnap" else None
     inj = Injector(nodes, schedule if spec.faults else [], 0.0, 0.0, cfg["events"], job)
+    watch = CommitWatch(job) if job else None
     ranks, first = start(0)
     inj.faults.clear()  # a node lost before the run began is not the run's fault
     nbytes = ray.get(ranks[0].nbytes.remote())
@@ -427,6 +456,8 @@ def run_own(
     deadline = t0 + horizon
     inj.t0, inj.deadline = t0, deadline
     inj.start()
+    if watch:
+        watch.start()
     attempt = handled = 0
     try:
         while time.time() < deadline:
@@ -460,6 +491,10 @@ def run_own(
     finally:
         inj.stop.set()
         inj.join(timeout=150)
+        if watch:
+            watch.stop.set()
+            watch.join(timeout=10)
+            extra["commits"] = watch.seen
         try:  # DCP's last write finishes; memsnap's ranks drop their mappings
             ray.get([r.close.remote() for r in ranks], timeout=120)
         except Exception as exc:
@@ -635,6 +670,7 @@ def run_inplace(spec: RunSpec, cfg: dict, nodes: Nodes, schedule: list[dict], ho
     th.start()
     inp = InplaceNodes(nodes, j)
     inj = Injector(inp, schedule if spec.faults else [], 0.0, 0.0, cfg["events"], cfg["job"])
+    watch = CommitWatch(cfg["job"])
     t0 = 0.0
     try:
         wait_for(
@@ -649,6 +685,7 @@ def run_inplace(spec: RunSpec, cfg: dict, nodes: Nodes, schedule: list[dict], ho
         assert j.store is not None  # run() made it before any rank restored
         j.store.set(DEADLINE_KEY, repr(t0 + horizon))
         inj.start()
+        watch.start()
         th.join(timeout=horizon + 900)
         if th.is_alive():
             ev = read_events(cfg["events"])
@@ -663,6 +700,9 @@ def run_inplace(spec: RunSpec, cfg: dict, nodes: Nodes, schedule: list[dict], ho
         inj.stop.set()
         if inj.is_alive():
             inj.join(timeout=150)
+        watch.stop.set()
+        if watch.is_alive():
+            watch.join(timeout=10)
         inp.stop.set()
         for t in inp.handoffs:
             t.join(timeout=60)
@@ -688,7 +728,7 @@ def run_inplace(spec: RunSpec, cfg: dict, nodes: Nodes, schedule: list[dict], ho
         faults,
         meter.total(),
         cfg["state_mb"] << 20,
-        {"recoveries": recoveries, "standby_events": standby},
+        {"recoveries": recoveries, "standby_events": standby, "commits": watch.seen},
     )
 
 
@@ -885,6 +925,12 @@ def measure(
                 f", committed at each kill {[f.get('committed_at_kill') for f in a['failures']]}, "
                 f"restored {[f.get('restored_step') for f in a['failures']]}"
                 if any("committed_at_kill" in f for f in a["failures"])
+                else ""
+            )
+            + (
+                f", commit lag median {statistics.median(lags):.2f} s, mean {statistics.fmean(lags):.2f} s, "
+                f"max {max(lags):.2f} s over {len(lags)} snapshots"
+                if (lags := a["commit_lags"])
                 else ""
             )
         )

@@ -51,10 +51,15 @@ def goodput(run: dict, base: dict) -> float:
 
 
 def lag_s(run: dict, data: dict) -> float:
-    """How long after its stall a snapshot completes: memsnap's commit (calibration), DCP's
-    background write (its ``written`` events); 0 for the synchronous savers."""
+    """How long after its stall a snapshot completes: memsnap's commit (the mean over the run's
+    own snapshots, as the coordinator's commits were read during it; else the calibration's
+    steady lag), DCP's background write (its ``written`` events); 0 for the synchronous savers.
+    The mean, since the work a failure loses grows with the lag of the snapshot it lands after,
+    and the first snapshots after a restart commit later than the steady ones."""
     system = run["spec"]["system"]
     if system in ("memsnap", "memsnap-inplace"):
+        if run.get("commit_lags"):
+            return statistics.fmean(run["commit_lags"])
         c = _calibration(data)
         if c:
             return c["steady"]["commit"]
@@ -523,7 +528,9 @@ def write_report(data: dict, out: Path) -> None:
             "## The goodput model against the measurement",
             "",
             "`memsnap.goodput_model.run_goodput` (what `memsnap plan --goodput` projects with) given each run's "
-            "kill times, its system's failure-free step time, its interval, the lag until a snapshot completes, "
+            "kill times, its system's failure-free step time, its interval, the lag until a snapshot completes "
+            "(memsnap: the mean capture -> commit over the run's own snapshots, the coordinator read every 0.1 s; "
+            "DCP: the median background write), "
             "and the median detect / restart (plus how much slower the first step back was) / restore seconds "
             "measured in the run; the model supplies the work lost per failure ((N-1)/2 steps + lag/step + half "
             "a step in progress, never more than the time the run had left; an in-place run whose recoveries "

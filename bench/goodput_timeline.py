@@ -107,6 +107,24 @@ def _inplace_split(f: dict, events: list[dict]) -> dict:
     return out
 
 
+def commit_lags(r: RunResult) -> list[float]:
+    """memsnap: seconds from each snapshot's capture (rank 0's save returning) to the first
+    reading of the coordinator at or past its step (``CommitWatch``, every 0.1 s), for each
+    snapshot that committed before the next kill (a step replaced under load counts until the
+    newer one committed). Empty for the other systems."""
+    seen = r.extra.get("commits") or []
+    kills = sorted(f["t_kill"] for f in r.faults)
+    out = []
+    for e in r.events:
+        if not seen or e["ev"] != "save" or e["rank"] != 0:
+            continue
+        until = next((k for k in kills if k > e["t"]), float("inf"))
+        hit = next((t for t, step in seen if step >= e["step"] and e["t"] <= t < until), None)
+        if hit is not None:
+            out.append(hit - e["t"])
+    return out
+
+
 def analyse(r: RunResult) -> dict:
     """Progress, goodput inputs and per-failure RPO/RTO of one run (times from its ``t0``)."""
     steps = [e for e in r.events if e["ev"] == "step" and e["t"] <= r.t0 + r.horizon_s]
@@ -180,6 +198,7 @@ def analyse(r: RunResult) -> dict:
         "stall_first": statistics.median(first_stall) if first_stall else None,
         "stall_steady": statistics.median(later) if later else None,
         "storage_bytes": r.storage_bytes,
+        "commit_lags": commit_lags(r),
         # DCP: seconds from async_save returning to its write being done, median over ranks and saves
         "write_lag": statistics.median(lags)
         if (lags := [e["lag"] for e in r.events if e["ev"] == "written"])

@@ -289,3 +289,31 @@ def test_the_model_charges_an_in_place_run_that_went_live_only_the_step_in_fligh
     assert live["predicted"] == pytest.approx(gm.run_goodput(**kw, live=True))
     rolled, _ = check({"0": "local", "1": "local", "2": "peer", "3": "local"})
     assert rolled["predicted"] < live["predicted"]  # a rollback is charged the snapshot's lag as well
+
+
+def test_commit_lags_run_from_each_capture_to_the_first_commit_reading_at_or_past_its_step():
+    """The coordinator's commits as the bench read them: step 4 committed 1.5 s after its capture,
+    and step 3 before it, replaced under load, counts until step 4 committed; a commit read after
+    the kill is no capture's before it (the job rolled back); after the restore, step 9 counts
+    until step 10 committed."""
+    t0 = 1000.0
+    ev, faults = _events(t0)
+    ev += [{"ev": "save", "rank": 0, "step": 3, "stall": 0.2, "bytes": 0, "t": t0 + 4.0}]  # replaced by step 4
+    ev += [{"ev": "save", "rank": 0, "step": 10, "stall": 0.2, "bytes": 0, "t": t0 + 29.5}]
+    commits = [(t0 + 6.6, 4), (t0 + 22.0, 4), (t0 + 31.0, 10)]
+    spec = {"system": "memsnap", "interval": "5", "faults": True, "label": ""}
+    a = analyse(RunResult(spec, t0, 35.0, ev, faults, 0, 256 << 20, {"commits": commits}))
+    assert a["commit_lags"] == pytest.approx([1.5, 31.0 - 28.1, 6.6 - 4.0, 1.5])
+    late = [(t0 + 11.0, 4)]  # step 4 read committed only after the kill
+    assert analyse(RunResult(spec, t0, 35.0, ev, faults, 0, 256 << 20, {"commits": late}))["commit_lags"] == []
+    assert analyse(RunResult(spec, t0, 35.0, ev, faults, 0, 256 << 20))["commit_lags"] == []
+
+
+def test_the_model_check_takes_memsnaps_lag_from_the_runs_own_commits():
+    from goodput_report import lag_s
+
+    data: dict[str, Any] = {"runs": []}  # no calibration run
+    run = {"spec": {"system": "memsnap", "interval": "1"}, "commit_lags": [1.0, 1.0, 7.0], "write_lag": None}
+    assert lag_s(run, data) == pytest.approx(3.0)  # the mean: the slow commits after a restart count
+    assert lag_s(dict(run, commit_lags=[]), data) == 0.0
+    assert lag_s({"spec": {"system": "dcp", "interval": "4"}, "write_lag": 0.75}, data) == 0.75
