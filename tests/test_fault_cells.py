@@ -399,3 +399,45 @@ def test_a_spare_node_lost_leaves_every_step_restorable_and_reprotection_rebuild
     job.resolved(3)
     assert job.coord.newest() == 3 and all(spare not in job.coord.log.records[3].holders(o) for o in (A, B, C))
     assert_whole(job, 3, (A, B, C))
+
+
+def test_reprotection_takes_the_newest_step_first_and_drops_a_step_pruned_meanwhile(inproc, monkeypatch):
+    """After a loss, the newest committed step (the one a second loss restores) is re-protected
+    first; an older step that newer commits prune meanwhile (``keep=2``) is dropped, not rebuilt
+    and not counted as an error."""
+    import threading
+
+    job = inproc({A: [0], B: [1], C: [2], D: [], E: []})  # D and E: spare agents, no rank
+    states = {r: model_state(r) for r in range(3)}
+    for step in (1, 2):
+        job.save(step, states)
+        job.resolved(step)
+    assert sorted(job.coord.log.records) == [1, 2]
+    on_d = sum(D in job.coord.log.records[2].holders(o) for o in job.coord.log.records[2].nodes)
+    assert on_d > 0, "the spare to be lost holds shards of step 2"
+    rp = job.coord.reprotect
+    rebuild_on, order, go_on = rp._rebuild_on, [], threading.Event()
+
+    def held_at_first(record, owner, j, new, addrs):
+        order.append(record.step)
+        if len(order) == 1:  # the job goes on while the first shard is rebuilt
+            assert go_on.wait(60), "the test never let re-protection go on"
+        return rebuild_on(record, owner, j, new, addrs)
+
+    monkeypatch.setattr(rp, "_rebuild_on", held_at_first)
+    job.lose(D)
+    job.save(3, states)  # its push to the lost spare fails it; the live nodes are placed anew
+    job.resolved(3)
+    assert "TransportError: push to" in job.coord.log.failed[3]
+    wait_for(lambda: order, timeout=60, what="re-protection to begin")
+    job.layouts_current()
+    job.save(4, states)
+    job.resolved(4)
+    assert sorted(job.coord.log.records) == [2, 4], "step 4's commit pruned step 1 (keep=2)"
+    go_on.set()
+    reprotected(job)
+    record = job.coord.log.records[2]
+    assert order == [2] * on_d, "only step 2's shards were rebuilt, and it went first"
+    assert rp.status()["dropped"] == 1 and not rp.status()["errors"]
+    assert all(D not in record.holders(o) for o in record.nodes)
+    assert assert_whole(job, 2, (A, B, C)) == 0  # every shard of step 2 at a live holder again

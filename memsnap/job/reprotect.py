@@ -2,6 +2,11 @@
 nodes, and give a node whose rank restored from peers its local copy back, so the
 protection level returns to full before the next snapshot. One background thread per
 coordinator; it lets the job's restore go first (both move bytes over the same nodes).
+
+Newest step first: the newest committed step is the one a second loss would restore, and the
+older ones are kept behind it only until newer steps commit (``keep``). A step pruned while
+it waits, or while its shards are rebuilt, is dropped: its holders have let its chunks go,
+and rebuilding it would only take the data plane from the snapshots being sent.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ class Progress:
     again: bool = False  # asked again while it ran: one more round
     rebuilt_chunks: int = 0
     local_copies: int = 0
+    dropped: int = 0  # steps pruned before re-protection had rebuilt them (no longer needed)
     errors: list[str] = field(default_factory=list)
 
 
@@ -69,7 +75,7 @@ class Reprotector:
             self.core.wait_for_a_restore(tunable("reprotect_defer_s"))
             while True:
                 self.state.again = False
-                for step in sorted(self.core.log.records):
+                for step in sorted(self.core.log.records, reverse=True):
                     self._step(step)
                 self._local_copies()
                 if not self.state.again:
@@ -80,6 +86,8 @@ class Reprotector:
 
     def _step(self, step: int) -> None:
         core = self.core
+        if not self._kept(step):  # pruned while a newer step was re-protected
+            return
         with core.lock:
             record = core.log.records.get(step)
             if record is None:
@@ -92,7 +100,8 @@ class Reprotector:
             ]
             addrs = dict(core.membership.addrs)
         for owner, j, new in moves:
-            self._rebuild_on(record, owner, j, new, addrs)
+            if not self._kept(step) or not self._rebuild_on(record, owner, j, new, addrs):
+                return
         if moves:
             with core.lock:
                 rec = core.log.records.get(step)
@@ -102,7 +111,18 @@ class Reprotector:
                 notice = core.log.notice(rec, spill=False, moved=moved)  # told again: no new spill
             core.broadcast("commit", notice.to_wire())
 
-    def _rebuild_on(self, record: CommitRecord, owner: str, j: int, new: str, addrs: dict) -> None:
+    def _kept(self, step: int) -> bool:
+        """Whether ``step`` is still committed and kept; logs its re-protection dropped if not."""
+        with self.core.lock:
+            kept = step in self.core.log.records
+        if not kept:
+            self.state.dropped += 1
+            log.info("re-protection of step %d dropped: newer steps committed and it is no longer kept", step)
+        return kept
+
+    def _rebuild_on(self, record: CommitRecord, owner: str, j: int, new: str, addrs: dict) -> bool:
+        """Rebuild ``owner``'s shard ``j`` of the step on ``new``; False only when the step was
+        pruned meanwhile (the rebuild failed because its holders let the chunks go)."""
         core = self.core
         handle = core.dir.agent(new)
         info = record.nodes[owner]
@@ -114,15 +134,18 @@ class Reprotector:
                 timeout=tunable("push_timeout_s"),
             )
         except Exception as exc:
+            if not self._kept(record.step):
+                return False  # pruned while it was rebuilt: not a failure
             self.state.errors.append(f"step {record.step} owner {owner[:12]} shard {j}: {exc}")
             log.warning("re-protection of step %d owner %s shard %d failed: %s", record.step, owner[:12], j, exc)
-            return
+            return True
         with core.lock:
             live = core.log.records.get(record.step)
             if live is not None:
                 core.log.records[record.step] = live.with_holder(owner, j, new)
             self.state.rebuilt_chunks += n
         log.info("re-protected step %d owner %s shard %d on %s (%d chunks)", record.step, owner[:12], j, new[:12], n)
+        return True
 
     def _local_copies(self) -> None:
         """A rank restored from peers holds its bytes only in its live state (receive.py), so
@@ -172,5 +195,6 @@ class Reprotector:
             "again": st.again,
             "rebuilt_chunks": st.rebuilt_chunks,
             "local_copies": st.local_copies,
+            "dropped": st.dropped,
             "errors": list(st.errors[-5:]),
         }
