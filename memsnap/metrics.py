@@ -75,6 +75,11 @@ DEFINITIONS: dict[str, tuple[str, tuple[str, ...], str]] = {
         "Chunks re-protection rebuilt since the coordinator started",
     ),
     "memsnap_reprotect_local_copies": ("gauge", ("job",), "Local copies re-protection gave back to nodes"),
+    "memsnap_reprotect_dropped": (
+        "gauge",
+        ("job",),
+        "Steps whose re-protection was dropped because newer commits pruned them",
+    ),
 }
 
 _lock = threading.Lock()
@@ -216,6 +221,7 @@ def job_status(job: str, st: dict) -> None:
     record("memsnap_reprotect_running", 1 if rp.get("running") else 0, job=job)
     record("memsnap_reprotect_rebuilt_chunks", rp.get("rebuilt_chunks", 0), job=job)
     record("memsnap_reprotect_local_copies", rp.get("local_copies", 0), job=job)
+    record("memsnap_reprotect_dropped", rp.get("dropped", 0), job=job)
 
 
 def tier_bytes(agent: dict) -> dict[str, int]:

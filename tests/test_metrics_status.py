@@ -147,6 +147,7 @@ def test_saves_restore_and_a_failure_show_in_the_metrics(job):
             ),
             "budget": lambda s: by_node(s, "ray_memsnap_memory_budget_bytes") == {n: float(256 << 20) for n in nodes},
             "re-protection idle": lambda s: values(s, "ray_memsnap_reprotect_running", job=JOB) == [0.0],
+            "nothing dropped": lambda s: values(s, "ray_memsnap_reprotect_dropped", job=JOB) == [0.0],
         },
     )
     assert all(a["local"] > 0 and a["held"] > 0 and a["spill"]["bytes"] > 0 for a in st["agents"].values())

@@ -75,6 +75,10 @@ def test_render_names_the_committed_step_lag_protection_restore_and_every_node()
     assert "1 failed, 2 skipped busy" in lines[2] and "restore generation 1" in lines[2]
     assert lines[3] == "last restore: step 5 from peer in 1.50 s"
     assert lines[4] == "re-protection: running, 12 chunk(s) rebuilt, 1 local copy given back"
+    st = coordinator_status()
+    st["reprotect"]["dropped"] = 2
+    again = status.render(status.summary("job-x", st), now=1012.0).splitlines()[4]
+    assert again == lines[4] + ", 2 step(s) dropped as newer commits pruned them"
     header, _, row_a, row_b, row_c = lines[6:]
     assert header.split() == ["NODE", "RANKS", "RAM", "USED", "BUDGET", "USE", "LOCAL", "PEER", "SPILLED", "SPILL"]
     assert row_a.split()[:2] == [NODE_A[:12], "0"] and "16.0 MiB" in row_a and "2%" in row_a

@@ -81,6 +81,8 @@ def _reprotect_line(rp: dict) -> str:
         f"re-protection: {state}, {rp.get('rebuilt_chunks', 0)} chunk(s) rebuilt, "
         f"{rp.get('local_copies', 0)} local cop{'y' if rp.get('local_copies', 0) == 1 else 'ies'} given back"
     )
+    if rp.get("dropped"):
+        line += f", {rp['dropped']} step(s) dropped as newer commits pruned them"
     errors = rp.get("errors") or []
     return line + (f", last error: {errors[-1]}" if errors else "")
 
