@@ -206,6 +206,22 @@ class InplaceNodes(Nodes):
             j._warm_a_standby()
 
 
+def coordinator(job: str):
+    """The handle of memsnap's coordinator of ``job``."""
+    import ray
+
+    from memsnap import naming
+
+    return ray.get_actor(naming.coordinator(job), namespace=naming.NAMESPACE)
+
+
+def newest_committed(coord, timeout: float) -> int | None:
+    """The coordinator's newest committed step, now (it does not wait for a newer one)."""
+    import ray
+
+    return ray.get(coord.wait_committed.remote(1 << 62, 0.0), timeout=timeout)
+
+
 class Injector(threading.Thread):
     """Applies the schedule from ``t0``; a fault waits until training resumed after the last one."""
 
@@ -247,13 +263,8 @@ class Injector(threading.Thread):
         sent. ``{}`` for the other systems, or where the coordinator did not answer."""
         if self.job is None:
             return {}
-        import ray
-
-        from memsnap import naming
-
         try:
-            coord = ray.get_actor(naming.coordinator(self.job), namespace=naming.NAMESPACE)
-            return {"committed_at_kill": ray.get(coord.wait_committed.remote(1 << 62, 0.0), timeout=10)}
+            return {"committed_at_kill": newest_committed(coordinator(self.job), timeout=10)}
         except Exception as exc:  # noqa: BLE001 (a diagnostic: the kill goes ahead)
             _say(f"  the newest committed step was not read before the kill: {type(exc).__name__}: {exc}")
             return {}
@@ -270,15 +281,11 @@ class CommitWatch(threading.Thread):
         self.seen: list[tuple[float, int]] = []
 
     def run(self) -> None:
-        import ray
-
-        from memsnap import naming
-
         coord = None
         while not self.stop.wait(0.1):
             try:
-                coord = coord or ray.get_actor(naming.coordinator(self.job), namespace=naming.NAMESPACE)
-                step = ray.get(coord.wait_committed.remote(1 << 62, 0.0), timeout=5)
+                coord = coord or coordinator(self.job)
+                step = newest_committed(coord, timeout=5)
             except Exception:  # noqa: BLE001 (a diagnostic: a coordinator being rebuilt is asked again)
                 coord = None
                 continue

@@ -113,10 +113,12 @@ def commit_lags(r: RunResult) -> list[float]:
     snapshot that committed before the next kill (a step replaced under load counts until the
     newer one committed). Empty for the other systems."""
     seen = r.extra.get("commits") or []
+    if not seen:
+        return []
     kills = sorted(f["t_kill"] for f in r.faults)
     out = []
     for e in r.events:
-        if not seen or e["ev"] != "save" or e["rank"] != 0:
+        if e["ev"] != "save" or e["rank"] != 0:
             continue
         until = next((k for k in kills if k > e["t"]), float("inf"))
         hit = next((t for t, step in seen if step >= e["step"] and e["t"] <= t < until), None)
