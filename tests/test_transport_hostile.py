@@ -549,16 +549,23 @@ class Relay:
                     break
         except OSError:
             pass
-        for s in (src, dst):
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        # the far end first: the side that sent the bytes must not see the cut (and close the
+        # relay) before the side that receives them has
+        for s in (dst, src):
+            _shut(s)
 
     def close(self) -> None:
         self.listener.close()
         for s in self.socks:
+            _shut(s)  # a bare close sends no FIN while a pump thread is blocked reading the socket
             s.close()
+
+
+def _shut(s: socket.socket) -> None:
+    try:
+        s.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 HANDSHAKE = len(auth.MAGIC) + 1 + auth.NONCE + auth.MAC  # bytes of the handshake each way
