@@ -80,6 +80,12 @@ class StepGivenUp(TransportError):
     store's ``reserve`` raises it; the transport carries it to the sender as itself."""
 
 
+class PushCancelled(TransportError):
+    """The sender called a push off between two chunks (``cancel`` said so: its step was given
+    up, or a push of the same snapshot to another holder failed). Nothing failed at the peer;
+    the chunks it already took are dropped with the step."""
+
+
 class AuthenticationError(TransportError):
     """A peer failed the data-plane handshake."""
 

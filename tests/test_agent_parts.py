@@ -3,6 +3,7 @@ Ray: a real version table and real arenas, a scripted coordinator and transport.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import uuid
 
@@ -11,6 +12,8 @@ import torch
 
 from memsnap.coding.codec import codec_for
 from memsnap.config import SnapshotConfig
+from memsnap.errors import PushCancelled
+from memsnap.localcluster import wait_for
 from memsnap.memory.arena import MemoryBudget
 from memsnap.node.repair import Repair
 from memsnap.node.sender import Sender
@@ -48,13 +51,20 @@ class Parts:
             return {"holders": list(HOLDERS), "addrs": [{"j": j} for j in range(3)], "epoch": 1}
         return None
 
-    def push(self, addr, items, timeout):
+    def push(self, addr, items, timeout, cancel=None):
         if self.push_error is not None:
             raise self.push_error
-        self.pushed.setdefault(addr["j"], []).extend(key for key, _ in items)
+        for key, _ in items:  # as the transports do: ``cancel`` asked before each chunk
+            if cancel is not None and cancel():
+                raise PushCancelled(f"push to h{addr['j']} called off at chunk {key}")
+            self.pushed.setdefault(addr["j"], []).append(key)
+            self.on_chunk(addr["j"], cancel)
+
+    def on_chunk(self, j: int, cancel) -> None:
+        """A chunk was pushed to holder ``j`` (a test's hook)."""
 
     def sender(self) -> Sender:
-        transport = type("Transport", (), {"push": staticmethod(self.push)})()
+        transport = type("Transport", (), {"push": staticmethod(lambda *a, **kw: self.push(*a, **kw))})()
         return Sender(
             node=NODE,
             cfg=self.cfg,
@@ -141,6 +151,47 @@ def test_a_version_replaced_while_it_waited_is_not_sent(parts):
     assert v.state == "superseded" and 1 not in parts.versions
     parts.sender().send(v, [0])
     assert parts.called == [] and parts.pushed == {} and parts.told == []
+
+
+def test_a_version_given_up_while_it_is_sent_stops_at_its_next_chunk_and_reports_nothing(parts):
+    """A restore plan rolls the job back below the step being sent: its pushes stop at once
+    (not a failure), and the step is neither reported ready nor failed."""
+    parts.cfg = dataclasses.replace(parts.cfg, chunk=256)  # several chunks per holder
+    v, _ = parts.queued(1)
+    sender = parts.sender()
+
+    def given_up_at_the_first_chunk(j, cancel):
+        with parts.lock:
+            parts.versions.abandoned(1, "the job rolls back to step 0", failed=False)
+
+    parts.on_chunk = given_up_at_the_first_chunk
+    sender.send(v, [0])
+    pushed = sum(len(keys) for keys in parts.pushed.values())
+    assert 1 <= pushed <= 3, f"{pushed} chunks pushed after the version was given up at the first"
+    assert 1 not in parts.versions and v.state is not FAILED and parts.counters["failed_snapshots"] == 0
+    assert [c[0] for c in parts.called] == ["node_holders"] and parts.told == [] and 1 not in parts.infos
+    assert sender.holders is not None  # nothing failed: the layout is still good
+
+
+def test_a_failed_push_stops_the_pushes_to_the_other_holders_and_is_the_error_reported(parts):
+    parts.cfg = dataclasses.replace(parts.cfg, chunk=256)
+    v, _ = parts.queued(1)
+    sender = parts.sender()
+    push = parts.push
+
+    def holder_1_fails(addr, items, timeout, cancel=None):
+        if addr["j"] == 1:
+            raise ConnectionError("holder h1 is gone")
+        push(addr, items, timeout, cancel)
+
+    def until_called_off(j, cancel):  # the others wait, after one chunk, for h1's failure
+        wait_for(cancel, timeout=30, what=f"holder {j}'s push to be called off")
+
+    parts.push, parts.on_chunk = holder_1_fails, until_called_off
+    sender.send(v, [0])
+    # h0 stopped after its first chunk; h2's parity stopped there too, or was never encoded
+    assert len(parts.pushed[0]) == 1 and len(parts.pushed.get(2, [])) <= 1
+    assert v.state is FAILED and parts.told == [("node_failed", 1, NODE, "ConnectionError: holder h1 is gone")]
 
 
 def _gather(fill: bytes):

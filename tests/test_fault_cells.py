@@ -441,3 +441,57 @@ def test_reprotection_takes_the_newest_step_first_and_drops_a_step_pruned_meanwh
     assert rp.status()["dropped"] == 1 and not rp.status()["errors"]
     assert all(D not in record.holders(o) for o in record.nodes)
     assert assert_whole(job, 2, (A, B, C)) == 0  # every shard of step 2 at a live holder again
+
+
+def test_a_restore_plan_gives_up_the_steps_above_it_and_a_send_of_one_stops(inproc):
+    """The job restores step 1 while step 2 is still sent (node A's parity not yet encoded, the
+    others ready): no node goes on sending step 2 while the ranks restore, it never commits, it
+    is no failure, and once the job resumes from step 1, step 2 taken again commits."""
+    from memsnap.errors import PushCancelled
+    from memsnap.records import RankRestore
+
+    job = inproc({A: [0], B: [1], C: [2], D: [3]})
+    states = {r: model_state(r) for r in range(4)}
+    job.save(1, states)
+    job.resolved(1)
+    pushes, real_push = [], job.cores[A].transport.push
+
+    def watched(peer, items, *, timeout, cancel=None):
+        try:
+            real_push(peer, items, timeout=timeout, cancel=cancel)
+        except PushCancelled:
+            pushes.append("called off")
+            raise
+        pushes.append("done")
+
+    job.cores[A].transport.push = watched  # the real method, watched
+    gate = EncodeGate(job.cores[A])
+    job.save(2, {r: model_state(10 + r) for r in range(4)})
+    assert gate.reached.wait(60), "node A never began encoding step 2"
+    wait_for(
+        lambda: all(job.cores[n].versions[2].state == "ready" for n in (B, C, D)),
+        timeout=60,
+        what="every other node to have sent step 2",
+    )
+    assert 2 in job.coord.log.pending
+    job.coord.restore_arrive(0, [0, 1, 2, 3])  # every rank is in the restore round: the plan
+    plan = job.coord.plan(0)
+    assert plan.step == 1 and 2 not in job.coord.log.pending and 2 in job.coord.log.skipped
+    for core in job.cores.values():  # what each node's relay does as its ranks hear the plan
+        assert core.roll_back(plan.step) == [2]
+    gate.release()
+    wait_for(lambda: "called off" in pushes, timeout=60, what="node A's parity push of step 2 to be called off")
+    job.resolved(2)
+    assert job.coord.newest() == 1 and 2 not in job.coord.log.failed
+    for core in job.cores.values():  # nothing of step 2 left anywhere, and nothing failed
+        assert 2 not in core.versions and 2 not in core.store.inventory()
+        assert core.counters["failed_snapshots"] == 0
+    job.coord.restore_report(0, {r: RankRestore.loaded("local", {}) for r in range(4)})
+    result = job.coord.restore_result(0)
+    assert result.ok
+    for core in job.cores.values():
+        core.resume(plan.step, result.gen)
+    job.save(2, states)
+    job.resolved(2)
+    assert job.coord.newest() == 2
+    assert_whole(job, 2, (A, B, C, D))

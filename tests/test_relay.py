@@ -1,6 +1,7 @@
 """The node relay from its parts: a node that is only what ``RelayedNode`` names, and a
-scripted coordinator. A node's ranks reach the coordinator once per node, and a restore
-round that succeeds resumes the node before any of its ranks hears the outcome."""
+scripted coordinator. A node's ranks reach the coordinator once per node, a node gives up
+its steps above a round's plan before its ranks hear the plan, and a restore round that
+succeeds resumes the node before any of its ranks hears the outcome."""
 
 from __future__ import annotations
 
@@ -38,6 +39,10 @@ class Node:
     def resume(self, step, gen):
         self.resumed.append((step, gen))
         self.done.append("resume")
+
+    def roll_back(self, step):
+        self.done.append(f"roll back to {step}")
+        return []
 
     def count(self, counter, n):
         self.counters[counter] = self.counters.get(counter, 0) + n
@@ -78,6 +83,8 @@ async def _round(relay: NodeRelay, reports: dict[int, RankRestore]) -> list[Roun
     async def rank(r: int) -> RoundResult:
         plan = RankPlan.from_wire(await relay.restore_plan(r, 0))
         assert plan.step == 9
+        # the node gave up its steps above the plan's before any of its ranks heard it
+        assert relay.core.done[0] == "roll back to 9"  # type: ignore[attr-defined]
         return RoundResult.from_wire(await relay.restore_done(r, 0, reports[r].to_wire()))
 
     return await asyncio.gather(*(rank(r) for r in sorted(reports)))
@@ -123,7 +130,7 @@ def test_the_agent_counts_what_its_ranks_repaired_and_rebuilds_a_corrupt_copy_af
     }
     results = asyncio.run(_round(relay, reports))  # (returns once the agent's threads are done)
     assert all(r.ok for r in results) and node.counters == {"repaired_chunks": 3}
-    assert node.done == ["resume", "rebuild step 9 rank 1 from owner-node replace=True"]
+    assert node.done == ["roll back to 9", "resume", "rebuild step 9 rank 1 from owner-node replace=True"]
 
 
 def test_a_failed_round_rebuilds_nothing_but_still_counts_the_repairs():
@@ -131,4 +138,5 @@ def test_a_failed_round_rebuilds_nothing_but_still_counts_the_repairs():
     relay = NodeRelay(node, Coordinator(node, failed={0}), Signal())
     reports = {0: RankRestore.failed(OSError("x"), repaired=2), 1: RankRestore.loaded("peer", {}, 1, rebuild=True)}
     results = asyncio.run(_round(relay, reports))
-    assert not any(r.ok for r in results) and node.done == [] and node.counters == {"repaired_chunks": 3}
+    assert not any(r.ok for r in results) and node.counters == {"repaired_chunks": 3}
+    assert node.done == ["roll back to 9"]  # (once per node and round)

@@ -12,7 +12,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memsnap.errors import MemoryBudgetError, StepGivenUp, TransportError
+from memsnap.errors import MemoryBudgetError, PushCancelled, StepGivenUp, TransportError
 from memsnap.transport import ChunkKey, make_transport
 from memsnap.transport.base import Scatter
 
@@ -352,6 +352,29 @@ def test_a_chunk_of_a_step_given_up_is_refused_as_such_not_as_a_failure(harness)
         with pytest.raises(TransportError) as failed:
             client.push(harness.addr, _chunks("no-room", sizes=[10]), timeout=30)
         assert not isinstance(failed.value, StepGivenUp)
+    finally:
+        client.close()
+
+
+def test_a_push_called_off_stops_before_its_next_chunk_and_the_client_pushes_again(harness):
+    """The sender's ``cancel`` (its step given up, or another holder's push failed) is asked
+    before each chunk (each batch, object store): the rest is never sent, and the stream left
+    with acknowledgements unread is not reused."""
+    items = [(ChunkKey(3, "called-off", i, 0), memoryview(os.urandom(50_000))) for i in range(12)]
+    asked = []
+
+    def cancel() -> bool:
+        asked.append(1)
+        return len(asked) > 3
+
+    client = harness.client(small=True)
+    try:
+        with pytest.raises(PushCancelled, match="called off at chunk"):
+            client.push(harness.addr, items, timeout=30, cancel=cancel)
+        assert not {k for k, _ in items[6:]} & harness.held(), "chunks after the call-off were sent"
+        again = _chunks("after-a-call-off", sizes=[10, 50_000])
+        client.push(harness.addr, again, timeout=30, cancel=lambda: False)
+        assert {k for k, _ in again} <= harness.held()
     finally:
         client.close()
 

@@ -31,6 +31,7 @@ class CommitLog:
         self.spill_asked: tuple[int, float] | None = None  # (step, monotonic time) of the last spill asked
         self.spill_ranks: dict[int, set[int]] = {}
         self.durable_step: int | None = None
+        self.rolling_back: int | None = None  # a restore plan's step: nothing above it commits until the resume
 
     def newest(self) -> int | None:
         return max(self.records, default=None)
@@ -55,6 +56,9 @@ class CommitLog:
             return None
         self.gen = info.gen  # a rebuilt coordinator learns the generation from the agents
         if step in self.failed or step in self.skipped or step in self.records or self._stale(step):
+            return None
+        if self.rolling_back is not None and step > self.rolling_back:
+            self._remember(self.skipped, step, f"the job rolls back to step {self.rolling_back}")
             return None
         ready = self.pending.setdefault(step, {})
         ready[info.node] = info
@@ -113,9 +117,26 @@ class CommitLog:
         for s in sorted(table)[:-REMEMBERED]:
             del table[s]
 
+    def roll_back(self, step: int | None) -> list[int]:
+        """A restore plan loads ``step`` (None: a fresh start): the steps in flight above it can
+        no longer be the one the job resumes from, and none commits until the round's
+        ``resume`` (or ``cancel_roll_back``). Not a failure; the steps dropped."""
+        last = -1 if step is None else step
+        self.rolling_back = last
+        dropped = sorted(s for s in self.pending if s > last)
+        for s in dropped:
+            self._remember(self.skipped, s, f"the job rolls back to step {step}")
+            del self.pending[s]
+        return dropped
+
+    def cancel_roll_back(self) -> None:
+        """The restore round was cancelled: the next round's plan rolls back again, if any."""
+        self.rolling_back = None
+
     def resume(self, step: int | None) -> None:
         """The job resumed from ``step``: every step after it may be taken again."""
         self.gen += 1
+        self.rolling_back = None
         last = -1 if step is None else step
         for table in (self.pending, self.failed, self.skipped, self.records):
             for s in [s for s in table if s > last]:

@@ -446,6 +446,8 @@ class CoordinatorCore:
         restore starts a new round."""
         with self.lock:
             cancelled = self.rounds.cancel(why)
+            if cancelled:
+                self.log.cancel_roll_back()
             self.changed()
         if cancelled:
             log.warning("job %r: restore round(s) %s cancelled: %s", self.cfg.job, cancelled, why)
@@ -486,6 +488,12 @@ class CoordinatorCore:
             if rnd.plan is None:
                 rnd.plan = plan
                 log.info("restore plan (attempt %d): step %s, %s", attempt, plan.step, plan.plan)
+                # the steps above it can no longer be the one the job resumes from: none
+                # commits now (each node gives up its own as its ranks hear the plan)
+                dropped = self.log.roll_back(plan.step)
+                if dropped:
+                    log.info("steps %s dropped: the job rolls back to step %s", dropped, plan.step)
+                self.changed()
             return rnd.plan
 
     def plans_for(self, node: str, attempt: int) -> dict[int, dict]:

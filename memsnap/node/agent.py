@@ -476,6 +476,21 @@ class AgentCore:
         self.store.give_up(step)
         self.changed()
 
+    def roll_back(self, step: int | None) -> list[int]:
+        """The job's restore plan loads ``step`` (None: a fresh start). Every step above it that
+        is not committed here can no longer be the one the job resumes from, so it is given up
+        now, not when the round completes: its sender stops at its next chunk, a rank still
+        capturing it drops the capture, and holders refuse its chunks (the data plane is the
+        restore's). Not a failure: the job resumes below it. The steps given up."""
+        last = -1 if step is None else step
+        with self.lock:
+            steps = [s for s in self.versions.uncommitted_after(last) if s not in self.abandoned]
+        for s in steps:
+            self.abandon(s, f"the job rolls back to step {step}", failed=False)
+        if steps:
+            log.info("node %s: steps %s given up: the job rolls back to step %s", self.node[:12], steps, step)
+        return steps
+
     def count(self, counter: str, n: int) -> None:
         """Add ``n`` to one of this node's counters (e.g. chunks a rank's restore repaired)."""
         with self.lock:

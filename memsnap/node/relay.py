@@ -56,6 +56,8 @@ class RelayedNode(Protocol):
 
     def resume(self, step: int | None, gen: int) -> None: ...
 
+    def roll_back(self, step: int | None) -> list[int]: ...
+
     def count(self, counter: str, n: int) -> None: ...
 
     def rebuild_local(self, step: int, rank: int, src: RankSource, replace: bool = False) -> bool: ...
@@ -162,9 +164,7 @@ class NodeRelay:
         rnd.ranks.add(rank)
         await rnd.arrivals.add(rank)
         if rnd.plans is None:
-            rnd.plans = asyncio.ensure_future(
-                self.call("restore_plans", self.node, attempt, timeout=tunable("restore_timeout_s") + 30)
-            )
+            rnd.plans = asyncio.ensure_future(self._plans(attempt))
         try:
             plans = await asyncio.shield(rnd.plans)
         except Exception:
@@ -176,6 +176,22 @@ class NodeRelay:
                 "it registered on another node"
             )
         return plans[rank]
+
+    async def _plans(self, attempt: int) -> dict:
+        """The node's ranks' plans of ``attempt``; before its ranks hear them, the node gives up
+        its steps above the plan's (milliseconds: its sender stops at the next chunk, so the
+        ranks' restores do not share the data plane with a step that can no longer commit)."""
+        plans = await self.call("restore_plans", self.node, attempt, timeout=tunable("restore_timeout_s") + 30)
+        if plans:
+            step = RankPlan.from_wire(next(iter(plans.values()))).step  # (one step for every rank)
+            await asyncio.get_running_loop().run_in_executor(None, self._roll_back, step)
+        return plans
+
+    def _roll_back(self, step: int | None) -> None:
+        try:
+            self.core.roll_back(step)
+        except Exception as exc:  # an optimisation: the round's resume drops the same steps
+            log.warning("node %s: its steps above %s not given up at the plan: %s", self.node[:12], step, exc)
 
     async def _result(self, rnd: _NodeRound, attempt: int) -> dict:
         """The round's outcome; when it is ok, this node resumes from the round's step (its

@@ -3,7 +3,10 @@ shard ``j`` of every stripe pushed to holder ``j``, the ranks' manifests handed 
 holders with the chunks, and the node's ``NodeReady`` report to the coordinator.
 
 One snapshot is sent at a time (one parity scratch buffer); the node's holders (and their
-addresses) is cached until the placement changes or a send fails.
+addresses) is cached until the placement changes or a send fails. A snapshot the job gives
+up while it is sent (a restore plan rolls the job back below it, a node is lost) stops at its
+next chunk, and so do the pushes of a snapshot one of whose pushes failed: the data plane is
+the restore's, not a step's that will never commit.
 """
 
 from __future__ import annotations
@@ -13,14 +16,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import xxhash
 
 from memsnap import metrics
 from memsnap.coding import encode
 from memsnap.config import tunable
-from memsnap.errors import CommitError, StepGivenUp, TransportError
+from memsnap.errors import CommitError, PushCancelled, StepGivenUp, TransportError
 from memsnap.memory.arena import OwnedBuffer
 from memsnap.node.versions import Version
 from memsnap.records import Holders, NodeReady, Region
@@ -104,6 +107,9 @@ class Sender:
             with self.agent_lock:
                 self.versions.given_up(v, str(exc))
             return
+        except PushCancelled as exc:  # given up here while it was sent: its pushes stopped
+            log.info("node %s: step %d given up while it was sent: %s", self.node[:12], v.step, exc)
+            return
         except Exception as exc:  # reported, never raised into the pool
             with self.agent_lock:
                 self.holders = None  # a holder may be gone: ask for them again
@@ -135,6 +141,8 @@ class Sender:
         regs = encode.regions(sizes, cfg.k, chunk)
         encs, digest = [], xxhash.xxh3_64()
         for reg in regs:
+            if not self.versions.held(v):
+                raise PushCancelled(f"step {v.step} was given up before its rank {reg.rank} was checksummed")
             data = self.slots.arenas[(reg.rank, v.slot)].view(0, reg.nbytes)
             man = fill_checksums(Manifest.from_json(v.manifests[reg.rank]), data)
             self.versions.checksummed(v, reg.rank, man.to_json().decode())
@@ -151,7 +159,7 @@ class Sender:
             self.world() or 0,
         )
         if holders.holders:  # without peers the local copy (and the spill) is all there is
-            self._push_all(v.step, encs, holders.addrs, chunk, holders.holders)
+            self._push_all(v, encs, holders.addrs, chunk, holders.holders)
             self._hand_manifests(info, {r: v.manifests[r] for r in local_ranks})
         return info
 
@@ -171,20 +179,32 @@ class Sender:
         if missing:
             raise CommitError(f"step {info.step}: holders {[h[:12] for h in missing]} did not take the manifests")
 
-    def _push_all(self, step: int, encs: list, addrs: Sequence[dict], chunk: int, holders: Sequence[str]) -> None:
+    def _push_all(self, v: Version, encs: list, addrs: Sequence[dict], chunk: int, holders: Sequence[str]) -> None:
         """Data shards stream to their holders straight from the arenas while parity is encoded
         a batch of stripes at a time into two halves of a small scratch buffer: a half is
-        reused once the pushes of the batch it held are acknowledged."""
-        k, m = self.cfg.k, self.cfg.m
+        reused once the pushes of the batch it held are acknowledged. Every push stops at its
+        next chunk once ``v`` is given up here or another push failed (that failure is raised;
+        ``PushCancelled`` when nothing failed but ``v`` was given up)."""
+        k, m, step = self.cfg.k, self.cfg.m, v.step
         timeout = tunable("push_timeout_s")
+        failed = threading.Event()
+
+        def called_off() -> bool:  # (``held``: one read of the version table, no lock needed)
+            return failed.is_set() or not self.versions.held(v)
 
         def push(j: int, items: list) -> None:
             try:
-                self.transport.push(addrs[j], items, timeout=timeout)
+                self.transport.push(addrs[j], items, timeout=timeout, cancel=called_off)
+            except PushCancelled:
+                raise
             except TransportError as exc:
+                failed.set()
                 if isinstance(exc.__cause__, ConnectionError):
                     # refused or reset: the holder's process is gone; its node is asked at once
                     self.tell("suspect", holders[j], f"a push to it failed: {exc.__cause__!r}")
+                raise
+            except BaseException:
+                failed.set()
                 raise
             self.counters["pushed_bytes"] += sum(len(mv) for _, mv in items)
 
@@ -196,17 +216,23 @@ class Sender:
             ]
             if m:
                 scratch = self._parity(min(2, -(-total // per)) * per * m * chunk)
-                halves: list[list] = [[], []]
+                halves: list[list[Future]] = [[], []]
                 for b, members in enumerate(encode.batches(encs, per)):
-                    for fut in halves[b % 2]:
-                        fut.result()  # raises at once if a push of this half failed
+                    wait(halves[b % 2])  # the half is reused once its pushes ended
+                    if called_off():
+                        break
                     half = scratch.view((b % 2) * per * m * chunk, len(members) * m * chunk)
                     batch = encode.ParityBatch(members, m, chunk, half)
                     batch.encode(self.codec)
                     halves[b % 2] = [ex.submit(push, j, batch.items(step, self.node, j)) for j in range(k, k + m)]
                 futures += halves[0] + halves[1]
-            for fut in futures:
-                fut.result()
+            wait(futures)
+        errors = [exc for fut in futures if (exc := fut.exception()) is not None]
+        real = [exc for exc in errors if not isinstance(exc, PushCancelled)]
+        if real:
+            raise real[0]
+        if errors or called_off():
+            raise PushCancelled(f"step {step} was given up while it was sent")
 
     def _parity(self, nbytes: int) -> OwnedBuffer:
         """The node's parity scratch (reused by every snapshot), grown when needed."""

@@ -349,8 +349,8 @@ class Versions(Mapping):
 
     def abandoned(self, step: int, why: str, failed: bool = True) -> None:
         """The job gave up ``step`` (``failed=False``: a node skipped or replaced it, which is
-        not a failure): an uncommitted version of it is freed (a sender still sending it goes
-        on, and finds its work was in vain)."""
+        not a failure, nor is a roll back below it): an uncommitted version of it is freed (a
+        sender still sending it stops at its next chunk: ``held`` says it is gone)."""
         v = self._table.get(step)
         if v is not None and v.state is not COMMITTED:
             if failed:
@@ -433,6 +433,10 @@ class Versions(Mapping):
 
     def newer_than(self, step: int) -> bool:
         return any(s > step for s in self._table)
+
+    def uncommitted_after(self, last: int) -> list[int]:
+        """The steps above ``last`` whose version here is not committed, oldest first."""
+        return sorted(s for s, v in self._table.items() if s > last and v.state is not COMMITTED)
 
     def in_flight_before(self, step: int) -> bool:
         """Whether an older step than ``step`` is on its way to a commit here."""

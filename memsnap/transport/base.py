@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from memsnap.coding.buffers import Scatter, byte_view, dest_parts
@@ -63,11 +63,20 @@ class Transport(ABC):
         """Serve ``store`` to the peers; return the JSON-able address of this endpoint."""
 
     @abstractmethod
-    def push(self, peer: dict, items: Sequence[tuple[ChunkKey, memoryview]], *, timeout: float) -> None:
+    def push(
+        self,
+        peer: dict,
+        items: Sequence[tuple[ChunkKey, memoryview]],
+        *,
+        timeout: float,
+        cancel: Callable[[], bool] | None = None,
+    ) -> None:
         """Send every chunk (with its xxh3-64) and return once the peer acknowledged all.
 
         Several chunks are in flight at once. Raises TransportError naming the peer and the
-        key on any failure (peer gone, timeout, the peer refused a chunk).
+        key on any failure (peer gone, timeout, the peer refused a chunk). ``cancel`` is asked
+        before each chunk is sent: once it returns True the push stops there and raises
+        ``PushCancelled`` (the chunks sent before it may or may not be held by the peer).
         """
 
     @abstractmethod

@@ -15,12 +15,12 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import xxhash
 
-from memsnap.errors import StepGivenUp, TransportError
+from memsnap.errors import PushCancelled, StepGivenUp, TransportError
 from memsnap.transport.base import ChunkKey, ChunkStore, Scatter, Transport, byte_view
 
 log = logging.getLogger("memsnap.transport")
@@ -132,9 +132,16 @@ class ObjStoreTransport(Transport):
         self._handles.clear()
 
     # -- client half ---------------------------------------------------------------------
-    def push(self, peer: dict, items: Sequence[tuple[ChunkKey, memoryview]], *, timeout: float) -> None:
+    def push(
+        self,
+        peer: dict,
+        items: Sequence[tuple[ChunkKey, memoryview]],
+        *,
+        timeout: float,
+        cancel: Callable[[], bool] | None = None,
+    ) -> None:
         deadline = time.monotonic() + timeout
-        for batch, errors in self._pipelined(peer, "objstore_push", items, self._push_args, deadline, timeout):
+        for batch, errors in self._pipelined(peer, "objstore_push", items, self._push_args, deadline, timeout, cancel):
             for (key, _), err in zip(batch, errors):
                 if err is not None:
                     error = StepGivenUp if err.startswith(f"{StepGivenUp.__name__}:") else TransportError
@@ -160,10 +167,13 @@ class ObjStoreTransport(Transport):
     def _fetch_args(batch: list) -> tuple:
         return ([k.pack() for k, _ in batch],)
 
-    def _pipelined(self, peer: dict, method: str, items, make_args, deadline: float, timeout: float):
-        """``(batch, result)`` for every batch, with up to IN_FLIGHT calls outstanding."""
+    def _pipelined(self, peer: dict, method: str, items, make_args, deadline: float, timeout: float, cancel=None):
+        """``(batch, result)`` for every batch, with up to IN_FLIGHT calls outstanding; a batch
+        is not sent once ``cancel()`` says so (``PushCancelled``)."""
         inflight: collections.deque = collections.deque()
         for batch in _batches(items, self.batch_bytes):
+            if cancel is not None and cancel():
+                raise PushCancelled(f"push to {self._describe(peer)} called off at chunk {batch[0][0]}")
             inflight.append((batch, self._submit(peer, method, make_args(batch), batch[0][0])))
             if len(inflight) >= IN_FLIGHT:
                 batch, ref = inflight.popleft()

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from memsnap.config import tunable
-from memsnap.errors import AuthenticationError, StepGivenUp, TransportError
+from memsnap.errors import AuthenticationError, PushCancelled, StepGivenUp, TransportError
 from memsnap.transport import auth, wire
 from memsnap.transport.base import (
     ChunkKey,
@@ -125,9 +125,20 @@ class TcpTransport(Transport):
             c.close()
 
     # -- client half ---------------------------------------------------------------------
-    def push(self, peer: dict, items: Sequence[tuple[ChunkKey, memoryview]], *, timeout: float) -> None:
+    def push(
+        self,
+        peer: dict,
+        items: Sequence[tuple[ChunkKey, memoryview]],
+        *,
+        timeout: float,
+        cancel: Callable[[], bool] | None = None,
+    ) -> None:
         if items:
-            self._call(peer, items, timeout, "push", self._push_on)
+
+            def body(conn: _Conn, items, deadline: float, cursor, addr) -> None:
+                self._push_on(conn, items, deadline, cursor, addr, cancel)
+
+            self._call(peer, items, timeout, "push", body)
 
     def fetch(self, peer: dict, items: Sequence[tuple[ChunkKey, memoryview]], *, timeout: float) -> list[bool]:
         if not items:
@@ -187,10 +198,13 @@ class TcpTransport(Transport):
         with self._lock:
             self._idle[addr].append(conn)
 
-    def _push_on(self, conn: _Conn, items, deadline: float, cursor, addr) -> None:
+    def _push_on(self, conn: _Conn, items, deadline: float, cursor, addr, cancel) -> None:
+        """(A push called off leaves acknowledgements unread: ``_call`` closes the stream.)"""
         pending: collections.deque[ChunkKey] = collections.deque()
         for key, buf in items:
             cursor[0] = key
+            if cancel is not None and cancel():
+                raise PushCancelled(f"push to {addr[0]}:{addr[1]} called off at chunk {key}")
             wire.send_frame(
                 conn.sock, conn.session.send, wire.PUSH, key.pack(), byte_view(buf), 0, deadline, conn.scratch
             )
