@@ -299,14 +299,25 @@ def inplace_rows(data: dict) -> list[str]:
         warm = run.get("extra", {}).get("standby_events") or []
         recs = run.get("extra", {}).get("recoveries") or []
         if warm and recs:
-            gaps = [e["t"] - r["decided"] for e, r in zip(warm, recs)]
+            gaps = [f"{e['t'] - r['decided']:.1f} s{_warm_phases(e)}" for e, r in zip(warm, recs)]
             lines += [
                 "",
                 f"{_name(run)}: each new standby warm (decided -> the controller's `standby` event, in the "
-                "background on the replacement node): " + ", ".join(f"{g:.1f} s" for g in gaps) + ". A loss that "
+                "background on the replacement node): " + ", ".join(gaps) + ". A loss that "
                 "finds no standby warm yet waits for the one warming (its *detect* includes that wait).",
             ]
     return lines + _rollback_rows(runs) + [""]
+
+
+def _warm_phases(event: dict) -> str:
+    """`` (process 6.1 + setup 9.0, of which FSDP2 warm-up 2.0; spare agent 8.0 beside them)``
+    from a ``standby`` event that says where its warm-up went (empty for one that does not)."""
+    if "process_s" not in event:
+        return ""
+    return (
+        f" (process start {event['process_s']:.1f} + setup {event['setup_s']:.1f}, of which FSDP2 warm-up "
+        f"{event['fsdp_warm_s']:.1f}; spare agent {event['spare_s']:.1f} beside them)"
+    )
 
 
 def _rollback_rows(runs: list[dict]) -> list[str]:

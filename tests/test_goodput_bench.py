@@ -245,7 +245,12 @@ def test_the_report_shows_the_in_place_split_and_ranks_goodput():
     run = {
         "spec": spec,
         **analyse(RunResult(spec, t0, 35.0, ev, inplace_faults(faults, recoveries), 0, 1)),
-        "extra": {"recoveries": recoveries, "standby_events": [{"t": t0 + 14.0, "event": "standby"}]},
+        "extra": {
+            "recoveries": recoveries,
+            "standby_events": [
+                {"t": t0 + 14.0, "event": "standby", "process_s": 1.2, "setup_s": 1.5, "fsdp_warm_s": 0.4, "spare_s": 2}
+            ],
+        },
     }
     base = {"spec": dict(spec, faults=False), "rate": 1.0}
     other = {"spec": {"system": "dcp", "interval": "5", "faults": True, "label": ""}, "rate": 0.3, "failures": []}
@@ -255,7 +260,9 @@ def test_the_report_shows_the_in_place_split_and_ranks_goodput():
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[2:10] == ["2", "0.30", "0.20", "0.30", "0.70", "1.00", "**2.50**", "5.50"]
     assert "2: peers" in cells[10] and cells[11] == "unchanged"
-    assert any("3.0 s" in r for r in rows)  # the new standby warm 3 s after the decision
+    # the new standby warm 3 s after the decision, and where those seconds went
+    warm = "3.0 s (process start 1.2 + setup 1.5, of which FSDP2 warm-up 0.4; spare agent 2.0 beside them)"
+    assert any(warm in r for r in rows)
     assert ranking(data) == f"Goodput, best first: memsnap-inplace/1 {run['rate']:.2f}, dcp/5 0.50."
     assert "the ranks are replicas, as here" in rows[2]  # ddp, the default workload
     sharded = inplace_rows({**data, "args": {"workload": "fsdp"}})

@@ -796,14 +796,25 @@ class InplaceJob:
             try:
                 # the member's process starts and runs the user's setup while the node's
                 # spare agent starts (each takes seconds on a busy host: side by side, not in turn)
+                t = time.time()
                 slot = self._start(f"s{uuid.uuid4().hex[:6]}", node)
                 prepared = slot.actor.prepare.remote()
                 memsnap.start_spare(self.job, node, **{k: v for k, v in self.options.items() if k != "run"})
-                slot.token = ray.get(prepared, timeout=600).get("token")
+                spare_s = time.time() - t
+                ready = ray.get(prepared, timeout=600)
+                slot.token = ready.get("token")
                 slot.ref = slot.actor.run.remote()
                 with self._lock:
                     self._standbys.append(slot)
-                self._event({"event": "standby", "member": slot.name, "node": node})
+                # where its warm-up went: its process start (until its setup began), the user's
+                # setup, FSDP2's warm-up (in the setup's time), the spare agent (side by side)
+                phases = {
+                    "process_s": ready["began"] - t,
+                    "setup_s": ready["setup_s"],
+                    "fsdp_warm_s": ready["fsdp_warm_s"],
+                    "spare_s": spare_s,
+                }
+                self._event({"event": "standby", "member": slot.name, "node": node, **phases})
             except Exception as exc:
                 log.warning("job %r: no new standby on node %s: %s", self.job, node[:12], exc)
                 if slot is not None:

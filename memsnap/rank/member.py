@@ -378,7 +378,7 @@ class Member:
                 warm_s = warm_up()
             except Exception as exc:  # a warm-up is an optimisation: never stop a member for it
                 log.warning("member %s: FSDP2 warm-up skipped: %s", self.name, exc)
-        return {**self.info(), "setup_s": time.time() - t, "fsdp_warm_s": warm_s}
+        return {**self.info(), "began": t, "setup_s": time.time() - t, "fsdp_warm_s": warm_s}
 
     def run(self, first_gen: int = 0) -> dict:
         """Be a member until the job is done or this member is fenced (left out of a generation
