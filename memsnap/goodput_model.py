@@ -111,6 +111,64 @@ def run_goodput(
     return max(0.0, 1.0 - lost / horizon_s)
 
 
+def replay_goodput(
+    *,
+    fault_times_s: list[float],
+    horizon_s: float,
+    step_s: float,
+    every_steps: int,
+    lag_s: float,
+    detect_s: float,
+    restart_s: float,
+    restore_s: float,
+    live: bool = False,
+    stall_s: float = 0.0,
+) -> float:
+    """As ``run_goodput``, but each failure loses what it loses where it falls, not the mean:
+    the run is played step by step. Steps take ``step_s``; a snapshot is taken after every
+    ``every_steps``-th step (completed steps a multiple of it, as ``policy.Scheduler`` and the
+    bench's disk systems pick them) and counts ``lag_s`` after that step; a failure at ``t``
+    throws away the steps since the newest snapshot counted by ``t`` and the step in progress,
+    and training resumes from that snapshot ``detect + restart + restore`` later (``live``:
+    from the step the failure cut, nothing rolled back). Returns the steps done by
+    ``horizon_s`` over the failure-free run's. Over kill times spread evenly across a
+    period, its loss averages ``run_goodput``'s (``tests/test_goodput_model.py``); on a run
+    of a few failures, where each falls in its period decides most of what it costs."""
+    for name, value in (("step_s", step_s), ("horizon_s", horizon_s)):
+        _positive(name, value)
+    if not isinstance(every_steps, int) or every_steps < 1:
+        raise ConfigError(f"every_steps={every_steps!r}: give the steps between snapshots, an int >= 1")
+    recovery = detect_s + restart_s + restore_s
+    stall = min(max(stall_s, 0.0), step_s * every_steps)
+    compute = step_s - stall / every_steps  # a step without its snapshot's stall
+    start, base, saved = 0.0, 0, 0  # the segment trains from ``base`` at ``start``; ``saved``: newest counted
+
+    def at(c: int) -> float:
+        """When step ``c`` (completed steps) ends in this segment: each snapshot step stalls."""
+        return start + (c - base) * compute + (c // every_steps - base // every_steps) * stall
+
+    def done_by(t: float) -> int:
+        c = base + max(0, math.floor((t - start) / step_s))
+        while at(c + 1) <= t:
+            c += 1
+        while c > base and at(c) > t:
+            c -= 1
+        return c
+
+    for t in sorted(fault_times_s):
+        if t >= horizon_s:
+            break
+        t = max(t, start)  # (a failure during a recovery lands once the job trains again)
+        done = done_by(t)
+        c = done - done % every_steps  # the newest snapshot step reached, back to one counted by ``t``
+        while c > base and at(c) + lag_s > t:
+            c -= every_steps
+        if c > base:
+            saved = c
+        base, start = (done if live else saved), t + recovery
+    return done_by(horizon_s) / (horizon_s / step_s)
+
+
 @dataclass(frozen=True)
 class Measured:
     """Figures measured on real runs: ``bench/goodput.py`` measures each of them (on loopback

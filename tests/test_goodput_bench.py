@@ -294,8 +294,11 @@ def test_the_model_charges_an_in_place_run_that_went_live_only_the_step_in_fligh
     kw = dict(fault_times_s=[f["t_kill_s"]], horizon_s=run["horizon_s"], step_s=1.0, every_steps=1, lag_s=2.0)
     kw.update(detect_s=f["detect"], restart_s=f["restart"], restore_s=f["restore"])
     assert live["predicted"] == pytest.approx(gm.run_goodput(**kw, live=True))
+    stall = run.get("stall_steady") or 0.0
+    assert live["replayed"] == pytest.approx(gm.replay_goodput(**kw, live=True, stall_s=stall))
     rolled, _ = check({"0": "local", "1": "local", "2": "peer", "3": "local"})
     assert rolled["predicted"] < live["predicted"]  # a rollback is charged the snapshot's lag as well
+    assert rolled["replayed"] < live["replayed"]
 
 
 def test_commit_lags_run_from_each_capture_to_the_first_commit_reading_at_or_past_its_step():

@@ -37,6 +37,40 @@ def test_lost_steps_and_a_finite_run():
     )
 
 
+def test_a_replayed_failure_loses_what_it_loses_where_it_falls():
+    # 1 s steps, a snapshot after every 10th counted 0.5 s later, 3 s to recover, 60 s in all
+    costs = dict(horizon_s=60.0, step_s=1.0, every_steps=10, lag_s=0.5, detect_s=1.0, restart_s=1.5, restore_s=0.5)
+    assert gm.replay_goodput(fault_times_s=[], **costs) == 1.0
+    # at 10.6 s step 10's snapshot counts (10.5 s): back from step 10 at 13.6 s, 46 more steps
+    assert gm.replay_goodput(fault_times_s=[10.6], **costs) * 60 == pytest.approx(10 + 46)
+    # at 10.4 s it does not yet: back from step 0 at 13.4 s
+    assert gm.replay_goodput(fault_times_s=[10.4], **costs) * 60 == pytest.approx(46)
+    # replicas in place: back from the step the failure cut, whatever the snapshots
+    assert gm.replay_goodput(fault_times_s=[10.4], **costs, live=True) * 60 == pytest.approx(10 + 46)
+    # a failure during the recovery of the one before lands once the job trains again (13.4 s)
+    assert gm.replay_goodput(fault_times_s=[10.4, 11.0], **costs) * 60 == pytest.approx(43)
+    # a failure after the end costs nothing
+    assert gm.replay_goodput(fault_times_s=[60.0], **costs) == 1.0
+    # the 10th step stalls 2 s of its 10 s: the 9 before it take 0.8 s each, so a live
+    # recovery at 8.5 s goes on from step 9, not 8 (back at 11.5 s: 48 steps more either way)
+    assert gm.replay_goodput(fault_times_s=[8.5], **costs, live=True) * 60 == pytest.approx(8 + 48)
+    assert gm.replay_goodput(fault_times_s=[8.5], **costs, live=True, stall_s=2.0) * 60 == pytest.approx(9 + 48)
+    with pytest.raises(ConfigError, match=r"every_steps=0: give the steps between snapshots"):
+        gm.replay_goodput(fault_times_s=[1.0], **dict(costs, every_steps=0))
+
+
+def test_replayed_failures_spread_over_a_period_average_the_models_mean_loss():
+    """``run_goodput`` charges the mean of what ``replay_goodput`` plays out: over kill times
+    spread evenly across an interval, the replayed loss averages (N-1)/2 steps + lag/step +
+    half a step in progress."""
+    costs = dict(horizon_s=1000.0, step_s=1.0, lag_s=2.5, detect_s=4.0, restart_s=6.0, restore_s=1.0)
+    for every in (1, 4, 16):
+        kills = [200.0 + i * every / 400 for i in range(400)]  # one kill per run, across one interval
+        replayed = sum(gm.replay_goodput(fault_times_s=[t], every_steps=every, **costs) for t in kills) / len(kills)
+        mean = gm.run_goodput(fault_times_s=[200.0], every_steps=every, **costs)
+        assert replayed == pytest.approx(mean, abs=0.6 / 1000)  # within 0.6 of a step in 1000
+
+
 def small_cluster(**kw) -> gm.Cluster:
     """4 nodes of 8 GPUs, 1 GiB per GPU (8 GiB per node), job MTBF 400 s, 1 s steps."""
     base: dict[str, Any] = dict(
