@@ -60,7 +60,7 @@ import math
 from dataclasses import dataclass, field
 
 from memsnap.errors import ConfigError
-from memsnap.policy import agent_ram
+from memsnap.policy import agent_ram, require_positive_int
 
 LLAMA3_NODE_MTBF_H = 54 * 24 / 419 * 2048  # 6,335 h: 419 interruptions / 54 days / 2,048 nodes
 
@@ -136,8 +136,7 @@ def replay_goodput(
     of a few failures, where each falls in its period decides most of what it costs."""
     for name, value in (("step_s", step_s), ("horizon_s", horizon_s)):
         _positive(name, value)
-    if not isinstance(every_steps, int) or every_steps < 1:
-        raise ConfigError(f"every_steps={every_steps!r}: give the steps between snapshots, an int >= 1")
+    require_positive_int("every_steps", every_steps, "give the steps between snapshots")
     recovery = detect_s + restart_s + restore_s
     stall = min(max(stall_s, 0.0), step_s * every_steps)
     compute = step_s - stall / every_steps  # a step without its snapshot's stall

@@ -55,7 +55,7 @@ def test_a_replayed_failure_loses_what_it_loses_where_it_falls():
     # recovery at 8.5 s goes on from step 9, not 8 (back at 11.5 s: 48 steps more either way)
     assert gm.replay_goodput(fault_times_s=[8.5], **costs, live=True) * 60 == pytest.approx(8 + 48)
     assert gm.replay_goodput(fault_times_s=[8.5], **costs, live=True, stall_s=2.0) * 60 == pytest.approx(9 + 48)
-    with pytest.raises(ConfigError, match=r"every_steps=0: give the steps between snapshots"):
+    with pytest.raises(ConfigError, match=r"every_steps=0 is not a positive integer; give the steps between snapshots"):
         gm.replay_goodput(fault_times_s=[1.0], **dict(costs, every_steps=0))
 
 
